@@ -1,0 +1,11 @@
+"""moe-placement: where the experts of a mixture-of-experts model live when served on many GPUs.
+
+The shared data model (:class:`Topology`, :class:`Placement`), metrics and engine formats.
+The CLI (:mod:`placement.cli`) is deliberately not imported here.
+"""
+
+from placement.model import Placement, compute_logical_maps, validate_map
+from placement.topology import Topology
+
+__all__ = ["Placement", "Topology", "compute_logical_maps", "validate_map"]
+__version__ = "0.1.0"

@@ -1,0 +1,495 @@
+"""Placement metrics, exactly as named in ``docs/metrics.md`` (shared with the engines' logs).
+
+Shapes: L layers, E logical experts, P physical slots, G EP ranks (GPUs), N nodes, T tokens, k top-k.
+
+Replica selection (how a token's choice of a logical expert becomes a physical slot):
+
+- ``even``: an expert's tokens split evenly over its replicas (SGLang/vLLM static dispatch).
+- ``local``: a replica on the token's own GPU, else one on its own node, else any replica; where a
+  tier holds several replicas the tokens spread evenly over them (round-robin), which is where a
+  least-loaded choice settles for a static map and is reproducible rank by rank.
+
+Balance metrics split fractionally (each token puts ``1/c`` on each of the ``c`` replicas of its tier:
+the expectation). :func:`route_tokens` gives the deterministic token-level choice the runtime applies
+(token ``t``'s ``j``-th pick takes replica ``(t + j) mod c`` of its tier); communication metrics use it,
+and the runtime's measured per-rank token counts equal :func:`routed_gpu_tokens` exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from placement.model import Placement
+from profiling.trace import RoutingTrace
+
+__all__ = [
+    "POLICIES",
+    "balance_stats",
+    "expected_gpu_load",
+    "trace_gpu_load",
+    "route_tokens",
+    "routed_gpu_tokens",
+    "source_ranks",
+    "par",
+    "balancedness",
+    "imbalance_ratio",
+    "step_par",
+    "remote_nodes_per_token",
+    "remote_gpus_per_token",
+    "communication",
+    "moved_slots",
+    "peak_lower_bound",
+    "evaluate",
+]
+
+Policy = Literal["even", "local"]
+POLICIES = ("even", "local")
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown replica-selection policy {policy!r}; use one of {POLICIES}")
+
+
+def _check_compatible(placement: Placement, num_layers: int, num_experts: int, what: str) -> None:
+    if num_experts != placement.num_logical_experts:
+        raise ValueError(
+            f"{what} has {num_experts} logical experts but the placement has {placement.num_logical_experts}"
+        )
+    if num_layers != placement.num_layers:
+        raise ValueError(
+            f"{what} has {num_layers} layers but the placement has {placement.num_layers}; "
+            f"select matching layers first"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Balance
+# ---------------------------------------------------------------------------------------------
+def balance_stats(gpu_load: np.ndarray) -> dict:
+    """Balance of per-GPU loads.
+
+    Args:
+        gpu_load: ``[L, G]`` (or ``[..., G]``) tokens per GPU.
+
+    Returns:
+        dict with ``par``, ``balancedness``, ``imbalance_ratio`` (mean over layers), ``par_worst``
+        (worst layer), and ``*_per_layer`` lists. A layer with no load counts as perfectly balanced.
+    """
+    g = np.asarray(gpu_load, dtype=np.float64)
+    mean = g.mean(axis=-1)
+    peak = g.max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        par_l = np.where(mean > 0, peak / np.where(mean > 0, mean, 1.0), 1.0)
+    bal_l = 1.0 / par_l
+    imb_l = par_l - 1.0
+    return {
+        "par": float(par_l.mean()),
+        "par_worst": float(par_l.max()),
+        "balancedness": float(bal_l.mean()),
+        "imbalance_ratio": float(imb_l.mean()),
+        "par_per_layer": par_l.tolist(),
+        "balancedness_per_layer": bal_l.tolist(),
+        "imbalance_ratio_per_layer": imb_l.tolist(),
+    }
+
+
+def expected_gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
+    """Per-GPU load under the ``even`` policy from per-expert loads.
+
+    Args:
+        load: ``[L, E]`` (or ``[W, L, E]``) tokens per logical expert.
+
+    Returns:
+        float64 ``[L, G]`` (or ``[W, L, G]``).
+    """
+    w = np.asarray(load, dtype=np.float64)
+    squeeze = w.ndim == 2
+    if squeeze:
+        w = w[None]
+    if w.ndim != 3:
+        raise ValueError(f"load must be [layers, experts] or [windows, layers, experts], got shape {np.shape(load)}")
+    _check_compatible(placement, w.shape[1], w.shape[2], "the load")
+    p2l = placement.physical_to_logical_map  # [L, P]
+    cnt = placement.logical_replica_count  # [L, E]
+    per_replica = w / cnt[None]  # [W, L, E]
+    slot_load = np.take_along_axis(per_replica, np.broadcast_to(p2l, (w.shape[0],) + p2l.shape), axis=2)  # [W, L, P]
+    t = placement.topology
+    out = slot_load.reshape(w.shape[0], w.shape[1], t.ep_size, t.slots_per_gpu).sum(axis=3)  # [W, L, G]
+    return out[0] if squeeze else out
+
+
+def source_ranks(trace: RoutingTrace, ep_size: int) -> tuple[np.ndarray, str]:
+    """Attention-DP rank of every token, and how it was obtained.
+
+    The trace's own ``source_rank`` when present (reduced mod ``ep_size`` if it was recorded on more
+    ranks); else prompts round-robin over ranks when prompt boundaries exist; else tokens round-robin.
+
+    Returns:
+        (int64 ``[T]``, one of ``"trace"``, ``"round-robin by prompt"``, ``"round-robin by token"``).
+    """
+    T = trace.num_tokens
+    if trace.source_rank is not None:
+        return trace.source_rank.astype(np.int64) % ep_size, "trace"
+    if trace.seq_offsets is not None:
+        lengths = np.diff(trace.seq_offsets)
+        return np.repeat(np.arange(lengths.size, dtype=np.int64) % ep_size, lengths), "round-robin by prompt"
+    return np.arange(T, dtype=np.int64) % ep_size, "round-robin by token"
+
+
+class _LayerTables:
+    """Per-layer lookup tables for replica selection (built once per layer, O(P)).
+
+    ``gpu_slot`` int64 ``[G, E]`` (slot of expert e on GPU g, or -1); ``node_l2p`` int64 ``[N, E, R]``
+    (slots of e on node n, ascending, -1 padded); ``node_cnt`` int64 ``[N, E]``; ``l2p`` ``[E, R]``;
+    ``cnt`` ``[E]``; ``p2l`` and ``slot_node`` ``[P]``.
+    """
+
+    def __init__(self, placement: Placement, layer: int):
+        t = placement.topology
+        G, N, E = t.ep_size, t.num_nodes, placement.num_logical_experts
+        p2l = placement.physical_to_logical_map[layer]  # [P]
+        self.p2l = p2l
+        self.l2p = placement.logical_to_physical_map[layer]  # [E, R]
+        self.cnt = placement.logical_replica_count[layer]  # [E]
+        self.gpu_slot = np.full((G, E), -1, dtype=np.int64)
+        self.gpu_slot[t.gpu_of_slot, p2l] = np.arange(p2l.size)
+        node = t.node_of_slot  # [P]
+        self.slot_node = node
+        self.node_cnt = np.zeros((N, E), dtype=np.int64)
+        np.add.at(self.node_cnt, (node, p2l), 1)
+        self.node_l2p = np.full((N, E, self.l2p.shape[1]), -1, dtype=np.int64)
+        key = node * E + p2l  # [P]
+        order = np.argsort(key, kind="stable")  # slots grouped by (node, expert), ascending inside
+        sk = key[order]
+        rank = np.arange(p2l.size) - np.searchsorted(sk, sk, side="left")
+        self.node_l2p[node[order], p2l[order], rank] = order
+
+
+def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, policy: str, gpus_per_node: int):
+    """Tier of each pick: 0 own GPU, 1 own node, 2 any replica (always 2 under ``even``), -1 no id.
+
+    Args:
+        ids: int ``[T, k]``; src: int64 ``[T]``.
+
+    Returns:
+        (tier int8 ``[T, k]``, own-GPU slot int64 ``[T, k]`` or -1, expert ids int64 ``[T, k]`` with -1 -> 0).
+    """
+    valid = ids >= 0
+    e = np.where(valid, ids, 0).astype(np.int64)
+    tier = np.where(valid, 2, -1).astype(np.int8)
+    own = np.full(ids.shape, -1, dtype=np.int64)
+    if policy == "local":
+        own = tab.gpu_slot[src[:, None], e]  # [T, k]
+        node_has = tab.node_cnt[(src // gpus_per_node)[:, None], e] > 0
+        tier = np.where(valid & node_has, 1, tier).astype(np.int8)
+        tier = np.where(valid & (own >= 0), 0, tier).astype(np.int8)
+    return tier, own, e
+
+
+def _fractional_slot_load(
+    placement: Placement, layer: int, ids: np.ndarray, src: np.ndarray, policy: str,
+    group: np.ndarray, num_groups: int,
+) -> np.ndarray:
+    """Expected slot loads ``[num_groups, P]`` of one layer; ``group`` int64 ``[T]`` buckets tokens (steps).
+
+    Each pick puts weight ``1/c`` on each of the ``c`` replicas of its tier.
+    """
+    t = placement.topology
+    E, P, N = placement.num_logical_experts, t.num_physical_experts, t.num_nodes
+    tab = _LayerTables(placement, layer)
+    tier, own, e = _tier_of(tab, ids, src, policy, t.gpus_per_node)
+    gk = np.broadcast_to(group[:, None], ids.shape)
+    out = np.zeros((num_groups, P))
+    sel = tier == 2  # spread over all replicas of the expert
+    c2 = np.bincount(gk[sel] * E + e[sel], minlength=num_groups * E).reshape(num_groups, E)
+    out += c2[:, tab.p2l] / tab.cnt[tab.p2l][None, :]
+    if policy == "local":
+        sel = tier == 0  # the replica on the token's own GPU
+        out += np.bincount(gk[sel] * P + own[sel], minlength=num_groups * P).reshape(num_groups, P)
+        sel = tier == 1  # spread over the replicas on the token's node
+        sn = np.broadcast_to((src // t.gpus_per_node)[:, None], ids.shape)
+        c1 = np.bincount((gk[sel] * N + sn[sel]) * E + e[sel], minlength=num_groups * N * E).reshape(num_groups, N, E)
+        denom = np.maximum(tab.node_cnt[tab.slot_node, tab.p2l], 1)  # [P]
+        out += c1[:, tab.slot_node, tab.p2l] / denom[None, :]
+    return out
+
+
+def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | None):
+    if not trace.has_tokens:
+        raise ValueError("this metric needs a per-token trace (topk_ids); the given trace has counts only")
+    _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
+    if src is None:
+        src, _ = source_ranks(trace, placement.topology.ep_size)
+    src = np.asarray(src, dtype=np.int64)
+    if src.shape != (trace.num_tokens,):
+        raise ValueError(f"source ranks must have shape ({trace.num_tokens},), got {src.shape}")
+    if src.size and (src.min() < 0 or src.max() >= placement.topology.ep_size):
+        raise ValueError(f"source ranks must be in [0, {placement.topology.ep_size}), got [{src.min()}, {src.max()}]")
+    return src
+
+
+
+def trace_gpu_load(
+    placement: Placement, trace: RoutingTrace, policy: Policy = "even", src: np.ndarray | None = None
+) -> np.ndarray:
+    """Expected per-GPU load ``[L, G]`` of a trace under a policy (fractional split within a tier).
+
+    Counts-only traces support ``even`` only (``local`` needs to know where tokens come from).
+    """
+    _check_policy(policy)
+    if policy == "even":
+        return expected_gpu_load(placement, trace.counts())
+    src = _layer_ids_src(placement, trace, src)
+    t = placement.topology
+    out = np.zeros((placement.num_layers, t.ep_size))
+    zero = np.zeros(trace.num_tokens, dtype=np.int64)
+    for l in range(placement.num_layers):
+        slot_load = _fractional_slot_load(placement, l, trace.topk_ids[:, l, :], src, policy, zero, 1)[0]
+        out[l] = slot_load.reshape(t.ep_size, t.slots_per_gpu).sum(axis=1)
+    return out
+
+
+def route_tokens(
+    placement: Placement,
+    topk_ids: np.ndarray,
+    src_gpu: np.ndarray,
+    policy: Policy = "even",
+    token_index: np.ndarray | None = None,
+) -> np.ndarray:
+    """Deterministic token-level replica choice (what the runtime applies).
+
+    Pick ``j`` of token ``t`` takes replica ``(t + j) mod c`` of its tier (``c`` replicas, ascending slots).
+
+    Args:
+        topk_ids: int ``[T, L, k]`` logical ids, -1 for none.
+        src_gpu: int64 ``[T]`` attention-DP rank of each token.
+        token_index: int64 ``[T]`` global token index for the rotation (default ``arange(T)``); a rank
+            that holds a slice of the trace passes the slice's global indices.
+
+    Returns:
+        int64 ``[T, L, k]`` physical slot ids, -1 where the id was -1.
+    """
+    _check_policy(policy)
+    ids = np.asarray(topk_ids)
+    if ids.ndim != 3:
+        raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
+    T, L, k = ids.shape
+    _check_compatible(placement, L, placement.num_logical_experts, "topk_ids")
+    tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
+    src = np.asarray(src_gpu, dtype=np.int64)
+    m = placement.topology.gpus_per_node
+    src_node = src // m
+    rot = tok[:, None] + np.arange(k, dtype=np.int64)[None, :]  # [T, k]
+    out = np.full((T, L, k), -1, dtype=np.int64)
+    for l in range(L):
+        tab = _LayerTables(placement, l)
+        tier, own, e = _tier_of(tab, ids[:, l, :], src, policy, m)
+        remote = tab.l2p[e, rot % tab.cnt[e]]  # [T, k]
+        nc = np.maximum(tab.node_cnt[src_node[:, None], e], 1)
+        near = tab.node_l2p[src_node[:, None], e, rot % nc]  # [T, k]
+        out[:, l, :] = np.select([tier == 0, tier == 1, tier == 2], [own, near, remote], -1)
+    return out
+
+
+def routed_gpu_tokens(placement: Placement, slots: np.ndarray) -> np.ndarray:
+    """Exact tokens per GPU ``[L, G]`` (int64) from :func:`route_tokens` output ``[T, L, k]``."""
+    t = placement.topology
+    T, L, k = slots.shape
+    gpu = np.where(slots >= 0, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T, L, k]
+    flat = (gpu + 1 + (np.arange(L) * (t.ep_size + 1))[None, :, None]).ravel()
+    c = np.bincount(flat, minlength=L * (t.ep_size + 1)).reshape(L, t.ep_size + 1)
+    return c[:, 1:].astype(np.int64)
+
+
+def par(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
+    """Mean over layers of max/mean GPU load."""
+    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["par"]
+
+
+def balancedness(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
+    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["balancedness"]
+
+
+def imbalance_ratio(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
+    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["imbalance_ratio"]
+
+
+def _gpu_load_any(placement, trace_or_load, policy):
+    if isinstance(trace_or_load, RoutingTrace):
+        return trace_gpu_load(placement, trace_or_load, policy)
+    _check_policy(policy)
+    if policy != "even":
+        raise ValueError("policy 'local' needs a per-token trace, not a load matrix")
+    return expected_gpu_load(placement, trace_or_load)
+
+
+def step_par(
+    placement: Placement, trace: RoutingTrace, step_tokens: int, policy: Policy = "even"
+) -> dict:
+    """Per-step balance: step ``s`` is ``b = step_tokens`` consecutive tokens on each of the ``G`` ranks.
+
+    Token ``t`` of step ``s`` sits on rank ``(t - s*b*G) // b``. A trailing partial step is dropped
+    (unless the trace is shorter than one step, which is then one step).
+
+    Returns:
+        dict with ``step_par`` (mean over steps and layers), ``step_par_worst_layer`` (layer whose
+        mean over steps is worst), ``step_par_per_layer`` and ``num_steps``.
+    """
+    _check_policy(policy)
+    if step_tokens < 1:
+        raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+    if not trace.has_tokens:
+        raise ValueError("step_par needs a per-token trace (topk_ids)")
+    _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
+    t = placement.topology
+    G, P, L = t.ep_size, t.num_physical_experts, placement.num_layers
+    per_step = step_tokens * G
+    T = trace.num_tokens
+    S = max(1, T // per_step)
+    used = min(T, S * per_step)
+    ids = trace.topk_ids[:used]  # [T', L, k]
+    tok = np.arange(used, dtype=np.int64)
+    step = tok // per_step  # [T']
+    src = (tok % per_step) // step_tokens  # [T']
+    par_ls = np.zeros((L, S))
+    for l in range(L):
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, step, S)  # [S, P]
+        gpu_load = slot_load.reshape(S, G, -1).sum(axis=2)  # [S, G]
+        mean = gpu_load.mean(axis=1)
+        par_ls[l] = np.where(mean > 0, gpu_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
+    per_layer = par_ls.mean(axis=1)
+    return {
+        "step_par": float(per_layer.mean()),
+        "step_par_worst_layer": float(per_layer.max()),
+        "step_par_per_layer": per_layer.tolist(),
+        "num_steps": int(S),
+        "step_tokens": int(step_tokens),
+    }
+
+
+def communication(
+    placement: Placement,
+    trace: RoutingTrace,
+    policy: Policy = "even",
+    src: np.ndarray | None = None,
+    hidden_size: int | None = None,
+    dispatch_bytes_per_elem: float = 1.0,
+    combine_bytes_per_elem: float = 2.0,
+) -> dict:
+    """Remote nodes/GPUs each token must reach (node-deduplicated dispatch), mean per token and layer.
+
+    ``bytes_per_token`` (dispatch + combine crossing GPU boundaries, per layer) is added when
+    ``hidden_size`` is given: dispatch ``d * dispatch_bytes_per_elem + d/128*4`` (FP8 with scales by
+    default), combine ``d * combine_bytes_per_elem`` (BF16), per remote GPU reached.
+    """
+    _check_policy(policy)
+    how = "given" if src is not None else source_ranks(trace, placement.topology.ep_size)[1]
+    src = _layer_ids_src(placement, trace, src)
+    t = placement.topology
+    slots = route_tokens(placement, trace.topk_ids, src, policy)  # [T, L, k]
+    valid = slots >= 0
+    gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T, L, k]
+    node = np.where(valid, gpu // t.gpus_per_node, -1)
+    src_node = src // t.gpus_per_node
+
+    def distinct_remote(x, own):
+        xs = np.sort(np.where(x == own[:, None, None], -1, x), axis=2)  # own and padding -> -1
+        first = xs[:, :, :1] >= 0
+        new = (xs[:, :, 1:] != xs[:, :, :-1]) & (xs[:, :, 1:] >= 0)
+        return first.sum(axis=2) + new.sum(axis=2)  # [T, L]
+
+    rn = distinct_remote(node, src_node)
+    rg = distinct_remote(gpu, src)
+    has = valid.any(axis=2)  # tokens with at least one expert in the layer
+    denom = max(int(has.sum()), 1)
+    out = {
+        "remote_nodes_per_token": float(rn[has].sum() / denom),
+        "remote_gpus_per_token": float(rg[has].sum() / denom),
+        "remote_nodes_per_layer": (rn.sum(axis=0) / np.maximum(has.sum(axis=0), 1)).tolist(),
+        "source_ranks": how,
+        "policy": policy,
+    }
+    if hidden_size is not None:
+        d = float(hidden_size)
+        per_gpu = d * dispatch_bytes_per_elem + d / 128 * 4 + d * combine_bytes_per_elem
+        out["bytes_per_token"] = float(out["remote_gpus_per_token"] * per_gpu)
+    return out
+
+
+def remote_nodes_per_token(placement: Placement, trace: RoutingTrace, policy: Policy = "even") -> float:
+    return communication(placement, trace, policy)["remote_nodes_per_token"]
+
+
+def remote_gpus_per_token(placement: Placement, trace: RoutingTrace, policy: Policy = "even") -> float:
+    return communication(placement, trace, policy)["remote_gpus_per_token"]
+
+
+def moved_slots(previous: Placement | np.ndarray, new: Placement | np.ndarray) -> int:
+    """Physical slots whose logical expert differs between two placements, over all layers."""
+    a = previous.physical_to_logical_map if isinstance(previous, Placement) else np.asarray(previous)
+    b = new.physical_to_logical_map if isinstance(new, Placement) else np.asarray(new)
+    if a.shape != b.shape:
+        raise ValueError(f"placements differ in shape {a.shape} vs {b.shape}; moved_slots needs the same layers and slots")
+    return int((a != b).sum())
+
+
+def peak_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int) -> np.ndarray:
+    """Closed-form lower bound on the peak GPU load per layer, for any placement.
+
+    ``max(mean, largest unsplittable share)``: the mean GPU load ``sum/G``, and the hottest expert's
+    share when it gets the most replicas it can (``min(G, 1 + P - E)``).
+
+    Args:
+        load: ``[L, E]``. Returns: float64 ``[L]``.
+    """
+    w = np.asarray(load, dtype=np.float64)
+    E = w.shape[-1]
+    max_rep = max(1, min(ep_size, 1 + num_physical_experts - E))
+    return np.maximum(w.sum(axis=-1) / ep_size, w.max(axis=-1) / max_rep)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A scored placement on a trace; ``to_dict`` gives the ``--json`` payload."""
+
+    policy: str
+    balance: dict
+    step: dict | None
+    comm: dict | None
+    lower_bound_par: float
+
+    def to_dict(self) -> dict:
+        d = {"policy": self.policy, **self.balance, "lower_bound_par": self.lower_bound_par}
+        if self.step is not None:
+            d.update(self.step)
+        if self.comm is not None:
+            d.update(self.comm)
+        return d
+
+
+def evaluate(
+    placement: Placement,
+    trace: RoutingTrace,
+    policy: Policy = "even",
+    step_tokens: int | None = None,
+    hidden_size: int | None = None,
+) -> Evaluation:
+    """All metrics of a placement on a trace (communication and step metrics need per-token ids)."""
+    _check_policy(policy)
+    if policy == "local" and not trace.has_tokens:
+        raise ValueError("policy 'local' needs a per-token trace; this trace has counts only (use --policy even)")
+    load = trace.counts()
+    _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
+    gl = trace_gpu_load(placement, trace, policy)
+    bal = balance_stats(gl)
+    mean = load.sum(axis=1) / placement.topology.ep_size
+    lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)
+    lb_par = float(np.mean(np.where(mean > 0, lb / np.where(mean > 0, mean, 1), 1.0)))
+    step = step_par(placement, trace, step_tokens, policy) if (step_tokens and trace.has_tokens) else None
+    comm = communication(placement, trace, policy, hidden_size=hidden_size) if trace.has_tokens else None
+    return Evaluation(policy, bal, step, comm, lb_par)
+

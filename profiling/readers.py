@@ -1,0 +1,255 @@
+"""Read and write routing traces: the project's own npz format and the shared npz layouts.
+
+Engine dumps (SGLang recorder, TensorRT-LLM statistics folders) live in :mod:`profiling.engine_readers`;
+:func:`read_trace` dispatches to them by what the path looks like.
+
+Supported layouts, detected by keys:
+
+- native: ``schema == "moe-placement/routing-trace"`` (written by :func:`write_trace`).
+- per-token: ``topk_ids [T, L, k]`` with optional ``seq_offsets``, ``layer_ids``, ``counts [L, E]``,
+  ``segment`` / ``batch_id`` (vLLM logger layout: segment 0 and 1 rows are start-up dummies and dropped
+  by default), ``source_rank``.
+- counts only: ``counts [L, E]`` or ``[W, L, E]`` (one row per question/step), optional ``subjects`` /
+  ``subject_index`` labels.
+- per-domain counts: ``expert_counts__<domain> [L, E]``, one window per domain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from profiling.fileio import InputFileError, atomic_save_npz, load_npz
+from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace
+
+__all__ = ["read_trace", "write_trace", "default_traces_dir", "find_shared_traces"]
+
+_PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+def default_traces_dir() -> Path:
+    """``$MOE_TRACES_DIR`` if set, else ``../shared/traces`` from the project root (or the cwd)."""
+    env = os.environ.get("MOE_TRACES_DIR")
+    if env:
+        return Path(env)
+    for base in (_PROJECT_ROOT, Path.cwd()):
+        cand = (base / ".." / "shared" / "traces").resolve()
+        if cand.is_dir():
+            return cand
+    return (_PROJECT_ROOT / ".." / "shared" / "traces").resolve()
+
+
+def find_shared_traces() -> list[Path]:
+    """Every ``.npz`` under the traces folder (empty when it is absent)."""
+    d = default_traces_dir()
+    return sorted(d.glob("*/*.npz")) if d.is_dir() else []
+
+
+def _int_scalar(arrays, key, path):
+    v = np.asarray(arrays[key])
+    if v.size != 1 or v.dtype.kind not in "iu":
+        raise InputFileError(f"{path}: field {key!r} must be one integer, got {v.dtype} {v.shape}")
+    return int(v.ravel()[0])
+
+
+def _str_scalar(arrays, key, default=""):
+    if key not in arrays:
+        return default
+    v = np.asarray(arrays[key])
+    return str(v.ravel()[0]) if v.size else default
+
+
+def read_trace(
+    path: str | os.PathLike,
+    *,
+    num_logical_experts: int | None = None,
+    domains: Sequence[str] | None = None,
+    keep_segments: Sequence[int] | None = None,
+    counts_key: str = "expert_counts",
+    max_bytes: int | None = None,
+) -> RoutingTrace:
+    """Read any supported trace file or engine dump folder.
+
+    Args:
+        path: an ``.npz`` file, an SGLang ``.pt`` dump, or a TensorRT-LLM statistics folder.
+        num_logical_experts: ``E`` when the file does not say it (default: from counts or max id + 1).
+        domains: for per-domain files, which domains to keep (default: all, sorted).
+        keep_segments: for files with a ``segment`` array, the segments to keep (default: ``(2, 3)``
+            when the vLLM-logger layout is recognised, else all).
+        counts_key: the per-domain key prefix (``expert_counts`` or ``expert_counts_top1``).
+
+    Raises:
+        InputFileError (a ValueError) naming the file, the field and the expected form.
+    """
+    p = Path(path)
+    if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors"):
+        from profiling.engine_readers import read_engine_dump
+
+        return read_engine_dump(p, num_logical_experts=num_logical_experts)
+    kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+    arrays = load_npz(p, **kwargs)
+    try:
+        return _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key)
+    except InputFileError:
+        raise
+    except ValueError as exc:
+        raise InputFileError(f"{p}: {exc}") from None
+
+
+def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
+    name = p.stem
+    if "schema" in arrays:
+        schema = _str_scalar(arrays, "schema")
+        if schema != TRACE_SCHEMA:
+            raise InputFileError(f"{p}: schema {schema!r} is not {TRACE_SCHEMA!r}")
+        version = _int_scalar(arrays, "schema_version", p) if "schema_version" in arrays else 0
+        if version > TRACE_SCHEMA_VERSION:
+            raise InputFileError(
+                f"{p}: trace schema version {version} is newer than this reader ({TRACE_SCHEMA_VERSION}); upgrade moe-placement"
+            )
+        meta = {}
+        if "metadata_json" in arrays:
+            try:
+                meta = json.loads(_str_scalar(arrays, "metadata_json", "{}"))
+            except json.JSONDecodeError as exc:
+                raise InputFileError(f"{p}: field 'metadata_json' is not valid JSON ({exc.msg})") from None
+            if not isinstance(meta, dict):
+                raise InputFileError(f"{p}: field 'metadata_json' must hold a JSON object")
+        if "num_logical_experts" not in arrays:
+            raise InputFileError(f"{p}: native trace lacks field 'num_logical_experts'")
+        return RoutingTrace(
+            num_logical_experts=_int_scalar(arrays, "num_logical_experts", p),
+            topk_ids=arrays.get("topk_ids"),
+            layer_ids=tuple(int(x) for x in arrays["layer_ids"]) if "layer_ids" in arrays else (),
+            source_rank=arrays.get("source_rank"),
+            seq_offsets=arrays.get("seq_offsets"),
+            step_offsets=arrays.get("step_offsets"),
+            window_counts=arrays.get("window_counts"),
+            window_labels=tuple(str(x) for x in arrays["window_labels"]) if "window_labels" in arrays else (),
+            name=_str_scalar(arrays, "name", name),
+            metadata=meta,
+        )
+
+    layer_ids = tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
+
+    if "topk_ids" in arrays:
+        ids = np.asarray(arrays["topk_ids"])
+        if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
+            raise InputFileError(f"{p}: field 'topk_ids' must be integer [tokens, layers, top_k], got {ids.dtype} {ids.shape}")
+        if ids.ndim == 2:
+            ids = ids[:, None, :]
+        T = ids.shape[0]
+        E = num_logical_experts
+        counts_field = "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
+        if E is None and counts_field is not None:
+            E = int(np.asarray(arrays[counts_field]).shape[-1])
+        if E is None:
+            E = int(ids.max()) + 1 if ids.size else 1
+        ids = ids.astype(np.int32)
+        meta = {"source_file": str(p)}
+        seq = arrays.get("seq_offsets")
+        step = None
+        source = arrays.get("source_rank")
+        keep = None
+        if "segment" in arrays:
+            seg = np.asarray(arrays["segment"]).astype(np.int64)
+            if seg.shape != (T,):
+                raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
+            segs = tuple(keep_segments) if keep_segments is not None else ((2, 3) if "counts_real" in arrays else None)
+            if segs is not None:
+                keep = np.isin(seg, segs)
+                meta["kept_segments"] = list(segs)
+                meta["dropped_rows"] = int((~keep).sum())
+        if "batch_id" in arrays:
+            b = np.asarray(arrays["batch_id"]).astype(np.int64)
+            if b.shape != (T,):
+                raise InputFileError(f"{p}: field 'batch_id' has shape {b.shape}, expected ({T},)")
+            bk = b if keep is None else b[keep]
+            change = np.flatnonzero(np.diff(bk) != 0) + 1
+            step = np.concatenate([[0], change, [bk.size]]).astype(np.int64)
+        if keep is not None:
+            ids = ids[keep]
+            if source is not None:
+                source = np.asarray(source)[keep]
+            if seq is not None:
+                raise InputFileError(f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries")
+        if seq is not None:
+            seq = np.asarray(seq).astype(np.int64)
+            if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
+                seq = np.concatenate([seq, [ids.shape[0]]])
+        return RoutingTrace(
+            num_logical_experts=E,
+            topk_ids=ids,
+            layer_ids=layer_ids,
+            source_rank=source,
+            seq_offsets=seq,
+            step_offsets=step,
+            name=name,
+            metadata=meta,
+        )
+
+    domain_keys = sorted(k for k in arrays if k.startswith(counts_key + "__"))
+    if domain_keys:
+        avail = [k.split("__", 1)[1] for k in domain_keys]
+        chosen = list(domains) if domains else avail
+        missing = [d for d in chosen if d not in avail]
+        if missing:
+            raise InputFileError(f"{p}: no domain(s) {missing}; available: {avail}")
+        stack = np.stack([np.asarray(arrays[f"{counts_key}__{d}"]) for d in chosen])  # [W, L, E]
+        if stack.ndim != 3:
+            raise InputFileError(f"{p}: per-domain counts must be [layers, experts], got {stack.shape[1:]}")
+        return RoutingTrace(
+            num_logical_experts=num_logical_experts or stack.shape[2],
+            window_counts=stack,
+            window_labels=tuple(chosen),
+            layer_ids=layer_ids,
+            name=name,
+            metadata={"source_file": str(p), "windows": "domains"},
+        )
+
+    if "counts" in arrays:
+        c = np.asarray(arrays["counts"])
+        if c.ndim not in (2, 3) or c.dtype.kind not in "iuf":
+            raise InputFileError(f"{p}: field 'counts' must be numeric [layers, experts] or [windows, layers, experts], got {c.dtype} {c.shape}")
+        labels: tuple[str, ...] = ()
+        if c.ndim == 3 and "subject_index" in arrays and "subjects" in arrays:
+            subj = np.asarray(arrays["subjects"]).astype(str)
+            si = np.asarray(arrays["subject_index"]).astype(np.int64)
+            if si.shape != (c.shape[0],) or (si.size and (si.min() < 0 or si.max() >= subj.size)):
+                raise InputFileError(f"{p}: 'subject_index' does not match 'counts' rows or 'subjects'")
+            labels = tuple(subj[si])
+        return RoutingTrace(
+            num_logical_experts=num_logical_experts or c.shape[-1],
+            window_counts=c,
+            window_labels=labels,
+            layer_ids=layer_ids,
+            name=name,
+            metadata={"source_file": str(p)},
+        )
+    raise InputFileError(
+        f"{p}: not a routing trace: no 'topk_ids', 'counts', '{counts_key}__<domain>' or native 'schema' field "
+        f"(fields present: {sorted(arrays)[:8]})"
+    )
+
+
+def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
+    """Write the native npz format (atomically)."""
+    arrays: dict[str, np.ndarray] = {
+        "schema": np.array(TRACE_SCHEMA),
+        "schema_version": np.array(TRACE_SCHEMA_VERSION),
+        "num_logical_experts": np.array(trace.num_logical_experts),
+        "layer_ids": np.asarray(trace.layer_ids, dtype=np.int64),
+        "name": np.array(trace.name),
+        "metadata_json": np.array(json.dumps(dict(trace.metadata), default=str)),
+    }
+    for key in ("topk_ids", "source_rank", "seq_offsets", "step_offsets", "window_counts"):
+        v = getattr(trace, key)
+        if v is not None:
+            arrays[key] = np.asarray(v)
+    if trace.window_labels:
+        arrays["window_labels"] = np.asarray(trace.window_labels, dtype=str)
+    atomic_save_npz(path, **arrays)

@@ -1,0 +1,342 @@
+"""RoutingTrace: which experts each token selected, per MoE layer.
+
+Shapes (T = tokens, L = MoE layers, k = top-k, E = logical experts, W = windows):
+
+- ``topk_ids``: int16/int32 ``[T, L, k]``, selected logical expert ids; ``-1`` means no expert
+  (padding, dropped token, or a k smaller than the widest layer).
+- ``source_rank``: int32 ``[T]`` or None, the attention-DP rank that holds each token's request.
+- ``seq_offsets``: int64 ``[S + 1]`` or None, prompt boundaries (``0 = o_0 < ... < o_S = T``).
+- ``step_offsets``: int64 ``[steps + 1]`` or None, engine forward-pass boundaries.
+- ``window_counts``: int64/float64 ``[W, L, E]`` or None: a counts-only trace (no per-token ids), one
+  row per recorded window (engine step, question, domain, ...); ``window_labels`` names them.
+
+A trace has per-token ids, or window counts, or both (counts then describe the same tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+__all__ = ["RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
+
+TRACE_SCHEMA = "moe-placement/routing-trace"
+TRACE_SCHEMA_VERSION = 1
+
+
+def _id_dtype(num_logical_experts: int):
+    return np.int16 if num_logical_experts < np.iinfo(np.int16).max else np.int32
+
+
+def _check_offsets(name: str, offsets, total: int) -> np.ndarray | None:
+    if offsets is None:
+        return None
+    off = np.asarray(offsets)
+    if off.dtype.kind not in "iu" or off.ndim != 1 or off.size < 2:
+        raise ValueError(f"{name} must be a 1-D integer array of at least 2 boundaries, got {off.dtype} {off.shape}")
+    off = off.astype(np.int64)
+    if off[0] != 0 or off[-1] != total:
+        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {off[0]} .. {off[-1]}")
+    if np.any(np.diff(off) < 0):
+        i = int(np.argmax(np.diff(off) < 0))
+        raise ValueError(f"{name} must be non-decreasing; boundary {i + 1} ({off[i + 1]}) < boundary {i} ({off[i]})")
+    return off
+
+
+@dataclass(frozen=True, eq=False)
+class RoutingTrace:
+    """Recorded routing of one workload. Immutable; arrays are read-only."""
+
+    num_logical_experts: int
+    topk_ids: np.ndarray | None = None
+    layer_ids: tuple[int, ...] = ()
+    source_rank: np.ndarray | None = None
+    seq_offsets: np.ndarray | None = None
+    step_offsets: np.ndarray | None = None
+    window_counts: np.ndarray | None = None
+    window_labels: tuple[str, ...] = ()
+    name: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        E = self.num_logical_experts
+        if isinstance(E, bool) or not isinstance(E, (int, np.integer)) or E < 1:
+            raise ValueError(f"num_logical_experts must be a positive integer, got {E!r}")
+        object.__setattr__(self, "num_logical_experts", int(E))
+        if self.topk_ids is None and self.window_counts is None:
+            raise ValueError("a RoutingTrace needs topk_ids [T, L, k] or window_counts [W, L, E]")
+        L = None
+        if self.topk_ids is not None:
+            ids = np.asarray(self.topk_ids)
+            if ids.dtype.kind not in "iu":
+                raise ValueError(f"topk_ids must be integers, got dtype {ids.dtype}")
+            if ids.ndim == 2:  # [T, k] for one layer
+                ids = ids[:, None, :]
+            if ids.ndim != 3:
+                raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
+            if ids.shape[1] == 0 or ids.shape[2] == 0:
+                raise ValueError(f"topk_ids has an empty layer or top-k axis: shape {ids.shape}")
+            if ids.size:
+                lo, hi = int(ids.min()), int(ids.max())
+                if lo < -1 or hi >= E:
+                    raise ValueError(
+                        f"topk_ids hold ids in [{lo}, {hi}] but must be in [-1, {E - 1}] for "
+                        f"num_logical_experts={E} (-1 = no expert); pass the model's real expert count"
+                    )
+            ids = np.ascontiguousarray(ids, dtype=_id_dtype(E))
+            ids.setflags(write=False)
+            object.__setattr__(self, "topk_ids", ids)
+            L = ids.shape[1]
+        if self.window_counts is not None:
+            wc = np.asarray(self.window_counts)
+            if wc.dtype.kind not in "iuf":
+                raise ValueError(f"window_counts must be numeric, got dtype {wc.dtype}")
+            if wc.ndim == 2:
+                wc = wc[None]
+            if wc.ndim != 3 or wc.shape[2] != E:
+                raise ValueError(
+                    f"window_counts must be [windows, layers, {E}], got shape {tuple(np.shape(self.window_counts))}"
+                )
+            if wc.dtype.kind == "f" and not np.all(np.isfinite(wc)):
+                raise ValueError("window_counts contain NaN or inf; counts must be finite")
+            if wc.size and wc.min() < 0:
+                raise ValueError(f"window_counts must be >= 0, found {wc.min()}")
+            if L is not None and wc.shape[1] != L:
+                raise ValueError(f"window_counts has {wc.shape[1]} layers but topk_ids has {L}")
+            wc = np.ascontiguousarray(wc if wc.dtype.kind == "f" else wc.astype(np.int64))
+            wc.setflags(write=False)
+            object.__setattr__(self, "window_counts", wc)
+            L = wc.shape[1]
+            labels = tuple(str(x) for x in self.window_labels)
+            if labels and len(labels) != wc.shape[0]:
+                raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
+            object.__setattr__(self, "window_labels", labels)
+        ids_ = tuple(int(x) for x in (self.layer_ids if len(self.layer_ids) else range(L)))
+        if len(ids_) != L:
+            raise ValueError(f"layer_ids has {len(ids_)} entries but the trace has {L} layers")
+        object.__setattr__(self, "layer_ids", ids_)
+        T = self.num_tokens
+        if self.source_rank is not None:
+            sr = np.asarray(self.source_rank)
+            if sr.dtype.kind not in "iu" or sr.shape != (T,):
+                raise ValueError(f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}")
+            if T and sr.min() < 0:
+                raise ValueError(f"source_rank must be >= 0, found {sr.min()}")
+            sr = sr.astype(np.int32)
+            sr.setflags(write=False)
+            object.__setattr__(self, "source_rank", sr)
+        for name in ("seq_offsets", "step_offsets"):
+            off = _check_offsets(name, getattr(self, name), T)
+            if off is not None:
+                off.setflags(write=False)
+            object.__setattr__(self, name, off)
+        object.__setattr__(self, "metadata", dict(self.metadata))
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def has_tokens(self) -> bool:
+        return self.topk_ids is not None
+
+    @property
+    def num_tokens(self) -> int:
+        if self.topk_ids is not None:
+            return int(self.topk_ids.shape[0])
+        return 0
+
+    @property
+    def num_layers(self) -> int:
+        if self.topk_ids is not None:
+            return int(self.topk_ids.shape[1])
+        return int(self.window_counts.shape[1])  # type: ignore[union-attr]
+
+    @property
+    def top_k(self) -> int | None:
+        return int(self.topk_ids.shape[2]) if self.topk_ids is not None else None
+
+    @property
+    def num_windows(self) -> int:
+        """Number of natural windows: prompts, steps, or recorded count windows."""
+        return len(self.natural_windows())
+
+    # ---- counts ------------------------------------------------------------------------------
+    @cached_property
+    def _counts(self) -> np.ndarray:
+        if self.topk_ids is None:
+            c = self.window_counts.sum(axis=0)  # type: ignore[union-attr]
+        else:
+            c = token_counts(self.topk_ids, self.num_logical_experts)
+        c.setflags(write=False)
+        return c
+
+    def counts(self) -> np.ndarray:
+        """Per-layer expert load ``[L, E]`` (int64, or float64 for fractional window counts)."""
+        return self._counts
+
+    # ---- windows -----------------------------------------------------------------------------
+    def natural_windows(self) -> list[tuple[int, int]]:
+        """Boundaries of the trace's own windows, as half-open index ranges.
+
+        Per-token traces: prompts if ``seq_offsets`` exists, else steps, else one window.
+        Counts-only traces: one per ``window_counts`` row.
+        """
+        if self.topk_ids is None:
+            return [(i, i + 1) for i in range(self.window_counts.shape[0])]  # type: ignore[union-attr]
+        off = self.seq_offsets if self.seq_offsets is not None else self.step_offsets
+        if off is None:
+            return [(0, self.num_tokens)]
+        return [(int(a), int(b)) for a, b in zip(off[:-1], off[1:])]
+
+    def slice_tokens(self, start: int, stop: int) -> "RoutingTrace":
+        """Tokens ``[start, stop)`` as a new trace (offsets clipped and re-based)."""
+        if self.topk_ids is None:
+            raise ValueError("slice_tokens needs a per-token trace; this one has window counts only")
+        T = self.num_tokens
+        start, stop = max(0, int(start)), min(T, int(stop))
+        if stop <= start:
+            raise ValueError(f"empty token range [{start}, {stop}) of a {T}-token trace")
+
+        def clip(off):
+            if off is None:
+                return None
+            inner = off[(off > start) & (off < stop)] - start
+            return np.concatenate([[0], inner, [stop - start]]).astype(np.int64)
+
+        return RoutingTrace(
+            num_logical_experts=self.num_logical_experts,
+            topk_ids=self.topk_ids[start:stop],
+            layer_ids=self.layer_ids,
+            source_rank=None if self.source_rank is None else self.source_rank[start:stop],
+            seq_offsets=clip(self.seq_offsets),
+            step_offsets=clip(self.step_offsets),
+            name=f"{self.name}[{start}:{stop}]",
+            metadata=self.metadata,
+        )
+
+    def select_windows(self, indices: Sequence[int]) -> "RoutingTrace":
+        """Keep the given natural windows (prompts/steps for token traces, rows for counts-only)."""
+        wins = self.natural_windows()
+        idx = [int(i) for i in indices]
+        if not idx:
+            raise ValueError("select_windows needs at least one window")
+        for i in idx:
+            if not 0 <= i < len(wins):
+                raise ValueError(f"window {i} out of range: the trace has {len(wins)} windows")
+        if self.topk_ids is None:
+            return RoutingTrace(
+                num_logical_experts=self.num_logical_experts,
+                window_counts=self.window_counts[idx],  # type: ignore[index]
+                window_labels=tuple(self.window_labels[i] for i in idx) if self.window_labels else (),
+                layer_ids=self.layer_ids,
+                name=self.name,
+                metadata=self.metadata,
+            )
+        parts = [np.arange(*wins[i]) for i in idx]
+        tok = np.concatenate(parts)
+        lengths = np.array([len(p) for p in parts])
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        use_seq = self.seq_offsets is not None
+        return RoutingTrace(
+            num_logical_experts=self.num_logical_experts,
+            topk_ids=self.topk_ids[tok],
+            layer_ids=self.layer_ids,
+            source_rank=None if self.source_rank is None else self.source_rank[tok],
+            seq_offsets=offsets if use_seq else None,
+            step_offsets=offsets if (not use_seq and self.step_offsets is not None) else None,
+            name=self.name,
+            metadata=self.metadata,
+        )
+
+    def select_layers(self, indices: Sequence[int]) -> "RoutingTrace":
+        """Keep the given layer rows (by row index)."""
+        idx = [int(i) for i in indices]
+        return RoutingTrace(
+            num_logical_experts=self.num_logical_experts,
+            topk_ids=None if self.topk_ids is None else self.topk_ids[:, idx],
+            layer_ids=tuple(self.layer_ids[i] for i in idx),
+            source_rank=self.source_rank,
+            seq_offsets=self.seq_offsets,
+            step_offsets=self.step_offsets,
+            window_counts=None if self.window_counts is None else self.window_counts[:, idx],
+            window_labels=self.window_labels,
+            name=self.name,
+            metadata=self.metadata,
+        )
+
+    def split(self, fraction: float = 0.5) -> tuple["RoutingTrace", "RoutingTrace"]:
+        """Fit / held-out split at a window boundary: the first ``fraction`` of windows, then the rest.
+
+        Windows are prompts (or steps) for per-token traces and rows for counts-only traces; a
+        per-token trace with no boundaries is split by tokens.
+        """
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+        wins = self.natural_windows()
+        if len(wins) >= 2:
+            cut = min(max(1, int(round(len(wins) * fraction))), len(wins) - 1)
+            return self.select_windows(range(cut)), self.select_windows(range(cut, len(wins)))
+        T = self.num_tokens
+        if T < 2:
+            raise ValueError(f"cannot split a trace with {max(T, len(wins))} token(s)/window(s) into fit and held-out parts")
+        cut = min(max(1, int(round(T * fraction))), T - 1)
+        return self.slice_tokens(0, cut), self.slice_tokens(cut, T)
+
+    def windows(self, num_windows: int) -> list["RoutingTrace"]:
+        """Split into ``num_windows`` consecutive groups of natural windows (or of tokens)."""
+        if num_windows < 1:
+            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        wins = self.natural_windows()
+        if len(wins) >= num_windows:
+            bounds = np.linspace(0, len(wins), num_windows + 1).round().astype(int)
+            return [self.select_windows(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        T = self.num_tokens
+        if T < num_windows:
+            raise ValueError(f"cannot make {num_windows} windows from {max(T, len(wins))} tokens/windows")
+        bounds = np.linspace(0, T, num_windows + 1).round().astype(int)
+        return [self.slice_tokens(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def window_load(self) -> np.ndarray:
+        """Load per natural window ``[W, L, E]`` (float64)."""
+        if self.topk_ids is None:
+            return np.asarray(self.window_counts, dtype=np.float64)
+        out = [token_counts(self.topk_ids[a:b], self.num_logical_experts) for a, b in self.natural_windows()]
+        return np.stack(out).astype(np.float64)
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "tokens": self.num_tokens,
+            "layers": self.num_layers,
+            "top_k": self.top_k,
+            "num_logical_experts": self.num_logical_experts,
+            "layer_ids": list(self.layer_ids),
+            "windows": len(self.natural_windows()),
+            "has_source_rank": self.source_rank is not None,
+            "synthetic": bool(self.metadata.get("synthetic", False)),
+        }
+
+    def __repr__(self) -> str:
+        kind = f"tokens={self.num_tokens}, top_k={self.top_k}" if self.has_tokens else (
+            f"windows={self.window_counts.shape[0]} (counts only)"  # type: ignore[union-attr]
+        )
+        return f"RoutingTrace({self.name!r}, {kind}, layers={self.num_layers}, experts={self.num_logical_experts})"
+
+
+def token_counts(topk_ids: np.ndarray, num_logical_experts: int) -> np.ndarray:
+    """Per-layer counts of selections.
+
+    Args:
+        topk_ids: int ``[T, L, k]`` with -1 for none.
+        num_logical_experts: ``E``.
+
+    Returns:
+        int64 ``[L, E]``.
+    """
+    T, L, k = topk_ids.shape
+    E = int(num_logical_experts)
+    ids = topk_ids.transpose(1, 0, 2).reshape(L, T * k).astype(np.int64)  # [L, T*k]
+    flat = ids + (np.arange(L, dtype=np.int64) * (E + 1))[:, None] + 1  # -1 -> slot 0 of each layer
+    c = np.bincount(flat.ravel(), minlength=L * (E + 1)).reshape(L, E + 1)
+    return c[:, 1:].astype(np.int64)

@@ -1,0 +1,296 @@
+"""The greedy replicate-then-pack balancer (DeepSeek EPLB's published algorithm), re-implemented.
+
+Three steps, batched over layers (pure numpy):
+
+1. Replicate: give one extra replica at a time to the expert with the highest load per replica.
+2. Pack: take replicas in order of decreasing per-replica load; put each on the least-loaded GPU
+   that still has a free slot (each GPU takes exactly ``S`` replicas).
+3. Hierarchical variant (when ``num_groups`` divides over ``num_nodes``): first pack expert groups onto
+   nodes the same way, replicate inside each node, then pack each node's replicas onto its GPUs.
+
+``parity=True`` reproduces the published behaviour to the slot, including its hazard of putting two
+replicas of one expert on one GPU. By default a GPU that already holds the expert is skipped during
+packing and replica counts are capped at the number of GPUs that can hold them, so every result is a
+valid placement for the engines.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal, Sequence
+
+import numpy as np
+
+from placement.model import Placement
+from placement.topology import Topology
+from placement.metrics import expected_gpu_load, peak_lower_bound
+from solver.report import LayerReport, SolveReport
+
+__all__ = ["greedy_placement", "replicate", "balanced_packing", "greedy_replica_counts"]
+
+log = logging.getLogger(__name__)
+
+
+def replicate(weight: np.ndarray, num_slots: int, max_replicas: int | None = None):
+    """Hand out ``num_slots`` replicas, one at a time, to the expert with the highest load per replica.
+
+    Args:
+        weight: ``[X, n]`` loads.
+        num_slots: total replicas per row (``>= n``).
+        max_replicas: cap per expert (None: no cap, as published).
+
+    Returns:
+        ``(phy2item int64 [X, num_slots], replica_rank int64 [X, num_slots], count int64 [X, n])``;
+        slots ``0..n-1`` hold each item once, later slots the extra replicas in the order given.
+    """
+    w = np.asarray(weight, dtype=np.float64)
+    X, n = w.shape
+    if num_slots < n:
+        raise ValueError(f"{num_slots} slots cannot hold {n} experts")
+    if max_replicas is not None and n * max_replicas < num_slots:
+        raise ValueError(
+            f"{num_slots} slots exceed {n} experts x {max_replicas} replicas each; at most {n * max_replicas} "
+            f"slots can hold distinct replicas (fewer redundant slots, or more GPUs)"
+        )
+    phy = np.tile(np.arange(num_slots, dtype=np.int64), (X, 1))
+    rank = np.zeros((X, num_slots), dtype=np.int64)
+    cnt = np.ones((X, n), dtype=np.int64)
+    rows = np.arange(X)
+    for i in range(n, num_slots):
+        score = w / cnt
+        if max_replicas is not None:
+            score = np.where(cnt >= max_replicas, -np.inf, score)
+        best = score.argmax(axis=1)  # [X], first index on ties
+        phy[:, i] = best
+        rank[:, i] = cnt[rows, best]
+        cnt[rows, best] += 1
+    return phy, rank, cnt
+
+
+def greedy_replica_counts(weight: np.ndarray, num_slots: int, max_replicas: int | None = None) -> np.ndarray:
+    """Replica counts ``[X, n]`` from :func:`replicate` (used as a hint by the exact solvers)."""
+    return replicate(weight, num_slots, max_replicas)[2]
+
+
+def balanced_packing(
+    weight: np.ndarray,
+    num_packs: int,
+    item_key: np.ndarray | None = None,
+):
+    """Pack ``n`` weighted items into ``num_packs`` packs of exactly ``n / num_packs`` items each.
+
+    Items go in order of decreasing weight to the lightest pack with room. With ``item_key`` (e.g. the
+    logical expert of each replica) a pack that already holds an item with the same key is skipped;
+    when no pack qualifies the item goes to the lightest pack with room and a swap pass repairs it.
+
+    Args:
+        weight: ``[X, n]``; item_key: int ``[X, n]`` or None.
+
+    Returns:
+        ``(pack_index int64 [X, n], rank_in_pack int64 [X, n])``.
+    """
+    w = np.asarray(weight, dtype=np.float64)
+    X, n = w.shape
+    if n % num_packs:
+        raise ValueError(f"{n} items do not split into {num_packs} equal packs")
+    cap = n // num_packs
+    if cap == 1 and item_key is None:
+        return np.tile(np.arange(n, dtype=np.int64), (X, 1)), np.zeros((X, n), dtype=np.int64)
+    order = np.argsort(-w, axis=1, kind="stable")  # [X, n] items by decreasing weight
+    pack_w = np.zeros((X, num_packs))
+    pack_n = np.zeros((X, num_packs), dtype=np.int64)
+    pack_index = np.empty((X, n), dtype=np.int64)
+    rank_in_pack = np.empty((X, n), dtype=np.int64)
+    rows = np.arange(X)
+    if item_key is not None:
+        keys = np.asarray(item_key, dtype=np.int64)
+        nkeys = int(keys.max()) + 1
+        holds = np.zeros((X, num_packs, nkeys), dtype=bool)
+    for pos in range(n):
+        item = order[:, pos]  # [X]
+        room = pack_n < cap  # [X, packs]
+        if item_key is not None:
+            key = keys[rows, item]  # [X]
+            ok = room & ~holds[rows, :, key]
+            ok = np.where(ok.any(axis=1, keepdims=True), ok, room)  # repaired below
+        else:
+            ok = room
+        pack = np.where(ok, pack_w, np.inf).argmin(axis=1)  # [X], first lightest on ties
+        pack_index[rows, item] = pack
+        rank_in_pack[rows, item] = pack_n[rows, pack]
+        pack_w[rows, pack] += w[rows, item]
+        pack_n[rows, pack] += 1
+        if item_key is not None:
+            holds[rows, pack, key] = True
+    if item_key is not None:
+        _repair_colocation(w, keys, pack_index, rank_in_pack, num_packs)
+    return pack_index, rank_in_pack
+
+
+def _repair_colocation(w, keys, pack_index, rank_in_pack, num_packs) -> None:
+    """Swap items so that no pack holds two items with the same key (in place; rare path)."""
+    X, n = w.shape
+    for x in range(X):
+        for _ in range(n * n):
+            members = [np.flatnonzero(pack_index[x] == p) for p in range(num_packs)]
+            bad = None
+            for p, mem in enumerate(members):
+                k = keys[x, mem]
+                uniq, cnt = np.unique(k, return_counts=True)
+                if (cnt > 1).any():
+                    dup_key = uniq[cnt > 1][0]
+                    bad = (p, mem[keys[x, mem] == dup_key][0], dup_key)
+                    break
+            if bad is None:
+                break
+            p, item, key = bad
+            best = None
+            for q, mem in enumerate(members):
+                if q == p or (keys[x, mem] == key).any():
+                    continue
+                pkeys = set(keys[x, members[p]].tolist())
+                for other in mem:
+                    if keys[x, other] in pkeys:
+                        continue
+                    cost = abs(w[x, other] - w[x, item])
+                    if best is None or cost < best[0]:
+                        best = (cost, q, other)
+            if best is None:
+                raise ValueError(
+                    f"cannot place replicas without putting two of expert {key} on one GPU; "
+                    f"use fewer redundant experts or more GPUs"
+                )
+            _, q, other = best
+            pack_index[x, item], pack_index[x, other] = q, p
+            rank_in_pack[x, item], rank_in_pack[x, other] = rank_in_pack[x, other], rank_in_pack[x, item]
+
+
+def _inverse(perm: np.ndarray) -> np.ndarray:
+    inv = np.empty_like(perm)
+    np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
+    return inv
+
+
+def _hierarchical(weight: np.ndarray, P: int, num_groups: int, num_nodes: int, num_gpus: int, parity: bool):
+    """Returns phy2log ``[L, P]``. With ``num_groups = num_nodes = 1`` this is the global policy."""
+    L, E = weight.shape
+    group_size = E // num_groups
+    groups_per_node = num_groups // num_nodes
+    slots_per_gpu = P // num_gpus
+    gpus_per_node = num_gpus // num_nodes
+    e_node = E // num_nodes  # logical experts per node
+    p_node = P // num_nodes  # slots per node
+
+    # Step 1: groups -> nodes (balanced by group load).
+    group_w = weight.reshape(L, num_groups, group_size).sum(axis=2)  # [L, groups]
+    g_pack, g_rank = balanced_packing(group_w, num_nodes)  # [L, groups]
+    # log2mlog: logical expert -> position in node-major order ("mlog")
+    base = (g_pack * groups_per_node + g_rank) * group_size  # [L, groups]
+    log2mlog = (base[:, :, None] + np.arange(group_size)).reshape(L, E)  # [L, E]
+    mlog2log = _inverse(log2mlog)  # [L, E]
+
+    # Step 2: replicate inside each node: rows become (layer, node) pairs.
+    w_mlog = np.take_along_axis(weight, mlog2log, axis=1).reshape(L * num_nodes, e_node)  # [L*N, E/N]
+    cap = None if parity else gpus_per_node
+    phy2mlog, _, mlogcnt = replicate(w_mlog, p_node, cap)  # [L*N, P/N], [L*N, E/N]
+
+    # Step 3: replicas -> GPUs inside each node.
+    per_replica = np.take_along_axis(w_mlog / mlogcnt, phy2mlog, axis=1)  # [L*N, P/N]
+    key = None if parity else phy2mlog
+    pack, rank = balanced_packing(per_replica, gpus_per_node, item_key=key)
+    phy2pphy = pack * slots_per_gpu + rank  # replica -> slot within the node
+    pphy2phy = _inverse(phy2pphy)
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)  # [L*N, P/N]
+    pphy2mlog = (pphy2mlog.reshape(L, num_nodes, p_node) + (np.arange(num_nodes) * e_node)[None, :, None]).reshape(L, P)
+    return np.take_along_axis(mlog2log, pphy2mlog, axis=1)  # [L, P]
+
+
+def greedy_placement(
+    load: np.ndarray,
+    topology: Topology,
+    num_groups: int | None = None,
+    *,
+    policy: Literal["auto", "hierarchical", "global"] = "auto",
+    parity: bool = False,
+    layer_ids: Sequence[int] | None = None,
+) -> tuple[Placement, SolveReport]:
+    """The greedy baseline.
+
+    Args:
+        load: ``[L, E]`` tokens per logical expert (any non-negative numbers).
+        topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
+        num_groups: expert groups (DeepSeek's group-limited routing); the hierarchical policy is used
+            when it divides over the nodes (``policy="auto"``), as the engines do.
+        policy: force ``hierarchical`` or ``global``.
+        parity: reproduce the published algorithm exactly (may co-locate replicas of one expert).
+
+    Returns:
+        (Placement, SolveReport) with the policy used in ``params["policy"]``.
+    """
+    t0 = time.perf_counter()
+    w = np.asarray(load, dtype=np.float64)
+    if w.ndim != 2:
+        raise ValueError(f"load must be [num_layers, num_logical_experts], got shape {w.shape}")
+    if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
+        raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    L, E = w.shape
+    P, G, N = topology.num_physical_experts, topology.ep_size, topology.num_nodes
+    if E > P:
+        raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
+    if not parity and topology.slots_per_gpu > E:
+        raise ValueError(
+            f"{topology.slots_per_gpu} slots per GPU exceed the {E} experts: some GPU would need two replicas "
+            f"of one expert; use at most {E * G - E} redundant experts"
+        )
+    notes: list[str] = []
+    groups = num_groups
+    if policy == "hierarchical" or (policy == "auto" and groups and groups % N == 0 and E % groups == 0):
+        if not groups or E % groups or groups % N:
+            raise ValueError(
+                f"the hierarchical policy needs num_groups dividing the {E} experts and divisible by "
+                f"num_nodes={N}, got num_groups={groups}"
+            )
+        if not parity and (P // N) > (E // N) * topology.gpus_per_node:
+            raise ValueError(f"{P // N} slots per node exceed what {E // N} experts x {topology.gpus_per_node} GPUs can hold")
+        used = "hierarchical"
+        phy2log = _hierarchical(w, P, groups, N, G, parity)
+    elif policy in ("auto", "global"):
+        used = "global"
+        if policy == "auto" and groups:
+            notes.append(f"num_groups={groups} does not divide over num_nodes={N}: global policy used")
+        phy2log = _hierarchical(w, P, 1, 1, G, parity)
+    else:
+        raise ValueError(f"unknown greedy policy {policy!r}; use auto, hierarchical or global")
+
+    placement = Placement(
+        phy2log,
+        E,
+        topology,
+        tuple(layer_ids or ()),
+        {"solver": "greedy", "policy": used, "parity": parity, "num_groups": groups},
+        allow_colocated_replicas=parity,
+    )
+    wall = time.perf_counter() - t0
+    peak = expected_gpu_load(placement, w).max(axis=1)
+    bound = peak_lower_bound(w, G, P)
+    mean = w.sum(axis=1) / G
+    layers = tuple(
+        LayerReport(
+            layer_id=placement.layer_ids[l],
+            status="heuristic",
+            objective=float(peak[l]),
+            bound=float(bound[l]),
+            mean_load=float(mean[l]),
+        )
+        for l in range(L)
+    )
+    report = SolveReport(
+        solver="greedy",
+        layers=layers,
+        wall_time_s=wall,
+        params={"policy": used, "parity": parity, "num_groups": groups},
+        notes=tuple(notes),
+    )
+    log.debug("greedy: policy=%s %d layers in %.3fs", used, L, wall)
+    return placement, report
