@@ -27,7 +27,7 @@ def synthetic_trace(
     num_logical_experts: int = 64,
     top_k: int = 6,
     num_prompts: int = 200,
-    skew: float = 1.0,
+    skew: float = 0.4,
     num_clusters: int = 8,
     affinity: float = 4.0,
     drift: float = 0.3,
