@@ -73,12 +73,13 @@ class Topology:
         if num_logical_experts < 1:
             raise ValueError(f"num_logical_experts must be >= 1, got {num_logical_experts}")
         total = num_logical_experts + num_redundant
-        if total % ep_size:
-            need = (-total) % ep_size
+        if isinstance(ep_size, int) and ep_size >= 1 and total % ep_size:
+            up = num_redundant + (-total) % ep_size
+            down = up - ep_size
+            options = f"{down} or {up}" if down >= 0 else f"{up}"
             raise ValueError(
                 f"{num_logical_experts} logical + {num_redundant} redundant = {total} physical experts do "
-                f"not divide over ep_size={ep_size}; use {num_redundant + need} redundant experts "
-                f"(or {num_redundant + need - ep_size} if that is >= 0), or another ep_size"
+                f"not divide over ep_size={ep_size}; use {options} redundant experts, or another ep_size"
             )
         return cls(ep_size=ep_size, num_physical_experts=total, num_nodes=num_nodes)
 

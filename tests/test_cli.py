@@ -1,0 +1,101 @@
+"""The CLI as users run it: real subprocess for the entry point, main() in-process for speed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from placement.cli import main
+from profiling.readers import find_shared_traces, write_trace
+from profiling.synthetic import synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory):
+    p = tmp_path_factory.mktemp("t") / "trace.npz"
+    write_trace(synthetic_trace(num_tokens=4000, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=40), p)
+    return p
+
+
+def test_python_dash_m_entry_point(small_trace):
+    r = subprocess.run([sys.executable, "-m", "placement", "inspect", str(small_trace), "--json"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert len(d["layers"]) == 3 and d["summary"]["synthetic"] is True
+
+
+def test_solve_writes_file_and_prints_before_after(small_trace, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    rc = main(["solve", "--trace", str(small_trace), "--ep-size", "4", "--num-nodes", "2", "--num-redundant", "4",
+               "--solver", "greedy", "-o", str(out), "--fit-fraction", "0.5", "--json"])
+    assert rc == 0
+    d = json.loads(capsys.readouterr().out)
+    rows = {r["placement"]: r for r in d["balance"]}
+    assert rows["greedy"]["fit_par"] <= rows["trivial"]["fit_par"]
+    assert "heldout_par" in rows["greedy"]
+    from placement.formats import read_placement
+
+    pl = read_placement(out)
+    assert pl.num_physical_experts == 20 and pl.topology.ep_size == 4
+
+
+def test_evaluate_json(small_trace, tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["solve", "--trace", str(small_trace), "--ep-size", "4", "--num-redundant", "4", "-o", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", str(out), str(small_trace), "--policy", "local", "--step-tokens", "8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for key in ("par", "balancedness", "imbalance_ratio", "step_par", "remote_nodes_per_token", "remote_gpus_per_token"):
+        assert key in d
+    assert d["par"] >= 1.0 and d["balancedness"] == pytest.approx(np.mean([1 / x for x in d["par_per_layer"]]))
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["inspect", "/no/such/trace.npz"], "does not exist"),
+        (["solve", "--load", "{load}", "--ep-size", "7"], "do not divide over ep_size=7"),
+        (["solve", "--load", "{load}", "--ep-size", "4", "--num-nodes", "3"], "does not divide over num_nodes=3"),
+        (["solve", "--load", "{bad}", "--ep-size", "4"], "load must be"),
+        (["solve", "--ep-size", "4"], "exactly one of --trace"),
+        (["solve", "--load", "{load}", "--ep-size", "4", "-o", "/no/such/dir/p.json"], "does not exist"),
+        (["solve", "--load", "{load}", "--ep-size", "4", "--max-moves", "3"], "need --previous"),
+        (["evaluate", "{load}", "{load}"], "placement"),
+    ],
+)
+def test_bad_input_exit_code_2_one_line(argv, fragment, tmp_path, capsys):
+    load = tmp_path / "load.npy"
+    np.save(load, np.ones((2, 8)))
+    bad = tmp_path / "bad.npy"
+    np.save(bad, -np.ones((2, 8)))
+    argv = [a.format(load=load, bad=bad) for a in argv]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("moe-placement: error:")
+    assert fragment in err
+    assert "Traceback" not in err
+
+
+def test_inspect_and_greedy_solve_on_every_shared_trace(traces_dir, tmp_path, capsys):
+    paths = find_shared_traces()
+    assert paths
+    for p in paths:
+        assert main(["inspect", str(p), "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        E = d["summary"]["num_logical_experts"]
+        ep = 8 if E % 8 == 0 else 4
+        red = (-E) % ep + ep  # a redundant count that divides
+        out = tmp_path / (p.stem + ".json")
+        assert main(["solve", "--trace", str(p), "--ep-size", str(ep), "--num-redundant", str(red),
+                     "-o", str(out), "--json"]) == 0
+        s = json.loads(capsys.readouterr().out)
+        rows = {r["placement"]: r for r in s["balance"]}
+        assert rows["greedy"]["fit_par"] <= rows["trivial"]["fit_par"] + 1e-9
+        assert out.is_file()

@@ -1,0 +1,87 @@
+import numpy as np
+import pytest
+
+from placement import Placement, Topology
+from placement.metrics import expected_gpu_load, peak_lower_bound
+from solver.greedy import balanced_packing, greedy_placement, replicate
+
+# DeepSeek EPLB README example: 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
+EPLB_WEIGHT = np.array([
+    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+])
+EPLB_PHY2LOG = np.array([
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+])
+
+
+def test_golden_eplb_readme_example_parity():
+    p, rep = greedy_placement(EPLB_WEIGHT, Topology(8, 16, 2), num_groups=4, parity=True)
+    np.testing.assert_array_equal(p.physical_to_logical_map, EPLB_PHY2LOG)
+    assert rep.params["policy"] == "hierarchical"
+
+
+def test_default_mode_never_colocates_and_reports_policy():
+    rng = np.random.default_rng(3)
+    for trial in range(20):
+        E, G = 12, 4
+        w = rng.zipf(1.3, (3, E)).astype(float)
+        topo = Topology(G, 24, 2)  # 12 redundant: hot experts want many replicas
+        p, rep = greedy_placement(w, topo, num_groups=4 if trial % 2 else None)
+        # Placement() validation already rejects co-location; check directly too
+        per_gpu = p.physical_to_logical_map.reshape(3, G, -1)
+        for l in range(3):
+            for g in range(G):
+                assert len(set(per_gpu[l, g].tolist())) == per_gpu.shape[2]
+        assert rep.params["policy"] in ("hierarchical", "global")
+        assert (p.logical_replica_count >= 1).all()
+
+
+def test_global_used_when_groups_do_not_divide_nodes():
+    _, rep = greedy_placement(EPLB_WEIGHT, Topology(8, 16, 2), num_groups=3)
+    assert rep.params["policy"] == "global"
+    assert any("global policy used" in n for n in rep.notes)
+
+
+def test_replicate_gives_extra_copies_to_highest_load_per_replica():
+    phy, rank, cnt = replicate(np.array([[10.0, 1.0, 4.0]]), 6)
+    # 10 -> 5 (2 copies), then 5 vs 4 -> 10 gets a 3rd (3.33), then 4 -> 2 copies
+    assert cnt.tolist() == [[3, 1, 2]]
+    assert phy[0, 3:].tolist() == [0, 0, 2]
+    assert rank[0, 3:].tolist() == [1, 2, 1]
+
+
+def test_balanced_packing_exact_pack_sizes_and_lpt_result():
+    w = np.array([[7.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
+    pack, rank = balanced_packing(w, 2)
+    assert np.bincount(pack[0], minlength=2).tolist() == [3, 3]
+    loads = np.bincount(pack[0], weights=w[0], minlength=2)
+    assert sorted(loads.tolist()) == [11.0, 11.0]
+    for p in range(2):  # ranks inside a pack are 0..cap-1
+        assert sorted(rank[0][pack[0] == p].tolist()) == [0, 1, 2]
+
+
+def test_greedy_beats_trivial_and_respects_lower_bound():
+    rng = np.random.default_rng(0)
+    w = rng.lognormal(0, 1.0, (5, 64)) * 100
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    p, rep = greedy_placement(w, topo)
+    triv = Placement.trivial(5, 64, topo)
+    peak_g = expected_gpu_load(p, w).max(axis=1)
+    peak_t = expected_gpu_load(triv, w).max(axis=1)
+    assert (peak_g <= peak_t + 1e-9).all()
+    lb = peak_lower_bound(w, 32, 96)
+    assert (peak_g >= lb - 1e-9).all()
+    np.testing.assert_allclose(rep.per_layer("objective"), peak_g)
+
+
+@pytest.mark.parametrize("bad", [np.array([[1.0, np.nan]]), np.array([[1.0, -2.0]]), np.ones(3)])
+def test_bad_load_rejected(bad):
+    with pytest.raises(ValueError):
+        greedy_placement(bad, Topology(2, 2, 1))
+
+
+def test_too_many_slots_per_gpu_rejected():
+    with pytest.raises(ValueError, match="slots per GPU exceed the 4 experts"):
+        greedy_placement(np.ones((1, 4)), Topology(2, 10, 1))
