@@ -1,0 +1,292 @@
+"""Issue 9: property-based and fuzz tests for the core model, the trace readers and the CLI.
+
+Hypothesis runs with the derandomised 'ci' profile from conftest.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from placement import Placement, Topology
+from placement.cli import main
+from placement.metrics import balance_stats, communication, expected_gpu_load, trace_gpu_load
+from profiling.fileio import InputFileError, atomic_write_bytes, load_npz
+from profiling.readers import read_trace, write_trace
+from profiling.synthetic import synthetic_trace
+from profiling.trace import RoutingTrace
+from solver.greedy import greedy_placement
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+@st.composite
+def problems(draw):
+    """A random valid topology and load: E experts, G GPUs in N nodes, R redundant slots."""
+    N = draw(st.sampled_from([1, 2]))
+    m = draw(st.sampled_from([1, 2, 4]))
+    G = N * m
+    E = draw(st.integers(2, 12))
+    S = draw(st.integers(1, E))
+    if S * G < E:
+        S = -(-E // G)
+    if S > E:
+        S = E
+    topo = Topology(G, S * G, N)
+    load = np.array(draw(st.lists(st.integers(0, 1000), min_size=E, max_size=E)), dtype=float)[None]
+    layers = draw(st.integers(1, 3))
+    return topo, np.repeat(load, layers, axis=0) * np.arange(1, layers + 1)[:, None]
+
+
+@given(problems())
+def test_greedy_always_valid_and_par_at_least_one(prob):
+    topo, load = prob
+    E = load.shape[1]
+    if topo.num_physical_experts < E:
+        return
+    pl, rep = greedy_placement(load, topo)
+    assert (pl.logical_replica_count >= 1).all()  # no expert without a replica
+    s = balance_stats(expected_gpu_load(pl, load))
+    assert s["par"] >= 1.0 - 1e-12
+    assert all(lr.bound <= lr.objective + 1e-6 for lr in rep.layers)
+
+
+@given(problems(), st.randoms(use_true_random=False))
+def test_metrics_invariant_to_gpu_permutation_within_nodes_and_expert_relabelling(prob, rnd):
+    topo, load = prob
+    E = load.shape[1]
+    if topo.num_physical_experts < E:
+        return
+    pl, _ = greedy_placement(load, topo)
+    base = balance_stats(expected_gpu_load(pl, load))
+    # permute GPUs inside each node (move whole slot blocks)
+    S, m = topo.slots_per_gpu, topo.gpus_per_node
+    order = []
+    for n in range(topo.num_nodes):
+        gpus = list(range(n * m, (n + 1) * m))
+        rnd.shuffle(gpus)
+        order += gpus
+    slot_order = np.concatenate([np.arange(g * S, (g + 1) * S) for g in order])
+    permuted = Placement(pl.physical_to_logical_map[:, slot_order], E, topo)
+    assert balance_stats(expected_gpu_load(permuted, load))["par"] == pytest.approx(base["par"])
+    # relabel experts consistently in the map and the load
+    perm = np.array(rnd.sample(range(E), E))
+    relabelled = Placement(perm[pl.physical_to_logical_map], E, topo)
+    new_load = np.empty_like(load)
+    new_load[:, perm] = load
+    assert balance_stats(expected_gpu_load(relabelled, new_load))["par"] == pytest.approx(base["par"])
+
+
+def test_communication_invariant_to_expert_relabelling():
+    tr = synthetic_trace(num_tokens=600, num_layers=2, num_logical_experts=16, top_k=3, num_prompts=12, seed=5)
+    topo = Topology(4, 20, 2)
+    pl, _ = greedy_placement(tr.counts(), topo)
+    perm = np.random.default_rng(0).permutation(16)
+    tr2 = RoutingTrace(num_logical_experts=16, topk_ids=perm[tr.topk_ids], seq_offsets=tr.seq_offsets)
+    pl2 = Placement(perm[pl.physical_to_logical_map], 16, topo)
+    for policy in ("even", "local"):
+        a, b = communication(pl, tr, policy), communication(pl2, tr2, policy)
+        assert a["remote_nodes_per_token"] == pytest.approx(b["remote_nodes_per_token"])
+        np.testing.assert_allclose(trace_gpu_load(pl, tr, policy), trace_gpu_load(pl2, tr2, policy))
+
+
+@given(
+    st.lists(st.integers(-3, 20), min_size=0, max_size=60),
+    st.integers(1, 4),
+    st.integers(1, 16),
+)
+def test_trace_construction_is_valid_or_clear_error(values, k, E):
+    arr = np.array(values, dtype=np.int64)
+    arr = arr[: (arr.size // k) * k].reshape(-1, 1, k)
+    try:
+        tr = RoutingTrace(num_logical_experts=E, topk_ids=arr)
+    except ValueError as exc:
+        assert "must be" in str(exc) or "empty" in str(exc)
+        return
+    assert tr.counts().sum() == int((arr >= 0).sum())
+
+
+@given(st.lists(st.integers(-2, 9), min_size=1, max_size=24), st.sampled_from([1, 2, 3]), st.integers(1, 8))
+def test_placement_construction_is_valid_or_clear_error(values, G, E):
+    arr = np.array(values)
+    P = (arr.size // G) * G
+    if P == 0:
+        return
+    try:
+        pl = Placement(arr[:P][None], E, Topology(G, P, 1))
+    except ValueError as exc:
+        assert str(exc)  # a message, not a bare exception
+        return
+    assert (pl.logical_replica_count >= 1).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# file readers: corrupted, truncated, hostile
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def good_npz(tmp_path_factory):
+    p = tmp_path_factory.mktemp("npz") / "good.npz"
+    write_trace(synthetic_trace(num_tokens=300, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=6), p)
+    return p
+
+
+@given(st.integers(0, 4000), st.binary(min_size=0, max_size=64))
+def test_truncated_or_corrupted_npz_gives_clear_error(good_npz, tmp_path_factory, cut, junk):
+    data = good_npz.read_bytes()
+    bad = tmp_path_factory.mktemp("bad") / "bad.npz"
+    cut = min(cut, len(data) - 1)
+    bad.write_bytes(data[:cut] + junk)
+    try:
+        tr = read_trace(bad)
+    except ValueError as exc:
+        assert str(bad) in str(exc)
+        return
+    assert tr.num_tokens > 0  # a junk suffix after a complete archive may still read correctly
+
+
+def test_pickled_object_arrays_are_never_loaded(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    p = tmp_path / "evil.npz"
+    np.savez(p, topk_ids=np.array([Evil()], dtype=object))
+    with pytest.raises(InputFileError, match="pickle"):
+        read_trace(p)
+    assert not marker.exists()
+
+
+def test_declared_size_checked_before_allocation(good_npz):
+    with pytest.raises(InputFileError, match="over the"):
+        load_npz(good_npz, max_bytes=100)
+
+
+@pytest.mark.parametrize(
+    "arrays, fragment",
+    [
+        ({"topk_ids": np.zeros((3, 2), dtype=np.float32)}, "must be integer"),
+        ({"topk_ids": np.full((3, 1, 2), 9), "counts": np.zeros((1, 4))}, "must be in"),
+        ({"counts": np.array(["a", "b"])}, "must be numeric"),
+        ({"something": np.zeros(3)}, "not a routing trace"),
+        ({"topk_ids": np.zeros((4, 1, 1), int), "segment": np.zeros(3)}, "'segment' has shape"),
+        ({"schema": np.array("other/schema")}, "is not"),
+    ],
+)
+def test_wrong_fields_named_in_errors(tmp_path, arrays, fragment):
+    p = tmp_path / "x.npz"
+    np.savez(p, **arrays)
+    with pytest.raises(ValueError, match=fragment):
+        read_trace(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# atomic outputs
+# ---------------------------------------------------------------------------------------------
+def test_failed_write_leaves_existing_file(tmp_path):
+    target = tmp_path / "out.json"
+    target.write_text("precious")
+
+    def boom():
+        from profiling.fileio import atomic_write
+
+        with atomic_write(target) as fh:
+            fh.write(b"half")
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        boom()
+    assert target.read_text() == "precious"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # temp file removed
+
+
+def test_write_killed_half_way_leaves_existing_file(tmp_path):
+    target = tmp_path / "big.bin"
+    target.write_bytes(b"old")
+    script = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from profiling.fileio import atomic_write\n"
+        "with atomic_write(%r) as fh:\n"
+        "    fh.write(b'x' * 1000000); fh.flush(); print('writing', flush=True); time.sleep(60)\n"
+    ) % (str(ROOT), str(target))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert target.read_bytes() == b"old"
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI fuzz: every subcommand on bad inputs -> exit 2, one line, no traceback, outputs untouched
+# ---------------------------------------------------------------------------------------------
+def _bad_corpus(d: Path, good_npz: Path) -> list[Path]:
+    files = {
+        "empty.npz": b"",
+        "random.npz": bytes(range(256)) * 3,
+        "truncated.npz": good_npz.read_bytes()[:200],
+        "bad.json": b'{"physical_to_logical_map": [[0, 1], [2',
+        "wrongkeys.json": json.dumps({"hello": 1}).encode(),
+        "badshape.json": json.dumps({"physical_to_logical_map": [[0, 1, 2], [0, 1]]}).encode(),
+        "negative.json": json.dumps({"physical_to_logical_map": [[0, -5, 1, 2]]}).encode(),
+        "garbage.yaml": b"num_slots: [unclosed\n  - : :",
+        "python.yaml": b"!!python/object/apply:os.system ['echo pwned']\n",
+        "notutf8.json": b"\xff\xfe\xfa",
+        "deep.json": b"[" * 100000 + b"]" * 100000,
+    }
+    out = []
+    for name, data in files.items():
+        p = d / name
+        p.write_bytes(data)
+        out.append(p)
+    return out
+
+
+def test_cli_fuzz_bad_inputs(tmp_path, good_npz, capsys):
+    corpus = _bad_corpus(tmp_path, good_npz)
+    sentinel = tmp_path / "existing_output.json"
+    commands = []
+    for bad in corpus:
+        commands += [
+            ["inspect", str(bad)],
+            ["solve", "--trace", str(bad), "--ep-size", "2", "-o", str(sentinel)],
+            ["solve", "--load", str(bad), "--ep-size", "2", "-o", str(sentinel)],
+            ["evaluate", str(bad), str(good_npz)],
+            ["convert", str(bad), "-o", str(sentinel), "--format", "sglang", "--ep-size", "2"],
+            ["convert", str(bad), "-o", str(sentinel), "--format", "trace"],
+        ]
+    for argv in commands:
+        sentinel.write_text("keep me")
+        rc = main(argv)
+        err = capsys.readouterr().err
+        assert rc == 2, (argv, err)
+        assert err.count("\n") == 1 and err.startswith("moe-placement: error:"), (argv, err)
+        assert "Traceback" not in err
+        assert sentinel.read_text() == "keep me", argv
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_cli_subprocess_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"PK\x03\x04garbage")
+    r = subprocess.run([sys.executable, "-m", "placement", "inspect", str(bad)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
