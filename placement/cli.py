@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from placement.cli_common import CliError, echo, progress, warn
+from placement.cli_common import CliError, echo, elapsed_bar, progress, warn
 
 # Subcommands owned by their own modules: each exposes add_parser(subparsers) and run(args).
 _EXTENSIONS = ("placement.cli_profile", "placement.cli_validate", "placement.cli_layout")
@@ -221,11 +221,11 @@ def cmd_solve(args) -> int:
     if name == "greedy":
         placement, report = greedy, greedy_report
     else:
-        solve_trace = fit if fit is not None else None
-        placement, report = solve(
-            name, topology=topo, load=load, trace=solve_trace, num_groups=args.num_groups,
-            layer_ids=layer_ids, previous=previous, time_limit=args.time_limit, seed=args.seed, options=options,
-        )
+        with elapsed_bar(f"{name}", args.time_limit):
+            placement, report = solve(
+                name, topology=topo, load=load, trace=fit, num_groups=args.num_groups,
+                layer_ids=layer_ids, previous=previous, time_limit=args.time_limit, seed=args.seed, options=options,
+            )
         # never worse than greedy on the fitted objective (even split); fall back with a warning
         if name in ("cpsat", "milp"):
             peak_new = expected_gpu_load(placement, load).max(axis=1).sum()
@@ -325,7 +325,8 @@ def cmd_evaluate(args) -> int:
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
     if args.step_tokens is not None and args.step_tokens < 1:
         raise CliError(f"--step-tokens must be >= 1, got {args.step_tokens}")
-    ev = evaluate(placement, trace, args.policy, step_tokens=args.step_tokens, hidden_size=args.hidden_size)
+    with elapsed_bar("evaluating"):
+        ev = evaluate(placement, trace, args.policy, step_tokens=args.step_tokens, hidden_size=args.hidden_size)
     d = ev.to_dict()
     if args.json:
         echo(json.dumps(d, indent=1))
@@ -438,7 +439,11 @@ def cmd_demo(args) -> int:
 
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="moe-placement", description=__doc__.splitlines()[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        prog="moe-placement",
+        description="Place the experts of a mixture-of-experts model on GPUs: inspect routing, solve, evaluate, "
+        "export engine files, validate on real ranks.",
+    )
     ap.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
 

@@ -50,3 +50,46 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "", min_s
             sys.stderr.flush()
     if shown:
         sys.stderr.write("\n")
+
+
+class elapsed_bar:
+    """Context manager: a time bar on stderr for one long call (a solve with a time limit).
+
+    Shown only when stderr is a tty (or MOE_PLACEMENT_PROGRESS=1); refreshed by a daemon thread.
+    """
+
+    def __init__(self, desc: str, limit_s: float | None = None, interval: float = 0.5):
+        import os
+        import threading
+
+        self.desc, self.limit, self.interval = desc, limit_s, interval
+        self.show = sys.stderr.isatty() or os.environ.get("MOE_PLACEMENT_PROGRESS") == "1"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._shown = False
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        while not self._stop.wait(self.interval):
+            t = time.perf_counter() - start
+            if self.limit:
+                width = 30
+                fill = min(width, int(width * t / self.limit))
+                sys.stderr.write(f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {t:.0f}/{self.limit:.0f}s")
+            else:
+                sys.stderr.write(f"\r{self.desc} {t:.0f}s")
+            sys.stderr.flush()
+            self._shown = True
+
+    def __enter__(self):
+        if self.show:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.show:
+            self._thread.join()
+            if self._shown:
+                sys.stderr.write("\n")
+        return False
