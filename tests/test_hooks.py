@@ -330,3 +330,74 @@ def test_bad_arguments_name_the_fix(tmp_path):
         attach(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="nothing recorded"):
         RoutingRecorder([0], 4, 2, mode="tokens").to_trace()
+
+
+# ---- moe-placement profile ---------------------------------------------------------------------
+def _cli(argv):
+    from placement.cli import main
+
+    return main(argv)
+
+
+def test_profile_cli_records_the_models_own_routing(tmp_path, capsys):
+    """A tiny Qwen3-MoE folder with saved weights and no tokenizer: the CLI loads the weights, uses the
+    byte fallback, and the trace equals the ids the same model dispatches on the same tokens."""
+    torch.manual_seed(0)
+    cfg = _configs()["qwen3_moe"]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    folder = tmp_path / "tiny-qwen3"
+    model.save_pretrained(folder)
+    assert (folder / "config.json").is_file() and list(folder.glob("*.safetensors"))
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    texts[0].write_text("Mixture of experts routes tokens. " * 2)  # 68 bytes
+    texts[1].write_text("def f(x):\n    return x * 2\n" * 2)
+    out = tmp_path / "trace.npz"
+    rc = _cli(["profile", "--model", str(folder), "--text", str(texts[0]), "--text", str(texts[1]),
+               "-o", str(out), "--seq-len", "40", "--max-tokens", "100"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    assert "byte-level fallback" in err and "random weights" not in err
+    tr = read_trace(out)
+    assert tr.metadata["weights"] == "pretrained" and tr.metadata["tokenizer"] == "byte-fallback"
+    a, b = (np.frombuffer(t.read_bytes(), np.uint8).astype(np.int64) % VOCAB for t in texts)
+    b = b[: 100 - a.size]  # --max-tokens cuts the second file
+    assert tr.num_tokens == a.size + b.size == 100
+    # ground truth: the same weights, the same sequences (each file cut every 40 tokens), ids at the experts' input
+    seqs = [a[:40], a[40:], b]
+
+    def run():
+        with torch.no_grad():
+            for s in seqs:
+                model(torch.as_tensor(s)[None])
+
+    _, disp, _ = _ground_truth(model, run)
+    truth = np.stack([disp[i] for i in sorted(disp)], axis=1)
+    np.testing.assert_array_equal(tr.topk_ids, truth)
+    np.testing.assert_array_equal(tr.seq_offsets, np.cumsum([0] + [len(s) for s in seqs]))
+
+
+def test_profile_cli_counts_mode_from_config_only(tmp_path, capsys):
+    cfg = _configs()["mixtral"]()
+    cfg.save_pretrained(tmp_path / "m")
+    text_a, text_b = tmp_path / "arxiv.txt", tmp_path / "code.txt"
+    text_a.write_text("the quick brown fox " * 10)
+    text_b.write_text("for i in range(10): print(i)\n" * 5)
+    outs = []
+    for n in range(2):
+        out = tmp_path / f"c{n}.npz"
+        rc = _cli(["profile", "--model", str(tmp_path / "m" / "config.json"), "--text", str(text_a), "--text", str(text_b),
+                   "-o", str(out), "--mode", "counts", "--seq-len", "64", "--seed", "3"])
+        assert rc == 0
+        outs.append(read_trace(out))
+    assert "random weights" in capsys.readouterr().err
+    tr = outs[0]
+    assert not tr.has_tokens and tr.window_labels == ("arxiv", "code") and tr.metadata["weights"] == "random"
+    n_a, n_b = len(text_a.read_bytes()), len(text_b.read_bytes())
+    np.testing.assert_array_equal(tr.window_counts.sum(axis=2), [[2 * n_a] * 2, [2 * n_b] * 2])
+    np.testing.assert_array_equal(tr.window_counts, outs[1].window_counts)  # seeded: reproducible
+
+
+def test_profile_cli_bad_input_is_one_line(tmp_path, capsys):
+    rc = _cli(["profile", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "x.txt"), "-o", str(tmp_path / "t.npz")])
+    assert rc == 2
+    assert "does not exist" in capsys.readouterr().err
