@@ -1,0 +1,419 @@
+"""Communication-aware placement: keep co-activated experts on one node, cut cross-node dispatch.
+
+Shapes: L layers, E logical experts, P physical slots, G GPUs (EP ranks), N nodes, m = G / N GPUs per
+node, S = P / G slots per GPU, T tokens, k top-k.
+
+Per layer, three steps (node-level details in :mod:`solver.locality_partition`):
+
+1. Replicate: replica counts ``c [E]`` from the greedy balancer (:func:`solver.greedy.greedy_replica_counts`).
+   Expert ``e`` lives on ``min(c_e, N)`` different nodes, so a hot expert's replicas spread over nodes
+   and more tokens find one on their own node.
+2. Group experts onto nodes: maximise co-activation inside nodes (graph heuristic, CP-SAT, token-level
+   swaps) with exactly ``P / N`` slots per node and every node's load (``local`` policy, tokens' real
+   source ranks) at most ``(1 + balance_slack)`` times the mean node load.
+3. Pack each node's replicas onto its ``m`` GPUs (LPT, then pairwise swaps), at most one replica of an
+   expert per GPU, exactly ``S`` slots per GPU.
+
+The placement is meant to be served and scored with the ``local`` replica-selection policy (own GPU,
+else own node, else spread over all replicas), see :mod:`placement.metrics`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import numpy as np
+
+from placement.metrics import (
+    balance_stats,
+    communication,
+    source_ranks,
+    step_par,
+    trace_gpu_load,
+)
+from placement.model import Placement
+from placement.topology import Topology
+from profiling.coactivation import coactivation_counts
+from profiling.trace import RoutingTrace
+from solver.greedy import balanced_packing, greedy_placement, greedy_replica_counts
+from solver.locality_partition import (
+    LayerProblem,
+    agglomerate,
+    expected_remote_nodes,
+    node_loads,
+    pair_objective,
+    refine_cpsat,
+    reps_from_member,
+    swap_search,
+)
+from solver.report import LayerReport, SolveReport
+
+__all__ = ["solve_locality", "pareto", "coactivation_graph", "pack_node_gpus", "DEFAULT_SLACKS"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SLACKS = (0.0, 0.02, 0.05, 0.1)
+
+
+def coactivation_graph(coact: np.ndarray, min_weight: float = 0.0):
+    """Weighted co-activation graph of one layer (networkx).
+
+    Args:
+        coact: ``[E, E]`` pair counts (diagonal ignored).
+        min_weight: drop edges with weight ``<= min_weight``.
+
+    Returns:
+        ``networkx.Graph`` with nodes ``0..E-1`` (attribute ``load`` = diagonal count) and edge attribute ``weight``.
+    """
+    import networkx as nx
+
+    c = np.asarray(coact, dtype=np.float64)
+    if c.ndim != 2 or c.shape[0] != c.shape[1]:
+        raise ValueError(f"coact must be a square [E, E] matrix, got shape {c.shape}")
+    g = nx.Graph()
+    for e in range(c.shape[0]):
+        g.add_node(e, load=float(c[e, e]))
+    iu, ju = np.nonzero(np.triu(c, 1) > min_weight)
+    g.add_weighted_edges_from((int(i), int(j), float(c[i, j])) for i, j in zip(iu, ju))
+    return g
+
+
+def locality_replica_counts(
+    load: np.ndarray, num_slots: int, num_nodes: int, max_replicas: int, headroom: float = 0.0
+) -> np.ndarray:
+    """Replica counts ``[L, E]`` that keep greedy's balance and spend spare slots on locality.
+
+    1. ``c_e = ceil(w_e / (m* (1 + headroom)))`` where ``m*`` is the largest per-replica load of the
+       greedy counts (:func:`solver.greedy.greedy_replica_counts`): no replica is more than ``headroom``
+       heavier than greedy's heaviest.
+    2. Spare slots raise experts, hottest first, to one replica on every node (``N`` replicas): under the
+       ``local`` policy every token then finds such an expert on its own node, and each node serves
+       exactly its own tokens of it.
+    3. Slots still left go by greedy replication (highest load per replica).
+
+    Args:
+        load: ``[L, E]``. Returns: int64 ``[L, E]`` summing to ``num_slots`` per row.
+    """
+    w = np.asarray(load, dtype=np.float64)
+    L, E = w.shape
+    cg = greedy_replica_counts(w, num_slots, max_replicas)  # [L, E]
+    out = np.empty_like(cg)
+    for l in range(L):
+        peak = float((w[l] / cg[l]).max())
+        c = np.ones(E, dtype=np.int64) if peak <= 0 else np.clip(np.ceil(w[l] / (peak * (1.0 + headroom)) - 1e-9), 1, max_replicas).astype(np.int64)
+        left = num_slots - int(c.sum())
+        for e in np.argsort(-w[l], kind="stable"):
+            need = max(0, min(num_nodes, max_replicas) - int(c[e]))
+            if need == 0:
+                continue
+            if need > left:
+                continue
+            c[e] += need
+            left -= need
+        while left > 0:
+            score = np.where(c < max_replicas, w[l] / c, -np.inf)
+            c[int(score.argmax())] += 1
+            left -= 1
+        out[l] = c
+    return out
+
+
+def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Replicas of node ``n`` as items: ``(expert int64 [r], load float64 [r])`` under ``prob.policy``."""
+    member = reps > 0
+    c = prob.count.astype(np.float64)
+    if prob.policy == "even":
+        per = prob.load / c  # [E]
+        per_n = np.repeat(per[:, None], prob.num_nodes, axis=1)
+    else:
+        remote = (prob.src_count.T * ~member).sum(axis=1)  # [E]
+        per_n = prob.src_count.T / np.maximum(reps, 1) + (remote / c)[:, None]  # [E, N]
+    experts = np.repeat(np.arange(prob.num_experts), reps[:, n])
+    return experts.astype(np.int64), per_n[experts, n]
+
+
+def pack_node_gpus(experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_rounds: int = 200) -> np.ndarray:
+    """Pack one node's replicas onto its GPUs: exactly ``len/num_gpus`` each, distinct experts per GPU.
+
+    LPT (:func:`solver.greedy.balanced_packing` with the expert as key), then pairwise swaps that lower
+    the heavier of the two GPUs involved, starting from the heaviest GPU.
+
+    Args:
+        experts: int64 ``[r]`` logical expert of each replica; loads: float64 ``[r]``.
+
+    Returns:
+        int64 ``[r]`` GPU (0..num_gpus-1 within the node) of each replica.
+    """
+    pack, _ = balanced_packing(loads[None, :], num_gpus, item_key=experts[None, :])
+    gpu = pack[0].copy()
+    for _ in range(max_rounds):
+        gl = np.bincount(gpu, weights=loads, minlength=num_gpus)
+        hi = int(gl.argmax())
+        best = None
+        for i in np.flatnonzero(gpu == hi):
+            for j in np.flatnonzero(gpu != hi):
+                d = loads[i] - loads[j]
+                if d <= 1e-12:
+                    continue
+                o = gpu[j]
+                new_peak = max(gl[hi] - d, gl[o] + d)
+                if new_peak >= gl[hi] - 1e-12:
+                    continue
+                # distinct experts per GPU after the swap
+                if experts[j] != experts[i] and (
+                    np.any(experts[gpu == hi] == experts[j]) or np.any(experts[gpu == o] == experts[i])
+                ):
+                    continue
+                if best is None or new_peak < best[0]:
+                    best = (new_peak, i, j)
+        if best is None:
+            break
+        _, i, j = best
+        gpu[i], gpu[j] = gpu[j], gpu[i]
+    return gpu
+
+
+def _layer_row(prob: LayerProblem, reps: np.ndarray, topology: Topology) -> np.ndarray:
+    """int64 ``[P]`` physical-to-logical row from a node layout ``reps [E, N]``."""
+    m, S = topology.gpus_per_node, topology.slots_per_gpu
+    row = np.empty(topology.num_physical_experts, dtype=np.int64)
+    for n in range(prob.num_nodes):
+        experts, loads = _replica_loads(prob, reps, n)
+        gpu = pack_node_gpus(experts, loads, m)
+        for gl in range(m):
+            ex = np.sort(experts[gpu == gl])  # S experts of this GPU
+            g = n * m + gl
+            row[g * S:(g + 1) * S] = ex
+    return row
+
+
+def _validate(trace: RoutingTrace, topology: Topology, balance_slack: float, policy: str, num_redundant) -> None:
+    if not isinstance(trace, RoutingTrace) or not trace.has_tokens:
+        raise ValueError("the locality solver needs a per-token RoutingTrace (topk_ids), not counts only")
+    E, P, G = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size
+    if E > P:
+        raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
+    if topology.slots_per_gpu > E:
+        raise ValueError(
+            f"{topology.slots_per_gpu} slots per GPU exceed the {E} experts; use at most {E * G - E} redundant experts"
+        )
+    if num_redundant is not None and int(num_redundant) != P - E:
+        raise ValueError(
+            f"num_redundant={num_redundant} disagrees with the topology ({P} slots - {E} experts = {P - E}); "
+            f"build the topology with Topology.from_redundant({E}, {num_redundant}, ep_size, num_nodes)"
+        )
+    if not (0.0 <= balance_slack <= 10.0) or not np.isfinite(balance_slack):
+        raise ValueError(f"balance_slack must be in [0, 10] (0.02 = node loads within 2% of the mean), got {balance_slack}")
+    if policy not in ("local", "even"):
+        raise ValueError(f"policy must be 'local' or 'even', got {policy!r}")
+
+
+def solve_locality(
+    trace: RoutingTrace,
+    topology: Topology,
+    *,
+    balance_slack: float = 0.02,
+    policy: str = "local",
+    time_limit: float = 10.0,
+    seed: int = 0,
+    layer_ids: Sequence[int] | None = None,
+    num_redundant: int | None = None,
+    refine: bool = True,
+    hidden_size: int | None = None,
+    comm_weight: float | None = None,
+    replication: str = "locality",
+    replica_headroom: float = 0.2,
+) -> tuple[Placement, SolveReport]:
+    """Communication-aware placement fitted on a per-token trace.
+
+    Args:
+        trace: per-token routing (``topk_ids [T, L, k]``); its ``source_rank`` is used when present,
+            else prompts (or tokens) round-robin over the ``G`` attention-DP ranks (see report notes).
+        topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
+        balance_slack: node loads (expected tokens under ``policy``) at most ``(1 + slack) x`` the mean;
+            the trade-off knob (larger: more locality, less balance).
+        policy: replica-selection policy the placement will be served with (``local`` or ``even``).
+        time_limit: seconds for the whole solve (split evenly over layers: CP-SAT and swap search).
+        seed: seeds Louvain, CP-SAT and the swap search.
+        layer_ids: the trace's layer ids to solve (default all).
+        num_redundant: optional check against the topology's ``P - E``.
+        refine: run CP-SAT and the token-level swap search after the heuristic.
+        hidden_size: model hidden size; adds fitted ``bytes_per_token`` to the notes.
+        comm_weight: None (default) minimises remote nodes under the hard balance cap; a number ``w > 0``
+            also rewards node balance in the swap search: objective ``remote_nodes + (max/mean - 1) / w``.
+
+    Returns:
+        (Placement, SolveReport). Per layer: ``objective`` = fitted expected remote nodes per token,
+        ``baseline_objective`` = the same for the greedy placement, ``bound`` = 0 (no useful bound);
+        ``extra`` has the heuristic start, node-load ratio, CP-SAT status and pair objectives.
+    """
+    t0 = time.perf_counter()
+    _validate(trace, topology, balance_slack, policy, num_redundant)
+    if comm_weight is not None and not (comm_weight > 0):
+        raise ValueError(f"comm_weight must be > 0 (or None for a hard balance cap only), got {comm_weight}")
+    if layer_ids is not None:
+        want = [int(x) for x in layer_ids]
+        missing = [x for x in want if x not in trace.layer_ids]
+        if missing:
+            raise ValueError(f"layer ids {missing} are not in the trace (it has {list(trace.layer_ids)})")
+        trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
+    E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
+    m = topology.gpus_per_node
+    L = trace.num_layers
+    src, how = source_ranks(trace, G)
+    src_node = src // m
+    load = trace.counts().astype(np.float64)  # [L, E]
+    if replication == "locality":
+        counts = locality_replica_counts(load, P, N, G, replica_headroom)  # [L, E]
+    elif replication == "greedy":
+        counts = greedy_replica_counts(load, P, max_replicas=G)  # [L, E]
+    else:
+        raise ValueError(f"replication must be 'locality' or 'greedy', got {replication!r}")
+    greedy, _ = greedy_placement(load, topology, layer_ids=trace.layer_ids)
+    coact = coactivation_counts(trace).astype(np.float64)  # [L, E, E]
+    per_layer_t = max(float(time_limit), 0.0) / max(L, 1)
+    bw = 0.0 if comm_weight is None else 1.0 / float(comm_weight)
+    rows = np.empty((L, P), dtype=np.int64)
+    reports = []
+    for l in range(L):
+        tl = time.perf_counter()
+        ids = trace.topk_ids[:, l, :].astype(np.int64)  # [T, k]
+        valid = ids >= 0
+        src_count = np.zeros((N, E))
+        np.add.at(src_count, (np.broadcast_to(src_node[:, None], ids.shape)[valid], ids[valid]), 1.0)
+        c = coact[l].copy()
+        np.fill_diagonal(c, 0.0)
+        prob = LayerProblem(ids, src_node, c, src_count, counts[l].astype(np.int64), N, P // N, m, policy)
+        cap = (1.0 + balance_slack) * prob.mean_node_load
+        member0, extra = agglomerate(prob, cap, seed=seed + l)
+        reps0 = reps_from_member(prob, member0, extra)
+        obj0 = float(expected_remote_nodes(prob, reps0).mean()) if ids.size else 0.0
+        member, cp_status = member0, "skipped"
+        if refine:
+            member, cp_status = refine_cpsat(prob, member0, extra, cap, 0.4 * per_layer_t, seed=seed + l)
+            member = swap_search(prob, member, extra, cap, 0.5 * per_layer_t, seed=seed + l, balance_weight=bw)
+        reps = reps_from_member(prob, member, extra)
+        obj = float(expected_remote_nodes(prob, reps).mean()) if ids.size else 0.0
+        loads0, loads = node_loads(prob, reps0), node_loads(prob, reps)
+        worse_balance = loads.max() > max(cap, loads0.max()) + 1e-9
+        if obj > obj0 + 1e-12 or worse_balance:  # never worse than the heuristic start
+            reps, obj, loads, member = reps0, obj0, loads0, member0
+        rows[l] = _layer_row(prob, reps, topology)
+        g_reps = np.zeros((E, N), dtype=np.int64)
+        np.add.at(g_reps, (greedy.physical_to_logical_map[l], topology.node_of_slot), 1)
+        g_prob = LayerProblem(ids, src_node, c, src_count, greedy.logical_replica_count[l], N, P // N, m, policy)
+        g_obj = float(expected_remote_nodes(g_prob, g_reps).mean()) if ids.size else 0.0
+        mean = prob.mean_node_load
+        reports.append(
+            LayerReport(
+                layer_id=trace.layer_ids[l],
+                status="heuristic",
+                objective=obj,
+                bound=0.0,
+                wall_time_s=time.perf_counter() - tl,
+                baseline_objective=g_obj,
+                mean_load=float(load[l].sum() / G),
+                extra={
+                    "heuristic_objective": obj0,
+                    "node_load_ratio": float(loads.max() / mean) if mean > 0 else 1.0,
+                    "node_load_cap_met": bool(loads.max() <= cap + 1e-9),
+                    "cpsat_status": cp_status,
+                    "pair_objective_start": pair_objective(prob, member0),
+                    "pair_objective": pair_objective(prob, member),
+                },
+            )
+        )
+    params = {
+        "balance_slack": balance_slack,
+        "policy": policy,
+        "time_limit": time_limit,
+        "seed": seed,
+        "refine": refine,
+        "comm_weight": comm_weight,
+        "replication": replication,
+        "replica_headroom": replica_headroom,
+        "hidden_size": hidden_size,
+        "source_ranks": how,
+    }
+    placement = Placement(
+        rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name}
+    )
+    notes = [f"source ranks: {how}", "objective = fitted expected remote nodes per token (local policy model)"]
+    missed = [r.layer_id for r in reports if not r.extra["node_load_cap_met"]]
+    if missed:
+        notes.append(f"node-load cap (1+{balance_slack}) not met in layers {missed}: best effort")
+    if hidden_size is not None:
+        cm = communication(placement, trace, policy, hidden_size=hidden_size)
+        notes.append(f"fitted bytes_per_token={cm['bytes_per_token']:.0f} (hidden_size={hidden_size})")
+    report = SolveReport("locality", tuple(reports), time.perf_counter() - t0, params, tuple(notes))
+    log.debug("locality: %d layers in %.2fs", L, report.wall_time_s)
+    return placement, report
+
+
+def _score(placement: Placement, held: RoutingTrace, policy: str, step_tokens: int, hidden_size: int | None) -> dict:
+    bal = balance_stats(trace_gpu_load(placement, held, policy))
+    comm = communication(placement, held, policy, hidden_size=hidden_size)
+    sp = step_par(placement, held, step_tokens, policy)
+    row = {
+        "policy": policy,
+        "par": bal["par"],
+        "par_worst": bal["par_worst"],
+        "step_par": sp["step_par"],
+        "remote_nodes_per_token": comm["remote_nodes_per_token"],
+        "remote_gpus_per_token": comm["remote_gpus_per_token"],
+        "source_ranks": comm["source_ranks"],
+    }
+    if hidden_size is not None:
+        row["bytes_per_token"] = comm["bytes_per_token"]
+    return row
+
+
+def pareto(
+    fit_trace: RoutingTrace,
+    held_trace: RoutingTrace,
+    topology: Topology,
+    slacks: Sequence[float] = DEFAULT_SLACKS,
+    policy: str = "local",
+    seed: int = 0,
+    time_limit: float = 10.0,
+    hidden_size: int | None = None,
+    step_tokens: int = 16,
+    refine: bool = True,
+) -> list[dict]:
+    """Held-out trade-off table: greedy (``policy`` and ``even``), trivial, and locality at each slack.
+
+    Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`.
+
+    Returns:
+        list of dicts with ``placement``, ``slack``, ``policy``, ``par``, ``par_worst``, ``step_par``,
+        ``remote_nodes_per_token``, ``remote_gpus_per_token``, ``bytes_per_token`` (with ``hidden_size``),
+        ``par_vs_greedy`` and ``nodes_vs_greedy`` (ratios to greedy under the same policy),
+        ``solve_s``.
+    """
+    if fit_trace.num_logical_experts != held_trace.num_logical_experts or fit_trace.layer_ids != held_trace.layer_ids:
+        raise ValueError("fit and held-out traces must have the same experts and layers")
+    rows: list[dict] = []
+    t = time.perf_counter()
+    greedy, _ = greedy_placement(fit_trace.counts(), topology, layer_ids=fit_trace.layer_ids)
+    g_s = time.perf_counter() - t
+    base = _score(greedy, held_trace, policy, step_tokens, hidden_size)
+    rows.append({"placement": "greedy", "slack": None, **base, "solve_s": g_s})
+    if policy != "even":
+        rows.append({"placement": "greedy", "slack": None, **_score(greedy, held_trace, "even", step_tokens, hidden_size),
+                     "solve_s": g_s})
+    triv = Placement.trivial(fit_trace.num_layers, fit_trace.num_logical_experts, topology, fit_trace.layer_ids)
+    rows.append({"placement": "trivial", "slack": None, **_score(triv, held_trace, policy, step_tokens, hidden_size),
+                 "solve_s": 0.0})
+    for s in slacks:
+        pl, rep = solve_locality(fit_trace, topology, balance_slack=float(s), policy=policy, time_limit=time_limit,
+                                 seed=seed, refine=refine)
+        rows.append({"placement": "locality", "slack": float(s),
+                     **_score(pl, held_trace, policy, step_tokens, hidden_size), "solve_s": rep.wall_time_s})
+    for r in rows:
+        r["par_vs_greedy"] = r["par"] / base["par"] if base["par"] > 0 else 1.0
+        r["nodes_vs_greedy"] = (
+            r["remote_nodes_per_token"] / base["remote_nodes_per_token"] if base["remote_nodes_per_token"] > 0 else 1.0
+        )
+    return rows
