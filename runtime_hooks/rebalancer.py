@@ -1,0 +1,449 @@
+"""Online rebalancing hook for a serving loop: windowed load, drift trigger, off-thread re-placement.
+
+Shapes: L MoE layers, E logical experts, G EP ranks (GPUs).
+
+The serving loop feeds one ``[L, E]`` count matrix per step (from the counting hook in
+:mod:`profiling.hooks`) to :meth:`Rebalancer.observe`; :meth:`Rebalancer.poll` (non-blocking) hands
+back a new placement when an off-thread re-solve has finished AND its predicted gain beats its
+migration cost; the ``apply`` callback (e.g. the runtime's atomic ``apply_placement``) is called
+with it first.
+
+Settings mirror vLLM's ``eplb_config`` names (``window_size``, ``step_interval``,
+``num_redundant_experts``, ``log_balancedness``) and SGLang's equivalents
+(``eplb_rebalance_num_iterations`` ~ ``step_interval``, ``expert_distribution_recorder_buffer_size``
+~ ``window_size``).
+
+Cost model (../shared/docs/costmodel.md, Migration; every constant is an overridable field):
+
+- migration: ``T_move = max over GPUs(slots copied onto that GPU, all layers) * expert_bytes / B_link
+  + alpha`` (copies to different GPUs run in parallel). ``B_link``: NVLink 270 GB/s effective
+  (450 nominal x 0.6), RDMA 42 GB/s effective (50 nominal, 40-45 measured at EP >= 64); ``alpha``:
+  40 us (NVLink typical collective latency), 30 us (RDMA floor). One 44 MB DeepSeek-V3 FP8 expert:
+  0.16 ms over NVLink, 1.05 ms over RDMA.
+- gain: ``(peak_now - peak_new)`` per step, summed over layers, times the seconds one token-expert
+  assignment costs on the peak GPU, times the steps of the next window (``horizon_steps``, default
+  ``window_size``). Seconds per assignment: ``6 d f / (P_flops * eta_c)`` (grouped GEMM, compute
+  bound): DeepSeek-V3 ``d=7168, f=2048``, Hopper FP8 ``1979 TFLOP/s``, ``eta_c=0.54``: 82 ns.
+  Decode below the knee is memory-bound, where this overstates the gain of shaving tokens; raise
+  ``move_cost_scale`` to be more conservative.
+- the solver's per-slot move cost (load units) is the serial copy time of one expert converted to
+  load at that rate: ``(expert_bytes / B_link) / (seconds_per_assignment * horizon / window_steps)``.
+
+Trigger policies: ``interval`` re-solves every ``step_interval`` steps (as vLLM/SGLang do);
+``gain`` checks every ``check_interval`` steps whether the predicted gain (current peak minus the
+peak the last solve reached on its window, per layer) exceeds the migration cost of one slot, and
+only then re-solves. Either way a finished re-solve is applied only when its gain on the current
+window beats its ``T_move`` (``always_apply=True`` skips that gate). The first full window under the
+``gain`` trigger calibrates the reachable peak with one solve.
+
+Importing this module needs numpy only: the solver (and its scipy/ortools stack) is imported inside
+the worker function.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import numpy as np
+
+__all__ = [
+    "RebalancerConfig",
+    "Rebalancer",
+    "RebalanceEvent",
+    "LINKS",
+    "migration_time",
+    "slots_copied_per_gpu",
+    "seconds_per_assignment",
+]
+
+log = logging.getLogger(__name__)
+
+# link name -> (effective bandwidth B/s, latency alpha s); see the module docstring.
+LINKS: dict[str, tuple[float, float]] = {
+    "nvlink": (270e9, 40e-6),
+    "rdma": (42e9, 30e-6),
+}
+
+
+def seconds_per_assignment(hidden_size: int, intermediate_size: int, peak_flops: float, efficiency: float) -> float:
+    """Expert compute seconds for one (token, expert) assignment: ``6 d f / (P * eta_c)`` (GLU)."""
+    return 6.0 * hidden_size * intermediate_size / (peak_flops * efficiency)
+
+
+@dataclass(frozen=True)
+class RebalancerConfig:
+    """Rebalancer settings (frozen).
+
+    Attributes:
+        window_size: steps in the sliding load window (vLLM ``window_size``).
+        step_interval: steps between re-solves under the ``interval`` trigger (vLLM ``step_interval``).
+        num_redundant_experts: redundant slots per layer; checked against the placement (vLLM name).
+        log_balancedness: log each step's balancedness (mean/max GPU load) at INFO.
+        trigger: ``interval`` or ``gain``.
+        check_interval: steps between gain checks (0: ``max(1, window_size // 8)``).
+        horizon_steps: steps the gain is predicted over (0: ``window_size``).
+        link: ``nvlink`` or ``rdma`` (the link weights move over); ``link_bandwidth``/``link_latency``
+            override :data:`LINKS`.
+        hidden_size, expert_intermediate_size, peak_flops, compute_efficiency: the per-assignment
+            compute time (defaults: DeepSeek-V3 on Hopper FP8).
+        move_cost_scale: multiplies the solver's per-slot move cost (> 1: more conservative).
+        max_moves: total moved slots per re-placement (None: no budget).
+        method, time_limit, drift_guard: passed to :func:`solver.migration.solve_migration`.
+        always_apply: apply every finished re-solve that moves something, without the gain gate.
+        executor: ``thread`` or ``process`` (where the re-solve runs, off the serving thread).
+    """
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int | None = None
+    log_balancedness: bool = False
+    trigger: Literal["interval", "gain"] = "interval"
+    check_interval: int = 0
+    horizon_steps: int = 0
+    link: Literal["nvlink", "rdma"] = "nvlink"
+    link_bandwidth: float | None = None
+    link_latency: float | None = None
+    hidden_size: int = 7168
+    expert_intermediate_size: int = 2048
+    peak_flops: float = 1979e12
+    compute_efficiency: float = 0.54
+    move_cost_scale: float = 1.0
+    max_moves: int | None = None
+    method: str = "incremental"
+    time_limit: float = 2.0
+    drift_guard: float = 1.5
+    always_apply: bool = False
+    executor: Literal["thread", "process"] = "thread"
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name} must be a positive integer number of steps, got {v!r}")
+        for name in ("check_interval", "horizon_steps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0 (0 = default), got {v!r}")
+        if self.trigger not in ("interval", "gain"):
+            raise ValueError(f"trigger must be 'interval' or 'gain', got {self.trigger!r}")
+        if self.link not in LINKS:
+            raise ValueError(f"link must be one of {sorted(LINKS)}, got {self.link!r}")
+        if self.executor not in ("thread", "process"):
+            raise ValueError(f"executor must be 'thread' or 'process', got {self.executor!r}")
+        for name in ("peak_flops", "compute_efficiency", "move_cost_scale", "time_limit"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if self.max_moves is not None and (int(self.max_moves) != self.max_moves or self.max_moves < 0):
+            raise ValueError(f"max_moves must be a non-negative integer or None, got {self.max_moves!r}")
+
+    @property
+    def bandwidth(self) -> float:
+        return float(self.link_bandwidth if self.link_bandwidth is not None else LINKS[self.link][0])
+
+    @property
+    def latency(self) -> float:
+        return float(self.link_latency if self.link_latency is not None else LINKS[self.link][1])
+
+    @property
+    def seconds_per_assignment(self) -> float:
+        return seconds_per_assignment(self.hidden_size, self.expert_intermediate_size, self.peak_flops, self.compute_efficiency)
+
+    @property
+    def effective_check_interval(self) -> int:
+        return self.check_interval or max(1, self.window_size // 8)
+
+    @property
+    def effective_horizon(self) -> int:
+        return self.horizon_steps or self.window_size
+
+
+@dataclass(frozen=True)
+class RebalanceEvent:
+    """One finished re-solve: what it would move, what it would gain, whether it was applied."""
+
+    step: int
+    trigger: str
+    applied: bool
+    moved_slots: int
+    moved_bytes: float
+    migration_time_s: float
+    predicted_gain_s: float
+    peak_before: float
+    peak_after: float
+    solve_wall_s: float
+    solve_thread: str
+    reason: str = ""
+
+
+def slots_copied_per_gpu(previous_map: np.ndarray, new_map: np.ndarray, ep_size: int) -> np.ndarray:
+    """int64 ``[G]``: slots whose expert changes, per receiving GPU, summed over layers.
+
+    Args:
+        previous_map, new_map: int ``[L, P]`` physical-to-logical maps.
+    """
+    a, b = np.asarray(previous_map), np.asarray(new_map)
+    if a.shape != b.shape:
+        raise ValueError(f"maps differ in shape {a.shape} vs {b.shape}")
+    changed = (a != b).reshape(a.shape[0], ep_size, -1)  # [L, G, S]
+    return changed.sum(axis=(0, 2)).astype(np.int64)
+
+
+def migration_time(previous_map, new_map, ep_size: int, expert_bytes: float, bandwidth: float, latency: float) -> float:
+    """``T_move`` seconds: the busiest receiving GPU's copies at ``bandwidth`` plus ``latency``; 0 if nothing moves."""
+    per_gpu = slots_copied_per_gpu(previous_map, new_map, ep_size)
+    if per_gpu.sum() == 0:
+        return 0.0
+    return float(per_gpu.max()) * float(expert_bytes) / float(bandwidth) + float(latency)
+
+
+def _gpu_peaks(p2l: np.ndarray, load: np.ndarray, ep_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-layer peak and mean GPU load ``([L], [L])`` of a map ``[L, P]`` under even split of ``load [L, E]``."""
+    L, P = p2l.shape
+    E = load.shape[1]
+    cnt = np.zeros((L, E))
+    np.add.at(cnt, (np.repeat(np.arange(L), P), p2l.ravel()), 1.0)
+    per_rep = load / np.maximum(cnt, 1.0)  # [L, E]
+    slot = np.take_along_axis(per_rep, p2l, axis=1)  # [L, P]
+    gpu = slot.reshape(L, ep_size, P // ep_size).sum(axis=2)  # [L, G]
+    return gpu.max(axis=1), gpu.mean(axis=1)
+
+
+def _resolve_job(load: np.ndarray, placement, kwargs: dict) -> tuple[Any, Any, float, str]:
+    """Worker body (module level so a process pool can run it): the lazy solver import lives here."""
+    from solver.migration import solve_migration
+
+    t0 = time.perf_counter()
+    new, report = solve_migration(load, placement, **kwargs)
+    return new, report, time.perf_counter() - t0, threading.current_thread().name
+
+
+class Rebalancer:
+    """Sliding-window rebalancer driven by per-step expert counts.
+
+    Args:
+        current_placement: the :class:`placement.model.Placement` in service.
+        config: :class:`RebalancerConfig`.
+        expert_bytes: bytes of one expert's weights in one layer (default ``3 * hidden_size *
+            expert_intermediate_size`` of the config: GLU, 1 byte per weight as in FP8).
+        link: overrides ``config.link`` when given.
+        apply: callback ``apply(new_placement) -> None`` (the runtime's atomic migration); when it
+            raises, the old placement stays in service and the error is logged.
+        executor: a ``concurrent.futures.Executor`` to run re-solves on (default: one private worker
+            thread, or a one-process pool with ``config.executor == "process"``).
+    """
+
+    def __init__(
+        self,
+        current_placement,
+        config: RebalancerConfig | None = None,
+        expert_bytes: float | None = None,
+        link: str | None = None,
+        apply: Callable[[Any], None] | None = None,
+        executor: cf.Executor | None = None,
+    ):
+        cfg = config or RebalancerConfig()
+        if link is not None:
+            if link not in LINKS:
+                raise ValueError(f"link must be one of {sorted(LINKS)}, got {link!r}")
+            from dataclasses import replace
+
+            cfg = replace(cfg, link=link)
+        if cfg.num_redundant_experts is not None and cfg.num_redundant_experts != current_placement.num_redundant_experts:
+            raise ValueError(
+                f"config says num_redundant_experts={cfg.num_redundant_experts} but the placement has "
+                f"{current_placement.num_redundant_experts} ({current_placement.num_physical_experts} slots - "
+                f"{current_placement.num_logical_experts} experts); make them agree"
+            )
+        self.config = cfg
+        self.expert_bytes = float(expert_bytes if expert_bytes is not None else 3 * cfg.hidden_size * cfg.expert_intermediate_size)
+        if not self.expert_bytes > 0:
+            raise ValueError(f"expert_bytes must be > 0, got {expert_bytes!r}")
+        self.apply_fn = apply
+        self._placement = current_placement
+        L, E = current_placement.num_layers, current_placement.num_logical_experts
+        self._ring = np.zeros((cfg.window_size, L, E))  # [W, L, E] last W steps
+        self._sum = np.zeros((L, E))  # [L, E] sum of the ring
+        self._filled = 0
+        self.step = 0
+        self._own_executor = executor is None
+        if executor is None:
+            executor = (cf.ProcessPoolExecutor(max_workers=1) if cfg.executor == "process"
+                        else cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rebalancer"))
+        self._executor = executor
+        self._future: cf.Future | None = None
+        self._pending_meta: dict | None = None
+        self._reachable_par: np.ndarray | None = None  # [L] PAR the last solve reached on its window
+        self.history: list[RebalanceEvent] = []
+        self.num_solves = 0
+
+    # ---- state ---------------------------------------------------------------------------------
+    @property
+    def placement(self):
+        """The placement in service."""
+        return self._placement
+
+    @property
+    def pending(self) -> bool:
+        """True while a re-solve is submitted and not yet consumed by :meth:`poll`."""
+        return self._future is not None
+
+    def window_load(self) -> np.ndarray:
+        """float64 ``[L, E]``: summed counts of the last ``min(steps, window_size)`` steps."""
+        return self._sum.copy()
+
+    @property
+    def window_steps(self) -> int:
+        return self._filled
+
+    def move_cost(self) -> float:
+        """The solver's cost of one moved slot, in window-load units (see the module docstring)."""
+        cfg = self.config
+        per_slot_s = self.expert_bytes / cfg.bandwidth
+        seconds_per_load = cfg.seconds_per_assignment * cfg.effective_horizon / max(self._filled, 1)
+        return cfg.move_cost_scale * per_slot_s / seconds_per_load
+
+    def predicted_gain_s(self, new_map: np.ndarray | None = None) -> float:
+        """Seconds saved over the horizon by ``new_map`` (or, without one, by reaching the last solve's
+        PAR in every layer) on the current window."""
+        cfg = self.config
+        if self._filled == 0:
+            return 0.0
+        G = self._placement.topology.ep_size
+        peak, mean = _gpu_peaks(self._placement.physical_to_logical_map, self._sum, G)
+        if new_map is not None:
+            target, _ = _gpu_peaks(np.asarray(new_map), self._sum, G)
+        else:
+            from placement.metrics import peak_lower_bound
+
+            lb = peak_lower_bound(self._sum, G, self._placement.num_physical_experts)
+            par = self._reachable_par if self._reachable_par is not None else np.ones_like(peak)
+            target = np.maximum(lb, mean * par)
+        saved_per_step = np.maximum(peak - target, 0.0).sum() / self._filled  # assignments / step on the peak GPU
+        return float(saved_per_step * cfg.seconds_per_assignment * cfg.effective_horizon)
+
+    # ---- serving-thread API --------------------------------------------------------------------
+    def observe(self, counts) -> None:
+        """Add one step's counts ``[L, E]`` (token-expert assignments per logical expert) to the window.
+
+        May submit a re-solve to the worker; never blocks on it.
+        """
+        c = np.asarray(counts, dtype=np.float64)
+        L, E = self._sum.shape
+        if c.shape != (L, E):
+            raise ValueError(f"counts have shape {c.shape}; expected [{L}, {E}] (layers x logical experts) per step")
+        if not np.all(np.isfinite(c)) or (c.size and c.min() < 0):
+            raise ValueError("counts must be finite and >= 0")
+        cfg = self.config
+        i = self.step % cfg.window_size
+        self._sum += c - self._ring[i]
+        self._ring[i] = c
+        self._filled = min(self._filled + 1, cfg.window_size)
+        self.step += 1
+        if cfg.log_balancedness:
+            peak, mean = _gpu_peaks(self._placement.physical_to_logical_map, c, self._placement.topology.ep_size)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                bal = np.where(peak > 0, mean / np.where(peak > 0, peak, 1), 1.0)
+            log.info("rebalancer step %d: balancedness %.4f (mean GPU load %.1f, peak %.1f, worst layer %.4f)",
+                     self.step, float(bal.mean()), float(mean.mean()), float(peak.mean()), float(bal.min()))
+        if self._future is None and self._should_trigger():
+            self._submit()
+
+    def _should_trigger(self) -> bool:
+        cfg = self.config
+        if cfg.trigger == "interval":
+            return self.step % cfg.step_interval == 0
+        if self._filled < cfg.window_size or self.step % cfg.effective_check_interval:
+            return False
+        if self._reachable_par is None:
+            return True  # calibration solve on the first full window
+        one_slot_s = self.expert_bytes / cfg.bandwidth + cfg.latency
+        return self.predicted_gain_s() > cfg.move_cost_scale * one_slot_s
+
+    def _submit(self) -> None:
+        cfg = self.config
+        kwargs = dict(max_moves=cfg.max_moves, move_cost=self.move_cost(), time_limit=cfg.time_limit,
+                      method=cfg.method, drift_guard=cfg.drift_guard)
+        self._pending_meta = {"step": self.step, "trigger": cfg.trigger, "fit_load": self._sum.copy()}
+        self._future = self._executor.submit(_resolve_job, self._sum.copy(), self._placement, kwargs)
+        self.num_solves += 1
+        log.debug("rebalancer: re-solve submitted at step %d (%s trigger)", self.step, cfg.trigger)
+
+    def poll(self):
+        """Non-blocking: the newly applied placement if a finished re-solve passed the gate, else None."""
+        if self._future is None or not self._future.done():
+            return None
+        return self._consume()
+
+    def wait(self, timeout: float | None = None):
+        """Block until the pending re-solve (if any) finishes, then act as :meth:`poll`."""
+        if self._future is None:
+            return None
+        cf.wait([self._future], timeout=timeout)
+        return self.poll()
+
+    def _consume(self):
+        fut, meta = self._future, self._pending_meta or {}
+        self._future, self._pending_meta = None, None
+        try:
+            new, report, wall, thread = fut.result()
+        except Exception:  # a failed solve must not take serving down
+            log.exception("rebalancer: re-solve failed; keeping the current placement")
+            return None
+        cfg = self.config
+        G = self._placement.topology.ep_size
+        fit = meta.get("fit_load", self._sum)
+        fit_peak, fit_mean = _gpu_peaks(new.physical_to_logical_map, fit, G)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self._reachable_par = np.where(fit_mean > 0, fit_peak / np.where(fit_mean > 0, fit_mean, 1), 1.0)
+        old_map = self._placement.physical_to_logical_map
+        moved = int((old_map != new.physical_to_logical_map).sum())
+        t_move = migration_time(old_map, new.physical_to_logical_map, G, self.expert_bytes, cfg.bandwidth, cfg.latency)
+        gain = self.predicted_gain_s(new.physical_to_logical_map)
+        peak_before = float(_gpu_peaks(old_map, self._sum, G)[0].sum())
+        peak_after = float(_gpu_peaks(new.physical_to_logical_map, self._sum, G)[0].sum())
+        if moved == 0:
+            applied, reason = False, "no move pays for itself"
+        elif cfg.always_apply or gain > t_move:
+            applied, reason = True, "gain exceeds migration cost" if not cfg.always_apply else "always_apply"
+        else:
+            applied, reason = False, f"gain {gain * 1e3:.3f} ms <= migration {t_move * 1e3:.3f} ms"
+        if applied and self.apply_fn is not None:
+            try:
+                self.apply_fn(new)
+            except Exception:
+                log.exception("rebalancer: apply callback failed; keeping the current placement")
+                applied, reason = False, "apply callback failed"
+        ev = RebalanceEvent(
+            step=int(meta.get("step", self.step)), trigger=str(meta.get("trigger", cfg.trigger)), applied=applied,
+            moved_slots=moved, moved_bytes=moved * self.expert_bytes, migration_time_s=t_move,
+            predicted_gain_s=gain, peak_before=peak_before, peak_after=peak_after, solve_wall_s=wall,
+            solve_thread=thread, reason=reason,
+        )
+        self.history.append(ev)
+        log.info("rebalancer: step %d %s: %d slots (%.1f MB), T_move %.3f ms, predicted gain %.3f ms (%s)",
+                 self.step, "applied" if applied else "skipped", moved, moved * self.expert_bytes / 1e6,
+                 t_move * 1e3, gain * 1e3, reason)
+        if applied:
+            self._placement = new
+            return new
+        return None
+
+    def close(self) -> None:
+        """Drop a pending result and shut down the private executor (waits for a running solve)."""
+        if self._future is not None:
+            self._future.cancel()
+        self._future = None
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,234 @@
+"""Trace-replay simulator for online rebalancing (numpy only; the solvers are imported lazily).
+
+A real trace becomes a stream of serving steps, each a count matrix ``[L, E]`` (token-expert
+assignments per logical expert). The stream is cut into windows of ``window_steps`` steps. After
+each window every policy may re-place using what it has seen; the placement is then scored on the
+NEXT window's traffic (held out: fitted on the past, scored on what comes).
+
+Policies compared in one run, all starting from the same initial placement (greedy fitted on the
+first window):
+
+- ``migration``: the :class:`runtime_hooks.rebalancer.Rebalancer` fed step by step (interval trigger
+  at every window end, its sliding window, its cost-model gate, its migration-aware solver);
+- ``greedy``: the greedy balancer from scratch on the same sliding window, every window;
+- ``greedy+align``: the same, relabelled by :func:`solver.migration.align_to_previous` (same loads,
+  fewer moves: the fair from-scratch baseline);
+- ``static``: never rebalance.
+
+Streams:
+
+- :func:`token_stream` (DeepSeek-V2-Lite chat trace in prompt order): a step is ``step_tokens``
+  consecutive tokens on each of the ``G`` attention-DP ranks (as ``step_par`` in docs/metrics.md).
+- :func:`domain_stream` (OLMoE per-domain counts, domains switched mid-stream): COUNTS ONLY, so each
+  step is SAMPLED: per layer a seeded multinomial of ``tokens_per_step * top_k`` assignments from the
+  domain's load vector (assignments drawn independently; the real no-repeat-within-a-token rule is
+  not modelled).
+- :func:`question_stream` (Mixtral MMLU): one step per question, subjects in their recorded sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["ReplayStream", "token_stream", "domain_stream", "question_stream", "replay", "ReplayResult", "POLICIES"]
+
+POLICIES = ("migration", "greedy", "greedy+align", "static")
+
+
+@dataclass(frozen=True)
+class ReplayStream:
+    """Steps to replay.
+
+    Attributes:
+        name: what was replayed.
+        steps: float64 ``[N, L, E]`` assignments per step.
+        labels: ``N`` labels (domain or subject per step; empty when none).
+        layer_ids: the model's layer index per row.
+        note: how the steps were made (sampled or recorded).
+    """
+
+    name: str
+    steps: np.ndarray
+    labels: tuple[str, ...] = ()
+    layer_ids: tuple[int, ...] = ()
+    note: str = ""
+
+
+def token_stream(trace, ep_size: int, step_tokens: int = 32, name: str | None = None) -> ReplayStream:
+    """Per-token trace -> steps of ``step_tokens * ep_size`` consecutive tokens (trace order)."""
+    from profiling.trace import token_counts
+
+    if not trace.has_tokens:
+        raise ValueError("token_stream needs a per-token trace (topk_ids); use domain_stream or question_stream")
+    per = int(step_tokens) * int(ep_size)
+    n = trace.num_tokens // per
+    if n < 2:
+        raise ValueError(f"the trace has {trace.num_tokens} tokens: fewer than 2 steps of {per}; lower step_tokens")
+    ids = trace.topk_ids[: n * per]
+    steps = np.stack([token_counts(ids[i * per:(i + 1) * per], trace.num_logical_experts) for i in range(n)])  # [N, L, E]
+    return ReplayStream(name or trace.name, steps.astype(np.float64), (), trace.layer_ids,
+                        f"{n} steps of {step_tokens} tokens x {ep_size} ranks, prompt order")
+
+
+def domain_stream(
+    trace, domains: Sequence[str], steps_per_domain: int, tokens_per_step: int, top_k: int, seed: int = 0,
+    name: str | None = None,
+) -> ReplayStream:
+    """Counts-only per-domain trace -> SAMPLED steps, domain after domain (seeded multinomial)."""
+    if trace.window_counts is None or not trace.window_labels:
+        raise ValueError("domain_stream needs a counts-only trace with one labelled window per domain")
+    labels = list(trace.window_labels)
+    rng = np.random.default_rng(seed)
+    out, lab = [], []
+    for d in domains:
+        if d not in labels:
+            raise ValueError(f"domain {d!r} not in the trace; available: {labels}")
+        w = np.asarray(trace.window_counts[labels.index(d)], dtype=np.float64)  # [L, E]
+        p = w / w.sum(axis=1, keepdims=True)
+        for _ in range(int(steps_per_domain)):
+            out.append(np.stack([rng.multinomial(int(tokens_per_step) * int(top_k), p[l]) for l in range(p.shape[0])]))
+            lab.append(d)
+    return ReplayStream(name or f"{trace.name}:{'->'.join(domains)}", np.stack(out).astype(np.float64), tuple(lab),
+                        trace.layer_ids,
+                        f"SAMPLED: {steps_per_domain} steps per domain, {tokens_per_step} tokens x top-{top_k} "
+                        f"assignments per step, seeded multinomial (seed={seed}) from each domain's counts")
+
+
+def question_stream(trace, name: str | None = None, max_steps: int | None = None) -> ReplayStream:
+    """Counts-only per-question trace -> one step per question, in recorded order."""
+    if trace.window_counts is None:
+        raise ValueError("question_stream needs a counts-only trace with one row per question")
+    wc = np.asarray(trace.window_counts, dtype=np.float64)
+    labels = trace.window_labels
+    if max_steps is not None:
+        wc, labels = wc[:max_steps], labels[:max_steps]
+    return ReplayStream(name or trace.name, wc, tuple(labels), trace.layer_ids, f"{wc.shape[0]} questions, one step each")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """Per-window rows and per-policy summaries.
+
+    ``rows``: one dict per (window, policy) with ``window``, ``policy``, ``par``, ``step_par`` (held out:
+    scored on that window's traffic with the placement chosen before it), ``moved_slots``, ``moved_bytes``,
+    ``migration_time_s`` (for the re-placement made before the window), ``label``.
+    ``summary``: per policy ``mean_par``, ``mean_step_par``, ``moved_slots``, ``moved_bytes``,
+    ``migration_time_s``, ``moved_fraction`` (of all slots per re-placement, mean).
+    """
+
+    name: str
+    rows: tuple[dict, ...]
+    summary: dict
+    params: dict = field(default_factory=dict)
+
+
+def _par_rows(gpu_load: np.ndarray) -> np.ndarray:
+    """PAR per leading index, mean over layers: ``gpu_load [..., L, G]`` -> ``[...]``."""
+    mean = gpu_load.mean(axis=-1)
+    peak = gpu_load.max(axis=-1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        par = np.where(mean > 0, peak / np.where(mean > 0, mean, 1.0), 1.0)
+    return par.mean(axis=-1)
+
+
+def replay(
+    stream: ReplayStream,
+    topology,
+    config=None,
+    *,
+    window_steps: int = 50,
+    expert_bytes: float = 44_040_192.0,
+    policies: Sequence[str] = POLICIES,
+) -> ReplayResult:
+    """Replay a stream through the rebalancer and the baselines; score each window held out.
+
+    Args:
+        stream: :class:`ReplayStream` with ``steps [N, L, E]``.
+        topology: :class:`placement.topology.Topology`.
+        config: :class:`runtime_hooks.rebalancer.RebalancerConfig`; its ``trigger`` is forced to
+            ``interval`` and ``step_interval``/``window_size`` default to ``window_steps``.
+        window_steps: steps per scored window (and per re-placement).
+        expert_bytes: bytes of one expert in one layer (moved bytes, migration time).
+
+    Returns:
+        :class:`ReplayResult`.
+    """
+    from placement.metrics import expected_gpu_load, moved_slots
+    from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig, migration_time
+    from solver.greedy import greedy_placement
+    from solver.migration import align_to_previous
+
+    steps = np.asarray(stream.steps, dtype=np.float64)
+    N, L, E = steps.shape
+    W = N // window_steps
+    if W < 3:
+        raise ValueError(f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)")
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {POLICIES}")
+    cfg = config or RebalancerConfig(window_size=window_steps, step_interval=window_steps)
+    cfg = replace(cfg, trigger="interval", step_interval=window_steps)
+    G = topology.ep_size
+    layer_ids = stream.layer_ids or tuple(range(L))
+
+    def wload(k):  # [L, E]
+        return steps[k * window_steps:(k + 1) * window_steps].sum(axis=0)
+
+    init, _ = greedy_placement(wload(0), topology, layer_ids=layer_ids)
+    current = {p: init for p in policies}
+    reb = Rebalancer(init, cfg, expert_bytes=expert_bytes) if "migration" in policies else None
+    rows = []
+    for k in range(W):
+        if k > 0:
+            # Re-place before window k with what was seen up to the end of window k-1.
+            lo = max(0, k * window_steps - cfg.window_size)
+            fit = reb.window_load() if reb is not None else steps[lo:k * window_steps].sum(axis=0)  # [L, E]
+            new = {}
+            if "greedy" in policies or "greedy+align" in policies:
+                g, _ = greedy_placement(fit, topology, layer_ids=layer_ids)
+                if "greedy" in policies:
+                    new["greedy"] = g
+                if "greedy+align" in policies:
+                    new["greedy+align"] = align_to_previous(g, current["greedy+align"])
+            if "static" in policies:
+                new["static"] = current["static"]
+            if reb is not None:
+                reb.wait()  # the simulator waits; a server would poll() and keep serving
+                new["migration"] = reb.placement
+            held = steps[k * window_steps:(k + 1) * window_steps]  # [w, L, E] held-out traffic
+            label = stream.labels[k * window_steps] if stream.labels else ""
+            for p in policies:
+                pl = new[p]
+                gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
+                par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
+                spar = float(_par_rows(gl_steps).mean())
+                moved = moved_slots(current[p], pl)
+                t_move = migration_time(current[p].physical_to_logical_map, pl.physical_to_logical_map, G,
+                                        expert_bytes, cfg.bandwidth, cfg.latency)
+                rows.append({"window": k, "policy": p, "label": label, "par": par, "step_par": spar,
+                             "moved_slots": moved, "moved_bytes": moved * expert_bytes, "migration_time_s": t_move})
+                current[p] = pl
+        if reb is not None:
+            for s in range(k * window_steps, (k + 1) * window_steps):
+                reb.observe(steps[s])
+    if reb is not None:
+        reb.close()
+    P = topology.num_physical_experts
+    summary = {}
+    for p in policies:
+        r = [x for x in rows if x["policy"] == p]
+        summary[p] = {
+            "mean_par": float(np.mean([x["par"] for x in r])),
+            "mean_step_par": float(np.mean([x["step_par"] for x in r])),
+            "moved_slots": int(sum(x["moved_slots"] for x in r)),
+            "moved_bytes": float(sum(x["moved_bytes"] for x in r)),
+            "migration_time_s": float(sum(x["migration_time_s"] for x in r)),
+            "moved_fraction": float(np.mean([x["moved_slots"] for x in r]) / (P * L)),
+        }
+    params = {"window_steps": window_steps, "windows_scored": W - 1, "ep_size": G, "num_physical_experts": P,
+              "expert_bytes": expert_bytes, "note": stream.note, "link": cfg.link,
+              "rebalancer_window_size": cfg.window_size, "max_moves": cfg.max_moves}
+    return ReplayResult(stream.name, tuple(rows), summary, params)
