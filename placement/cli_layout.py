@@ -1,0 +1,189 @@
+"""``moe-placement layout``: rank attention-DP x EP x redundant-slot layouts with the cost model,
+write the best placement and the engines' launch flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from placement.cli_common import CliError, echo, warn
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "layout",
+        help="choose attention-DP / EP size / redundant slots with a step-time and memory model",
+        description="Enumerate layouts that fit in memory, place experts for each, estimate step time, "
+        "throughput per GPU and KV-cache room; print a ranked table and write the best placement and launch flags.",
+    )
+    p.add_argument("--model", required=True, help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
+                   "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)")
+    p.add_argument("--intra-link", default=None, help="intra-node link preset (default: the GPU's NVLink; or pcie5, pcie4)")
+    p.add_argument("--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    p.add_argument("--batch-per-rank", type=int, default=None, help="tokens per GPU per step (default 128 decode, 8192 prefill)")
+    p.add_argument("--context-len", type=int, default=4096, help="decode: cached tokens per sequence; prefill: prompt length")
+    p.add_argument("--trace", default=None, help="routing trace whose skew to use (default: synthetic Zipf skew)")
+    p.add_argument("--solver", choices=("greedy", "cpsat"), default="greedy")
+    p.add_argument("--max-redundant", type=int, default=None, help="cap on redundant experts per layer")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
+    p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve (cpsat)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=12, help="rows of the table to print (rejected ones follow)")
+    p.add_argument("--output", default=None, help="folder for the best placement and launch flags")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def _options(args, phase: str):
+    from solver.costmodel import CostOptions
+
+    b = args.batch_per_rank if (args.batch_per_rank and phase == args.phase) else (128 if phase == "decode" else 8192)
+    return CostOptions(phase=phase, batch_per_rank=b, context_len=args.context_len, overlap=args.overlap)
+
+
+def _table(plan, top: int) -> list[str]:
+    E = plan.model.num_logical_experts
+    head = (f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'PAR':>5} {'attn':>6} {'disp':>6} {'moe':>6} "
+            f"{'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck")
+    lines = [head, "-" * len(head)]
+    ok = plan.feasible
+    for i, r in enumerate(ok[:top]):
+        c, lc, m = r.cost, r.cost.layer, r.memory
+        lines.append(
+            f"{i + 1:>3} {r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} {r.par:>5.2f} "
+            f"{lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} {lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} "
+            f"{'on' if lc.overlap_used else 'off':>3} {(m.non_expert + m.expert) / 1e9:>7.1f} {m.kv_free / 1e9:>6.1f} "
+            f"{m.max_batch_per_rank:>5}  {c.bottleneck}"
+        )
+    if len(ok) > top:
+        lines.append(f"    ... {len(ok) - top} more feasible layouts (--top)")
+    bad = [r for r in plan.results if not r.feasible]
+    if bad:
+        lines.append(f"rejected ({len(bad)}):")
+        for r in bad[:top]:
+            lines.append(f"    {r.candidate.label(E):<34} {r.reason}")
+    return lines
+
+
+def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
+    from placement.formats import write_placement
+    from profiling.fileio import atomic_write_json, atomic_write_text
+    from solver.layout import launch_flags
+
+    best = plan.best
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    pl = best.placement.with_provenance(
+        solver=best.solver_status or "greedy", layout=best.candidate.label(model.num_logical_experts),
+        model=model.name, hardware=plan.cluster.name, phase=plan.options.phase, workload=plan.workload,
+    )
+    files += write_placement(pl, out / "placement.json", "native")
+    sg = out / "sglang_expert_location.json"
+    files += write_placement(pl, sg, "sglang", num_hidden_layers=model.num_layers)
+    trt = out / "moe_load_balancer.yaml"
+    files += write_placement(pl, trt, "trtllm")
+    flags = launch_flags(best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node)
+    import yaml
+
+    trt_opts = out / "trtllm_extra_llm_api_options.yaml"
+    atomic_write_text(trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False))
+    files.append(trt_opts)
+    text = [
+        f"# {model.name} on {plan.cluster.name}, {plan.options.phase}: {best.candidate.label(model.num_logical_experts)}",
+        f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU, step {best.cost.step_time * 1e3:.2f} ms (cost model, not measured)",
+        "",
+        "# SGLang",
+        "python -m sglang.launch_server --model-path <MODEL> " + " ".join(_q(a) for a in flags["sglang"]),
+        "",
+        "# vLLM",
+        "vllm serve <MODEL> " + " ".join(_q(a) for a in flags["vllm"]),
+        "",
+        "# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {0} --ep_size {0} --extra_llm_api_options {1}".format(
+            best.candidate.ep_size, trt_opts.name),
+    ] + [f"# note: {n}" for n in flags["notes"]]
+    lf = out / "launch_flags.sh"
+    atomic_write_text(lf, "\n".join(text) + "\n")
+    files.append(lf)
+    summary = plan.to_dict()
+    if compare is not None:
+        summary["phase_comparison"] = compare["message"]
+        summary["separate_prefill_decode"] = compare["separate_wins"]
+    summary["launch_flags"] = flags
+    js = out / "layout.json"
+    atomic_write_json(js, summary)
+    files.append(js)
+    return files
+
+
+def _q(a: str) -> str:
+    return f"'{a}'" if any(ch in a for ch in ' {}"') else a
+
+
+def run(args: argparse.Namespace) -> int:
+    from solver.costmodel import load_model
+    from solver.hardware import cluster_preset
+    from solver.layout import compare_phases, plan_layout
+
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        raise CliError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
+    try:
+        model = load_model(args.model)
+        cluster = cluster_preset(args.hardware, args.intra_link, args.inter_link, args.gpus_per_node)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    trace = None
+    if args.trace:
+        from profiling.readers import read_trace
+
+        p = Path(args.trace)
+        if not p.exists():
+            raise CliError(f"trace {p} does not exist")
+        trace = read_trace(p)
+        if trace.num_logical_experts != model.num_logical_experts:
+            warn(f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "
+                 f"only the trace's skew is used (expert identities are synthetic)")
+    opts = _options(args, args.phase)
+    plan = plan_layout(model, cluster, args.nodes, opts, trace=trace, solver=args.solver,
+                       max_redundant=args.max_redundant, seed=args.seed, time_limit=args.time_limit)
+    compare = None
+    if not args.no_phase_compare and plan.best is not None:
+        other = "prefill" if args.phase == "decode" else "decode"
+        o = _options(args, other)
+        compare = compare_phases(model, cluster, args.nodes, opts if args.phase == "decode" else o,
+                                 o if args.phase == "decode" else opts, trace=trace, solver=args.solver,
+                                 max_redundant=args.max_redundant, seed=args.seed, plans={args.phase: plan})
+    files = []
+    if args.output and plan.best is not None:
+        files = _write_outputs(Path(args.output), plan, model, compare)
+    if args.json:
+        d = plan.to_dict()
+        if compare is not None:
+            d["phase_comparison"] = compare["message"]
+            d["separate_prefill_decode"] = compare["separate_wins"]
+        d["files"] = [str(f) for f in files]
+        echo(json.dumps(d, indent=1))
+        return 0 if plan.best is not None else 1
+    o = plan.options
+    echo(f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.batch_per_rank} tokens/GPU/step, "
+         f"context {o.context_len}")
+    echo(f"workload: {plan.workload}")
+    echo("times per MoE layer in us; throughput = batch / step time per GPU (cost model estimates, not measurements)")
+    for line in _table(plan, args.top):
+        echo(line)
+    for n in plan.notes:
+        echo(f"* {n}")
+    if compare is not None:
+        echo(f"* {compare['message']}")
+    if files:
+        echo(f"wrote {', '.join(str(f) for f in files)}")
+    elif args.output:
+        warn("no layout fits: nothing written")
+    return 0 if plan.best is not None else 1
