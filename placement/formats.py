@@ -31,14 +31,15 @@ import io
 import json
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from placement.model import Placement, validate_map
 from placement.topology import Topology
-from profiling.fileio import InputFileError, atomic_write_bytes, atomic_write_text
+from profiling.fileio import InputFileError, atomic_write_bytes
 
 __all__ = [
     "FORMATS",
@@ -103,7 +104,7 @@ def _rows_json(key: str, rows: np.ndarray) -> str:
 def _checked(placement: Placement) -> np.ndarray:
     """Re-validate before writing: a file is only ever written for a valid placement."""
     if not isinstance(placement, Placement):
-        raise ValueError(f"write_placement needs a Placement, got {type(placement).__name__}")
+        raise TypeError(f"write_placement needs a Placement, got {type(placement).__name__}")
     return validate_map(
         placement.physical_to_logical_map,
         placement.num_logical_experts,
@@ -193,8 +194,10 @@ def write_placement(
             try:
                 import torch
             except ImportError:  # pragma: no cover - torch is an optional extra
-                raise ValueError("writing an SGLang .pt file needs torch (pip install 'moe-placement[torch]'); "
-                                 "or write .json, which SGLang reads as well") from None
+                raise ValueError(
+                    "writing an SGLang .pt file needs torch (pip install 'moe-placement[torch]'); "
+                    "or write .json, which SGLang reads as well"
+                ) from None
             buf = io.BytesIO()
             torch.save({"physical_to_logical_map": torch.from_numpy(full)}, buf)
             files.append((out, buf.getvalue()))
@@ -245,7 +248,9 @@ def write_placement(
 
     for target, data in files:
         atomic_write_bytes(target, data)
-    logger.info("wrote %s placement (%d layers x %d slots) to %s", format, L, P, ", ".join(str(f) for f, _ in files))
+    logger.info(
+        "wrote %s placement (%d layers x %d slots) to %s", format, L, P, ", ".join(str(f) for f, _ in files)
+    )
     return [f for f, _ in files]
 
 
@@ -257,7 +262,9 @@ def write_placement(
 def _read_text(p: Path) -> str:
     size = p.stat().st_size
     if size > MAX_TEXT_BYTES:
-        raise InputFileError(f"{p}: {size} bytes is over the {MAX_TEXT_BYTES}-byte limit for a placement file")
+        raise InputFileError(
+            f"{p}: {size} bytes is over the {MAX_TEXT_BYTES}-byte limit for a placement file"
+        )
     try:
         return p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -268,7 +275,9 @@ def _parse_json(p: Path, text: str):
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InputFileError(f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        raise InputFileError(
+            f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
     except RecursionError:
         raise InputFileError(f"{p}: JSON nested too deeply") from None
 
@@ -291,10 +300,12 @@ def _load_pt(p: Path):
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputFileError(f"{p}: reading .pt files needs torch (pip install 'moe-placement[torch]')") from None
+        raise InputFileError(
+            f"{p}: reading .pt files needs torch (pip install 'moe-placement[torch]')"
+        ) from None
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, RuntimeError (bad zip), EOFError, ...
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
         raise InputFileError(
             f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
             f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
@@ -332,19 +343,21 @@ def _int_matrix(p: Path, obj, field: str) -> np.ndarray:
 
 def _int_list(p: Path, obj, field: str, length: int | None = None) -> np.ndarray:
     if not isinstance(obj, list) or not all(_is_int(x) for x in obj):
-        raise InputFileError(f"{p}: field {field!r} must be a list of integer expert ids, got {str(obj)[:60]}")
+        raise InputFileError(
+            f"{p}: field {field!r} must be a list of integer expert ids, got {str(obj)[:60]}"
+        )
     if length is not None and len(obj) != length:
         raise InputFileError(f"{p}: field {field!r} has {len(obj)} entries, expected {length}")
     return np.asarray(obj, dtype=np.int64)
 
 
 def _layer_key(p: Path, key, field: str) -> int:
-    if _is_int(key):
-        k = int(key)
-    elif isinstance(key, str) and key.strip().isdigit():
+    if _is_int(key) or isinstance(key, str) and key.strip().isdigit():
         k = int(key)
     else:
-        raise InputFileError(f"{p}: field {field!r} has key {key!r}; expected a non-negative integer layer id")
+        raise InputFileError(
+            f"{p}: field {field!r} has key {key!r}; expected a non-negative integer layer id"
+        )
     if k < 0:
         raise InputFileError(f"{p}: field {field!r} has layer id {k}; expected >= 0")
     return k
@@ -479,7 +492,9 @@ def _read_sidecar(side: Path, fmt: str) -> dict:
         raise InputFileError(f"{side}: sidecar describes a {s.get('format')!r} file, but the file is {fmt!r}")
     topo = s.get("topology")
     if not isinstance(topo, dict):
-        raise InputFileError(f"{side}: field 'topology' must be an object with ep_size, num_physical_experts, num_nodes")
+        raise InputFileError(
+            f"{side}: field 'topology' must be an object with ep_size, num_physical_experts, num_nodes"
+        )
     for key in ("ep_size", "num_physical_experts"):
         _int_field(side, topo, key, "topology: ")
     if "num_nodes" in topo:
@@ -506,12 +521,18 @@ def _build(
     """Assemble and validate; every validation error names the file and the field."""
     ep_size = opts.get("ep_size")
     if ep_size is None:
-        raise InputFileError(f"{p}: the file does not say how many EP ranks it is for and has no sidecar: pass ep_size")
+        raise InputFileError(
+            f"{p}: the file does not say how many EP ranks it is for and has no sidecar: pass ep_size"
+        )
     E = num_logical_experts if num_logical_experts is not None else opts.get("num_logical_experts")
     if E is None:
         E = int(p2l.max()) + 1 if p2l.size else 0
     try:
-        topo = Topology(ep_size=int(ep_size), num_physical_experts=int(p2l.shape[1]), num_nodes=int(opts.get("num_nodes", 1)))
+        topo = Topology(
+            ep_size=int(ep_size),
+            num_physical_experts=int(p2l.shape[1]),
+            num_nodes=int(opts.get("num_nodes", 1)),
+        )
         return Placement(
             p2l,
             int(E),
@@ -546,12 +567,16 @@ def _read_native(p: Path, doc: dict, opts: _Options) -> Placement:
             f"{p}: placement schema version {version} is newer than this reader ({PLACEMENT_SCHEMA_VERSION}); upgrade moe-placement"
         )
     if "physical_to_logical_map" not in doc:
-        raise InputFileError(f"{p}: missing field 'physical_to_logical_map'; expected [layers, slots] integer ids")
+        raise InputFileError(
+            f"{p}: missing field 'physical_to_logical_map'; expected [layers, slots] integer ids"
+        )
     p2l = _int_matrix(p, doc["physical_to_logical_map"], "physical_to_logical_map")
     E = _int_field(p, doc, "num_logical_experts")
     topo = doc.get("topology")
     if not isinstance(topo, dict):
-        raise InputFileError(f"{p}: field 'topology' must be an object with ep_size, num_physical_experts, num_nodes")
+        raise InputFileError(
+            f"{p}: field 'topology' must be an object with ep_size, num_physical_experts, num_nodes"
+        )
     ep = _int_field(p, topo, "ep_size", "topology: ")
     nodes = _int_field(p, topo, "num_nodes", "topology: ") if "num_nodes" in topo else 1
     ids = _opt_int_list(p, doc, "layer_ids")
@@ -574,7 +599,9 @@ def _read_native(p: Path, doc: dict, opts: _Options) -> Placement:
         rows = [file_ids.index(i) for i in requested]
         p2l, ids = p2l[rows], list(requested)
     if ids is not None and len(ids) != p2l.shape[0]:
-        raise InputFileError(f"{p}: field 'layer_ids' has {len(ids)} entries but the map has {p2l.shape[0]} rows")
+        raise InputFileError(
+            f"{p}: field 'layer_ids' has {len(ids)} entries but the map has {p2l.shape[0]} rows"
+        )
     spg = topo.get("slots_per_gpu")
     if spg is not None and (not _is_int(spg) or spg * ep != p2l.shape[1]):
         raise InputFileError(
@@ -582,14 +609,18 @@ def _read_native(p: Path, doc: dict, opts: _Options) -> Placement:
         )
     colocated = doc.get("allow_colocated_replicas", False)
     if not isinstance(colocated, bool):
-        raise InputFileError(f"{p}: field 'allow_colocated_replicas' must be true or false, got {colocated!r:.40}")
+        raise InputFileError(
+            f"{p}: field 'allow_colocated_replicas' must be true or false, got {colocated!r:.40}"
+        )
     local = _Options(p, "native", {"ep_size": ep, "num_nodes": nodes}, use_sidecar=False)
     return _build(p, p2l, local, ids, prov, "physical_to_logical_map", E, bool(colocated))
 
 
 def _read_sglang(p: Path, doc, opts: _Options) -> Placement:
     if not isinstance(doc, dict):
-        raise InputFileError(f"{p}: an SGLang placement must be a dict {{'physical_to_logical_map': ...}}, got {type(doc).__name__}")
+        raise InputFileError(
+            f"{p}: an SGLang placement must be a dict {{'physical_to_logical_map': ...}}, got {type(doc).__name__}"
+        )
     if "physical_to_logical_map" not in doc:
         if "logical_count" in doc:
             raise InputFileError(
@@ -623,10 +654,14 @@ def _read_sglang(p: Path, doc, opts: _Options) -> Placement:
     return _build(p, p2l, opts, ids, prov, "physical_to_logical_map")
 
 
-def _assignments(p: Path, doc: dict, P: int, field: str = "initial_global_assignments") -> tuple[list[int], np.ndarray]:
+def _assignments(
+    p: Path, doc: dict, P: int, field: str = "initial_global_assignments"
+) -> tuple[list[int], np.ndarray]:
     ga = doc.get(field)
     if not isinstance(ga, dict) or not ga:
-        raise InputFileError(f"{p}: field {field!r} must be a non-empty mapping {{layer id: [logical id per slot]}}")
+        raise InputFileError(
+            f"{p}: field {field!r} must be a non-empty mapping {{layer id: [logical id per slot]}}"
+        )
     rows = {}
     for key, value in ga.items():
         lid = _layer_key(p, key, field)
@@ -648,7 +683,9 @@ def _pick_layers(p: Path, ids: list[int], p2l: np.ndarray, requested) -> tuple[l
 
 def _read_trtllm(p: Path, doc, opts: _Options) -> Placement:
     if not isinstance(doc, dict):
-        raise InputFileError(f"{p}: a TensorRT-LLM load balancer config must be a mapping, got {type(doc).__name__}")
+        raise InputFileError(
+            f"{p}: a TensorRT-LLM load balancer config must be a mapping, got {type(doc).__name__}"
+        )
     P = _int_field(p, doc, "num_slots")
     if P < 1:
         raise InputFileError(f"{p}: field 'num_slots' must be >= 1, got {P}")
@@ -656,8 +693,14 @@ def _read_trtllm(p: Path, doc, opts: _Options) -> Placement:
     if not _is_int(updates):
         raise InputFileError(f"{p}: field 'layer_updates_per_iter' must be an integer, got {updates!r:.40}")
     if updates:
-        logger.warning("%s: layer_updates_per_iter=%d: TensorRT-LLM will rebalance online; reading the initial map", p, updates)
-    unknown = sorted(set(map(str, doc)) - {"num_slots", "layer_updates_per_iter", "initial_global_assignments", "ep_size"})
+        logger.warning(
+            "%s: layer_updates_per_iter=%d: TensorRT-LLM will rebalance online; reading the initial map",
+            p,
+            updates,
+        )
+    unknown = sorted(
+        set(map(str, doc)) - {"num_slots", "layer_updates_per_iter", "initial_global_assignments", "ep_size"}
+    )
     if unknown:
         raise InputFileError(
             f"{p}: unknown field(s) {unknown}; TensorRT-LLM's moe_load_balancer accepts num_slots, "
@@ -699,11 +742,15 @@ def _read_vllm_ascend(p: Path, doc, opts: _Options) -> Placement:
             raise InputFileError(f"{p}: {where}field 'device_list' must be a non-empty list")
         count = _int_field(p, layer, "device_count", where) if "device_count" in layer else len(devices)
         if count != len(devices):
-            raise InputFileError(f"{p}: {where}device_count={count} but device_list has {len(devices)} devices")
+            raise InputFileError(
+                f"{p}: {where}device_count={count} but device_list has {len(devices)} devices"
+            )
         if G is None:
             G = count
         elif count != G:
-            raise InputFileError(f"{p}: {where}has {count} devices but layer_list[0] has {G}; every layer needs the same count")
+            raise InputFileError(
+                f"{p}: {where}has {count} devices but layer_list[0] has {G}; every layer needs the same count"
+            )
         per_dev = {}
         for j, dev in enumerate(devices):
             if not isinstance(dev, dict) or "device_expert" not in dev:
@@ -724,30 +771,46 @@ def _read_vllm_ascend(p: Path, doc, opts: _Options) -> Placement:
         raise InputFileError(f"{p}: layers have different slot counts {sorted(widths)}")
     p2l = np.stack(rows)  # [L, P]
     if opts.get("ep_size") is not None and int(opts.get("ep_size")) != G:
-        raise InputFileError(f"{p}: ep_size={opts.get('ep_size')} was given but the file lists {G} devices per layer")
+        raise InputFileError(
+            f"{p}: ep_size={opts.get('ep_size')} was given but the file lists {G} devices per layer"
+        )
     opts.values["ep_size"] = G
     ids = opts.get("layer_ids")
     if ids is not None and len(ids) != L:
-        raise InputFileError(f"{p}: {len(ids)} layer_ids given for {L} MoE layers in the file; give one per layer")
-    prov = opts.provenance if opts.sidecar is not None else {"source_format": "vllm-ascend", "source_file": p.name}
+        raise InputFileError(
+            f"{p}: {len(ids)} layer_ids given for {L} MoE layers in the file; give one per layer"
+        )
+    prov = (
+        opts.provenance
+        if opts.sidecar is not None
+        else {"source_format": "vllm-ascend", "source_file": p.name}
+    )
     return _build(p, p2l, opts, ids, prov, "layer_list")
 
 
 def _read_vllm(p: Path, doc, opts: _Options) -> Placement:
     version = _int_field(p, doc, "version")
     if version > VLLM_RECORD_VERSION:
-        raise InputFileError(f"{p}: {VLLM_RECORD_TYPE} version {version} is newer than this reader ({VLLM_RECORD_VERSION})")
+        raise InputFileError(
+            f"{p}: {VLLM_RECORD_TYPE} version {version} is newer than this reader ({VLLM_RECORD_VERSION})"
+        )
     P = _int_field(p, doc, "num_slots")
     R = _int_field(p, doc, "num_redundant_experts")
     if P < 1 or not 0 <= R < P:
-        raise InputFileError(f"{p}: num_slots={P}, num_redundant_experts={R}: need num_slots >= 1 and 0 <= redundant < slots")
+        raise InputFileError(
+            f"{p}: num_slots={P}, num_redundant_experts={R}: need num_slots >= 1 and 0 <= redundant < slots"
+        )
     E = P - R
     if opts.get("num_logical_experts") not in (None, E):
-        raise InputFileError(f"{p}: num_logical_experts={opts.get('num_logical_experts')} was given but the file implies {E} (= {P} - {R})")
+        raise InputFileError(
+            f"{p}: num_logical_experts={opts.get('num_logical_experts')} was given but the file implies {E} (= {P} - {R})"
+        )
     ids, p2l = _assignments(p, doc, P)
     ids, p2l = _pick_layers(p, ids, p2l, opts.get("layer_ids"))
     if opts.get("ep_size") is None:
-        raise InputFileError(f"{p}: the vllm mapping does not record the EP size and there is no sidecar: pass ep_size")
+        raise InputFileError(
+            f"{p}: the vllm mapping does not record the EP size and there is no sidecar: pass ep_size"
+        )
     prov = opts.provenance if opts.sidecar is not None else {"source_format": "vllm", "source_file": p.name}
     return _build(p, p2l, opts, ids, prov, "initial_global_assignments", E)
 
@@ -795,7 +858,9 @@ def read_placement(
     if detected is None:
         raise InputFileError(_unknown_msg(p, doc))
     if format is not None and format != detected:
-        raise InputFileError(f"{p}: asked to read it as {format!r} but its content is the {detected!r} format")
+        raise InputFileError(
+            f"{p}: asked to read it as {format!r} but its content is the {detected!r} format"
+        )
     given = {
         "ep_size": ep_size,
         "num_nodes": num_nodes,
@@ -812,4 +877,6 @@ def read_placement(
     except InputFileError:
         raise
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as exc:  # last line of defence
-        raise InputFileError(f"{p}: malformed {detected} placement file ({type(exc).__name__}: {exc})") from None
+        raise InputFileError(
+            f"{p}: malformed {detected} placement file ({type(exc).__name__}: {exc})"
+        ) from None

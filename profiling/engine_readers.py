@@ -38,15 +38,16 @@ import logging
 import math
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
 from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, load_json
 from profiling.trace import RoutingTrace, token_counts
 
-__all__ = ["read_engine_dump", "physical_to_logical_counts", "physical_to_logical_ids"]
+__all__ = ["physical_to_logical_counts", "physical_to_logical_ids", "read_engine_dump"]
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,9 @@ def _check_size(p: Path, limit: int = MAX_DUMP_BYTES) -> None:
         raise InputFileError(f"{p}: no such file")
     size = p.stat().st_size
     if size > limit:
-        raise InputFileError(f"{p}: {size / 1e9:.1f} GB is over the {limit / 1e9:.1f} GB limit for an engine dump")
+        raise InputFileError(
+            f"{p}: {size / 1e9:.1f} GB is over the {limit / 1e9:.1f} GB limit for an engine dump"
+        )
 
 
 def _torch_load(p: Path):
@@ -128,10 +131,12 @@ def _torch_load(p: Path):
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputFileError(f"{p}: reading SGLang .pt dumps needs torch (pip install 'moe-placement[torch]')") from None
+        raise InputFileError(
+            f"{p}: reading SGLang .pt dumps needs torch (pip install 'moe-placement[torch]')"
+        ) from None
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # UnpicklingError, RuntimeError (bad zip), EOFError, ...
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
         raise InputFileError(
             f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
             f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
@@ -143,10 +148,12 @@ def _safetensors_load(p: Path) -> dict[str, np.ndarray]:
     try:
         from safetensors.numpy import load_file
     except ImportError:  # pragma: no cover - optional extra
-        raise InputFileError(f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)") from None
+        raise InputFileError(
+            f"{p}: reading .safetensors needs the safetensors package (pip install safetensors)"
+        ) from None
     try:
         return load_file(str(p))
-    except Exception as exc:  # SafetensorError, dtype not supported by numpy, ...
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, dtype not supported by numpy, ...
         raise InputFileError(f"{p}: not a readable safetensors file ({type(exc).__name__}: {exc})") from None
 
 
@@ -163,7 +170,9 @@ def _array(p: Path, value, field: str, ndim: int | tuple[int, ...], kinds: str =
     except (ValueError, TypeError):
         arr = None
     if arr is None or arr.ndim not in ndims or arr.dtype.kind not in kinds:
-        got = "ragged or non-numeric data" if arr is None or arr.dtype == object else f"{arr.dtype} {arr.shape}"
+        got = (
+            "ragged or non-numeric data" if arr is None or arr.dtype == object else f"{arr.dtype} {arr.shape}"
+        )
         kind = "integer" if kinds == "iu" else "numeric"
         rank = " or ".join(f"{n}-D" for n in ndims)
         raise InputFileError(f"{p}: field {field!r} must be a {rank} {kind} array, got {got}")
@@ -200,7 +209,9 @@ def _moe_rows(p: Path, active: np.ndarray, moe_layer_ids: Sequence[int] | None, 
         ids = [int(i) for i in moe_layer_ids]
         bad = [i for i in ids if not 0 <= i < H]
         if bad:
-            raise InputFileError(f"{p}: moe_layer_ids {bad} are outside the dump's {H} layer rows (0..{H - 1})")
+            raise InputFileError(
+                f"{p}: moe_layer_ids {bad} are outside the dump's {H} layer rows (0..{H - 1})"
+            )
         if len(set(ids)) != len(ids) or not ids:
             raise InputFileError(f"{p}: moe_layer_ids must be distinct and non-empty, got {ids}")
         return ids
@@ -261,7 +272,9 @@ def _read_sglang_stat(dumps, name: str, E: int | None, moe_layer_ids) -> Routing
         if arr.size and arr.min() < 0:
             raise InputFileError(f"{f}: field 'logical_count' has a negative count {arr.min()}")
         if parts and arr.shape[1:] != parts[0].shape[1:]:
-            raise InputFileError(f"{f}: logical_count layers x experts {arr.shape[1:]} differ from {parts[0].shape[1:]} in {dumps[0][0].name}")
+            raise InputFileError(
+                f"{f}: logical_count layers x experts {arr.shape[1:]} differ from {parts[0].shape[1:]} in {dumps[0][0].name}"
+            )
         parts.append(arr)
         ranks.append(d.get("rank"))
         rate = d.get("average_utilization_rate_over_window")
@@ -295,7 +308,9 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
     records: list[tuple[int, int, Path, dict]] = []
     for f, d in dumps:
         if "last_physical_to_logical_map" not in d:
-            raise InputFileError(f"{f}: missing field 'last_physical_to_logical_map' [layers, physical experts]")
+            raise InputFileError(
+                f"{f}: missing field 'last_physical_to_logical_map' [layers, physical experts]"
+            )
         m = _array(f, d["last_physical_to_logical_map"], "last_physical_to_logical_map", 2).astype(np.int64)
         if p2l is None:
             p2l, p2l_file = m, f
@@ -337,7 +352,9 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
         for fp, rank, f, r in records:
             ids = _array(f, r["topk_ids_of_layer"], f"records[fp={fp}].topk_ids_of_layer", 3)  # [H, T, K]
             if ids.shape[0] != H:
-                raise InputFileError(f"{f}: records[fp={fp}].topk_ids_of_layer has {ids.shape[0]} layers, the map {H}")
+                raise InputFileError(
+                    f"{f}: records[fp={fp}].topk_ids_of_layer has {ids.shape[0]} layers, the map {H}"
+                )
             if ids.size and (ids.min() < -1 or ids.max() >= P):
                 raise InputFileError(
                     f"{f}: records[fp={fp}].topk_ids_of_layer holds slot ids in [{ids.min()}, {ids.max()}], expected [-1, {P})"
@@ -377,10 +394,14 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
     phys = []
     for fp, rank, f, r in records:
         if "global_physical_count" not in r:
-            raise InputFileError(f"{f}: records[fp={fp}] has no 'global_physical_count' [layers, physical experts]")
+            raise InputFileError(
+                f"{f}: records[fp={fp}] has no 'global_physical_count' [layers, physical experts]"
+            )
         c = _array(f, r["global_physical_count"], f"records[fp={fp}].global_physical_count", 2, "iuf")
         if c.shape != (H, P):
-            raise InputFileError(f"{f}: records[fp={fp}].global_physical_count has shape {c.shape}, expected ({H}, {P})")
+            raise InputFileError(
+                f"{f}: records[fp={fp}].global_physical_count has shape {c.shape}, expected ({H}, {P})"
+            )
         if c.size and c.min() < 0:
             raise InputFileError(f"{f}: records[fp={fp}].global_physical_count has a negative count")
         phys.append(c)
@@ -418,13 +439,17 @@ def _read_trtllm(folder: Path, only: Path | None, E: int | None, moe_layer_ids) 
     if meta_file.is_file():
         meta_info = load_json(meta_file)
         if not isinstance(meta_info, dict):
-            raise InputFileError(f"{meta_file}: must be a JSON object with num_experts, num_experts_per_token")
+            raise InputFileError(
+                f"{meta_file}: must be a JSON object with num_experts, num_experts_per_token"
+            )
         file_E = _int(meta_file, meta_info, "num_experts")
         if E is not None and E != file_E:
             raise InputFileError(f"{meta_file}: num_experts={file_E} but num_logical_experts={E} was given")
         E = file_E
     elif only is None:
-        raise InputFileError(f"{folder}: no meta_info.json; expected a TensorRT-LLM EXPERT_STATISTIC_PATH folder")
+        raise InputFileError(
+            f"{folder}: no meta_info.json; expected a TensorRT-LLM EXPERT_STATISTIC_PATH folder"
+        )
     top_k = meta_info.get("num_experts_per_token")
     top_k = int(top_k) if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > 0 else None
 
@@ -437,7 +462,9 @@ def _read_trtllm(folder: Path, only: Path | None, E: int | None, moe_layer_ids) 
         elif (m := _TRT_COUNTS.match(f.name)) is not None:
             counts_files[int(m.group("rank"))] = f
         else:
-            raise InputFileError(f"{f}: not a TensorRT-LLM statistics file name (rank<r>.safetensors or rank<r>_raw.safetensors)")
+            raise InputFileError(
+                f"{f}: not a TensorRT-LLM statistics file name (rank<r>.safetensors or rank<r>_raw.safetensors)"
+            )
     if not counts_files and not raw_files:
         raise InputFileError(f"{folder}: no rank<r>.safetensors files")
     info = {
@@ -460,7 +487,9 @@ def _read_trtllm(folder: Path, only: Path | None, E: int | None, moe_layer_ids) 
                 raise InputFileError(f"{f}: tensor {key!r} has {arr.size} entries, expected num_experts={E}")
             if arr.size and arr.min() < 0:
                 raise InputFileError(f"{f}: tensor {key!r} has a negative count")
-            total[(it, layer)] = total.get((it, layer), 0) + arr.astype(np.float64 if arr.dtype.kind == "f" else np.int64)
+            total[(it, layer)] = total.get((it, layer), 0) + arr.astype(
+                np.float64 if arr.dtype.kind == "f" else np.int64
+            )
 
     if raw_files:
         return _read_trtllm_raw(raw_files, total, E, top_k, moe_layer_ids, name, info)
@@ -520,7 +549,9 @@ def _read_trtllm_raw(raw_files, total, E, top_k, moe_layer_ids, name, info) -> R
             for layer in layers:
                 a = raw.get((it, rank, layer))
                 if a is None:
-                    raise InputFileError(f"{raw_files[rank]}: no raw tensor '{it}_{layer}' while other layers of iteration {it} have one")
+                    raise InputFileError(
+                        f"{raw_files[rank]}: no raw tensor '{it}_{layer}' while other layers of iteration {it} have one"
+                    )
                 per_layer.append(np.pad(a, ((0, 0), (0, K - a.shape[1])), constant_values=-1))
             n = {a.shape[0] for a in per_layer}
             if len(n) != 1:
@@ -530,10 +561,12 @@ def _read_trtllm_raw(raw_files, total, E, top_k, moe_layer_ids, name, info) -> R
                 )
             chunks.append(np.stack(per_layer, axis=1))  # [T, L, K]
             src.append(np.full(per_layer[0].shape[0], rank, dtype=np.int32))
-        bounds.append(bounds[-1] + sum(c.shape[0] for c in chunks[-len(ranks):]))
+        bounds.append(bounds[-1] + sum(c.shape[0] for c in chunks[-len(ranks) :]))
     ids = np.concatenate(chunks)  # [T, L, K]
     if ids.size and (ids.min() < -1 or ids.max() >= E):
-        raise InputFileError(f"{f0}: raw expert ids span [{ids.min()}, {ids.max()}], expected [-1, {E}) for num_experts={E}")
+        raise InputFileError(
+            f"{f0}: raw expert ids span [{ids.min()}, {ids.max()}], expected [-1, {E}) for num_experts={E}"
+        )
     info = {**info, "per_token": "rank<r>_raw.safetensors"}
     if total:  # cross-check against the bincount files where they cover the same (iter, layer)
         agree = True
@@ -586,29 +619,45 @@ def _read_vllm_jsonl(files: list[Path], name: str, E: int | None, moe_layer_ids)
                     continue
                 version = _int(f, rec, "version", where)
                 if version > VLLM_LOAD_VERSION:
-                    raise InputFileError(f"{f}: {where}{VLLM_LOAD_RECORD} version {version} is newer than this reader ({VLLM_LOAD_VERSION})")
+                    raise InputFileError(
+                        f"{f}: {where}{VLLM_LOAD_RECORD} version {version} is newer than this reader ({VLLM_LOAD_VERSION})"
+                    )
                 step = _int(f, rec, "step", where)
                 ranks = _int(f, rec, "num_ranks", where)
                 load = _array(f, rec.get("expert_load"), where + "expert_load", 2, "iuf")
                 m = _array(f, rec.get("p2l_map"), where + "p2l_map", 2).astype(np.int64)
                 if load.shape != m.shape:
-                    raise InputFileError(f"{f}: {where}expert_load shape {load.shape} differs from p2l_map shape {m.shape}")
+                    raise InputFileError(
+                        f"{f}: {where}expert_load shape {load.shape} differs from p2l_map shape {m.shape}"
+                    )
                 if shape is not None and load.shape != shape:
-                    raise InputFileError(f"{f}: {where}shape {load.shape} differs from earlier records {shape}")
+                    raise InputFileError(
+                        f"{f}: {where}shape {load.shape} differs from earlier records {shape}"
+                    )
                 shape = load.shape
                 if ranks < 1 or shape[1] % ranks:
-                    raise InputFileError(f"{f}: {where}num_ranks={ranks} does not divide {shape[1]} physical experts")
+                    raise InputFileError(
+                        f"{f}: {where}num_ranks={ranks} does not divide {shape[1]} physical experts"
+                    )
                 num_ranks = ranks
                 if load.size and load.min() < 0:
                     raise InputFileError(f"{f}: {where}expert_load has a negative load")
                 if m.min() < 0 or (E is not None and m.max() >= E):
-                    raise InputFileError(f"{f}: {where}p2l_map ids span [{m.min()}, {m.max()}], expected [0, {E})")
+                    raise InputFileError(
+                        f"{f}: {where}p2l_map ids span [{m.min()}, {m.max()}], expected [0, {E})"
+                    )
                 if "layer_ids" in rec:
                     ids = rec["layer_ids"]
-                    if not isinstance(ids, list) or len(ids) != shape[0] or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    if (
+                        not isinstance(ids, list)
+                        or len(ids) != shape[0]
+                        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+                    ):
                         raise InputFileError(f"{f}: {where}layer_ids must list {shape[0]} integer layer ids")
                     if file_ids is not None and file_ids != ids:
-                        raise InputFileError(f"{f}: {where}layer_ids {ids} differ from earlier records {file_ids}")
+                        raise InputFileError(
+                            f"{f}: {where}layer_ids {ids} differ from earlier records {file_ids}"
+                        )
                     file_ids = ids
                 loads.append(load)
                 maps.append(m)
@@ -621,12 +670,18 @@ def _read_vllm_jsonl(files: list[Path], name: str, E: int | None, moe_layer_ids)
     logical = np.stack([physical_to_logical_counts(a, m, E) for a, m in zip(loads, maps)])  # [W, L, E]
     L = logical.shape[1]
     if file_ids is not None:
-        rows = list(range(L)) if moe_layer_ids is None else [file_ids.index(i) for i in _pick(files[0], file_ids, moe_layer_ids)]
+        rows = (
+            list(range(L))
+            if moe_layer_ids is None
+            else [file_ids.index(i) for i in _pick(files[0], file_ids, moe_layer_ids)]
+        )
         layer_ids = [file_ids[r] for r in rows]
     elif moe_layer_ids is not None:
         layer_ids = [int(i) for i in moe_layer_ids]
         if len(layer_ids) != L:
-            raise InputFileError(f"{files[0]}: {len(layer_ids)} moe_layer_ids given for {L} MoE layer rows; give one per row")
+            raise InputFileError(
+                f"{files[0]}: {len(layer_ids)} moe_layer_ids given for {L} MoE layer rows; give one per row"
+            )
         rows = list(range(L))
     else:
         rows, layer_ids = list(range(L)), list(range(L))
@@ -701,4 +756,6 @@ def read_engine_dump(
         return _read_trtllm(p.parent, p, E, moe_layer_ids)
     if p.suffix == ".jsonl":
         return _read_vllm_jsonl([p], p.stem, E, moe_layer_ids)
-    raise InputFileError(f"{p}: unknown engine dump type {p.suffix!r}; expected .pt, .safetensors, .jsonl or a folder")
+    raise InputFileError(
+        f"{p}: unknown engine dump type {p.suffix!r}; expected .pt, .safetensors, .jsonl or a folder"
+    )

@@ -203,7 +203,10 @@ def test_vllm_ascend_device_order_follows_device_id(tmp_path):
             {
                 "layer_id": 0,
                 "device_count": 2,
-                "device_list": [{"device_id": 1, "device_expert": [2, 3]}, {"device_id": 0, "device_expert": [0, 1]}],
+                "device_list": [
+                    {"device_id": 1, "device_expert": [2, 3]},
+                    {"device_id": 0, "device_expert": [0, 1]},
+                ],
             }
         ],
     }
@@ -216,7 +219,14 @@ def test_vllm_ascend_unequal_devices_is_an_error(tmp_path):
     doc = {
         "moe_layer_count": 1,
         "layer_list": [
-            {"layer_id": 0, "device_count": 2, "device_list": [{"device_id": 0, "device_expert": [0, 1, 2]}, {"device_id": 1, "device_expert": [3]}]}
+            {
+                "layer_id": 0,
+                "device_count": 2,
+                "device_list": [
+                    {"device_id": 0, "device_expert": [0, 1, 2]},
+                    {"device_id": 1, "device_expert": [3]},
+                ],
+            }
         ],
     }
     path = tmp_path / "m.json"
@@ -259,7 +269,9 @@ def test_failed_write_leaves_existing_file_untouched(tmp_path, placement, fmt, n
         write_placement(_corrupted(placement), path, fmt)
     assert path.read_bytes() == b"previous content"
     assert sidecar_path(path).read_bytes() == b"previous sidecar"
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, sidecar_path(path).name])  # no temp files
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [name, sidecar_path(path).name]
+    )  # no temp files
 
 
 def test_write_into_missing_folder_fails_cleanly(tmp_path, placement):
@@ -269,7 +281,7 @@ def test_write_into_missing_folder_fails_cleanly(tmp_path, placement):
 
 
 def test_write_rejects_non_placement_and_bad_options(tmp_path, placement):
-    with pytest.raises(ValueError, match="needs a Placement"):
+    with pytest.raises(TypeError, match="needs a Placement"):
         write_placement(MAP, tmp_path / "p.json")
     with pytest.raises(ValueError, match="unknown placement format"):
         write_placement(placement, tmp_path / "p.json", "deepep")
@@ -327,7 +339,10 @@ def test_ids_out_of_range_named(tmp_path):
         ({"num_slots": 4, "initial_global_assignments": {1: [0, 1, 2]}}, "has 3 entries, expected 4"),
         ({"num_slots": 4, "initial_global_assignments": {"x": [0, 1, 2, 3]}}, "layer id"),
         ({"num_slots": 4, "initial_global_assignments": {1: [0, 1, True, 3]}}, "integer expert ids"),
-        ({"num_slots": "4", "initial_global_assignments": {1: [0, 1, 2, 3]}}, "'num_slots' must be an integer"),
+        (
+            {"num_slots": "4", "initial_global_assignments": {1: [0, 1, 2, 3]}},
+            "'num_slots' must be an integer",
+        ),
         ({"num_slots": 4, "initial_global_assignments": []}, "non-empty mapping"),
         ({"num_slots": 4, "initial_global_assignments": {1: [0, 1, 2, 3]}, "enable": 1}, "unknown field"),
         ({"num_slots": 4, "initial_global_assignments": {1: [0, 1, 2, 7]}}, "8 logical experts cannot fit"),
@@ -342,16 +357,48 @@ def test_malformed_trtllm_yaml(tmp_path, doc, match):
 
 
 def test_malformed_vllm_ascend(tmp_path):
-    base = {"moe_layer_count": 1, "layer_list": [{"layer_id": 0, "device_count": 2, "device_list": [
-        {"device_id": 0, "device_expert": [0, 1]}, {"device_id": 1, "device_expert": [2, 3]}]}]}
+    base = {
+        "moe_layer_count": 1,
+        "layer_list": [
+            {
+                "layer_id": 0,
+                "device_count": 2,
+                "device_list": [
+                    {"device_id": 0, "device_expert": [0, 1]},
+                    {"device_id": 1, "device_expert": [2, 3]},
+                ],
+            }
+        ],
+    }
     assert read_placement(_write(tmp_path / "ok.json", base)).num_layers == 1
     cases = [
         ({**base, "moe_layer_count": 2}, "moe_layer_count=2 but layer_list has 1"),
         ({**base, "layer_list": "x"}, "non-empty list"),
         ({**base, "layer_list": [{**base["layer_list"][0], "device_count": 3}]}, "device_count=3"),
-        ({**base, "layer_list": [{**base["layer_list"][0], "device_list": [{"device_id": 0}, {"device_id": 1}]}]}, "device_expert"),
-        ({**base, "layer_list": [{**base["layer_list"][0], "device_list": [
-            {"device_id": 0, "device_expert": [0, 1]}, {"device_id": 0, "device_expert": [2, 3]}]}]}, "repeated"),
+        (
+            {
+                **base,
+                "layer_list": [
+                    {**base["layer_list"][0], "device_list": [{"device_id": 0}, {"device_id": 1}]}
+                ],
+            },
+            "device_expert",
+        ),
+        (
+            {
+                **base,
+                "layer_list": [
+                    {
+                        **base["layer_list"][0],
+                        "device_list": [
+                            {"device_id": 0, "device_expert": [0, 1]},
+                            {"device_id": 0, "device_expert": [2, 3]},
+                        ],
+                    }
+                ],
+            },
+            "repeated",
+        ),
     ]
     for i, (doc, match) in enumerate(cases):
         with pytest.raises(InputFileError, match=match):
@@ -411,7 +458,9 @@ def test_truncated_json_message_names_position(tmp_path):
 def test_yaml_python_tags_are_refused(tmp_path):
     marker = tmp_path / "pwned"
     path = tmp_path / "lb.yaml"
-    path.write_text(f"num_slots: !!python/object/apply:os.mkdir ['{marker}']\ninitial_global_assignments: {{}}\n")
+    path.write_text(
+        f"num_slots: !!python/object/apply:os.mkdir ['{marker}']\ninitial_global_assignments: {{}}\n"
+    )
     with pytest.raises(InputFileError, match="unsafe YAML"):
         read_placement(path, ep_size=1)
     assert not marker.exists()
@@ -488,7 +537,9 @@ def test_deepseek_greedy_placement_in_every_format(tmp_path, deepseek_trace):
     for fmt, name in CASES:
         write_placement(placement, tmp_path / name, fmt)
         assert read_placement(tmp_path / name) == placement, fmt
-    full = np.array(json.loads((tmp_path / "init_expert_location.json").read_text())["physical_to_logical_map"])
+    full = np.array(
+        json.loads((tmp_path / "init_expert_location.json").read_text())["physical_to_logical_map"]
+    )
     assert full.shape == (27, 80)
     assert full[0].tolist() == (np.arange(80) % 64).tolist()  # layer 0 of DeepSeek-V2-Lite is dense
     assert np.array_equal(full[1:], placement.physical_to_logical_map)
