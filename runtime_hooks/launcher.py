@@ -1,0 +1,227 @@
+"""Launch ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes with a real process group.
+
+Public API::
+
+    results = launch(fn, world_size, args=(...), backend="gloo", timeout=60.0)
+
+- ``fn`` must be importable by name (a module-level function; closures and lambdas do not pickle).
+  Processes start with ``forkserver`` (torch preloaded once in the server, so a launch after the first
+  costs well under a second instead of one torch import per rank) or ``spawn``; never plain ``fork``
+  (unsafe after CUDA or thread-pool initialisation in the parent).
+- Each worker joins a ``torch.distributed`` default process group (gloo on CPU, NCCL on GPU: the device
+  of rank ``r`` is ``cuda:r % device_count``, see :func:`device_for`) and gets ``torch.set_num_threads(1)``
+  on gloo so many ranks share few cores.
+- Rendezvous uses a ``TCPStore`` hosted by the launching process on a free port chosen by the OS
+  (port 0, no race). The same store is a side channel for workers (:func:`current_store`): the
+  migration protocol in :mod:`runtime_hooks.migrate` decides commit/abort through it, because a
+  collective cannot decide anything once a rank is stuck.
+- Results come back per rank (``results[r]`` is rank r's return value; it must pickle). When a rank
+  raises, :class:`WorkerError` carries its rank and formatted traceback; when ranks do not finish within
+  ``timeout`` seconds, :class:`WorkerTimeout` names them. Either way every child is terminated and
+  joined before the exception propagates: no orphan processes. ``destroy_process_group`` runs in each
+  worker on the way out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as _queue
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+__all__ = ["launch", "WorkerError", "WorkerTimeout", "current_store", "device_for"]
+
+_CURRENT_STORE = None  # set inside workers
+
+
+class WorkerError(RuntimeError):
+    """A rank raised; ``.rank`` and ``.remote_traceback`` say which and where."""
+
+    def __init__(self, rank: int, remote_traceback: str):
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
+
+
+class WorkerTimeout(TimeoutError):
+    """Some ranks did not finish in time; ``.ranks`` lists them."""
+
+    def __init__(self, ranks: Sequence[int], timeout: float):
+        self.ranks = list(ranks)
+        super().__init__(
+            f"ranks {self.ranks} did not finish within {timeout:.1f} s; all workers were terminated "
+            f"(raise timeout= if the work is simply slow)"
+        )
+
+
+def current_store():
+    """The launcher's TCPStore inside a worker (None outside :func:`launch`)."""
+    return _CURRENT_STORE
+
+
+def device_for(backend: str, rank: int):
+    """The torch device a rank computes on: ``cpu`` for gloo, ``cuda:rank % n`` for nccl."""
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def _context(start_method: str | None):
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    if start_method is None:
+        start_method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method must be 'forkserver' or 'spawn', got {start_method!r}")
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # Preload torch in the server so each rank forks with it already imported (no CUDA init here).
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "placement.metrics"])
+    return ctx
+
+
+def _worker(rank, world_size, backend, host, port, pg_timeout, fn, args, results):
+    global _CURRENT_STORE
+    import torch
+    import torch.distributed as dist
+
+    try:
+        if backend == "gloo":
+            torch.set_num_threads(1)
+        else:
+            torch.cuda.set_device(device_for(backend, rank))
+        td = datetime.timedelta(seconds=pg_timeout)
+        store = dist.TCPStore(host, port, world_size + 1, False, timeout=td)
+        _CURRENT_STORE = store
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
+        out = fn(rank, world_size, *args)
+        results.put((rank, True, out))
+    except BaseException:  # noqa: BLE001 - report anything to the parent, including KeyboardInterrupt
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - shutting down after a failure
+            pass
+        _CURRENT_STORE = None
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    pg_timeout: float | None = None,
+    grace: float = 3.0,
+    start_method: str | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return ``[result of rank r]``.
+
+    Args:
+        fn: module-level function (picklable by name).
+        world_size: number of ranks (>= 1).
+        args: extra positional arguments, pickled to every rank.
+        backend: ``gloo`` (CPU) or ``nccl`` (one GPU per rank, shared round-robin if fewer).
+        timeout: wall-clock seconds for the whole run (start-up included) before all ranks are killed.
+        pg_timeout: process-group / store timeout inside workers (default ``timeout``).
+        grace: seconds the other ranks get to report after one rank failed, before being terminated.
+        start_method: ``forkserver`` (default where available: one server process imports torch once,
+            later launches fork from it in well under a second) or ``spawn``.
+
+    Raises:
+        ValueError: bad world_size or backend.
+        WorkerError: a rank raised (its traceback is in the message).
+        WorkerTimeout: ranks did not finish in time.
+    """
+    import torch.distributed as dist
+
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA GPUs, none is visible; use --backend gloo")
+    pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
+    host = "127.0.0.1"
+    store = dist.TCPStore(host, 0, world_size + 1, True, timeout=datetime.timedelta(seconds=pg_timeout),
+                          wait_for_workers=False)
+    ctx = _context(start_method)
+    results = ctx.Queue()
+    procs = []
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    if backend == "gloo":
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at spawn
+    try:
+        for r in range(world_size):
+            p = ctx.Process(
+                target=_worker,
+                args=(r, world_size, backend, host, store.port, pg_timeout, fn, tuple(args), results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        if backend == "gloo":
+            if env_before is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_before
+    out: dict[int, Any] = {}
+    failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
+    fail_deadline = float("inf")
+    dead_since: dict[int, float] = {}
+    try:
+        while len(out) < world_size:
+            now = time.monotonic()
+            if now > deadline or now > fail_deadline:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except _queue.Empty:
+                # A child that died without reporting (killed, segfault) is a failure too; its report
+                # may still be in the pipe, so give it a second before declaring it.
+                for r, p in enumerate(procs):
+                    if r in out or p.exitcode is None:
+                        continue
+                    first = dead_since.setdefault(r, now)
+                    if failure is None and now - first > 1.0:
+                        failure = (r, f"process exited with code {p.exitcode} without reporting a result")
+                        fail_deadline = now + grace
+                continue
+            out[rank] = payload if ok else None
+            if not ok and failure is None:
+                failure = (rank, payload)
+                fail_deadline = time.monotonic() + grace
+    finally:
+        for p in procs:
+            p.join(timeout=0.0 if failure or len(out) < world_size else 5.0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        results.close()
+        results.join_thread()
+        del store
+    if failure is not None:
+        raise WorkerError(*failure)
+    missing = [r for r in range(world_size) if r not in out]
+    if missing:
+        raise WorkerTimeout(missing, timeout)
+    return [out[r] for r in range(world_size)]
+
