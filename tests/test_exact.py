@@ -1,0 +1,230 @@
+"""Exact solver (solver.exact): optimum on the FlashLB example, never worse than greedy, bounds, backends
+agree, determinism, node constraint, decode objective, weighted dispatch, robust windows."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from placement.metrics import expected_gpu_load, peak_lower_bound
+from placement.model import Placement
+from placement.topology import Topology
+from solver.exact import (
+    DecodeCost,
+    count_lower_bound,
+    layer_cost_table,
+    replica_weights,
+    solve_exact,
+    weighted_shares,
+    write_replica_weights,
+)
+from solver.greedy import greedy_placement
+
+FLASHLB = np.array([[600, 560, 120, 120, 20, 10, 10, 10]], dtype=float)
+
+
+def _check_valid(pl: Placement, E: int) -> None:
+    p2l = pl.physical_to_logical_map
+    G, S = pl.topology.ep_size, pl.topology.slots_per_gpu
+    for row in p2l:
+        assert set(row.tolist()) == set(range(E))  # every expert present
+        per_gpu = row.reshape(G, S)
+        for g in range(G):
+            assert len(set(per_gpu[g].tolist())) == S  # no two replicas of one expert on a GPU
+
+
+def _peak(pl: Placement, load: np.ndarray) -> np.ndarray:
+    return expected_gpu_load(pl, load).max(axis=1)
+
+
+@pytest.mark.parametrize("backend", ["cpsat", "milp"])
+def test_flashlb_example_reaches_optimum(backend):
+    topo = Topology(8, 16, 1)
+    g_pl, _ = greedy_placement(FLASHLB, topo, policy="global")
+    greedy_peak = float(_peak(g_pl, FLASHLB)[0])
+    pl, rep = solve_exact(FLASHLB, topo, backend=backend, time_limit=20.0)
+    _check_valid(pl, 8)
+    lr = rep.layers[0]
+    assert lr.baseline_objective == pytest.approx(greedy_peak)
+    assert greedy_peak == pytest.approx(232.0)  # the published greedy result
+    assert lr.objective == pytest.approx(590 / 3, rel=1e-9)  # 196.67, the published optimum
+    assert float(_peak(pl, FLASHLB)[0]) == pytest.approx(lr.objective)
+    assert lr.status == "optimal"
+    assert lr.bound <= lr.objective + 1e-9
+    assert lr.gap < 1e-4
+    assert lr.objective / lr.mean_load == pytest.approx(1.085, abs=1e-3)
+
+
+def _random_instances(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        G = int(rng.choice([3, 4]))
+        E = int(rng.integers(4, 8))
+        S = int(rng.integers(max(2, -(-E // G)), min(E, 3) + 1))
+        if G * S < E:
+            S = -(-E // G)
+        w = np.round(rng.pareto(1.2, size=(1, E)) * 50 + 1)
+        out.append((w, Topology(G, G * S, 1)))
+    return out
+
+
+def test_never_worse_than_greedy_and_bounds_hold():
+    for w, topo in _random_instances(8, seed=1):
+        g_pl, _ = greedy_placement(w, topo, policy="global")
+        pl, rep = solve_exact(w, topo, time_limit=2.0)
+        _check_valid(pl, w.shape[1])
+        lr = rep.layers[0]
+        peak = float(_peak(pl, w)[0])
+        assert peak == pytest.approx(lr.objective)
+        assert peak <= float(_peak(g_pl, w)[0]) + 1e-9
+        assert lr.bound <= lr.objective + 1e-9
+        assert lr.bound >= float(peak_lower_bound(w, topo.ep_size, topo.num_physical_experts)[0]) - 1e-9
+        if lr.status == "optimal":
+            assert lr.gap < 1e-4
+
+
+def test_cpsat_and_milp_agree_on_small_optima():
+    for w, topo in _random_instances(3, seed=7):
+        _, rc = solve_exact(w, topo, backend="cpsat", time_limit=5.0)
+        _, rm = solve_exact(w, topo, backend="milp", time_limit=10.0)
+        a, b = rc.layers[0], rm.layers[0]
+        assert a.status == "optimal" and b.status == "optimal"
+        assert a.objective == pytest.approx(b.objective, rel=1e-6)
+
+
+def test_count_bound_dominates_closed_form_and_is_a_bound():
+    rng = np.random.default_rng(3)
+    w = rng.pareto(1.0, size=(5, 16)) * 100 + 1
+    cb = count_lower_bound(w, 8, 24)
+    assert np.all(cb >= peak_lower_bound(w, 8, 24) - 1e-9)
+    pl, rep = solve_exact(w, Topology(8, 24, 1), time_limit=3.0)
+    assert np.all(cb <= _peak(pl, w) + 1e-9)
+
+
+def test_deterministic_mode_reproduces_the_map():
+    rng = np.random.default_rng(5)
+    w = np.round(rng.pareto(1.1, size=(3, 12)) * 100 + 1)
+    topo = Topology(4, 16, 1)
+    a, ra = solve_exact(w, topo, time_limit=1.5, seed=3, workers=2)
+    b, rb = solve_exact(w, topo, time_limit=1.5, seed=3, workers=2)
+    assert ra.params["deterministic"] and ra.params["seed"] == 3
+    if not ra.notes and not rb.notes:  # no wall-clock safety cap hit
+        assert np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map)
+
+
+def test_node_constraint_inside_the_model():
+    rng = np.random.default_rng(2)
+    w = np.round(rng.pareto(1.0, size=(1, 8)) * 80 + 1)
+    topo = Topology(4, 12, 2)  # 2 nodes x 2 GPUs x 3 slots
+    num_groups = 4
+    h_pl, _ = greedy_placement(w, topo, num_groups, policy="hierarchical")
+    pl, rep = solve_exact(w, topo, num_groups=num_groups, node_constraint=True, time_limit=5.0)
+    _check_valid(pl, 8)
+    node_of_slot = topo.node_of_slot
+    row = pl.physical_to_logical_map[0]
+    nodes_of_group = {}
+    for p, e in enumerate(row):
+        nodes_of_group.setdefault(int(e) // 2, set()).add(int(node_of_slot[p]))
+    assert all(len(v) == 1 for v in nodes_of_group.values())
+    per_node = np.bincount([next(iter(v)) for v in nodes_of_group.values()], minlength=2)
+    assert per_node.tolist() == [2, 2]
+    assert rep.layers[0].objective <= float(_peak(h_pl, w)[0]) + 1e-9
+    assert rep.params["node_constraint"] and rep.params["greedy_policy"] == "hierarchical"
+
+
+def test_decode_objective_changes_the_answer():
+    # small decode batches: a hot expert's replicas are all active (each pays a weight read), so the
+    # decode optimum spends spare slots on cold experts, the token optimum on the hot one
+    w = np.array([[400.0, 60.0, 30.0, 10.0]])
+    topo = Topology(4, 8, 1)
+    hw = {"batch_tokens_per_gpu": 4, "top_k": 2}
+    tok, rt = solve_exact(w, topo, objective="tokens", time_limit=3.0)
+    dec, rd = solve_exact(w, topo, objective="decode", time_limit=3.0, hardware=hw)
+    _check_valid(dec, 4)
+    dc = DecodeCost.build(hardware=hw)
+
+    def decode_peak(pl):
+        row = pl.physical_to_logical_map[0]
+        cnt = np.bincount(row, minlength=4)
+        c = layer_cost_table(w, 4, "decode", dc, 4)[0]  # [E, R+1]
+        return float(c[row, cnt[row]].reshape(4, 2).sum(axis=1).max())
+
+    assert not np.array_equal(tok.logical_replica_count, dec.logical_replica_count)
+    assert decode_peak(dec) < decode_peak(tok)
+    assert rt.layers[0].objective < rd.layers[0].objective  # tokens-only peak is better for tokens
+    assert rd.layers[0].extra["model_objective"] == pytest.approx(decode_peak(dec))
+    assert rd.layers[0].extra["model_objective"] <= rd.layers[0].extra["model_baseline"] + 1e-9
+
+
+def test_weighted_shares_sum_to_one_and_beat_even():
+    rng = np.random.default_rng(4)
+    w = np.round(rng.pareto(1.0, size=(2, 10)) * 100 + 1)
+    topo = Topology(4, 16, 1)
+    pl, rep = solve_exact(w, topo, weighted=True, time_limit=2.0)
+    for l, lr in enumerate(rep.layers):
+        q = np.asarray(lr.extra["replica_shares"])
+        row = pl.physical_to_logical_map[l]
+        assert np.allclose(np.bincount(row, weights=q, minlength=10), 1.0)
+        assert q.min() >= 0
+        gpu = np.bincount(topo.gpu_of_slot, weights=w[l][row] * q, minlength=4)
+        assert gpu.max() == pytest.approx(lr.extra["weighted_objective"], rel=1e-6)
+        assert lr.extra["weighted_objective"] <= lr.objective + 1e-6
+        assert lr.extra["weighted_objective"] >= lr.mean_load - 1e-6
+    rw = replica_weights(pl, w)
+    assert rw.shape == pl.physical_to_logical_map.shape
+
+
+def test_write_replica_weights_roundtrip(tmp_path):
+    w = FLASHLB
+    topo = Topology(8, 16, 1)
+    pl, _ = solve_exact(w, topo, time_limit=2.0)
+    rw = replica_weights(pl, w)
+    path = tmp_path / "weights.json"
+    write_replica_weights(path, rw, pl)
+    d = json.loads(path.read_text())
+    assert d["format"] == "moe-placement/replica-weights"
+    assert np.allclose(np.asarray(d["replica_weights"]), rw)
+    assert np.array_equal(np.asarray(d["physical_to_logical_map"]), pl.physical_to_logical_map)
+    with pytest.raises(ValueError, match="sum to"):
+        write_replica_weights(path, rw * 0.5, pl)
+
+
+def test_robust_windows_not_worse_than_greedy_on_fitted_windows():
+    rng = np.random.default_rng(6)
+    base = rng.pareto(1.0, size=(2, 12)) * 100 + 5
+    wins = np.stack([np.round(base * rng.uniform(0.5, 1.5, size=base.shape)) for _ in range(4)])  # [W, L, E]
+    topo = Topology(4, 16, 1)
+    for mode in ("max", "q75"):
+        pl, rep = solve_exact(wins, topo, robust=mode, time_limit=2.0)
+        _check_valid(pl, 12)
+        for lr in rep.layers:
+            assert lr.extra["model_objective"] <= lr.extra["model_baseline"] + 1e-9
+        assert rep.params["robust"] == mode
+
+
+def test_large_layer_path_is_valid_and_not_worse():
+    rng = np.random.default_rng(8)
+    E, G = 160, 64
+    w = (np.arange(1, E + 1) ** -1.2)[rng.permutation(E)][None] * 1e6
+    topo = Topology(G, 320, 8)
+    g_pl, _ = greedy_placement(w, topo, policy="global")
+    pl, rep = solve_exact(w, topo, time_limit=2.0, workers=1)
+    _check_valid(pl, E)
+    lr = rep.layers[0]
+    assert lr.objective <= float(_peak(g_pl, w)[0]) + 1e-6
+    assert lr.bound <= lr.objective + 1e-9
+
+
+def test_bad_input_is_a_value_error():
+    topo = Topology(8, 16, 2)
+    with pytest.raises(ValueError, match="backend"):
+        solve_exact(FLASHLB, topo, backend="gurobi")
+    with pytest.raises(ValueError, match="num_groups"):
+        solve_exact(FLASHLB, topo, node_constraint=True)
+    with pytest.raises(ValueError, match="robust"):
+        solve_exact(FLASHLB, topo, robust="p90")
+    with pytest.raises(ValueError, match="objective"):
+        solve_exact(FLASHLB, topo, objective="latency")
