@@ -274,7 +274,7 @@ def model_from_hf_config(cfg: Mapping[str, Any], name: str | None = None) -> Mod
         n_shared = max(n_shared, 1)
     H = int(c.get("num_attention_heads") or 32)
     mla = bool(c.get("kv_lora_rank"))
-    head_dim = int(c.get("head_dim") or (d // H))
+    head_dim = int(c.get("head_dim") or (c.get("v_head_dim") if mla else 0) or (d // H))
     return ModelSpec(
         name=name or str(c.get("_name_or_path") or mt or "hf-model"),
         hidden_size=d,
