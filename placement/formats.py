@@ -867,8 +867,11 @@ def read_placement(
         "num_logical_experts": num_logical_experts,
         "layer_ids": None if layer_ids is None else [int(i) for i in layer_ids],
     }
-    for key in ("ep_size", "num_nodes", "num_logical_experts"):
-        v = given[key]
+    for key, v in (
+        ("ep_size", ep_size),
+        ("num_nodes", num_nodes),
+        ("num_logical_experts", num_logical_experts),
+    ):
         if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"{key} must be a positive integer, got {v!r}")
     opts = _Options(p, detected, given, use_sidecar=detected != "native")

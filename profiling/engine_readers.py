@@ -90,7 +90,7 @@ def physical_to_logical_counts(
     dtype = np.int64 if pc.dtype.kind in "iub" else np.float64
     out = np.zeros((flat.shape[0], L * E), dtype=dtype)  # [N, L*E]
     index = (np.arange(L, dtype=np.int64)[:, None] * E + p2l).ravel()  # [L*P] flat (layer, expert)
-    np.add.at(out, (slice(None), index), flat.astype(dtype))
+    np.add.at(out, (slice(None), index), flat.astype(dtype))  # type: ignore[arg-type]
     return out.reshape(*lead, L, E)
 
 
@@ -263,7 +263,7 @@ def _read_sglang(files: list[Path], name: str, E: int | None, moe_layer_ids) -> 
 
 
 def _read_sglang_stat(dumps, name: str, E: int | None, moe_layer_ids) -> RoutingTrace:
-    parts = []
+    parts: list[np.ndarray] = []
     ranks, rates = [], []
     for f, d in dumps:
         arr = _array(f, d["logical_count"], "logical_count [steps, layers, experts]", (2, 3), "iuf")
@@ -366,7 +366,7 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
         K = max(widths)
         chunks = [np.pad(c, ((0, 0), (0, 0), (0, K - c.shape[2])), constant_values=-1) for c in chunks]
         ids = np.concatenate(chunks, axis=1).transpose(1, 0, 2)  # [T, H, K]
-        rows = _moe_rows(f0, (ids >= 0).any(axis=(0, 2)), moe_layer_ids, "per_token dump")
+        rows = _moe_rows(f0, np.asarray((ids >= 0).any(axis=(0, 2))), moe_layer_ids, "per_token dump")
         ids = ids[:, rows]
         used = (ids >= 0).any(axis=(0, 1))  # [K] drop top-k columns that are padding everywhere
         if used.any():
@@ -391,8 +391,11 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
             metadata=meta,
         )
 
-    phys = []
-    for fp, rank, f, r in records:
+    # Sum each pass's ranks in slot space first (one shared map), then fold slots into experts once.
+    passes = sorted({fp for fp, *_ in records})
+    pass_index = {fp: i for i, fp in enumerate(passes)}
+    phys: np.ndarray | None = None  # [W, H, P]
+    for fp, _rank, f, r in records:
         if "global_physical_count" not in r:
             raise InputFileError(
                 f"{f}: records[fp={fp}] has no 'global_physical_count' [layers, physical experts]"
@@ -404,12 +407,12 @@ def _read_sglang_detail(dumps, name: str, E: int | None, moe_layer_ids) -> Routi
             )
         if c.size and c.min() < 0:
             raise InputFileError(f"{f}: records[fp={fp}].global_physical_count has a negative count")
-        phys.append(c)
-    logical = physical_to_logical_counts(np.stack(phys), p2l, E)  # [records, H, E]
-    passes = sorted({fp for fp, *_ in records})
-    where = {fp: i for i, fp in enumerate(passes)}
-    counts = np.zeros((len(passes), H, E), dtype=logical.dtype)  # [W, H, E] ranks merged per pass
-    np.add.at(counts, np.array([where[fp] for fp, *_ in records]), logical)
+        if phys is None or (c.dtype.kind == "f" and phys.dtype.kind != "f"):
+            dtype = np.float64 if c.dtype.kind == "f" else np.int64
+            phys = np.zeros((len(passes), H, P), dtype=dtype) if phys is None else phys.astype(dtype)
+        phys[pass_index[fp]] += c
+    assert phys is not None
+    counts = physical_to_logical_counts(phys, p2l, E)  # [W, H, E] ranks merged per pass
     rows = _moe_rows(f0, counts.sum(axis=(0, 2)) > 0, moe_layer_ids, "per_pass dump")
     return RoutingTrace(
         num_logical_experts=E,
@@ -503,6 +506,8 @@ def _read_trtllm(folder: Path, only: Path | None, E: int | None, moe_layer_ids) 
             f"{folder}: no statistics for key '{it}_{layer}' ({len(missing)} iteration/layer pair(s) missing); "
             f"the dump is incomplete: re-record or remove the partial iterations"
         )
+    if not total or E is None:
+        raise InputFileError(f"{folder}: the rank<r>.safetensors files hold no statistics")
     layers = _pick(folder, layers, moe_layer_ids)
     counts = np.stack([np.stack([total[(it, layer)] for layer in layers]) for it in iters])  # [W, L, E]
     return RoutingTrace(
