@@ -422,3 +422,42 @@ def test_unknown_inputs(tmp_path):
     (tmp_path / "x.csv").write_text("a,b")
     with pytest.raises(InputFileError, match="unknown engine dump type"):
         read_engine_dump(tmp_path / "x.csv")
+
+
+# ---- the real DeepSeek-V2-Lite trace written as SGLang dumps --------------------------------------
+
+
+def test_deepseek_counts_as_sglang_stat_dump(tmp_path, deepseek_trace):
+    windows = deepseek_trace.windows(4)
+    counts = np.stack([w.counts() for w in windows])  # [4, 26, 64], layers 1..26
+    full = np.zeros((4, 27, 64), dtype=np.int32)  # SGLang's axis: all 27 hidden layers, layer 0 dense
+    full[:, 1:] = counts
+    path = _stat_dump(tmp_path / "expert_distribution_recorder_1.pt", full)
+    trace = read_engine_dump(path)
+    assert trace.layer_ids == deepseek_trace.layer_ids == tuple(range(1, 27))
+    assert np.array_equal(trace.window_counts, counts)
+
+
+def test_deepseek_tokens_as_sglang_per_token_dump(tmp_path, deepseek_trace):
+    from placement.topology import Topology
+    from solver.greedy import greedy_placement
+
+    part = deepseek_trace.slice_tokens(0, 600)
+    placement, _ = greedy_placement(
+        deepseek_trace.counts(), Topology.from_redundant(64, 16, 8, 2), layer_ids=deepseek_trace.layer_ids
+    )
+    ids = part.topk_ids.astype(np.int64)  # [T, 26, 6] logical
+    first_slot = placement.logical_to_physical_map[..., 0]  # [26, 64] one replica per expert
+    phys = np.take_along_axis(first_slot[None], ids.reshape(600, 26, 6) % 64, axis=2)  # [T, 26, 6]
+    phys = np.where(ids >= 0, phys, -1)
+    full_map = np.tile(np.arange(80) % 64, (27, 1))
+    full_map[1:] = placement.physical_to_logical_map
+    buf = np.full((27, 600, 8), -1, dtype=np.int32)  # [H, T, 8] as SGLang's recorder stores it
+    buf[1:, :, :6] = phys.transpose(1, 0, 2)
+    count = np.zeros((27, 80), dtype=np.int32)
+    records = [_rec(0, 0, count, buf[:, :300]), _rec(1, 0, count, buf[:, 300:])]
+    path = _detail_dump(tmp_path / "expert_distribution_recorder_1_0.pt", records, full_map)
+    trace = read_engine_dump(path)
+    assert trace.layer_ids == tuple(range(1, 27))
+    assert np.array_equal(trace.topk_ids, part.topk_ids)
+    assert trace.step_offsets.tolist() == [0, 300, 600]
