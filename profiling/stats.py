@@ -104,18 +104,18 @@ def _average_ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..E along the last axis, ties sharing their average rank. float64 ``[..., E]``."""
     x = np.asarray(x, dtype=np.float64)
     E = x.shape[-1]
-    flat = x.reshape(-1, E)
+    flat = x.reshape(-1, E)  # [N, E]
+    order = np.argsort(flat, axis=1, kind="stable")
+    v = np.take_along_axis(flat, order, axis=1)  # [N, E] sorted rows
+    pos = np.broadcast_to(np.arange(E), v.shape)
+    first = np.ones(v.shape, dtype=bool)
+    first[:, 1:] = v[:, 1:] != v[:, :-1]  # a run of equal values starts here
+    last = np.ones(v.shape, dtype=bool)
+    last[:, :-1] = first[:, 1:]  # a run ends here
+    start = np.maximum.accumulate(np.where(first, pos, 0), axis=1)  # run start of each position
+    end = np.minimum.accumulate(np.where(last, pos, E - 1)[:, ::-1], axis=1)[:, ::-1]  # run end
     out = np.empty_like(flat)
-    for r in range(flat.shape[0]):
-        row = flat[r]
-        order = np.argsort(row, kind="stable")
-        sorted_vals = row[order]
-        # boundaries of runs of equal values
-        starts = np.flatnonzero(np.concatenate([[True], sorted_vals[1:] != sorted_vals[:-1]]))
-        ends = np.concatenate([starts[1:], [E]])
-        avg = (starts + ends + 1) / 2.0  # mean of positions start+1 .. end
-        ranks_sorted = np.repeat(avg, ends - starts)
-        out[r, order] = ranks_sorted
+    np.put_along_axis(out, order, (start + end) / 2.0 + 1.0, axis=1)
     return out.reshape(x.shape)
 
 
