@@ -414,15 +414,16 @@ def compare_phases(
 ) -> dict:
     """Best layout of each phase, each evaluated on the other phase.
 
-    Returns a dict with both plans, the cross-evaluated throughputs, ``separate_wins`` (True when a
-    single layout would lose more than :data:`TIE` on either phase) and a ``message``.
+    Returns a dict with both plans, the cross-evaluated throughputs, ``separate_wins`` (True when
+    either phase's best layout, used for both phases, loses more than :data:`TIE` on the other) and a
+    ``message``.
     """
     load, _ = workload_load(model, trace, seed)
     cache: dict = {}
     plans = dict(plans or {})
     for name, opts in (("decode", decode), ("prefill", prefill)):
         if name not in plans:
-            plans[name] = plan_layout(model, cluster, num_nodes, opts, trace=trace, load=load, solver=solver,
+            plans[name] = plan_layout(model, cluster, num_nodes, opts, trace=trace, solver=solver,
                                       max_redundant=max_redundant, seed=seed, placements=cache)
     bd, bp = plans["decode"].best, plans["prefill"].best
     if bd is None or bp is None:
@@ -435,9 +436,10 @@ def compare_phases(
         return {"plans": plans, "separate_wins": False, "message": msg}
     loss_prefill = 1 - pd_on_prefill.tokens_per_s_per_gpu / bp.tokens_per_s_per_gpu if pd_on_prefill.feasible else 1.0
     loss_decode = 1 - pp_on_decode.tokens_per_s_per_gpu / bd.tokens_per_s_per_gpu if pp_on_decode.feasible else 1.0
-    wins = max(loss_prefill, loss_decode) > TIE
+    # a single layout for both phases is the better of the two bests; separate pools win when even it loses
+    wins = min(loss_prefill, loss_decode) > TIE
     msg = (
-        f"{'SEPARATE PREFILL AND DECODE LAYOUTS WIN' if wins else 'separate layouts gain little'}: "
+        f"{'SEPARATE PREFILL AND DECODE LAYOUTS WIN' if wins else 'ONE LAYOUT SERVES BOTH PHASES (separate pools gain at most ' + format(min(loss_prefill, loss_decode), '.0%') + ')'}: "
         f"decode best {bd.candidate.label(E)}, prefill best {bp.candidate.label(E)}; the decode layout "
         + (f"loses {loss_prefill:.0%} on prefill" if pd_on_prefill.feasible else f"cannot run prefill ({pd_on_prefill.reason})")
         + ", the prefill layout "
