@@ -1,0 +1,176 @@
+"""The torch EP runtime on real gloo process groups, replaying DeepSeek-V2-Lite routing.
+
+Launches are batched: one 4-rank world checks every (placement, policy) pair; one 8-rank world (slow)
+does the same at 8 ranks. Workers must be module-level functions (they are pickled by name).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from placement.metrics import route_tokens
+from placement.model import Placement
+from placement.topology import Topology
+from runtime_hooks.ep_layer import ExpertWeights, build_routing_tables, reference_moe, replay_weights, route_slots
+from runtime_hooks.launcher import WorkerError, WorkerTimeout, launch
+from runtime_hooks.validate import ValidationSpec, collect_report, validate_rank
+from solver.greedy import greedy_placement
+
+LAYERS = [0, 13]  # two DeepSeek MoE rows: keeps each world short
+
+
+@pytest.fixture(scope="module")
+def ds2(deepseek_trace):
+    return deepseek_trace.select_layers(LAYERS)
+
+
+def _placements(trace, ep_size: int, num_nodes: int = 2, redundant: int = 16):
+    """trivial, greedy and (when the exact solver exists) CP-SAT placements for the trace's counts."""
+    topo = Topology.from_redundant(trace.num_logical_experts, redundant, ep_size, num_nodes)
+    load = trace.counts()
+    out = {
+        "trivial": Placement.trivial(trace.num_layers, trace.num_logical_experts, topo, trace.layer_ids),
+        "greedy": greedy_placement(load, topo, layer_ids=trace.layer_ids)[0],
+    }
+    try:
+        import solver.exact  # noqa: F401
+    except ImportError:
+        return out
+    from solver.api import solve
+
+    out["exact"] = solve("cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=1.0, seed=0)[0]
+    return out
+
+
+def _random_placement(rng, L, E, topo):
+    """A valid placement with random replication (no two replicas of an expert on one rank)."""
+    G, S = topo.ep_size, topo.slots_per_gpu
+    rows = []
+    for _ in range(L):
+        while True:
+            extra = rng.choice(E, topo.num_physical_experts - E, replace=True)
+            ids = rng.permutation(np.concatenate([np.arange(E), extra]))
+            if all(len(set(ids[g * S:(g + 1) * S])) == S for g in range(G)):
+                rows.append(ids)
+                break
+    return Placement(np.array(rows), E, topo)
+
+
+# ---- replica selection: torch port == placement.metrics.route_tokens ------------------------------
+@pytest.mark.parametrize("policy", ["even", "local"])
+def test_route_slots_equals_route_tokens(ds2, policy):
+    rng = np.random.default_rng(1)
+    ids = np.asarray(ds2.topk_ids[5000:5600], dtype=np.int64)  # [600, 2, 6]
+    ids[::17, :, 2] = -1  # some empty picks
+    T = ids.shape[0]
+    for G, N in ((4, 2), (8, 2), (8, 4)):
+        topo = Topology.from_redundant(64, 16, G, N)
+        cands = list(_placements_fast(ds2, topo)) + [_random_placement(rng, 2, 64, topo)]
+        for pl in cands:
+            src = rng.integers(0, G, T)
+            tok = 1000 + rng.permutation(T)  # arbitrary global indices
+            want = route_tokens(pl, ids, src, policy, token_index=tok)  # [T, L, k]
+            for l in range(pl.num_layers):
+                tab = build_routing_tables(pl, l)
+                got = route_slots(tab, torch.as_tensor(ids[:, l]), torch.as_tensor(tok), torch.as_tensor(src), policy)
+                np.testing.assert_array_equal(got.numpy(), want[:, l])
+
+
+def _placements_fast(trace, topo):
+    yield Placement.trivial(trace.num_layers, 64, topo, trace.layer_ids)
+    yield greedy_placement(trace.counts(), topo, layer_ids=trace.layer_ids)[0]
+
+
+def test_reference_moe_matches_dense_loop():
+    w = ExpertWeights.random(6, 8, 4, seed=3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 8, generator=g)
+    ids = torch.tensor([[0, 1], [2, -1], [5, 0], [3, 3], [4, 1]])
+    wts = replay_weights(ids, 0, num_experts=6)
+    assert torch.all(wts[ids < 0] == 0)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = int(ids[t, j])
+            if e >= 0:
+                h = w.w1[e] @ x[t]
+                gate, up = h.chunk(2)
+                want[t] += wts[t, j] * (w.w2[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(reference_moe(x, ids, wts, w), want, atol=1e-6, rtol=1e-5)
+
+
+# ---- multi-rank worlds -----------------------------------------------------------------------------
+def _validate_many(rank, world_size, specs):
+    return [validate_rank(rank, world_size, s) for s in specs]
+
+
+def _check_world(ds2, G, tokens_per_rank):
+    specs, names = [], []
+    for name, pl in _placements(ds2, G).items():
+        for policy in ("even", "local"):
+            specs.append(ValidationSpec.from_trace(pl, ds2, tokens_per_rank=tokens_per_rank, offset=20000,
+                                                   policy=policy, hidden=16, ffn=8, seed=G))
+            names.append(f"{name}/{policy}")
+    results = launch(_validate_many, G, args=(specs,), timeout=90)
+    for i, (spec, name) in enumerate(zip(specs, names)):
+        rep = collect_report(spec, [r[i] for r in results])
+        np.testing.assert_array_equal(rep.measured, rep.predicted, err_msg=f"{name}: per-rank picks differ")
+        assert rep.predicted.sum() == (spec.topk_ids >= 0).sum(), name  # every pick computed exactly once
+        assert rep.max_abs_error <= spec.atol, f"{name}: max |y - ref| = {rep.max_abs_error}"
+        assert not rep.checksum_mismatches, f"{name}: {rep.checksum_mismatches[:3]}"
+        assert rep.ok
+    # placements really differ in per-rank load, so equality above is not vacuous
+    peaks = {n: collect_report(s, [r[i] for r in results]).measured.max() for i, (s, n) in enumerate(zip(specs, names))}
+    assert len(set(peaks.values())) > 1
+
+
+def test_four_ranks_all_placements_both_policies(ds2):
+    _check_world(ds2, 4, tokens_per_rank=24)
+
+
+@pytest.mark.slow
+def test_eight_ranks_all_placements_both_policies(ds2):
+    _check_world(ds2, 8, tokens_per_rank=12)
+
+
+# ---- launcher ------------------------------------------------------------------------------------
+def _raise_on_rank_two(rank, world_size):
+    import torch.distributed as dist
+
+    if rank == 2:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # the others block in a collective; the launcher must still end them
+    return rank
+
+
+def _sleep_forever(rank, world_size):
+    time.sleep(600 if rank == 1 else 0)
+    return rank
+
+
+def _rank_info(rank, world_size, tag):
+    import torch.distributed as dist
+
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    return (rank, world_size, tag, float(t), torch.get_num_threads())
+
+
+def test_launcher_results_errors_timeouts_and_no_orphans():
+    out = launch(_rank_info, 3, args=("x",), timeout=60)
+    assert out == [(r, 3, "x", 6.0, 1) for r in range(3)]
+    with pytest.raises(WorkerError) as err:
+        launch(_raise_on_rank_two, 4, timeout=60, grace=1.0)
+    assert err.value.rank == 2 and "ValueError: boom on purpose" in str(err.value)
+    assert "_raise_on_rank_two" in err.value.remote_traceback
+    with pytest.raises(WorkerTimeout) as tmo:
+        launch(_sleep_forever, 2, timeout=4)
+    assert tmo.value.ranks == [1]
+    assert multiprocessing.active_children() == []  # every rank of every launch was joined
+    with pytest.raises(ValueError, match="world_size"):
+        launch(_rank_info, 0)
