@@ -134,11 +134,13 @@ def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.nda
     return experts.astype(np.int64), per_n[experts, n]
 
 
-def pack_node_gpus(experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_rounds: int = 200) -> np.ndarray:
+def pack_node_gpus(
+    experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_rounds: int = 200, time_limit: float = 0.0, seed: int = 0
+) -> np.ndarray:
     """Pack one node's replicas onto its GPUs: exactly ``len/num_gpus`` each, distinct experts per GPU.
 
     LPT (:func:`solver.greedy.balanced_packing` with the expert as key), then pairwise swaps that lower
-    the heavier of the two GPUs involved, starting from the heaviest GPU.
+    the heaviest GPU, then (``time_limit > 0``) CP-SAT minimising the peak, hinted with that.
 
     Args:
         experts: int64 ``[r]`` logical expert of each replica; loads: float64 ``[r]``.
@@ -147,7 +149,53 @@ def pack_node_gpus(experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_ro
         int64 ``[r]`` GPU (0..num_gpus-1 within the node) of each replica.
     """
     pack, _ = balanced_packing(loads[None, :], num_gpus, item_key=experts[None, :])
-    gpu = pack[0].copy()
+    gpu = _swap_improve(experts, loads, pack[0].copy(), num_gpus, max_rounds)
+    if time_limit > 0 and loads.size > num_gpus:
+        gpu = _pack_cpsat(experts, loads, gpu, num_gpus, time_limit, seed)
+    return gpu
+
+
+def _pack_cpsat(experts, loads, gpu0, num_gpus, time_limit, seed):
+    """CP-SAT bin packing of one node (min peak GPU load), hinted with ``gpu0``; never worse than it."""
+    from ortools.sat.python import cp_model
+
+    r = loads.size
+    per = r // num_gpus
+    scale = 1e6 / max(float(loads.sum()), 1e-12)
+    li = np.round(loads * scale).astype(np.int64)
+    model = cp_model.CpModel()
+    x = [[model.new_bool_var(f"x_{i}_{g}") for g in range(num_gpus)] for i in range(r)]
+    peak = model.new_int_var(0, int(li.sum()), "peak")
+    # each replica on one GPU
+    for i in range(r):
+        model.add_exactly_one(x[i])
+    # exactly `per` slots per GPU, at most one replica of an expert per GPU, peak >= every GPU load
+    for g in range(num_gpus):
+        model.add(sum(x[i][g] for i in range(r)) == per)
+        for e in np.unique(experts):
+            same = np.flatnonzero(experts == e)
+            if same.size > 1:
+                model.add_at_most_one(x[i][g] for i in same)
+        model.add(sum(int(li[i]) * x[i][g] for i in range(r)) <= peak)
+    model.minimize(peak)
+    for i in range(r):
+        for g in range(num_gpus):
+            model.add_hint(x[i][g], bool(gpu0[i] == g))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.random_seed = int(seed)
+    solver.parameters.num_workers = 1
+    st = solver.solve(model)
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return gpu0
+    gpu = np.array([next(g for g in range(num_gpus) if solver.value(x[i][g])) for i in range(r)], dtype=np.int64)
+    old = np.bincount(gpu0, weights=loads, minlength=num_gpus).max()
+    new = np.bincount(gpu, weights=loads, minlength=num_gpus).max()
+    return gpu if new <= old + 1e-12 else gpu0
+
+
+def _swap_improve(experts, loads, gpu, num_gpus, max_rounds):
+    """Pairwise swaps that lower the heaviest GPU (keeps slot counts and distinct experts per GPU)."""
     for _ in range(max_rounds):
         gl = np.bincount(gpu, weights=loads, minlength=num_gpus)
         hi = int(gl.argmax())
@@ -175,13 +223,13 @@ def pack_node_gpus(experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_ro
     return gpu
 
 
-def _layer_row(prob: LayerProblem, reps: np.ndarray, topology: Topology) -> np.ndarray:
+def _layer_row(prob: LayerProblem, reps: np.ndarray, topology: Topology, time_limit: float = 0.0, seed: int = 0) -> np.ndarray:
     """int64 ``[P]`` physical-to-logical row from a node layout ``reps [E, N]``."""
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     row = np.empty(topology.num_physical_experts, dtype=np.int64)
     for n in range(prob.num_nodes):
         experts, loads = _replica_loads(prob, reps, n)
-        gpu = pack_node_gpus(experts, loads, m)
+        gpu = pack_node_gpus(experts, loads, m, time_limit=time_limit / prob.num_nodes, seed=seed)
         for gl in range(m):
             ex = np.sort(experts[gpu == gl])  # S experts of this GPU
             g = n * m + gl
@@ -260,7 +308,7 @@ def solve_locality(
             raise ValueError(f"layer ids {missing} are not in the trace (it has {list(trace.layer_ids)})")
         trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
-    m = topology.gpus_per_node
+    m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
     src, how = source_ranks(trace, G)
     src_node = src // m
@@ -287,20 +335,28 @@ def solve_locality(
         np.fill_diagonal(c, 0.0)
         prob = LayerProblem(ids, src_node, c, src_count, counts[l].astype(np.int64), N, P // N, m, policy)
         cap = (1.0 + balance_slack) * prob.mean_node_load
-        member0, extra = agglomerate(prob, cap, seed=seed + l)
+        member0, extra = agglomerate(prob, cap, seed=seed + l, num_classes=S)
         reps0 = reps_from_member(prob, member0, extra)
         obj0 = float(expected_remote_nodes(prob, reps0).mean()) if ids.size else 0.0
         member, cp_status = member0, "skipped"
         if refine:
-            member, cp_status = refine_cpsat(prob, member0, extra, cap, 0.4 * per_layer_t, seed=seed + l)
-            member = swap_search(prob, member, extra, cap, 0.5 * per_layer_t, seed=seed + l, balance_weight=bw)
+            member, cp_status = refine_cpsat(
+                prob, member0, extra, cap, 0.3 * per_layer_t, seed=seed + l, num_classes=S
+            )
+            member = swap_search(
+                prob, member, extra, cap, 0.4 * per_layer_t, seed=seed + l, balance_weight=bw, num_classes=S
+            )
         reps = reps_from_member(prob, member, extra)
         obj = float(expected_remote_nodes(prob, reps).mean()) if ids.size else 0.0
         loads0, loads = node_loads(prob, reps0), node_loads(prob, reps)
-        worse_balance = loads.max() > max(cap, loads0.max()) + 1e-9
-        if obj > obj0 + 1e-12 or worse_balance:  # never worse than the heuristic start
+        # never worse than the heuristic start: (cap excess, objective) compared in that order
+        key0 = (max(0.0, loads0.max() - cap) > 1e-9 * cap, obj0)
+        key1 = (max(0.0, loads.max() - cap) > 1e-9 * cap, obj)
+        if key1[0] and loads.max() > loads0.max():
+            key1 = (True, np.inf)
+        if key1 > key0:
             reps, obj, loads, member = reps0, obj0, loads0, member0
-        rows[l] = _layer_row(prob, reps, topology)
+        rows[l] = _layer_row(prob, reps, topology, 0.2 * per_layer_t if refine else 0.0, seed + l)
         g_reps = np.zeros((E, N), dtype=np.int64)
         np.add.at(g_reps, (greedy.physical_to_logical_map[l], topology.node_of_slot), 1)
         g_prob = LayerProblem(ids, src_node, c, src_count, greedy.logical_replica_count[l], N, P // N, m, policy)
@@ -317,6 +373,7 @@ def solve_locality(
                 mean_load=float(load[l].sum() / G),
                 extra={
                     "heuristic_objective": obj0,
+                    "heuristic_cap_met": bool(not key0[0]),
                     "node_load_ratio": float(loads.max() / mean) if mean > 0 else 1.0,
                     "node_load_cap_met": bool(loads.max() <= cap + 1e-9),
                     "cpsat_status": cp_status,
@@ -381,10 +438,12 @@ def pareto(
     hidden_size: int | None = None,
     step_tokens: int = 16,
     refine: bool = True,
+    options: dict | None = None,
 ) -> list[dict]:
     """Held-out trade-off table: greedy (``policy`` and ``even``), trivial, and locality at each slack.
 
-    Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`.
+    Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`; ``options`` go to
+    :func:`solve_locality` (e.g. ``replica_headroom``).
 
     Returns:
         list of dicts with ``placement``, ``slack``, ``policy``, ``par``, ``par_worst``, ``step_par``,
@@ -408,7 +467,7 @@ def pareto(
                  "solve_s": 0.0})
     for s in slacks:
         pl, rep = solve_locality(fit_trace, topology, balance_slack=float(s), policy=policy, time_limit=time_limit,
-                                 seed=seed, refine=refine)
+                                 seed=seed, refine=refine, **dict(options or {}))
         rows.append({"placement": "locality", "slack": float(s),
                      **_score(pl, held_trace, policy, step_tokens, hidden_size), "solve_s": rep.wall_time_s})
     for r in rows:

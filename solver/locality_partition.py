@@ -137,11 +137,21 @@ def pair_weights(prob: LayerProblem) -> np.ndarray:
     return w
 
 
+def source_weights(prob: LayerProblem) -> np.ndarray:
+    """float64 ``[E, N]`` reward for holding ``e`` on ``n``: picks of ``e`` from node ``n`` over ``k_e``
+    (0 for experts on all nodes, and under ``even``): tokens then find ``e`` on their own node."""
+    s = prob.src_count.T / prob.homes[:, None]
+    s[prob.homes >= prob.num_nodes] = 0.0
+    if prob.policy == "even":
+        s[:] = 0.0
+    return s
+
+
 def pair_objective(prob: LayerProblem, member: np.ndarray) -> float:
-    """Co-located pair weight ``sum_n sum_{i<j} W_ij member_in member_jn`` (the CP-SAT objective)."""
+    """``sum_n [sum_{i<j} W_ij member_in member_jn + sum_i s_in member_in]`` (the CP-SAT objective)."""
     W = pair_weights(prob)
     m = member.astype(np.float64)
-    return float(np.einsum("in,ij,jn->", m, W, m) / 2.0)
+    return float(np.einsum("in,ij,jn->", m, W, m) / 2.0 + (m * source_weights(prob)).sum())
 
 
 def _extras(prob: LayerProblem) -> np.ndarray:
@@ -217,12 +227,44 @@ def _membership_load(prob: LayerProblem) -> np.ndarray:
     return a
 
 
+def size_classes(prob: LayerProblem, num_classes: int, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Size classes of the movable experts and per-node class caps (so every node gets a similar mix).
+
+    Movable experts (``k_e < N``) are ranked by per-replica load ``w_e / c_e`` and cut into
+    ``num_classes`` groups of equal count (``-1`` for experts on all nodes). A node may hold at most
+    ``ceil(members_j * caps_n / sum(caps))`` memberships of class ``j``: nodes with the same total load
+    but a different mix of heavy and light replicas pack onto GPUs very differently.
+
+    Returns:
+        ``(cls int64 [E], class_cap int64 [C, N])``.
+    """
+    E, N = prob.num_experts, prob.num_nodes
+    k = prob.homes
+    cls = np.full(E, -1, dtype=np.int64)
+    mov = np.flatnonzero(k < N)
+    C = max(1, int(num_classes))
+    if mov.size:
+        per = prob.load[mov] / prob.count[mov]
+        order = mov[np.argsort(-per, kind="stable")]
+        # memberships, not experts, fill the classes
+        units = np.repeat(order, k[order])
+        bounds = np.linspace(0, units.size, C + 1).round().astype(int)
+        for j in range(C):
+            for e in units[bounds[j]:bounds[j + 1]]:
+                if cls[e] < 0:
+                    cls[e] = j
+    members = np.array([int(k[cls == j].sum()) for j in range(C)])
+    frac = caps / max(int(caps.sum()), 1)
+    class_cap = np.ceil(members[:, None] * frac[None, :] - 1e-9).astype(np.int64) + 1
+    return cls, class_cap
+
+
 def reps_from_member(prob: LayerProblem, member: np.ndarray, extra: np.ndarray) -> np.ndarray:
     """int64 ``[E, N]`` replica counts: one per membership plus the fixed extras."""
     return member.astype(np.int64) + extra
 
 
-def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0, num_classes: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1: greedy agglomeration on the co-activation graph, then balance-repair swaps.
 
     Returns:
@@ -239,6 +281,9 @@ def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0) -> tuple[np.
     member[k >= N] = True
     used = member.sum(axis=0).astype(np.int64)
     load = (member * a).sum(axis=0)
+    cls, class_cap = size_classes(prob, num_classes, caps)
+    class_used = np.zeros_like(class_cap)
+    src_aff = source_weights(prob)  # [E, N]
     # Order: Louvain communities of the co-activation graph (heaviest community first), load inside.
     g = nx.Graph()
     g.add_nodes_from(range(E))
@@ -272,24 +317,34 @@ def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0) -> tuple[np.
                 room = (used < caps) & ~member[e]
                 if not room.any():
                     raise ValueError(f"cannot give expert {e} {k[e]} distinct nodes within the slot limits")
-            fits = room & (load + a[e] <= load_cap)
-            pool = fits if fits.any() else room
-            aff = (W[e] @ member).astype(np.float64)  # [N] co-activation with the node's experts
+            mix = room & (class_used[cls[e]] < class_cap[cls[e]])
+            room2 = mix if mix.any() else room
+            fits = room2 & (load + a[e] <= load_cap)
+            pool = fits if fits.any() else room2
+            # [N] co-activation with the node's experts, plus picks of e made on the node (local hits)
+            aff = (W[e] @ member).astype(np.float64) + src_aff[e]
             # Largest affinity; ties (e.g. empty nodes) -> least loaded.
             score = np.where(pool, aff - 1e-9 * load, -np.inf)
             n = int(score.argmax())
             member[e, n] = True
             used[n] += 1
             load[n] += a[e, n]
-    member = _repair_balance(prob, member, a, load_cap)
+            class_used[cls[e], n] += 1
+    member = _repair_balance(prob, member, a, load_cap, cls)
     return member, extra
 
 
-def _repair_balance(prob: LayerProblem, member: np.ndarray, a: np.ndarray, load_cap: float) -> np.ndarray:
+def _repair_balance(prob: LayerProblem, member: np.ndarray, a: np.ndarray, load_cap: float, cls: np.ndarray) -> np.ndarray:
     """Swap memberships between the heaviest node and others until loads fit ``load_cap`` (best effort)."""
     member = member.copy()
     W = pair_weights(prob)
     movable = prob.homes < prob.num_nodes
+    for same_class in (True, False):  # keep the size mix if possible, else any swap
+        member = _repair_pass(prob, member, a, load_cap, cls if same_class else np.zeros_like(cls), W, movable)
+    return member
+
+
+def _repair_pass(prob, member, a, load_cap, cls, W, movable):
     for _ in range(4 * prob.num_experts):
         load = (member * a).sum(axis=0)
         hi = int(load.argmax())
@@ -300,7 +355,7 @@ def _repair_balance(prob: LayerProblem, member: np.ndarray, a: np.ndarray, load_
             if lo == hi:
                 continue
             for e in np.flatnonzero(member[:, hi] & ~member[:, lo] & movable):
-                for f in np.flatnonzero(member[:, lo] & ~member[:, hi] & movable):
+                for f in np.flatnonzero(member[:, lo] & ~member[:, hi] & movable & (cls == cls[e])):
                     d = a[e, hi] - a[f, lo]
                     new_hi, new_lo = load[hi] - a[e, hi] + a[f, hi], load[lo] - a[f, lo] + a[e, lo]
                     peak = max(new_hi, new_lo)
@@ -329,6 +384,7 @@ def refine_cpsat(
     seed: int = 0,
     max_edges: int = 800,
     workers: int = 1,
+    num_classes: int = 1,
 ) -> tuple[np.ndarray, str]:
     """Stage 2: CP-SAT over memberships, maximising co-located pair weight (hinted with ``member0``).
 
@@ -371,6 +427,13 @@ def refine_cpsat(
     # exact membership slots per node
     for n in range(N):
         model.add(sum(x[e, n] for e in range(E)) == int(caps[n]))
+    # size-class mix per node (as in the heuristic start, which satisfies it or sets the limit)
+    cls, class_cap = size_classes(prob, num_classes, caps)
+    for j in range(class_cap.shape[0]):
+        in_j = np.flatnonzero(cls == j)
+        for n in range(N):
+            lim = max(int(class_cap[j, n]), int(member0[in_j, n].sum()))
+            model.add(sum(x[e, n] for e in in_j) <= lim)
     # node load cap (linear model)
     base_ok = (member0 * a).sum(axis=0).max() <= load_cap + 1e-9
     for n in range(N):
@@ -386,6 +449,12 @@ def refine_cpsat(
             model.add_implication(y, x[i, n])
             model.add_implication(y, x[j, n])
             terms.append(int(wi) * y)
+    sw = source_weights(prob)
+    for e in np.flatnonzero(movable):
+        for n in range(N):
+            v = int(round(sw[e, n] * wscale))
+            if v > 0:
+                terms.append(v * x[e, n])
     model.maximize(sum(terms))
     for e in np.flatnonzero(movable):
         for n in range(N):
@@ -415,12 +484,14 @@ def swap_search(
     seed: int = 0,
     sample: int = 12000,
     balance_weight: float = 0.0,
+    num_classes: int = 1,
 ) -> np.ndarray:
     """Stage 3: first-improvement membership swaps scored on the token-level fitted objective.
 
     A swap moves ``e`` from node ``a`` to ``b`` and ``f`` from ``b`` to ``a`` (slot counts kept); it is
     taken when the expected remote nodes on a token sample drop and the node loads stay within
-    ``load_cap`` (exact local-policy loads). ``balance_weight`` adds ``w * (max node load / mean - 1)``.
+    ``load_cap`` (exact local-policy loads). A start above the cap is first brought under it (large
+    penalty on the excess). ``balance_weight`` adds ``w * (max node load / mean - 1)``.
     """
     rng = np.random.default_rng(seed)
     T = prob.ids.shape[0]
@@ -434,10 +505,12 @@ def swap_search(
     cur_tok = expected_remote_nodes(prob, reps, toks)  # [T']
     cur_load = node_loads(prob, reps)
     movable = np.flatnonzero(prob.homes < N)
+    cls, _ = size_classes(prob, num_classes, np.full(N, 1))
     scale = 1.0 / max(toks.size, 1)
 
     def pen(loads):
-        return balance_weight * (loads.max() / mean - 1.0) if balance_weight else 0.0
+        over = 100.0 * max(0.0, loads.max() - load_cap) / mean  # restore the cap first (exact loads)
+        return over + (balance_weight * (loads.max() / mean - 1.0) if balance_weight else 0.0)
 
     deadline = time.perf_counter() + time_limit
     improved = True
@@ -449,7 +522,7 @@ def swap_search(
             for a_n in np.flatnonzero(reps[e] > 0):
                 best = None
                 for b_n in np.flatnonzero(reps[e] == 0):
-                    for f in movable[(reps[movable, b_n] > 0) & (reps[movable, a_n] == 0)]:
+                    for f in movable[(reps[movable, b_n] > 0) & (reps[movable, a_n] == 0) & (cls[movable] == cls[e])]:
                         new = reps.copy()
                         new[e, a_n] -= 1
                         new[e, b_n] += 1

@@ -1,0 +1,146 @@
+"""Communication-aware (locality) solver: invariants, a two-cluster case, the local policy, real traffic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from placement.metrics import balance_stats, communication, trace_gpu_load
+from placement.model import Placement
+from placement.topology import Topology
+from profiling.trace import RoutingTrace
+from solver.api import solve
+from solver.greedy import greedy_placement
+from solver.locality import pack_node_gpus, solve_locality
+from solver.locality_partition import LayerProblem, expected_remote_nodes
+
+
+def _two_cluster_trace(num_tokens=800, seed=0):
+    """8 experts in two clusters {0..3}, {4..7}; tokens pick 2 experts of one cluster.
+
+    Cluster-A tokens come from ranks 0-1 (node 0), cluster-B tokens from ranks 2-3 (node 1).
+    """
+    rng = np.random.default_rng(seed)
+    ids = np.empty((num_tokens, 1, 2), dtype=np.int64)
+    src = np.empty(num_tokens, dtype=np.int64)
+    for t in range(num_tokens):
+        c = t % 2
+        ids[t, 0] = rng.choice(4, size=2, replace=False) + 4 * c
+        src[t] = 2 * c + rng.integers(2)
+    return RoutingTrace(num_logical_experts=8, topk_ids=ids, source_rank=src, name="two-clusters")
+
+
+def test_two_clusters_land_on_their_nodes():
+    trace = _two_cluster_trace()
+    topo = Topology(ep_size=4, num_physical_experts=8, num_nodes=2)
+    pl, rep = solve_locality(trace, topo, balance_slack=0.05, time_limit=2.0, seed=1)
+    node_of = topo.node_of_slot
+    row = pl.physical_to_logical_map[0]
+    assert set(row[node_of == 0]) == {0, 1, 2, 3}
+    assert set(row[node_of == 1]) == {4, 5, 6, 7}
+    comm = communication(pl, trace, "local")
+    assert comm["source_ranks"] == "trace"
+    assert comm["remote_nodes_per_token"] < 0.01
+    g, _ = greedy_placement(trace.counts(), topo)
+    assert communication(g, trace, "local")["remote_nodes_per_token"] > 0.3
+
+
+def test_local_policy_on_hand_computed_case():
+    # GPU 0 (node 0) holds experts [0, 1]; GPU 1 (node 1) holds [2, 0].
+    pl = Placement(np.array([[0, 1, 2, 0]]), 3, Topology(ep_size=2, num_physical_experts=4, num_nodes=2))
+    ids = np.array([[[0, 2]], [[1, 2]], [[0, 2]]])  # [T=3, L=1, k=2]
+    trace = RoutingTrace(num_logical_experts=3, topk_ids=ids, source_rank=np.array([0, 1, 1]))
+    # t0 from node 0: 0 local, 2 on node 1 -> 1 remote; t1 from node 1: 1 on node 0 -> 1; t2: all local -> 0
+    comm = communication(pl, trace, "local")
+    assert comm["remote_nodes_per_token"] == pytest.approx(2 / 3)
+    assert comm["remote_gpus_per_token"] == pytest.approx(2 / 3)
+    # local loads: GPU 0 gets t0's 0 and t1's 1; GPU 1 gets t0's 2, t1's 2, t2's 0 and 2
+    assert trace_gpu_load(pl, trace, "local")[0].tolist() == pytest.approx([2.0, 4.0])
+    # under `even` expert 0's two picks split over both replicas: GPU 0 = 1 + 1, GPU 1 = 1 + 3 (t0 and t1 sent
+    # to the other node for expert 0 half of the time), and remote nodes rise for t2
+    assert trace_gpu_load(pl, trace, "even")[0].tolist() == pytest.approx([2.0, 4.0])
+    # the solver's expectation model agrees with the metric on this placement
+    reps = np.array([[1, 1], [1, 0], [0, 1]])
+    src_count = np.array([[1.0, 0, 1], [1, 1, 2]])
+    prob = LayerProblem(ids[:, 0, :], np.array([0, 1, 1]), np.zeros((3, 3)), src_count, np.array([2, 1, 1]), 2, 2, 1)
+    assert expected_remote_nodes(prob, reps).mean() == pytest.approx(2 / 3)
+
+
+def test_pack_node_gpus_keeps_slots_and_distinct_experts():
+    experts = np.array([0, 0, 1, 2, 3, 4, 5, 5])
+    loads = np.array([5.0, 5.0, 4.0, 3.0, 2.0, 2.0, 1.0, 1.0])
+    gpu = pack_node_gpus(experts, loads, 4, time_limit=0.5)
+    assert np.bincount(gpu, minlength=4).tolist() == [2, 2, 2, 2]
+    for g in range(4):
+        assert len(set(experts[gpu == g])) == 2
+    peak = np.bincount(gpu, weights=loads, minlength=4).max()
+    assert peak <= 6.0 + 1e-9  # 23 / 4 = 5.75; 6 is reachable (5+1, 5+1, 4+2, 3+2)
+
+
+@pytest.fixture(scope="module")
+def deepseek_slice(deepseek_trace):
+    """DeepSeek-V2-Lite, 3 layers, prompts 0-599 to fit and 600-999 held out."""
+    t = deepseek_trace.select_layers([1, 9, 20])
+    return t.select_windows(range(600)), t.select_windows(range(600, 1000))
+
+
+def test_partition_invariants_on_real_slice(deepseek_slice):
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    slack = 0.05
+    pl, rep = solve_locality(fit, topo, balance_slack=slack, time_limit=3.0, seed=0)
+    p2l = pl.physical_to_logical_map
+    L, P = p2l.shape
+    assert P == topo.num_physical_experts
+    for l in range(L):
+        assert set(p2l[l].tolist()) == set(range(64))  # every expert present
+        per_gpu = p2l[l].reshape(topo.ep_size, topo.slots_per_gpu)
+        assert all(len(set(r)) == topo.slots_per_gpu for r in per_gpu)  # one replica per GPU at most
+    gl = trace_gpu_load(pl, fit, "local")  # [L, G]
+    node = gl.reshape(L, topo.num_nodes, -1).sum(axis=2)
+    for l, lr in enumerate(rep.layers):
+        assert lr.extra["node_load_cap_met"]
+        assert node[l].max() <= (1 + slack) * node[l].mean() * (1 + 1e-9)
+        if lr.extra["heuristic_cap_met"]:  # never worse than the start (which may trade locality for the cap)
+            assert lr.objective <= lr.extra["heuristic_objective"] + 1e-12
+    assert any("source ranks" in n for n in rep.notes)
+
+
+def test_refinement_never_worse_than_heuristic(deepseek_slice):
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 64, 64, 8)
+    pl0, rep0 = solve_locality(fit, topo, refine=False, seed=0)
+    pl1, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0)
+    for a, b in zip(rep0.layers, rep1.layers):
+        if a.extra["node_load_cap_met"]:
+            assert b.extra["node_load_cap_met"]
+            assert b.objective <= a.objective + 1e-12
+        assert b.extra["heuristic_objective"] == pytest.approx(a.objective)
+
+
+def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
+    fit, held = deepseek_slice
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    pl, _ = solve("locality", trace=fit, topology=topo, time_limit=3.0, seed=0,
+                  options={"balance_slack": 0.02})
+    g, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)
+    loc_nodes = communication(pl, held, "local")["remote_nodes_per_token"]
+    g_nodes = communication(g, held, "local")["remote_nodes_per_token"]
+    loc_par = balance_stats(trace_gpu_load(pl, held, "local"))["par"]
+    g_par = balance_stats(trace_gpu_load(g, held, "local"))["par"]
+    assert loc_nodes <= 0.85 * g_nodes
+    # Measured held-out PAR cost is several percent above greedy's (see benchmarks/locality.py); this
+    # guards against regressions, not the issue's 2% target.
+    assert loc_par <= 1.12 * g_par
+
+
+def test_bad_input_is_a_clear_error(deepseek_slice):
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    with pytest.raises(ValueError, match="num_redundant"):
+        solve_locality(fit, topo, num_redundant=16)
+    with pytest.raises(ValueError, match="balance_slack"):
+        solve_locality(fit, topo, balance_slack=-0.1)
+    counts_only = RoutingTrace(num_logical_experts=64, window_counts=fit.counts()[None])
+    with pytest.raises(ValueError, match="per-token"):
+        solve_locality(counts_only, topo)
