@@ -71,6 +71,7 @@ def read_trace(
     keep_segments: Sequence[int] | None = None,
     counts_key: str = "expert_counts",
     max_bytes: int | None = None,
+    moe_layer_ids: Sequence[int] | None = None,
 ) -> RoutingTrace:
     """Read any supported trace file or engine dump folder.
 
@@ -81,15 +82,17 @@ def read_trace(
         keep_segments: for files with a ``segment`` array, the segments to keep (default: ``(2, 3)``
             when the vLLM-logger layout is recognised, else all).
         counts_key: the per-domain key prefix (``expert_counts`` or ``expert_counts_top1``).
+        moe_layer_ids: engine dumps whose layer axis holds every hidden layer (SGLang): the MoE rows
+            to keep (default: rows that are not all zero).
 
     Raises:
         InputFileError (a ValueError) naming the file, the field and the expected form.
     """
     p = Path(path)
-    if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors"):
+    if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
-        return read_engine_dump(p, num_logical_experts=num_logical_experts)
+        return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
     kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
     arrays = load_npz(p, **kwargs)
     try:

@@ -114,6 +114,7 @@ class RoutingTrace:
             if labels and len(labels) != wc.shape[0]:
                 raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
             object.__setattr__(self, "window_labels", labels)
+        assert L is not None  # one of topk_ids / window_counts was checked above
         ids_ = tuple(int(x) for x in (self.layer_ids if len(self.layer_ids) else range(L)))
         if len(ids_) != L:
             raise ValueError(f"layer_ids has {len(ids_)} entries but the trace has {L} layers")
