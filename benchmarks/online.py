@@ -65,13 +65,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mixtral-window-steps", type=int, default=200, help="questions per window (Mixtral)")
     ap.add_argument("--step-tokens", type=int, default=32, help="tokens per rank per step")
     ap.add_argument("--steps-per-domain", type=int, default=200)
-    ap.add_argument("--max-moves-frac", type=float, default=0.05,
+    ap.add_argument("--max-moves-frac", type=float, default=0.09,
                     help="move budget per re-placement as a fraction of all slots (L x P); <0: none")
     ap.add_argument("--move-cost-scale", type=float, default=1.0)
     ap.add_argument("--horizon-steps", type=int, default=3000,
                     help="steps a new placement is predicted to serve (gain horizon); 3000 = vLLM's step_interval "
                          "default; 0 = one replay window")
     ap.add_argument("--link", choices=("nvlink", "rdma"), default="nvlink")
+    ap.add_argument("--fit-windows", type=int, default=1,
+                    help="the rebalancer's sliding window (and greedy's fit data) in replay windows")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
         L = stream.steps.shape[1]
         ws = args.mixtral_window_steps if name == "mixtral" else args.window_steps
         budget = None if args.max_moves_frac < 0 else int(round(args.max_moves_frac * L * topo.num_physical_experts))
-        cfg = RebalancerConfig(window_size=ws, step_interval=ws, link=args.link, hidden_size=d,
+        cfg = RebalancerConfig(window_size=ws * args.fit_windows, step_interval=ws, link=args.link, hidden_size=d,
                                expert_intermediate_size=f, peak_flops=BF16_HOPPER_FLOPS,
                                move_cost_scale=args.move_cost_scale, max_moves=budget,
                                horizon_steps=args.horizon_steps)
