@@ -106,10 +106,53 @@ def _table(rows: list[dict], cols: list[tuple[str, str, int]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # inspect
 # ---------------------------------------------------------------------------------------------
+def _streamed_counts(args):
+    """Counts of a per-token npz read in chunks (``--chunk-tokens``, or automatically for huge files)."""
+    from profiling.readers import stream_counts
+
+    p = Path(args.trace)
+    if p.suffix != ".npz" or not p.is_file():
+        return None
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(p) as zf:
+            names = zf.namelist()
+            declared = sum(i.file_size for i in zf.infolist())
+    except (zipfile.BadZipFile, OSError):
+        return None  # read_trace gives the clear error
+    if "topk_ids.npy" not in names or not (args.chunk_tokens or declared > _STREAM_ABOVE_BYTES):
+        return None
+    small = {n[:-4] for n in names if n not in ("topk_ids.npy", "tokens.npy", "topk_weights.npy")}
+    meta = {}
+    for key in small & {"counts", "counts_real", "layer_ids", "num_logical_experts"}:
+        with zipfile.ZipFile(p) as zf, zf.open(key + ".npy") as fh:
+            meta[key] = np.lib.format.read_array(fh, allow_pickle=False)
+    if "num_logical_experts" in meta:
+        E = int(meta["num_logical_experts"])
+    elif "counts" in meta or "counts_real" in meta:
+        E = int(meta.get("counts", meta.get("counts_real")).shape[-1])
+    else:
+        raise CliError(f"{p}: streaming needs the expert count ('counts' or 'num_logical_experts' in the file)")
+    counts = stream_counts(p, E, chunk_tokens=args.chunk_tokens or 1 << 20)
+    ids = tuple(int(x) for x in meta["layer_ids"]) if "layer_ids" in meta else tuple(range(counts.shape[0]))
+    return counts, ids
+
+
+_STREAM_ABOVE_BYTES = 4 * 1024**3
+
+
 def cmd_inspect(args) -> int:
     from profiling.skew import skew_table
+    from profiling.trace import RoutingTrace
 
-    trace = _read_trace(args.trace, domains=args.domains)
+    streamed = _streamed_counts(args) if not args.plot else None
+    if streamed is not None:
+        counts, ids = streamed
+        trace = RoutingTrace(num_logical_experts=counts.shape[1], window_counts=counts[None], layer_ids=ids,
+                             name=Path(args.trace).stem + " (streamed counts)")
+    else:
+        trace = _read_trace(args.trace, domains=args.domains)
     rows = skew_table(trace)
     summary = trace.summary()
     ratios = np.array([r["max_over_mean"] for r in rows])
@@ -390,7 +433,7 @@ def cmd_demo(args) -> int:
     write_trace(trace, tpath)
     echo(f"wrote {tpath}")
     echo("\n== 2. moe-placement inspect")
-    cmd_inspect(argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None))
+    cmd_inspect(argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None, chunk_tokens=None))
     fit, held = trace.split(0.5)
     topo = Topology.from_redundant(64, 32, 32, 4)
     echo(f"\n== 3. moe-placement solve (fit on the first half of prompts; {topo.ep_size} GPUs, {topo.num_nodes} nodes, "
@@ -452,6 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--plot", metavar="DIR", help="write plots (load heatmap, Lorenz curves, drift, co-activation)")
     p.add_argument("--domains", nargs="+", help="per-domain files: domains to keep")
+    p.add_argument("--chunk-tokens", type=int,
+                   help="read a per-token .npz in chunks of this many tokens (bounded memory; automatic above 4 GB)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("solve", help="compute a placement")

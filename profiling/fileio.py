@@ -147,3 +147,49 @@ def load_json(path: str | os.PathLike, max_bytes: int = 1024**3):
         raise InputFileError(f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
     except RecursionError:
         raise InputFileError(f"{p}: JSON nested too deeply") from None
+
+
+def iter_npz_array_chunks(path: str | os.PathLike, key: str, chunk_rows: int = 65536) -> Iterator[np.ndarray]:
+    """Stream one array of an ``.npz`` along its first axis without loading it whole.
+
+    Works for compressed and stored members (zipfile decompresses as it reads). Memory is bounded by
+    ``chunk_rows`` rows. Object arrays are refused.
+
+    Yields:
+        arrays ``[<= chunk_rows, *shape[1:]]`` in order.
+    """
+    p = Path(path)
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    try:
+        zf = zipfile.ZipFile(p)
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise InputFileError(f"{p}: not a readable .npz archive ({exc})") from None
+    with zf:
+        name = key + ".npy"
+        if name not in zf.namelist():
+            raise InputFileError(f"{p}: no array {key!r} (arrays: {[n[:-4] for n in zf.namelist()]})")
+        with zf.open(name) as fh:
+            try:
+                version = np.lib.format.read_magic(fh)
+                if version == (1, 0):
+                    shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+                else:
+                    shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+            except ValueError as exc:
+                raise InputFileError(f"{p}: array {key!r} has a bad header ({exc})") from None
+            if dtype.hasobject:
+                raise InputFileError(f"{p}: array {key!r} holds objects (pickle), which are never loaded")
+            if fortran and len(shape) > 1:
+                raise InputFileError(f"{p}: array {key!r} is Fortran-ordered; cannot stream it by rows")
+            if not shape:
+                raise InputFileError(f"{p}: array {key!r} is a scalar; expected rows")
+            row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+            left = int(shape[0])
+            while left:
+                n = min(left, chunk_rows)
+                buf = fh.read(n * row)
+                if len(buf) != n * row:
+                    raise InputFileError(f"{p}: array {key!r} is truncated ({left} rows missing)")
+                yield np.frombuffer(buf, dtype=dtype).reshape((n,) + tuple(shape[1:]))
+                left -= n

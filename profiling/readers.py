@@ -23,10 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from profiling.fileio import InputFileError, atomic_save_npz, load_npz
+from profiling.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
 from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace
 
-__all__ = ["read_trace", "write_trace", "default_traces_dir", "find_shared_traces"]
+__all__ = ["read_trace", "write_trace", "default_traces_dir", "find_shared_traces", "stream_counts"]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -256,3 +256,31 @@ def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     if trace.window_labels:
         arrays["window_labels"] = np.asarray(trace.window_labels, dtype=str)
     atomic_save_npz(path, **arrays)
+
+
+def stream_counts(
+    path: str | os.PathLike, num_logical_experts: int, chunk_tokens: int = 65536
+) -> np.ndarray:
+    """Per-layer expert counts ``[L, E]`` of a per-token npz trace, read in chunks of tokens.
+
+    For traces too large to load: memory is bounded by ``chunk_tokens`` rows of ``topk_ids``.
+    (Start-up rows of the vLLM-logger layout are not filtered here: use :func:`read_trace` for those.)
+    """
+    from profiling.trace import token_counts
+
+    total = None
+    for chunk in iter_npz_array_chunks(path, "topk_ids", chunk_tokens):
+        if chunk.ndim == 2:
+            chunk = chunk[:, None, :]
+        if chunk.dtype.kind not in "iu" or chunk.ndim != 3:
+            raise InputFileError(f"{path}: field 'topk_ids' must be integer [tokens, layers, top_k]")
+        ids = chunk.astype(np.int64)
+        if ids.size and (ids.max() >= num_logical_experts or ids.min() < -1):
+            raise InputFileError(
+                f"{path}: field 'topk_ids' holds ids in [{ids.min()}, {ids.max()}], outside [-1, {num_logical_experts - 1}]"
+            )
+        c = token_counts(ids, num_logical_experts)
+        total = c if total is None else total + c
+    if total is None:
+        raise InputFileError(f"{path}: field 'topk_ids' has no tokens")
+    return total

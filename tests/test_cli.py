@@ -99,3 +99,11 @@ def test_inspect_and_greedy_solve_on_every_shared_trace(traces_dir, tmp_path, ca
         rows = {r["placement"]: r for r in s["balance"]}
         assert rows["greedy"]["fit_par"] <= rows["trivial"]["fit_par"] + 1e-9
         assert out.is_file()
+
+
+def test_inspect_streamed_equals_loaded(small_trace, capsys):
+    assert main(["inspect", str(small_trace), "--json"]) == 0
+    full = json.loads(capsys.readouterr().out)["layers"]
+    assert main(["inspect", str(small_trace), "--json", "--chunk-tokens", "333"]) == 0
+    streamed = json.loads(capsys.readouterr().out)["layers"]
+    assert [r["max_over_mean"] for r in streamed] == pytest.approx([r["max_over_mean"] for r in full])

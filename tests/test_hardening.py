@@ -290,3 +290,32 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "placement", "inspect", str(bad)], capture_output=True, text=True,
                        cwd=ROOT, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# resource bounds: chunked statistics for traces too large to load
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compress", [True, False])
+def test_stream_counts_equal_full_counts_with_bounded_chunks(tmp_path, compress):
+    from profiling.fileio import atomic_save_npz, iter_npz_array_chunks
+    from profiling.readers import stream_counts
+
+    tr = synthetic_trace(num_tokens=2500, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=20, seed=9)
+    p = tmp_path / "t.npz"
+    atomic_save_npz(p, compress=compress, topk_ids=np.asarray(tr.topk_ids))
+    sizes = [c.shape[0] for c in iter_npz_array_chunks(p, "topk_ids", 300)]
+    assert max(sizes) == 300 and sum(sizes) == 2500
+    np.testing.assert_array_equal(stream_counts(p, 16, chunk_tokens=300), tr.counts())
+
+
+def test_stream_counts_rejects_truncated_and_out_of_range(tmp_path):
+    from profiling.readers import stream_counts
+
+    p = tmp_path / "t.npz"
+    np.savez(p, topk_ids=np.full((10, 1, 2), 7))
+    with pytest.raises(InputFileError, match="outside"):
+        stream_counts(p, 4)
+    data = (tmp_path / "t.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
+    with pytest.raises(InputFileError):
+        stream_counts(tmp_path / "cut.npz", 8)
