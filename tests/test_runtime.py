@@ -174,3 +174,35 @@ def test_launcher_results_errors_timeouts_and_no_orphans():
     assert multiprocessing.active_children() == []  # every rank of every launch was joined
     with pytest.raises(ValueError, match="world_size"):
         launch(_rank_info, 0)
+
+
+# ---- moe-placement validate ------------------------------------------------------------------------
+def test_cli_validate_end_to_end(tmp_path, ds2, capsys):
+    from placement.cli import main
+    from placement.formats import write_placement
+    from profiling.readers import write_trace
+
+    pl = _placements(ds2, 4)["greedy"]
+    write_placement(pl, tmp_path / "p.json", "native")
+    write_trace(ds2.slice_tokens(30000, 30400), tmp_path / "t.npz")
+    rc = main(["validate", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz"), "--ranks", "4",
+               "--policy", "local", "--tokens-per-rank", "16", "--layers", "1", "--hidden", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "PASS" in out and "[ok]" in out and f"layer {ds2.layer_ids[1]} (row 1)" in out
+    # bad input: exit 2 with one line naming the numbers
+    assert main(["validate", str(tmp_path / "p.json"), "--ranks", "8"]) == 2
+    assert "ep_size 4" in capsys.readouterr().err
+    assert main(["validate", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz"), "--tokens-per-rank",
+                 "500"]) == 2
+    assert main(["validate", str(tmp_path / "p.json"), "--layers", "7"]) == 2
+
+
+def test_validation_report_flags_mismatches():
+    from runtime_hooks.validate import ValidationReport
+
+    good = ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 1e-7, (1e-7,), (), 1e-4, "even")
+    assert good.ok
+    assert not ValidationReport(np.array([[3, 4]]), np.array([[4, 3]]), 1e-7, (1e-7,), (), 1e-4, "even").ok
+    assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 1e-2, (1e-2,), (), 1e-4, "even").ok
+    assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 0.0, (0.0,), ("slot 3",), 1e-4, "even").ok
