@@ -31,7 +31,8 @@ Cost model (../shared/docs/costmodel.md, Migration; every constant is an overrid
 
 Trigger policies: ``interval`` re-solves every ``step_interval`` steps (as vLLM/SGLang do);
 ``gain`` checks every ``check_interval`` steps whether the predicted gain (current peak minus the
-peak the last solve reached on its window, per layer) exceeds the migration cost of one slot, and
+peak the last solve reached on its window, per layer, less ``noise_z`` Poisson standard deviations
+of the window's peak so that sampling noise alone never looks like a gain) exceeds the migration cost of one slot, and
 only then re-solves. Either way a finished re-solve is applied only when its gain on the current
 window beats its ``T_move`` (``always_apply=True`` skips that gate). The first full window under the
 ``gain`` trigger calibrates the reachable peak with one solve.
@@ -94,6 +95,10 @@ class RebalancerConfig:
         move_cost_scale: multiplies the solver's per-slot move cost (> 1: more conservative).
         max_moves: total moved slots per re-placement (None: no budget).
         method, time_limit, drift_guard: passed to :func:`solver.migration.solve_migration`.
+        noise_z: under the ``gain`` trigger a layer's peak saving counts only beyond ``noise_z``
+            standard deviations of sampling noise of the peak GPU's window load (Poisson: ``sqrt(peak)``),
+            so moves that chase noise are not predicted to pay (0 disables). The ``interval`` trigger,
+            like the engines, applies whatever beats its cost on the window (no discount).
         always_apply: apply every finished re-solve that moves something, without the gain gate.
         executor: ``thread`` or ``process`` (where the re-solve runs, off the serving thread).
     """
@@ -117,6 +122,7 @@ class RebalancerConfig:
     method: str = "incremental"
     time_limit: float = 2.0
     drift_guard: float = 1.5
+    noise_z: float = 3.0
     always_apply: bool = False
     executor: Literal["thread", "process"] = "thread"
 
@@ -139,6 +145,8 @@ class RebalancerConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not (np.isfinite(self.noise_z) and self.noise_z >= 0):
+            raise ValueError(f"noise_z must be a finite number >= 0, got {self.noise_z!r}")
         if self.max_moves is not None and (int(self.max_moves) != self.max_moves or self.max_moves < 0):
             raise ValueError(f"max_moves must be a non-negative integer or None, got {self.max_moves!r}")
 
@@ -324,7 +332,9 @@ class Rebalancer:
             lb = peak_lower_bound(self._sum, G, self._placement.num_physical_experts)
             par = self._reachable_par if self._reachable_par is not None else np.ones_like(peak)
             target = np.maximum(lb, mean * par)
-        saved_per_step = np.maximum(peak - target, 0.0).sum() / self._filled  # assignments / step on the peak GPU
+        z = cfg.noise_z if cfg.trigger == "gain" else 0.0
+        noise = z * np.sqrt(np.maximum(peak, 0.0))  # [L] sampling noise of the window's peak
+        saved_per_step = np.maximum(peak - target - noise, 0.0).sum() / self._filled  # assignments / step on the peak GPU
         return float(saved_per_step * cfg.seconds_per_assignment * cfg.effective_horizon)
 
     # ---- serving-thread API --------------------------------------------------------------------
