@@ -401,3 +401,21 @@ def test_profile_cli_bad_input_is_one_line(tmp_path, capsys):
     rc = _cli(["profile", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "x.txt"), "-o", str(tmp_path / "t.npz")])
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_profile_cli_uses_the_folders_tokenizer(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path / "tok-model"
+    _configs()["olmoe"]().save_pretrained(folder)
+    words = ["[UNK]", "experts", "route", "tokens", "to", "gpus"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
+    text = tmp_path / "t.txt"
+    text.write_text("experts route tokens to gpus " * 7)
+    out = tmp_path / "t.npz"
+    assert _cli(["profile", "--model", str(folder), "--text", str(text), "-o", str(out), "--seq-len", "16"]) == 0
+    tr = read_trace(out)
+    assert tr.metadata["tokenizer"] != "byte-fallback"
+    assert tr.num_tokens == 35  # one token per word, not per byte
+    np.testing.assert_array_equal(tr.seq_offsets, [0, 16, 32, 35])
