@@ -296,6 +296,16 @@ class Rebalancer:
         """The placement in service."""
         return self._placement
 
+    def set_placement(self, placement) -> None:
+        """Tell the rebalancer which placement is in service (e.g. after the runtime aborted a migration,
+        or when one rank decides for a multi-rank runtime and the collective apply ran elsewhere)."""
+        if (placement.num_layers, placement.num_logical_experts) != self._sum.shape:
+            raise ValueError(
+                f"placement has {placement.num_layers} layers x {placement.num_logical_experts} experts; "
+                f"the rebalancer tracks {self._sum.shape[0]} x {self._sum.shape[1]}"
+            )
+        self._placement = placement
+
     @property
     def pending(self) -> bool:
         """True while a re-solve is submitted and not yet consumed by :meth:`poll`."""
