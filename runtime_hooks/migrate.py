@@ -178,6 +178,10 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     try:
         group = dist.new_group(ranks=list(range(G)), backend=layer_obj.backend,
                                timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        if layer_obj.backend == "nccl":
+            # NCCL builds a communicator lazily; a first batch_isend_irecv that some ranks skip (no moves)
+            # is undefined, so initialise it with one collective every rank joins.
+            dist.all_reduce(torch.zeros(1, device=layer_obj.device), group=group)
         if fault is not None and fault.rank == me and fault.mode == "stall":
             time.sleep(fault.stall_s)
         ops = []
