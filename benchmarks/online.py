@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement.topology import Topology  # noqa: E402
-from profiling.fileio import atomic_write_text  # noqa: E402
-from profiling.readers import default_traces_dir, read_trace  # noqa: E402
-from runtime_hooks.rebalancer import RebalancerConfig  # noqa: E402
-from runtime_hooks.replay import domain_stream, question_stream, replay, token_stream  # noqa: E402
+from placement.topology import Topology
+from profiling.fileio import atomic_write_text
+from profiling.readers import default_traces_dir, read_trace
+from runtime_hooks.rebalancer import RebalancerConfig
+from runtime_hooks.replay import domain_stream, question_stream, replay, token_stream
 
 BF16_HOPPER_FLOPS = 989e12  # dense BF16, H100/H200 (the traces' models run in BF16)
 

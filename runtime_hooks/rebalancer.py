@@ -47,19 +47,20 @@ import concurrent.futures as cf
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import numpy as np
 
 __all__ = [
-    "RebalancerConfig",
-    "Rebalancer",
-    "RebalanceEvent",
     "LINKS",
+    "RebalanceEvent",
+    "Rebalancer",
+    "RebalancerConfig",
     "migration_time",
-    "slots_copied_per_gpu",
     "seconds_per_assignment",
+    "slots_copied_per_gpu",
 ]
 
 log = logging.getLogger(__name__)

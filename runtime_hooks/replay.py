@@ -28,12 +28,12 @@ Streams:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import numpy as np
 
-__all__ = ["ReplayStream", "token_stream", "domain_stream", "question_stream", "replay", "ReplayResult", "POLICIES"]
+__all__ = ["POLICIES", "ReplayResult", "ReplayStream", "domain_stream", "question_stream", "replay", "token_stream"]
 
 POLICIES = ("migration", "greedy", "greedy+align", "static")
 

@@ -40,7 +40,8 @@ from __future__ import annotations
 import heapq
 import logging
 import time
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from typing import Literal
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["solve_migration", "align_to_previous", "keep_slots", "moved_pairs"]
+__all__ = ["align_to_previous", "keep_slots", "moved_pairs", "solve_migration"]
 
 log = logging.getLogger(__name__)
 
@@ -486,6 +487,7 @@ def solve_migration(
     # 3) Exact refinement per layer (budget per layer = what the incremental pass spent there).
     statuses = ["heuristic"] * L
     bounds = lb.astype(float).copy()
+    no_solution: list[int] = []
     if method == "exact":
         remaining = max(0.05, time_limit - (time.perf_counter() - t0))
         for l in range(L):
@@ -498,14 +500,17 @@ def solve_migration(
             remaining = max(0.05, remaining - (time.perf_counter() - ts))
             if note and note not in notes:
                 notes.append(note)
-            if xe is None:
-                statuses[l] = "greedy_fallback"
+            if xe is None:  # CP-SAT found nothing in its share of the time: the incremental result stays
+                no_solution.append(ids[l])
                 continue
             statuses[l] = status
             if bnd is not None:
                 bounds[l] = max(bounds[l], bnd)
             if _objective_x(w[l], xe, states[l].prev, mc) < _objective_x(w[l], x_final[l], states[l].prev, mc):
                 x_final[l] = xe
+        if no_solution:
+            notes.append(f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
+                         f"their incremental result was kept (status heuristic)")
 
     # 4) Never worse than staying put; keep slots of unchanged experts.
     rows, layers = [], []

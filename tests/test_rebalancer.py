@@ -133,9 +133,8 @@ def test_config_and_input_errors():
         RebalancerConfig(trigger="sometimes")
     with pytest.raises(ValueError, match="num_redundant_experts=3"):
         Rebalancer(start, RebalancerConfig(num_redundant_experts=3))
-    with Rebalancer(start, RebalancerConfig()) as reb:
-        with pytest.raises(ValueError, match=r"\[2, 16\]"):
-            reb.observe(np.zeros((3, E)))
+    with Rebalancer(start, RebalancerConfig()) as reb, pytest.raises(ValueError, match=r"\[2, 16\]"):
+        reb.observe(np.zeros((3, E)))
 
 
 def test_log_balancedness(caplog):
