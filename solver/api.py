@@ -77,5 +77,5 @@ def solve(
 
         if previous is None:
             raise ValueError("the migration-aware solver needs the current placement (--previous)")
-        return solve_migration(load, previous, time_limit=time_limit, seed=seed, **opts)
+        return solve_migration(load, previous, time_limit=time_limit, seed=seed, layer_ids=layer_ids, **opts)
     raise ValueError(f"unknown solver {name!r}; choose one of {SOLVERS}")
