@@ -56,9 +56,13 @@ the objective is the max over windows of the window's peak (PAR), or for ``qNN``
 mean of the worst ``m = max(1, ceil((1 - NN/100) W))`` windows' peaks (exactly
 ``min_tau m*tau + sum_w max(0, peak_w - tau)``; an upper bound of the NN-th percentile).
 
-Weighted dispatch (``weighted=True``): on the chosen placement an LP picks per-replica shares
-``q[p] >= 0`` (summing to 1 per expert) that minimise the peak (per window when robust); the shares
-are in ``extra["replica_shares"]`` (a list over slots) next to the even-split objective.
+Weighted dispatch: ``weighted="shares"`` keeps the even-split optimum and adds per-replica shares
+``q[p] >= 0`` (summing to 1 per expert) from an LP that minimises the peak on that placement
+(``extra["replica_shares"]``, ``extra["weighted_objective"]``). ``weighted=True`` chooses the placement
+*for* weighted dispatch (:mod:`solver.weighted`: bin packing with item splitting, then the same LP):
+the report is then the weighted solve's (``objective`` = weighted peak, ``bound`` = ``max(mean,
+max_e w_e / rmax)``) with the even-split peak of the same placement beside it in
+``extra["even_objective"]``; such a placement is meant only for engines that dispatch by weight.
 """
 
 from __future__ import annotations
@@ -1050,7 +1054,7 @@ def solve_exact(
     objective: str = "tokens",
     robust: str | None = None,
     num_windows: int = 4,
-    weighted: bool = False,
+    weighted: bool | str = False,
     layer_ids: Sequence[int] | None = None,
     time_limit: float = 10.0,
     seed: int = 0,
@@ -1071,9 +1075,16 @@ def solve_exact(
         num_groups, node_constraint: keep expert groups inside nodes (groups divide over nodes).
         objective: ``tokens`` (peak GPU tokens) or ``decode`` (peak per-step decode time).
         robust: None, ``max`` or ``qNN``: fit on ``num_windows`` windows (module docstring).
-        weighted: also compute per-replica dispatch shares (``extra["replica_shares"]``).
+        weighted: ``False``; ``"shares"`` (LP shares on the even-split optimum, in ``extra``); ``True``
+            (placement chosen for weighted dispatch, :func:`solver.weighted.solve_weighted`; the report's
+            ``objective`` is then the weighted peak and ``extra["even_objective"]`` the even-split one).
         time_limit: total wall budget in seconds for all layers (solved in parallel on ``workers`` threads).
-        seed: CP-SAT random seed. ``deterministic``: reproducible limits (module docstring).
+        seed: CP-SAT random seed (also seeds the neighbourhood search).
+        deterministic: ``True`` (default): one CP-SAT worker and deterministic-time limits derived from
+            ``time_limit`` only, local and neighbourhood search bounded by iteration counts, so two runs
+            with the same inputs and seed return the same map whatever the machine load (unless the
+            wall-clock safety cap of 1.5x a layer's share cuts a solve, which ``notes`` reports).
+            ``False``: wall-clock limits (uses the budget fully, not reproducible).
         hint: an extra starting placement (used when better than greedy).
         expert_bytes, hardware, batch_tokens_per_gpu: decode cost overrides (:class:`DecodeCost`).
         local_search_iters: cap on local-search moves per layer (default ``20 * G``).
@@ -1104,6 +1115,18 @@ def solve_exact(
         raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
     if S > E:
         raise ValueError(f"{S} slots per GPU exceed the {E} experts; use at most {E * G - E} redundant experts")
+    if weighted not in (False, True, "shares"):
+        raise ValueError(f"weighted must be False, True or 'shares', got {weighted!r}")
+    if weighted is True:
+        if node_constraint or objective != "tokens":
+            raise ValueError("weighted=True (placement for weighted dispatch) supports objective='tokens' without "
+                             "node_constraint; use weighted='shares' for LP shares on the even-split optimum")
+        from solver.weighted import solve_weighted
+
+        w_pl, _, w_rep = solve_weighted(agg, topology, windows=wins if robust else None, layer_ids=layer_ids,
+                                        hint=hint, seed=seed, time_limit=time_limit)
+        params = {"backend": "weighted", "seed": seed, "time_limit": time_limit, "weighted": True, "robust": robust}
+        return w_pl.with_provenance(**params), replace(w_rep, params=params)
     decode = DecodeCost.build(expert_bytes, hardware, top_k) if objective == "decode" else None
     if decode is not None and batch_tokens_per_gpu is not None:
         decode = replace(decode, batch_tokens_per_gpu=float(batch_tokens_per_gpu))
@@ -1200,13 +1223,19 @@ def solve_exact(
             if not res.complete and status == "optimal":
                 status = "feasible"
         elif res is not None:
-            status = res.status if inc_val >= g_val else "feasible"
-            if status == "greedy_fallback" and inc_val < g_val:
-                status = "feasible"
+            # the backend returned nothing (no solution in time, infeasible model, or a failure): the
+            # layer keeps a valid placement, so its status says where that placement came from
+            status = "feasible" if inc_val < g_val else "greedy_fallback"
+            with lock:
+                notes.append(f"layer {l}: {backend} backend ended {res.status!r} without a solution; "
+                             f"kept the {'local-search' if inc_val < g_val else 'greedy'} placement")
         row = inc.reshape(-1)
         if model_val >= g_val - 1e-12 * max(1, g_val):
             row = greedy_map[l]
             model_val = g_val
+        proved_by = None
+        if res is not None and res.assign is not None and status == "optimal":
+            proved_by = backend
         # report in tokens on the aggregate load
         per_slot = agg[l][row] / np.bincount(row, minlength=E)[row]
         gpu_tok = per_slot.reshape(G, S).sum(axis=1)
@@ -1216,9 +1245,12 @@ def solve_exact(
         if objective == "tokens" and pb.W == 1 and res is not None and res.complete and res.model_bound is not None:
             glob_bound = max(glob_bound, min(res.model_bound, obj_tok))
         if model_lb >= model_val * (1 - 1e-7):
+            if status != "optimal" or proved_by is None:
+                proved_by = "bound"  # the objective meets a proven lower bound
             status = "optimal"
         extra = {
             "backend": backend,
+            "proved_by": proved_by,
             "model_objective": float(model_val),
             "model_baseline": float(g_val),
             "model_bound": float(model_lb),

@@ -163,7 +163,7 @@ def test_weighted_shares_sum_to_one_and_beat_even():
     rng = np.random.default_rng(4)
     w = np.round(rng.pareto(1.0, size=(2, 10)) * 100 + 1)
     topo = Topology(4, 16, 1)
-    pl, rep = solve_exact(w, topo, weighted=True, time_limit=2.0)
+    pl, rep = solve_exact(w, topo, weighted="shares", time_limit=2.0)
     for l, lr in enumerate(rep.layers):
         q = np.asarray(lr.extra["replica_shares"])
         row = pl.physical_to_logical_map[l]
@@ -175,6 +175,60 @@ def test_weighted_shares_sum_to_one_and_beat_even():
         assert lr.extra["weighted_objective"] >= lr.mean_load - 1e-6
     rw = replica_weights(pl, w)
     assert rw.shape == pl.physical_to_logical_map.shape
+
+
+def _weighted_gpu(row, q, w, topo):
+    return np.bincount(topo.gpu_of_slot, weights=w[row] * q, minlength=topo.ep_size)
+
+
+def test_weighted_placement_valid_and_not_worse_than_even():
+    rng = np.random.default_rng(11)
+    E, G = 24, 8
+    w = np.round((np.arange(1, E + 1) ** -1.2)[None, :] * rng.uniform(0.5, 1.5, size=(3, E)) * 1e4) + 1  # [3, E]
+    topo = Topology(G, 32, 2)  # P = 32 >= E + G - 1 = 31
+    g_pl, _ = greedy_placement(w, topo, policy="global")
+    pl, rep = solve_exact(w, topo, weighted=True, time_limit=10.0)
+    _check_valid(pl, E)
+    assert rep.solver == "weighted" and rep.params["weighted"] is True
+    for l, lr in enumerate(rep.layers):
+        row = pl.physical_to_logical_map[l]
+        q = np.asarray(lr.extra["replica_shares"])
+        assert q.min() >= 0
+        assert np.allclose(np.bincount(row, weights=q, minlength=E), 1.0)  # shares sum to 1 per expert
+        gpu = _weighted_gpu(row, q, w[l], topo)
+        assert gpu.max() == pytest.approx(lr.objective, rel=1e-6)
+        even_peak = float(_peak(pl, w)[l])
+        assert lr.extra["even_objective"] == pytest.approx(even_peak)  # even split reported beside it
+        assert lr.objective <= even_peak + 1e-6  # weighted peak <= even peak of the same placement
+        assert lr.objective <= float(_peak(g_pl, w)[l]) + 1e-6  # and <= greedy's even peak
+        assert lr.bound <= lr.objective + 1e-9
+        assert lr.bound >= lr.mean_load - 1e-9
+        if lr.status == "optimal":
+            assert lr.extra["proved_by"] == "weighted_bound"
+
+
+def test_weighted_construction_reaches_mean_exactly_with_zero_share_replicas():
+    from solver.weighted import construct_weighted_layer, solve_weighted
+
+    # 6 experts on 4 GPUs x 3 slots: total 400, mean 100 per GPU; pieces need E + G - 1 = 9 <= 12
+    w = np.array([170.0, 90.0, 60.0, 40.0, 25.0, 15.0])
+    G, S = 4, 3
+    res = construct_weighted_layer(w, G, S, num_flexible=2, target=100.0)
+    assert res is not None
+    assign, shares = res
+    for g in range(G):
+        assert len(set(assign[g].tolist())) == S
+    assert set(assign.ravel().tolist()) == set(range(6))
+    assert np.allclose(np.bincount(assign.ravel(), weights=shares.ravel(), minlength=6), 1.0)
+    assert np.allclose((w[assign] * shares).sum(axis=1), 100.0)
+    assert (shares == 0).any()  # spare slots hold zero-share replicas
+    topo = Topology(G, G * S, 1)
+    pl, q, rep = solve_weighted(w[None], topo)
+    lr = rep.layers[0]
+    assert lr.objective == pytest.approx(100.0, rel=1e-9)  # == total / G
+    assert lr.status == "optimal"
+    assert np.allclose(np.bincount(pl.physical_to_logical_map[0], weights=q[0], minlength=6), 1.0)
+    assert lr.extra["even_objective"] >= lr.objective
 
 
 def test_write_replica_weights_roundtrip(tmp_path):
