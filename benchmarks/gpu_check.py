@@ -165,14 +165,15 @@ def main(argv=None) -> int:
         spec = ValidationSpec.from_trace(a, tr, tokens_per_rank=args.tokens_per_rank, policy=policy,
                                          hidden=args.hidden, ffn=args.hidden // 2, seed=1)
         rep = collect_report(spec, [r[f"validate-{policy}"] for r in per_rank])
-        results.append((f"{backend}-validate-{policy}", rep.ok,
-                        f"max err {rep.max_abs_error:.2e}, tokens match {rep.tokens_match}, "
-                        f"checksum mismatches {len(rep.checksum_mismatches)}; predicted {rep.predicted.tolist()} "
-                        f"measured {rep.measured.tolist()}"))
+        detail = (f"max err {rep.max_abs_error:.2e}, tokens match {rep.tokens_match}, "
+                  f"checksum mismatches {len(rep.checksum_mismatches)}; predicted {rep.predicted.tolist()} "
+                  f"measured {rep.measured.tolist()}")
+        results.append((f"{backend}-validate-{policy}", rep.ok, detail))
     mig = [r["migrate"] for r in per_rank]
     ok = all(c and err < 1e-3 and same for c, _, _, err, same in mig)
-    results.append((f"{backend}-migrate", ok, f"committed {[m[0] for m in mig]}, moved {mig[0][2]} slots, "
-                                        f"max err {max(m[3] for m in mig):.2e}, reason {mig[0][1]!r}"))
+    detail = (f"committed {[m[0] for m in mig]}, moved {mig[0][2]} slots, "
+              f"max err {max(m[3] for m in mig):.2e}, reason {mig[0][1]!r}")
+    results.append((f"{backend}-migrate", ok, detail))
     g = per_rank[0].get("graph", {"expert_compute_err": 0.0, "ids_equal": True}) if args.cpu_dry_run else per_rank[0]["graph"]
     results.append(("cuda-graph-expert-compute", g["expert_compute_err"] < 1e-4 and g["ids_equal"],
                     f"max |graph - eager| {g['expert_compute_err']:.2e}, router ids equal {g['ids_equal']}"))

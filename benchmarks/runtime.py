@@ -23,7 +23,6 @@ gloo all_to_all still run for real.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,9 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement.metrics import route_tokens, routed_gpu_tokens  # noqa: E402
-from placement.model import Placement  # noqa: E402
-from placement.topology import Topology  # noqa: E402
+from placement.metrics import route_tokens, routed_gpu_tokens
+from placement.model import Placement
+from placement.topology import Topology
 
 
 def _bench_rank(rank, world_size, placements, ids, tokens_per_rank, steps, sec_per_pick, policy, hidden, warmup):

@@ -45,15 +45,15 @@ import torch.nn.functional as F
 from placement.model import Placement
 
 __all__ = [
+    "EPMoELayer",
     "ExpertWeights",
     "RoutingTables",
-    "EPMoELayer",
     "build_routing_tables",
-    "route_slots",
-    "reference_moe",
     "expert_ffn",
-    "tensor_checksum",
+    "reference_moe",
     "replay_weights",
+    "route_slots",
+    "tensor_checksum",
 ]
 
 
@@ -66,7 +66,7 @@ class ExpertWeights:
     router: torch.Tensor
 
     @classmethod
-    def random(cls, num_experts: int, hidden: int, ffn: int, seed: int = 0, dtype=torch.float32) -> "ExpertWeights":
+    def random(cls, num_experts: int, hidden: int, ffn: int, seed: int = 0, dtype=torch.float32) -> ExpertWeights:
         """Seeded weights, identical in every process for the same arguments (CPU generator)."""
         if min(num_experts, hidden, ffn) < 1:
             raise ValueError(f"num_experts, hidden, ffn must be >= 1, got {num_experts}, {hidden}, {ffn}")
@@ -121,7 +121,7 @@ def replay_weights(topk_ids: torch.Tensor, seed: int = 0, token_index: torch.Ten
     Returns:
         float32 ``[T, k]``, 0 where the id is -1.
     """
-    T, k = topk_ids.shape
+    T = topk_ids.shape[0]
     E = int(num_experts or (int(topk_ids.max()) + 1 if topk_ids.numel() else 1))
     idx = torch.arange(T) if token_index is None else token_index.cpu()
     g = torch.Generator().manual_seed(int(seed) + 7919)
@@ -175,7 +175,7 @@ def build_routing_tables(placement: Placement, layer: int, device=None) -> Routi
             e = p2l[e_slot]
             r = int((node_l2p[n, e] >= 0).sum())
             node_l2p[n, e, r] = e_slot
-    as_t = lambda a: torch.tensor(np.array(a, dtype=np.int64), device=device)  # noqa: E731
+    as_t = lambda a: torch.tensor(np.array(a, dtype=np.int64), device=device)
     return RoutingTables(as_t(l2p), as_t(cnt), as_t(gpu_slot), as_t(node_l2p), as_t(node_cnt),
                          t.slots_per_gpu, t.gpus_per_node)
 
@@ -212,6 +212,9 @@ def route_slots(tables: RoutingTables, topk_ids: torch.Tensor, token_index: torc
 # ---------------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------------
+_INSTANCES = 0  # EPMoELayer objects built in this process (names migration records)
+
+
 class EPMoELayer:
     """One MoE layer sharded over the ranks of ``group`` (default: the default process group).
 
@@ -223,7 +226,8 @@ class EPMoELayer:
         group: process group for dispatch/combine; its size must equal ``placement.topology.ep_size``.
         device: compute device (default: ``cuda:<current>`` on NCCL, else CPU).
         store: key-value store for migration decisions (default: the launcher's store).
-        name: key prefix for migration records (distinct per layer when several layers migrate).
+        name: key prefix for migration records; a per-process construction counter is appended, so
+            every rank must build its layers in the same order (the usual SPMD model code does).
         simulated_seconds_per_token: sleep this long per received pick after the expert compute
             (benchmarks only: models device time proportional to load without using the CPU cores).
     """
@@ -256,7 +260,11 @@ class EPMoELayer:
         self.device = torch.device(device)
         self.policy = policy
         self.store = store
-        self.name = name or f"layer{placement.layer_ids[layer]}"
+        # Store keys must be unique per layer object in the world: layers are built in the same order on
+        # every rank (SPMD), so a per-process construction counter names them consistently.
+        global _INSTANCES
+        _INSTANCES += 1
+        self.name = f"{name or 'layer' + str(placement.layer_ids[layer])}#{_INSTANCES}"
         self.weights = weights
         self.simulated_seconds_per_token = float(simulated_seconds_per_token)
         self.router = weights.router.to(self.device)

@@ -29,9 +29,10 @@ import os
 import queue as _queue
 import time
 import traceback
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["launch", "WorkerError", "WorkerTimeout", "current_store", "device_for"]
+__all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
 
 _CURRENT_STORE = None  # set inside workers
 
@@ -108,7 +109,7 @@ def _worker(rank, world_size, backend, host, port, pg_timeout, fn, args, results
         try:
             if dist.is_initialized():
                 dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - shutting down after a failure
+        except Exception:  # noqa: BLE001, S110 - best effort while shutting down after a failure
             pass
         _CURRENT_STORE = None
 

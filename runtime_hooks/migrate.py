@@ -39,9 +39,9 @@ from placement.model import Placement
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SlotMove", "MigrationResult", "FaultSpec", "plan_migration", "apply_placement", "live_staging_buffers"]
+__all__ = ["FaultSpec", "MigrationResult", "SlotMove", "apply_placement", "live_staging_buffers", "plan_migration"]
 
-_LIVE_STAGING: "weakref.WeakSet" = weakref.WeakSet()
+_LIVE_STAGING: weakref.WeakSet = weakref.WeakSet()
 
 
 def live_staging_buffers() -> int:
@@ -66,7 +66,11 @@ class SlotMove:
 
 @dataclass(frozen=True)
 class MigrationResult:
-    """How a placement change ended on this rank (identical ``committed`` on every rank)."""
+    """How a placement change ended on this rank (identical ``committed`` and ``reason`` on every rank).
+
+    ``moved_slots``/``moved_bytes``/``network_bytes`` describe the plan; its weights are in place only
+    when ``committed``. ``reason`` is ``committed``, ``no slot changes`` or ``abort: <first failure>``.
+    """
 
     moved_slots: int
     moved_bytes: int
@@ -156,7 +160,6 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     new1 = new_placement.select_layers([layer])
     old1 = layer_obj.placement
     moves = plan_migration(old1, new1)
-    w = layer_obj.weights
     expert_bytes = int(layer_obj.slot_w1[0].numel() * layer_obj.slot_w1.element_size()
                        + layer_obj.slot_w2[0].numel() * layer_obj.slot_w2.element_size())
     moved = len(moves)
@@ -164,7 +167,6 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     if not moves:
         layer_obj._set_placement(new1)
         return MigrationResult(0, 0, True, "no slot changes", 0, time.monotonic() - start)
-    del w
     store = layer_obj.store or current_store()
     if store is None:
         store = dist.distributed_c10d._get_default_store()
@@ -233,7 +235,7 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     finally:
         staging.clear()
         reqs.clear()
-        ops = sends = None  # noqa: F841 - drop every reference to the staging tensors
+        ops = sends = None
         if group is not None:
             try:
                 dist.destroy_process_group(group)

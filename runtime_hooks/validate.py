@@ -31,7 +31,7 @@ from placement.metrics import route_tokens, routed_gpu_tokens
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 
-__all__ = ["ValidationSpec", "ValidationReport", "validate_placement", "validate_rank", "predicted_tokens"]
+__all__ = ["ValidationReport", "ValidationSpec", "predicted_tokens", "validate_placement", "validate_rank"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class ValidationSpec:
 
     @classmethod
     def from_trace(cls, placement: Placement, trace: RoutingTrace, tokens_per_rank: int = 8, offset: int = 0,
-                   **kw) -> "ValidationSpec":
+                   **kw) -> ValidationSpec:
         """Slice ``G * tokens_per_rank`` tokens from ``offset`` of a per-token trace with matching layers."""
         if not trace.has_tokens:
             raise ValueError("validation replays per-token routing; this trace has counts only (use a topk_ids trace)")
@@ -134,7 +134,13 @@ def validate_rank(rank: int, world_size: int, spec: ValidationSpec, store=None) 
     """Per-rank body: run every row once, return ``{"measured": [L], "max_err": [L], "bad_checksums": [...]}``."""
     import torch
 
-    from runtime_hooks.ep_layer import EPMoELayer, ExpertWeights, reference_moe, replay_weights, tensor_checksum
+    from runtime_hooks.ep_layer import (
+        EPMoELayer,
+        ExpertWeights,
+        reference_moe,
+        replay_weights,
+        tensor_checksum,
+    )
 
     P = spec.placement
     E = P.num_logical_experts

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from placement.metrics import moved_slots, route_tokens, routed_gpu_tokens
-from placement.model import Placement
 from placement.topology import Topology
 from runtime_hooks.ep_layer import EPMoELayer, ExpertWeights, reference_moe, replay_weights, tensor_checksum
 from runtime_hooks.launcher import launch

@@ -16,7 +16,13 @@ import torch
 from placement.metrics import route_tokens
 from placement.model import Placement
 from placement.topology import Topology
-from runtime_hooks.ep_layer import ExpertWeights, build_routing_tables, reference_moe, replay_weights, route_slots
+from runtime_hooks.ep_layer import (
+    ExpertWeights,
+    build_routing_tables,
+    reference_moe,
+    replay_weights,
+    route_slots,
+)
 from runtime_hooks.launcher import WorkerError, WorkerTimeout, launch
 from runtime_hooks.validate import ValidationSpec, collect_report, validate_rank
 from solver.greedy import greedy_placement
