@@ -298,11 +298,12 @@ def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0, num_classes:
         for _ in range(int(k[e])):
             room = (used < caps) & ~member[e]
             if not room.any():
-                # Free a slot: move a single-home expert f off a full node b (without e) to a node with room.
+                # Free a slot: move a membership of another expert f off a full node b (without e) to a node
+                # with room that lacks f.
                 has_room = np.flatnonzero(used < caps)
                 done = False
                 for b in np.flatnonzero(~member[e]):
-                    for f in np.flatnonzero(member[:, b] & (k == 1)):
+                    for f in np.flatnonzero(member[:, b] & (k < N) & (np.arange(E) != e)):
                         dst = [a_ for a_ in has_room if not member[f, a_]]
                         if dst:
                             member[f, b], member[f, dst[0]] = False, True
