@@ -212,3 +212,29 @@ def test_validation_report_flags_mismatches():
     assert not ValidationReport(np.array([[3, 4]]), np.array([[4, 3]]), 1e-7, (1e-7,), (), 1e-4, "even").ok
     assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 1e-2, (1e-2,), (), 1e-4, "even").ok
     assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 0.0, (0.0,), ("slot 3",), 1e-4, "even").ok
+
+
+def _edge_rank(rank, world_size, pl):
+    w = ExpertWeights.random(8, 16, 8, seed=1)
+    from runtime_hooks.ep_layer import EPMoELayer
+
+    layer = EPMoELayer(pl, 0, w)
+    T = 0 if rank == 0 else 3  # rank 0 has no tokens at all
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, 16, generator=g)
+    ids = torch.full((T, 2), -1) if rank == 1 else torch.randint(0, 8, (T, 2), generator=g)  # rank 1: no picks
+    wts = torch.rand(T, 2, generator=g)
+    y = layer(x, ids, wts, torch.arange(T) + 10 * rank)
+    err = float((y - reference_moe(x, ids, wts, w)).abs().max()) if T else 0.0
+    y2 = layer(x)  # the layer's own router (softmax top-k)
+    ids_r, w_r = layer.route(x, 2)
+    err_router = float((y2 - reference_moe(x, ids_r, w_r, w)).abs().max()) if T else 0.0
+    return y.shape, err, err_router
+
+
+def test_empty_ranks_padding_and_router_path():
+    pl = Placement.trivial(1, 8, Topology(3, 12))
+    out = launch(_edge_rank, 3, args=(pl,), timeout=60)
+    assert [tuple(o[0]) for o in out] == [(0, 16), (3, 16), (3, 16)]
+    assert all(o[1] < 1e-5 and o[2] < 1e-5 for o in out)
+    assert torch.equal(replay_weights(torch.full((2, 3), -1), 0, num_experts=4), torch.zeros(2, 3))
