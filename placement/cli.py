@@ -437,7 +437,7 @@ def cmd_demo(args) -> int:
     echo("\n== 2. moe-placement inspect")
     cmd_inspect(argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None, chunk_tokens=None))
     fit, held = trace.split(0.5)
-    topo = Topology.from_redundant(64, 32, 32, 4)
+    topo = Topology.from_redundant(64, 16, args.ep_size, args.num_nodes)
     echo(f"\n== 3. moe-placement solve (fit on the first half of prompts; {topo.ep_size} GPUs, {topo.num_nodes} nodes, "
          f"{topo.num_physical_experts - 64} redundant slots)")
     results = {}
@@ -447,7 +447,12 @@ def cmd_demo(args) -> int:
     for name in progress(solvers, desc="solving"):
         try:
             results[name], rep = solve(name, topology=topo, trace=fit, time_limit=args.time_limit, seed=args.seed)
-            echo(f"{name}: status {rep.status}, objective {rep.objective:.0f}, bound {rep.bound:.0f}, gap {rep.gap:.4f}")
+            if name == "cpsat":
+                echo(f"{name}: status {rep.status}, peak load summed over layers {rep.objective:.0f} "
+                     f"(greedy {sum(lr.baseline_objective or 0 for lr in rep.layers):.0f}), "
+                     f"proven bound {rep.bound:.0f}, gap {rep.gap:.4f}")
+            else:
+                echo(f"{name}: status {rep.status}, {rep.wall_time_s:.1f}s")
         except ImportError as exc:
             warn(f"solver {name} unavailable: {exc}")
     echo("\n== 4. moe-placement evaluate (held-out second half, policy local, 16 tokens per rank per step)")
@@ -477,8 +482,9 @@ def cmd_demo(args) -> int:
         return 0
     mod = importlib.import_module("placement.cli_validate")
     parser = build_parser()
-    vargs = parser.parse_args(["validate", str(out / "placement.json"), "--trace", str(tpath), "--ranks", "4",
-                               "--policy", "local", "--layers", "0"])
+    vargs = parser.parse_args(["validate", str(out / "placement.json"), "--trace", str(tpath),
+                               "--ranks", str(topo.ep_size), "--policy", "local", "--layers", "0",
+                               "--offset", str(fit.num_tokens)])
     return int(mod.run(vargs))
 
 
@@ -557,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-limit", type=float, default=8.0)
+    p.add_argument("--ep-size", type=int, default=8, help="GPUs (also the gloo ranks of the validate step)")
+    p.add_argument("--num-nodes", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="greedy only")
     p.add_argument("--skip-validate", action="store_true")
     p.set_defaults(func=cmd_demo)
