@@ -107,3 +107,17 @@ def test_inspect_streamed_equals_loaded(small_trace, capsys):
     assert main(["inspect", str(small_trace), "--json", "--chunk-tokens", "333"]) == 0
     streamed = json.loads(capsys.readouterr().out)["layers"]
     assert [r["max_over_mean"] for r in streamed] == pytest.approx([r["max_over_mean"] for r in full])
+
+
+def test_demo_pipeline_end_to_end(tmp_path, capsys):
+    """The README's main job: inspect -> solve -> evaluate -> engine files -> validate on 8 gloo ranks."""
+    pytest.importorskip("torch")
+    rc = main(["demo", "--out", str(tmp_path), "--quick", "--tokens", "6000", "--layers", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for name in ("trace.npz", "placement.json", "sglang_init_expert_location.json", "moe_load_balancer.yaml",
+                 "vllm_ascend_expert_map.json"):
+        assert (tmp_path / name).is_file()
+    assert "PASS: per-rank tokens equal the prediction" in out
+    sg = json.loads((tmp_path / "sglang_init_expert_location.json").read_text())
+    assert list(sg) == ["physical_to_logical_map"]
