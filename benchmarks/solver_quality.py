@@ -12,9 +12,11 @@ the fit and again, independently, for the held-out load; 32 GPUs / 4 nodes / 288
 
 Columns: PAR (peak / mean GPU load, mean over layers) fitted and held-out, the proven bound as a PAR,
 the relative gap (objective - bound) / objective (mean and worst layer), wall time, and each method's
-fitted and held-out PAR as a ratio to greedy's in the same run. ``exact-w`` is the exact placement
-with LP per-replica shares (SGLang-style weighted dispatch), scored with those shares. ``exact-rob``
-fits the max over 4 windows of the fitted part. ``greedy-hier`` / ``exact-node`` keep groups inside
+fitted and held-out PAR as a ratio to greedy's in the same run. ``exact`` is the default mode: where
+the fit part has windows (DeepSeek prompts, Mixtral questions) its validation guard holds out the last
+20% of them. ``exact-w`` is the placement chosen for weighted dispatch (solver.weighted) scored with its
+LP per-replica shares; ``exact-w even`` is the same placement with even split. ``exact-rob`` fits the
+max over 4 windows of the fit part; ``exact-thin`` (counts-only OLMoE) guards with binomial thinning. ``greedy-hier`` / ``exact-node`` keep groups inside
 nodes (hierarchical greedy vs the in-model node constraint).
 
 Usage: PYTHONPATH=. python benchmarks/solver_quality.py [--quick] [--time-limit S] [--workers N]
@@ -53,7 +55,8 @@ def weighted_gpu(pl: Placement, shares: np.ndarray, load: np.ndarray) -> np.ndar
 
 
 def run_config(name, fit, held, topo, *, time_limit, workers, fit_trace=None, num_groups=None, extra_rows=(), per_layer=False, deterministic=True):
-    """Print one table. ``fit``/``held``: ``[L, E]`` loads."""
+    """Print one table. ``fit``/``held``: ``[L, E]`` loads; ``fit_trace``: the fit part with windows (a
+    RoutingTrace or ``[W, L, E]``), used by the default exact mode's validation guard and by ``exact-rob``."""
     rows = []
     L, E = fit.shape
     mean_fit = fit.sum(axis=1) / topo.ep_size
@@ -67,17 +70,28 @@ def run_config(name, fit, held, topo, *, time_limit, workers, fit_trace=None, nu
     gw = time.perf_counter() - t0
     g_fit = par_per_layer(expected_gpu_load(g_pl, fit))
     rows.append(("greedy", g_fit, par_per_layer(expected_gpu_load(g_pl, held)), None, None, gw))
-    pl, rep = solve_exact(fit, topo, time_limit=time_limit, workers=workers, weighted=True, seed=0, deterministic=deterministic)
+    pl, rep = solve_exact(fit if fit_trace is None else fit_trace, topo, time_limit=time_limit, workers=workers, seed=0,
+                          deterministic=deterministic)
     bound_par = rep.per_layer("bound") / mean_fit
     gap = np.array([lr.gap for lr in rep.layers])
     rows.append(("exact", par_per_layer(expected_gpu_load(pl, fit)), par_per_layer(expected_gpu_load(pl, held)), bound_par, gap, rep.wall_time_s))
-    shares = np.array([lr.extra["replica_shares"] for lr in rep.layers])
-    wb = np.array([lr.extra["weighted_bound"] for lr in rep.layers]) / mean_fit
-    wfit = par_per_layer(weighted_gpu(pl, shares, fit))
-    rows.append(("exact-w", wfit, par_per_layer(weighted_gpu(pl, shares, held)), wb, 1 - wb / wfit, rep.wall_time_s))
+    wpl, wrep = solve_exact(fit, topo, weighted=True, time_limit=time_limit, seed=0)
+    shares = np.array([lr.extra["replica_shares"] for lr in wrep.layers])
+    wb = wrep.per_layer("bound") / mean_fit
+    wfit = par_per_layer(weighted_gpu(wpl, shares, fit))
+    rows.append(("exact-w", wfit, par_per_layer(weighted_gpu(wpl, shares, held)), wb, 1 - wb / wfit, wrep.wall_time_s))
+    rows.append(("exact-w even", par_per_layer(expected_gpu_load(wpl, fit)), par_per_layer(expected_gpu_load(wpl, held)), None, None, 0.0))
     if "robust" in extra_rows and fit_trace is not None:
-        rpl, rrep = solve_exact(fit_trace, topo, robust="max", num_windows=4, time_limit=time_limit, workers=workers)
+        rarg = fit_trace
+        if not hasattr(rarg, "counts"):
+            chunks = np.array_split(np.arange(rarg.shape[0]), 4)
+            rarg = np.stack([rarg[c].sum(axis=0) for c in chunks])  # [4, L, E]
+        rpl, rrep = solve_exact(rarg, topo, robust="max", num_windows=4, time_limit=time_limit, workers=workers, validation=0)
         rows.append(("exact-rob", par_per_layer(expected_gpu_load(rpl, fit)), par_per_layer(expected_gpu_load(rpl, held)), None, None, rrep.wall_time_s))
+    if "thin" in extra_rows:
+        tpl, trep = solve_exact(fit, topo, time_limit=time_limit, workers=workers, validation="thin")
+        rows.append(("exact-thin", par_per_layer(expected_gpu_load(tpl, fit)), par_per_layer(expected_gpu_load(tpl, held)),
+                     trep.per_layer("bound") / mean_fit, np.array([lr.gap for lr in trep.layers]), trep.wall_time_s))
     if "node" in extra_rows and num_groups:
         h_pl, _ = greedy_placement(fit, topo, num_groups, policy="hierarchical")
         rows.append(("greedy-hier", par_per_layer(expected_gpu_load(h_pl, fit)), par_per_layer(expected_gpu_load(h_pl, held)), None, None, 0.0))
@@ -89,7 +103,7 @@ def run_config(name, fit, held, topo, *, time_limit, workers, fit_trace=None, nu
     for lr in rep.layers:
         statuses[lr.status] = statuses.get(lr.status, 0) + 1
     print(f"\n## {name}: L={L} E={E} G={topo.ep_size} P={topo.num_physical_experts} nodes={topo.num_nodes} "
-          f"(exact status {statuses}, time limit {time_limit:g}s, workers {workers})")
+          f"(exact status {statuses}, validation fallbacks {rep.params.get('validation_fallbacks', 'off')}, time limit {time_limit:g}s, workers {workers})")
     print(f"{'method':12s} {'fit PAR':>8s} {'held PAR':>9s} {'bound':>7s} {'gap':>7s} {'gap max':>8s} {'wall s':>7s} {'fit/greedy':>10s} {'held/greedy':>11s}")
     for m, f, h, b, gp, wall in rows:
         bs = f"{b.mean():7.4f}" if b is not None else f"{'':7s}"
@@ -98,11 +112,11 @@ def run_config(name, fit, held, topo, *, time_limit, workers, fit_trace=None, nu
     ex = rows[[r[0] for r in rows].index("exact")]
     ok_held = ex[2].mean() <= g_held.mean() + 1e-12
     close = np.all((ex[1] - ex[3]) / ex[1] <= 0.005)
-    print(f"check: held-out PAR no worse than greedy: {ok_held}; fitted PAR within 0.5% of bound on every layer: {bool(close)} "
+    print(f"check: held-out PAR no worse than greedy: {ok_held} (exact/greedy held {ex[2].mean() / g_held.mean():.4f}); fitted PAR within 0.5% of bound on every layer: {bool(close)} "
           f"(mean gap {ex[4].mean() * 100:.2f}%, worst {ex[4].max() * 100:.2f}%)")
     if per_layer:
         print("per layer: layer status exact-PAR bound-PAR gap weighted-PAR wall_s")
-        for lr, wpar in zip(rep.layers, wfit):
+        for lr, wpar in zip(rep.layers, wfit):  # weighted PAR: the weighted solve's placement
             print(f"  {lr.layer_id:3d} {lr.status:10s} {lr.objective / lr.mean_load:.4f} {lr.bound / lr.mean_load:.4f} {lr.gap * 100:6.2f}% {wpar:.4f} {lr.wall_time_s:6.2f}")
     return rep, rows
 
@@ -157,7 +171,7 @@ def main(argv=None) -> int:
             fit, held = wl[labels.index("arxiv")], wl[labels.index("github")]
             for ep, red in ((8, 8), (16, 16)):
                 run_config(f"OLMoE arxiv -> github ep{ep} +{red}", fit, held, Topology.from_redundant(64, red, ep, max(1, ep // 8)),
-                           time_limit=tl_real, workers=args.workers)
+                           time_limit=tl_real, workers=args.workers, extra_rows=("thin",))
         else:
             print(f"skip OLMoE: {p} not found")
     if want("mixtral"):
@@ -169,7 +183,7 @@ def main(argv=None) -> int:
             fit, held = wl[:half].sum(axis=0), wl[half:].sum(axis=0)
             for ep, red in ((4, 4), (8, 8)):
                 run_config(f"Mixtral MMLU questions 1st -> 2nd half ep{ep} +{red}", fit, held, Topology.from_redundant(8, red, ep, 1),
-                           time_limit=tl_real, workers=args.workers)
+                           time_limit=tl_real, workers=args.workers, fit_trace=wl[:half], extra_rows=("robust",))
         else:
             print(f"skip Mixtral: {p} not found")
     if want("synthetic"):
@@ -188,7 +202,8 @@ def main(argv=None) -> int:
         names = [r[0] for r in rows]
         g, e, w = rows[names.index("greedy")][1].mean(), rows[names.index("exact")][1].mean(), rows[names.index("exact-w")][1].mean()
         print(f"done check: greedy {g:.4f}x, exact even {e:.4f}x (<= 1.04: {e <= 1.04}), weighted {w:.4f}x (<= 1.01: {w <= 1.01}), "
-              f"wall {rep.wall_time_s:.1f}s (<= 60: {rep.wall_time_s <= 60})")
+              f"wall even {rep.wall_time_s:.1f}s (<= 60: {rep.wall_time_s <= 60}), weighted {rows[names.index('exact-w')][5]:.1f}s, "
+              f"weighted placement under even split {rows[names.index('exact-w even')][1].mean():.4f}x")
     print(f"\ntotal wall {time.perf_counter() - t_all:.1f}s")
     return 0
 

@@ -1065,6 +1065,7 @@ def solve_exact(
     deterministic: bool = True,
     batch_tokens_per_gpu: float | None = None,
     local_search_iters: int | None = None,
+    validation: float | str = "auto",
 ) -> tuple[Placement, SolveReport]:
     """Joint replica counts and placement per layer, with proven bounds.
 
@@ -1088,6 +1089,12 @@ def solve_exact(
         hint: an extra starting placement (used when better than greedy).
         expert_bytes, hardware, batch_tokens_per_gpu: decode cost overrides (:class:`DecodeCost`).
         local_search_iters: cap on local-search moves per layer (default ``20 * G``).
+        validation: guard against over-fitting (:func:`_validation_guard`). ``"auto"`` (default): when the
+            input has windows (a trace or ``[W, L, E]``, ``W >= 5``) the last 20% of them are held out, exact
+            and greedy are fitted on the rest and compared there; layers where exact loses keep greedy's
+            placement (status ``greedy_fallback``, ``extra["validation"]``). A float in (0, 0.5] sets the
+            held-out fraction; ``"thin"`` splits integer counts by seeded binomial thinning (20%) instead
+            of windows; ``0`` or ``None`` turns the guard off. It costs 30% of ``time_limit``.
 
     Returns:
         (Placement, SolveReport). Layer ``objective`` is the peak GPU load in tokens with even split on the
@@ -1127,6 +1134,13 @@ def solve_exact(
                                         hint=hint, seed=seed, time_limit=time_limit)
         params = {"backend": "weighted", "seed": seed, "time_limit": time_limit, "weighted": True, "robust": robust}
         return w_pl.with_provenance(**params), replace(w_rep, params=params)
+    guard = _validation_split(load_or_trace, validation, seed)
+    if guard is not None:
+        kw = dict(backend=backend, num_groups=num_groups, node_constraint=node_constraint, objective=objective,
+                  robust=robust, num_windows=num_windows, weighted=weighted, layer_ids=layer_ids, seed=seed,
+                  workers=workers, hint=hint, expert_bytes=expert_bytes, hardware=hardware, deterministic=deterministic,
+                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0)
+        return _validation_guard(load_or_trace, topology, guard, time_limit, t_start, kw)
     decode = DecodeCost.build(expert_bytes, hardware, top_k) if objective == "decode" else None
     if decode is not None and batch_tokens_per_gpu is not None:
         decode = replace(decode, batch_tokens_per_gpu=float(batch_tokens_per_gpu))
@@ -1322,3 +1336,92 @@ def _valid_node(assign: np.ndarray, pb: _Layer) -> bool:
                 return False
     counts = np.bincount(list(node_of.values()), minlength=int(pb.node_of_gpu.max()) + 1)
     return bool(np.all(counts == pb.groups_per_node))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation guard: exact must beat greedy on data it was not fitted on
+# ---------------------------------------------------------------------------------------------
+def _validation_split(load_or_trace, validation, seed: int):
+    """``(fit part, validation [L, E], how)`` or None when the guard is off or has nothing to hold out.
+
+    The fit part keeps the input's kind (windows ``[W', L, E]``) so a robust solve still sees windows.
+    """
+    if validation is None or validation is False or (not isinstance(validation, str) and float(validation) == 0):
+        return None
+    if isinstance(validation, str) and validation not in ("auto", "thin"):
+        raise ValueError(f"validation must be 'auto', 'thin', a fraction in (0, 0.5] or 0, got {validation!r}")
+    frac = 0.2 if isinstance(validation, str) else float(validation)
+    if not 0 < frac <= 0.5:
+        raise ValueError(f"validation fraction must be in (0, 0.5], got {validation}")
+    if validation == "thin":
+        agg = load_or_trace.counts() if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+        if agg.ndim == 3:
+            agg = agg.sum(axis=0)
+        if not np.all(agg == np.round(agg)):
+            raise ValueError("validation='thin' needs integer token counts; pass windows or validation=0.2")
+        rng = np.random.default_rng(seed)
+        val = rng.binomial(np.round(agg).astype(np.int64), frac).astype(np.float64)  # [L, E]
+        return agg - val, val, f"binomial thinning {frac:g}"
+    if isinstance(load_or_trace, RoutingTrace):
+        wins = load_or_trace.window_load().astype(np.float64)  # [W, L, E]
+    else:
+        arr = np.asarray(load_or_trace, dtype=np.float64)
+        if arr.ndim != 3:
+            return None
+        wins = arr
+    W = wins.shape[0]
+    if W < 5:
+        return None
+    v = max(1, int(round(frac * W)))
+    return wins[: W - v], wins[W - v :].sum(axis=0), f"last {v} of {W} windows"
+
+
+def _validation_guard(load_or_trace, topology: Topology, guard, time_limit: float, t_start: float, kw: dict):
+    """Fit exact and greedy on the fit part, compare them on the held-out part, then solve on everything.
+
+    Layers where the exact placement fitted on the fit part has a higher validation peak than greedy's
+    fitted on the same part keep greedy's placement fitted on all the data (status ``greedy_fallback``).
+    The guard solve gets 30% of the remaining budget, the final solve the rest.
+    """
+    fit_part, val, how = guard
+    left = max(0.1, time_limit - (time.perf_counter() - t_start))
+    fit_arg = fit_part
+    if kw.get("robust") and fit_part.ndim == 3 and fit_part.shape[0] != kw["num_windows"]:
+        chunks = np.array_split(np.arange(fit_part.shape[0]), min(kw["num_windows"], fit_part.shape[0]))
+        fit_arg = np.stack([fit_part[c].sum(axis=0) for c in chunks])  # [num_windows, L, E]
+    fit_agg = fit_arg.sum(axis=0) if fit_arg.ndim == 3 else fit_arg
+    policy = "hierarchical" if kw.get("node_constraint") else "global"
+    g_fit, _ = greedy_placement(fit_agg, topology, kw.get("num_groups"), policy=policy)
+    e_fit, _ = solve_exact(fit_arg, topology, **{**kw, "time_limit": 0.3 * left})
+    v_g = expected_gpu_load(g_fit, val).max(axis=1)  # [L]
+    v_e = expected_gpu_load(e_fit, val).max(axis=1)
+    pl, rep = solve_exact(load_or_trace, topology, **{**kw, "time_limit": max(0.1, time_limit - (time.perf_counter() - t_start))})
+    agg = load_or_trace.counts().astype(np.float64) if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+    if agg.ndim == 3:
+        agg = agg.sum(axis=0)
+    g_all, _ = greedy_placement(agg, topology, kw.get("num_groups"), policy=policy, layer_ids=kw.get("layer_ids") or pl.layer_ids or None)
+    rows = pl.physical_to_logical_map.copy()
+    layers = []
+    fallbacks = 0
+    G, S, E = topology.ep_size, topology.slots_per_gpu, agg.shape[1]
+    for l, lr in enumerate(rep.layers):
+        lose = bool(v_e[l] > v_g[l] * (1 + 1e-9))
+        info = {"how": how, "exact_peak": float(v_e[l]), "greedy_peak": float(v_g[l]), "exact_lost": lose}
+        extra = {**lr.extra, "validation": info}
+        if lose and not np.array_equal(rows[l], g_all.physical_to_logical_map[l]):
+            fallbacks += 1
+            rows[l] = g_all.physical_to_logical_map[l]
+            g_row = rows[l]
+            g_tok = float((agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max())
+            extra.update(proved_by=None, fitted_objective=lr.objective)
+            lr = replace(lr, status="greedy_fallback", objective=g_tok, bound=min(lr.bound, g_tok), extra=extra)
+        else:
+            lr = replace(lr, extra=extra)
+        layers.append(lr)
+    notes = list(rep.notes)
+    if fallbacks:
+        notes.append(f"validation guard ({how}): {fallbacks} of {len(layers)} layers kept greedy's placement "
+                     "because the exact one fitted without the held-out part was worse on it")
+    params = {**rep.params, "validation": how, "validation_fallbacks": fallbacks}
+    out = Placement(rows, pl.num_logical_experts, topology, pl.layer_ids, {**pl.provenance, "validation": how})
+    return out, replace(rep, layers=tuple(layers), wall_time_s=time.perf_counter() - t_start, params=params, notes=tuple(notes))

@@ -282,3 +282,50 @@ def test_bad_input_is_a_value_error():
         solve_exact(FLASHLB, topo, robust="p90")
     with pytest.raises(ValueError, match="objective"):
         solve_exact(FLASHLB, topo, objective="latency")
+
+
+def test_validation_guard_reports_and_falls_back_to_greedy():
+    # windows whose last part is a different regime: what exact fits on the first windows does not
+    # hold there, so the guard must compare on the held-out windows and may keep greedy's layers
+    rng = np.random.default_rng(12)
+    E, L, W = 12, 3, 10
+    base = rng.pareto(1.0, size=(L, E)) * 100 + 5
+    wins = np.stack([np.round(base * rng.uniform(0.3, 1.7, size=base.shape)) for _ in range(W)])  # [W, L, E]
+    topo = Topology(4, 16, 1)
+    agg = wins.sum(axis=0)
+    g_pl, _ = greedy_placement(agg, topo, policy="global")
+    pl, rep = solve_exact(wins, topo, time_limit=3.0, workers=1)
+    _check_valid(pl, E)
+    assert rep.params["validation"] == "last 2 of 10 windows"
+    fb = 0
+    for l, lr in enumerate(rep.layers):
+        v = lr.extra["validation"]
+        assert set(v) >= {"exact_peak", "greedy_peak", "exact_lost"}
+        peak = float(_peak(pl, agg)[l])
+        assert peak == pytest.approx(lr.objective)
+        assert peak <= float(_peak(g_pl, agg)[l]) + 1e-9  # still never worse than greedy on the fit
+        if v["exact_lost"] and lr.status == "greedy_fallback":
+            assert np.array_equal(pl.physical_to_logical_map[l], g_pl.physical_to_logical_map[l])
+            assert lr.extra["fitted_objective"] <= lr.objective + 1e-9  # what exact had reached is kept in extra
+            fb += 1
+        if not v["exact_lost"]:
+            assert v["exact_peak"] <= v["greedy_peak"] * (1 + 1e-9)
+        assert lr.status != "infeasible"
+    assert rep.params["validation_fallbacks"] == fb
+    # the guard off: one plain solve, no validation info
+    _, rep0 = solve_exact(wins, topo, time_limit=1.0, workers=1, validation=0)
+    assert "validation" not in rep0.layers[0].extra
+    with pytest.raises(ValueError, match="validation"):
+        solve_exact(wins, topo, time_limit=1.0, validation="bogus")
+
+
+def test_validation_guard_thinning_on_counts():
+    rng = np.random.default_rng(13)
+    w = np.round(rng.pareto(1.0, size=(2, 10)) * 500 + 50)
+    topo = Topology(4, 16, 1)
+    pl, rep = solve_exact(w, topo, time_limit=2.0, workers=1, validation="thin")
+    _check_valid(pl, 10)
+    assert rep.params["validation"].startswith("binomial thinning")
+    assert all("validation" in lr.extra for lr in rep.layers)
+    with pytest.raises(ValueError, match="integer"):
+        solve_exact(w + 0.5, topo, time_limit=1.0, validation="thin")
