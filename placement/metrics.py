@@ -180,13 +180,15 @@ def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, policy: str, g
     """
     valid = ids >= 0
     e = np.where(valid, ids, 0).astype(np.int64)
-    tier = np.where(valid, 2, -1).astype(np.int8)
+    tier = np.full(ids.shape, 2, dtype=np.int8)
     own = np.full(ids.shape, -1, dtype=np.int64)
     if policy == "local":
-        own = tab.gpu_slot[src[:, None], e]  # [T, k]
-        node_has = tab.node_cnt[(src // gpus_per_node)[:, None], e] > 0
-        tier = np.where(valid & node_has, 1, tier).astype(np.int8)
-        tier = np.where(valid & (own >= 0), 0, tier).astype(np.int8)
+        E = tab.gpu_slot.shape[1]
+        own = tab.gpu_slot.ravel()[src[:, None] * E + e]  # [T, k] flat gather
+        node_has = tab.node_cnt.ravel()[(src // gpus_per_node)[:, None] * E + e] > 0
+        tier[node_has] = 1
+        tier[own >= 0] = 0
+    tier[~valid] = -1
     return tier, own, e
 
 
@@ -396,14 +398,19 @@ def communication(
     node = np.where(valid, gpu // t.gpus_per_node, -1)
     src_node = src // t.gpus_per_node
 
-    def distinct_remote(x, own):
-        xs = np.sort(np.where(x == own[:, None, None], -1, x), axis=2)  # own and padding -> -1
+    def distinct_remote(x, own, count):
+        """Distinct values of ``x [T, L, k]`` other than ``own [T]`` and -1, per (token, layer)."""
+        x = np.where(x == own[:, None, None], -1, x)
+        if count <= 64 and hasattr(np, "bitwise_count"):  # a set as a 64-bit mask, then popcount
+            bits = np.where(x >= 0, np.left_shift(np.uint64(1), np.maximum(x, 0).astype(np.uint64)), np.uint64(0))
+            return np.bitwise_count(np.bitwise_or.reduce(bits, axis=2)).astype(np.int64)
+        xs = np.sort(x, axis=2)  # own and padding are -1
         first = xs[:, :, :1] >= 0
         new = (xs[:, :, 1:] != xs[:, :, :-1]) & (xs[:, :, 1:] >= 0)
         return first.sum(axis=2) + new.sum(axis=2)  # [T, L]
 
-    rn = distinct_remote(node, src_node)
-    rg = distinct_remote(gpu, src)
+    rn = distinct_remote(node, src_node, t.num_nodes)
+    rg = distinct_remote(gpu, src, t.ep_size)
     has = valid.any(axis=2)  # tokens with at least one expert in the layer
     denom = max(int(has.sum()), 1)
     out = {

@@ -145,3 +145,28 @@ def test_real_trace_exact_routing_close_to_expectation(deepseek_trace):
         expect = trace_gpu_load(pl, tr, policy)
         assert exact.sum() == pytest.approx(expect.sum())  # every pick lands somewhere
         assert np.abs(exact - expect).max() <= 0.1 * expect.max()
+
+
+@pytest.mark.parametrize("G, N", [(8, 2), (66, 3)])  # 66 GPUs exercises the non-bitmask path
+def test_communication_matches_brute_force(G, N):
+    rng = np.random.default_rng(G)
+    E, S, k, T = 40, 2, 4, 120
+    topo = Topology(G, G * S, N)
+    from solver.greedy import greedy_placement
+
+    pl, _ = greedy_placement(rng.integers(1, 50, (1, E)).astype(float), topo)
+    ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])[:, None, :]
+    ids[::7, 0, -1] = -1
+    tr = RoutingTrace(num_logical_experts=E, topk_ids=ids, source_rank=rng.integers(0, G, T))
+    for policy in ("even", "local"):
+        slots = route_tokens(pl, tr.topk_ids, tr.source_rank, policy)
+        nodes_ref, gpus_ref = [], []
+        for t in range(T):
+            s = [int(x) for x in slots[t, 0] if x >= 0]
+            gpus = {int(topo.gpu_of_slot[x]) for x in s} - {int(tr.source_rank[t])}
+            nodes = {int(topo.node_of_slot[x]) for x in s} - {int(tr.source_rank[t]) // topo.gpus_per_node}
+            gpus_ref.append(len(gpus))
+            nodes_ref.append(len(nodes))
+        c = communication(pl, tr, policy)
+        assert c["remote_gpus_per_token"] == pytest.approx(np.mean(gpus_ref))
+        assert c["remote_nodes_per_token"] == pytest.approx(np.mean(nodes_ref))
