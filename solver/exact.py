@@ -1414,6 +1414,9 @@ def _validation_guard(load_or_trace, topology: Topology, guard, time_limit: floa
             g_row = rows[l]
             g_tok = float((agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max())
             extra.update(proved_by=None, fitted_objective=lr.objective)
+            if "replica_shares" in extra:  # shares belong to the map: recompute them for greedy's
+                q, wpeak = weighted_shares(g_row, agg[l], topology)
+                extra.update(replica_shares=q.tolist(), weighted_objective=wpeak)
             lr = replace(lr, status="greedy_fallback", objective=g_tok, bound=min(lr.bound, g_tok), extra=extra)
         else:
             lr = replace(lr, extra=extra)
