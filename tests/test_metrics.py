@@ -150,7 +150,8 @@ def test_real_trace_exact_routing_close_to_expectation(deepseek_trace):
 @pytest.mark.parametrize("G, N", [(8, 2), (66, 3)])  # 66 GPUs exercises the non-bitmask path
 def test_communication_matches_brute_force(G, N):
     rng = np.random.default_rng(G)
-    E, S, k, T = 40, 2, 4, 120
+    E, k, T = 40, 4, 120
+    S = -(-E // G) + (1 if G < E else 0)
     topo = Topology(G, G * S, N)
     from solver.greedy import greedy_placement
 
