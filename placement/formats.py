@@ -39,7 +39,7 @@ import numpy as np
 
 from placement.model import Placement, validate_map
 from placement.topology import Topology
-from profiling.fileio import InputFileError, atomic_write_bytes
+from profiling.fileio import InputFileError, atomic_write_bytes, safe_torch_load
 
 __all__ = [
     "FORMATS",
@@ -294,22 +294,7 @@ def _parse_yaml(p: Path, text: str):
 
 
 def _load_pt(p: Path):
-    size = p.stat().st_size
-    if size > MAX_PT_BYTES:
-        raise InputFileError(f"{p}: {size} bytes is over the {MAX_PT_BYTES}-byte limit for a .pt placement")
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputFileError(
-            f"{p}: reading .pt files needs torch (pip install 'moe-placement[torch]')"
-        ) from None
-    try:
-        return torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
-        raise InputFileError(
-            f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
-            f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
-        ) from None
+    return safe_torch_load(p, MAX_PT_BYTES, "a .pt placement")
 
 
 def _is_int(x) -> bool:

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, load_json
+from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, load_json, safe_torch_load
 from profiling.trace import RoutingTrace, token_counts
 
 __all__ = ["physical_to_logical_counts", "physical_to_logical_ids", "read_engine_dump"]
@@ -127,20 +127,7 @@ def _check_size(p: Path, limit: int = MAX_DUMP_BYTES) -> None:
 
 
 def _torch_load(p: Path):
-    _check_size(p)
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputFileError(
-            f"{p}: reading SGLang .pt dumps needs torch (pip install 'moe-placement[torch]')"
-        ) from None
-    try:
-        return torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
-        raise InputFileError(
-            f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
-            f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
-        ) from None
+    return safe_torch_load(p, MAX_DUMP_BYTES, "SGLang .pt dumps")
 
 
 def _safetensors_load(p: Path) -> dict[str, np.ndarray]:

@@ -193,3 +193,26 @@ def iter_npz_array_chunks(path: str | os.PathLike, key: str, chunk_rows: int = 6
                     raise InputFileError(f"{p}: array {key!r} is truncated ({left} rows missing)")
                 yield np.frombuffer(buf, dtype=dtype).reshape((n,) + tuple(shape[1:]))
                 left -= n
+
+
+def safe_torch_load(path: str | os.PathLike, max_bytes: int, what: str = "a .pt file"):
+    """``torch.load(weights_only=True)`` with a size check; torch is imported lazily.
+
+    Only tensors, dicts, lists and numbers are loaded, never pickled objects. Any failure becomes an
+    :class:`InputFileError` naming the file.
+    """
+    p = Path(path)
+    size = p.stat().st_size
+    if size > max_bytes:
+        raise InputFileError(f"{p}: {size} bytes is over the {max_bytes}-byte limit for {what}")
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is an optional extra
+        raise InputFileError(f"{p}: reading {what} needs torch (pip install 'moe-placement[torch]')") from None
+    try:
+        return torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
+        raise InputFileError(
+            f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+            f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
+        ) from None
