@@ -348,7 +348,7 @@ def step_par(
         raise ValueError("step_par needs a per-token trace (topk_ids)")
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
     t = placement.topology
-    G, P, L = t.ep_size, t.num_physical_experts, placement.num_layers
+    G, L = t.ep_size, placement.num_layers
     per_step = step_tokens * G
     T = trace.num_tokens
     S = max(1, T // per_step)

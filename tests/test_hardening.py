@@ -5,13 +5,11 @@ Hypothesis runs with the derandomised 'ci' profile from conftest.py.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +19,7 @@ from hypothesis import given, strategies as st
 from placement import Placement, Topology
 from placement.cli import main
 from placement.metrics import balance_stats, communication, expected_gpu_load, trace_gpu_load
-from profiling.fileio import InputFileError, atomic_write_bytes, load_npz
+from profiling.fileio import InputFileError, load_npz
 from profiling.readers import read_trace, write_trace
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
 from placement.cli import main
 from solver.costmodel import CostOptions, load_model
