@@ -56,6 +56,14 @@ the objective is the max over windows of the window's peak (PAR), or for ``qNN``
 mean of the worst ``m = max(1, ceil((1 - NN/100) W))`` windows' peaks (exactly
 ``min_tau m*tau + sum_w max(0, peak_w - tau)``; an upper bound of the NN-th percentile).
 
+Noise gate (default when the input has windows): the exact optimum of the fitted load beats greedy
+by less than the sampling noise on the real traces, and then loses as often as it wins on held-out
+traffic. So the default keeps greedy's placement and changes it only where the gain is significant:
+per layer ``sigma`` = bootstrap standard deviation of greedy's peak (windows, or label groups, resampled
+and rescaled to the fit total), then :func:`solver.migration.solve_migration` from greedy with
+``move_cost = noise_k * sigma`` per moved slot, or the exact layer when it scores better on that same
+penalised objective. The layer's proven bound is still the exact solve's, so its gap is reported.
+
 Weighted dispatch: ``weighted="shares"`` keeps the even-split optimum and adds per-replica shares
 ``q[p] >= 0`` (summing to 1 per expert) from an LP that minimises the peak on that placement
 (``extra["replica_shares"]``, ``extra["weighted_objective"]``). ``weighted=True`` chooses the placement
@@ -93,6 +101,7 @@ __all__ = [
     "weighted_shares",
     "write_replica_weights",
     "layer_cost_table",
+    "peak_noise",
 ]
 
 log = logging.getLogger(__name__)
@@ -1065,7 +1074,9 @@ def solve_exact(
     deterministic: bool = True,
     batch_tokens_per_gpu: float | None = None,
     local_search_iters: int | None = None,
-    validation: float | str = "auto",
+    validation: float | str | None = None,
+    noise_gate: str | None = "auto",
+    noise_k: float = 1.0,
 ) -> tuple[Placement, SolveReport]:
     """Joint replica counts and placement per layer, with proven bounds.
 
@@ -1094,7 +1105,16 @@ def solve_exact(
             and greedy are fitted on the rest and compared there; layers where exact loses keep greedy's
             placement (status ``greedy_fallback``, ``extra["validation"]``). A float in (0, 0.5] sets the
             held-out fraction; ``"thin"`` splits integer counts by seeded binomial thinning (20%) instead
-            of windows; ``0`` or ``None`` turns the guard off. It costs 30% of ``time_limit``.
+            of windows; ``0`` or ``None`` (default) turns the guard off. It costs 30% of ``time_limit``. When
+            it is on, the noise gate is off.
+        noise_gate: keep greedy's placement unless the fitted gain beats the sampling noise
+            (:func:`_noise_gate`). ``"auto"`` (default): on when the input has windows (a trace or
+            ``[W, L, E]`` with ``W >= 5``) and the solve is the plain even-split token one (no ``robust``,
+            ``node_constraint``, ``decode``, ``weighted=True``); noise from a bootstrap over windows (over
+            window labels when a trace's labels repeat, e.g. MMLU subjects). ``"windows"``: the same, an
+            error without windows. ``"poisson"``: Poisson resampling of integer counts (for counts-only
+            loads; it cannot see a domain shift). ``None``/``"off"``: the plain exact optimum.
+        noise_k: move cost per moved slot in units of the noise ``sigma`` of a layer's peak (default 1).
 
     Returns:
         (Placement, SolveReport). Layer ``objective`` is the peak GPU load in tokens with even split on the
@@ -1135,11 +1155,23 @@ def solve_exact(
         params = {"backend": "weighted", "seed": seed, "time_limit": time_limit, "weighted": True, "robust": robust}
         return w_pl.with_provenance(**params), replace(w_rep, params=params)
     guard = _validation_split(load_or_trace, validation, seed)
+    gate = None if guard is not None else _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objective, weighted)
+    if gate is not None:
+        if not (np.isfinite(noise_k) and noise_k >= 0):
+            raise ValueError(f"noise_k must be a finite number >= 0 (sigmas per moved slot), got {noise_k!r}")
+        kw = dict(backend=backend, num_groups=num_groups, node_constraint=node_constraint, objective=objective,
+                  robust=robust, num_windows=num_windows, weighted=weighted, layer_ids=layer_ids, seed=seed,
+                  workers=workers, hint=hint, expert_bytes=expert_bytes, hardware=hardware, deterministic=deterministic,
+                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0,
+                  noise_gate=None)
+        pl, rep = solve_exact(load_or_trace, topology, **{**kw, "time_limit": 0.85 * time_limit})
+        return _noise_gate(load_or_trace, topology, pl, rep, gate, float(noise_k), seed, time_limit, t_start)
     if guard is not None:
         kw = dict(backend=backend, num_groups=num_groups, node_constraint=node_constraint, objective=objective,
                   robust=robust, num_windows=num_windows, weighted=weighted, layer_ids=layer_ids, seed=seed,
                   workers=workers, hint=hint, expert_bytes=expert_bytes, hardware=hardware, deterministic=deterministic,
-                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0)
+                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0,
+                  noise_gate=None)
         return _validation_guard(load_or_trace, topology, guard, time_limit, t_start, kw)
     decode = DecodeCost.build(expert_bytes, hardware, top_k) if objective == "decode" else None
     if decode is not None and batch_tokens_per_gpu is not None:
@@ -1427,4 +1459,147 @@ def _validation_guard(load_or_trace, topology: Topology, guard, time_limit: floa
                      "because the exact one fitted without the held-out part was worse on it")
     params = {**rep.params, "validation": how, "validation_fallbacks": fallbacks}
     out = Placement(rows, pl.num_logical_experts, topology, pl.layer_ids, {**pl.provenance, "validation": how})
+    return out, replace(rep, layers=tuple(layers), wall_time_s=time.perf_counter() - t_start, params=params, notes=tuple(notes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Noise gate: leave greedy's placement unless the fitted gain beats the sampling noise
+# ---------------------------------------------------------------------------------------------
+_GATE_BOOTSTRAP = 200  # resamples used to estimate the noise of a layer's peak
+
+
+def _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objective, weighted):
+    """``("windows", [W, L, E], groups [W] or None)``, ``("poisson", [L, E], None)`` or None (gate off)."""
+    if noise_gate is None or noise_gate is False or noise_gate == "off":
+        return None
+    if noise_gate not in ("auto", "windows", "poisson"):
+        raise ValueError(f"noise_gate must be 'auto', 'windows', 'poisson' or None, got {noise_gate!r}")
+    plain = not robust and not node_constraint and objective == "tokens" and weighted is not True
+    if not plain:
+        if noise_gate == "auto":
+            return None
+        raise ValueError(f"noise_gate={noise_gate!r} applies to the plain even-split token solve; drop robust, "
+                         "node_constraint, objective='decode' and weighted=True, or set noise_gate=None")
+    groups = None
+    if isinstance(load_or_trace, RoutingTrace):
+        wins = load_or_trace.window_load().astype(np.float64)
+        labels = load_or_trace.window_labels
+        if labels is not None and len(labels) == wins.shape[0]:
+            _, inv = np.unique(np.asarray(labels, dtype=str), return_inverse=True)
+            if 5 <= inv.max() + 1 < wins.shape[0]:
+                groups = inv
+        agg = load_or_trace.counts().astype(np.float64)
+    else:
+        arr = np.asarray(load_or_trace, dtype=np.float64)
+        wins = arr if arr.ndim == 3 else None
+        agg = arr.sum(axis=0) if arr.ndim == 3 else arr
+    if noise_gate == "poisson":
+        if not np.all(agg == np.round(agg)):
+            raise ValueError("noise_gate='poisson' needs integer token counts; pass windows (noise_gate='windows')")
+        return ("poisson", agg, None)
+    if wins is None or wins.shape[0] < 5:
+        if noise_gate == "windows":
+            n = 0 if wins is None else wins.shape[0]
+            raise ValueError(f"noise_gate='windows' needs at least 5 windows, got {n}; pass [W, L, E] windows or a trace")
+        return None
+    return ("windows", wins, groups)
+
+
+def peak_noise(source, placement: Placement, seed: int = 0, num_resamples: int = _GATE_BOOTSTRAP) -> np.ndarray:
+    """Sampling noise (standard deviation) of each layer's even-split peak GPU load, in tokens of the fit total.
+
+    ``source`` is what :func:`_gate_noise_source` returns: windows are resampled with replacement (whole
+    label groups when ``groups`` is given), counts by Poisson; every resample is rescaled to the fit's
+    total per layer, so the noise is that of the peak's *balance*, not of the traffic volume.
+
+    Returns: float64 ``[L]``.
+    """
+    kind, data, groups = source
+    rng = np.random.default_rng(seed)
+    B = int(num_resamples)
+    if kind == "windows":
+        units = data
+        if groups is not None:
+            units = np.stack([data[groups == c].sum(axis=0) for c in range(int(groups.max()) + 1)])  # [C, L, E]
+        U = units.shape[0]
+        wts = rng.multinomial(U, np.full(U, 1.0 / U), size=B).astype(np.float64)  # [B, U]
+        total = data.sum(axis=0)  # [L, E]
+        res = np.einsum("bu,ule->ble", wts, units)
+    else:
+        total = data
+        res = rng.poisson(data, size=(B,) + data.shape).astype(np.float64)
+    scale = total.sum(axis=1)[None, :, None] / np.maximum(res.sum(axis=2, keepdims=True), 1e-12)
+    res = res * scale  # [B, L, E]
+    p2l = placement.physical_to_logical_map
+    L = p2l.shape[0]
+    G, S = placement.topology.ep_size, placement.topology.slots_per_gpu
+    E = total.shape[1]
+    out = np.empty(L)
+    for l in range(L):
+        cnt = np.bincount(p2l[l], minlength=E)
+        M = np.zeros((E, G))
+        np.add.at(M, (p2l[l], np.arange(p2l.shape[1]) // S), 1.0 / cnt[p2l[l]])
+        out[l] = (res[:, l] @ M).max(axis=1).std()
+    return out
+
+
+def _noise_gate(load_or_trace, topology: Topology, pl: Placement, rep: SolveReport, source, k: float, seed: int,
+                time_limit: float, t_start: float):
+    """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
+
+    Re-places each layer with :func:`solver.migration.solve_migration` from greedy's placement with
+    ``move_cost = k * sigma_l`` (``sigma_l``: :func:`peak_noise` of greedy's layer), then keeps the exact
+    layer instead when it is at least as good on that same objective (peak + move cost x moved slots).
+    The exact solve's bound stays the layer's bound; the exact objective is kept in ``extra``.
+    """
+    from solver.migration import moved_pairs, solve_migration
+
+    agg = load_or_trace.counts().astype(np.float64) if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+    if agg.ndim == 3:
+        agg = agg.sum(axis=0)
+    L, E = agg.shape
+    G, S = topology.ep_size, topology.slots_per_gpu
+    g_pl, _ = greedy_placement(agg, topology, policy="global", layer_ids=pl.layer_ids or None)
+    sigma = peak_noise(source, g_pl, seed)
+    exact_moved = moved_pairs(g_pl, pl)  # [L]
+    rows = pl.physical_to_logical_map.copy()
+    layers, changed, kept_exact = [], 0, 0
+    per = max(0.05, (time_limit - (time.perf_counter() - t_start)) / max(L, 1))
+
+    def peak(row, w):
+        return float((w[row] / np.bincount(row, minlength=E)[row]).reshape(G, S).sum(axis=1).max())
+
+    for l, lr in enumerate(rep.layers):
+        mc = k * float(sigma[l])
+        g_row = g_pl.physical_to_logical_map[l]
+        m_pl, m_rep = solve_migration(agg[l:l + 1], g_pl.select_layers([l]), move_cost=mc, time_limit=per, seed=seed)
+        m_row = m_pl.physical_to_logical_map[0]
+        m_obj = peak(m_row, agg[l]) + mc * int(m_rep.layers[0].extra["moved_slots"])
+        e_obj = lr.objective + mc * int(exact_moved[l])
+        row = rows[l] if e_obj <= m_obj else m_row
+        obj = peak(row, agg[l])
+        info = {"sigma": float(sigma[l]), "move_cost": mc, "k": k, "source": source[0] + ("/groups" if source[2] is not None else ""),
+                "exact_objective": float(lr.objective), "greedy_objective": float(lr.baseline_objective),
+                "moved_slots_vs_greedy": int(moved_pairs(g_pl.select_layers([l]), Placement(row[None], E, topology))[0]),
+                "took": "greedy" if np.array_equal(row, g_row) else ("exact" if row is rows[l] else "migration")}
+        extra = {**lr.extra, "noise_gate": info}
+        if row is rows[l]:
+            kept_exact += 1
+            layers.append(replace(lr, extra=extra))
+            continue
+        rows[l] = row
+        changed += info["took"] != "greedy"
+        extra.update(proved_by=None, fitted_objective=float(lr.objective))
+        if "replica_shares" in extra:
+            q, wpeak = weighted_shares(row, agg[l], topology)
+            extra.update(replica_shares=q.tolist(), weighted_objective=wpeak)
+        status = "greedy_fallback" if info["took"] == "greedy" else "heuristic"
+        layers.append(replace(lr, status=status, objective=obj, bound=min(lr.bound, obj), extra=extra))
+    desc = f"{source[0]}{'/groups' if source[2] is not None else ''}, k={k:g}"
+    notes = list(rep.notes)
+    if kept_exact < L:
+        notes.append(f"noise gate ({desc}): {kept_exact} of {L} layers took the exact placement, {changed} a partial "
+                     f"move from greedy, {L - kept_exact - changed} kept greedy's (gain within the sampling noise)")
+    params = {**rep.params, "noise_gate": desc, "noise_gate_exact_layers": kept_exact}
+    out = Placement(rows, E, topology, pl.layer_ids, {**pl.provenance, "noise_gate": desc})
     return out, replace(rep, layers=tuple(layers), wall_time_s=time.perf_counter() - t_start, params=params, notes=tuple(notes))

@@ -294,9 +294,10 @@ def test_validation_guard_reports_and_falls_back_to_greedy():
     topo = Topology(4, 16, 1)
     agg = wins.sum(axis=0)
     g_pl, _ = greedy_placement(agg, topo, policy="global")
-    pl, rep = solve_exact(wins, topo, time_limit=3.0, workers=1)
+    pl, rep = solve_exact(wins, topo, time_limit=3.0, workers=1, validation="auto")
     _check_valid(pl, E)
     assert rep.params["validation"] == "last 2 of 10 windows"
+    assert "noise_gate" not in rep.params  # the guard and the gate are exclusive
     fb = 0
     for l, lr in enumerate(rep.layers):
         v = lr.extra["validation"]
@@ -329,3 +330,47 @@ def test_validation_guard_thinning_on_counts():
     assert all("validation" in lr.extra for lr in rep.layers)
     with pytest.raises(ValueError, match="integer"):
         solve_exact(w + 0.5, topo, time_limit=1.0, validation="thin")
+
+
+def test_noise_gate_keeps_greedy_on_pure_noise():
+    # every expert equally popular: all differences between placements are sampling noise, so the
+    # default gate (bootstrap over windows) must return greedy's placement unchanged
+    rng = np.random.default_rng(21)
+    E, L, W = 64, 3, 30
+    wins = np.stack([rng.multinomial(4000, np.full(E, 1 / E), size=L) for _ in range(W)]).astype(float)  # [W, L, E]
+    topo = Topology(8, 72, 1)
+    g_pl, _ = greedy_placement(wins.sum(axis=0), topo, policy="global")
+    pl, rep = solve_exact(wins, topo, time_limit=2.0, workers=1)
+    assert rep.params["noise_gate"].startswith("windows")
+    assert np.array_equal(pl.physical_to_logical_map, g_pl.physical_to_logical_map)
+    for lr in rep.layers:
+        gate = lr.extra["noise_gate"]
+        assert gate["took"] == "greedy" and gate["sigma"] > 0
+        assert lr.bound <= lr.objective + 1e-9
+    # gate off: the plain optimum is reported and no gate info is attached
+    _, rep0 = solve_exact(wins, topo, time_limit=1.0, workers=1, noise_gate=None)
+    assert "noise_gate" not in rep0.layers[0].extra
+
+
+def test_noise_gate_takes_a_real_imbalance():
+    # the FlashLB loads as 40 noisy windows: greedy's peak is far above the optimum, well beyond the
+    # noise, so the gated layer must change and gain
+    rng = np.random.default_rng(22)
+    wins = np.stack([rng.multinomial(2000, FLASHLB[0] / FLASHLB.sum()) for _ in range(40)])[:, None, :].astype(float)
+    topo = Topology(8, 16, 1)
+    agg = wins.sum(axis=0)
+    g_pl, _ = greedy_placement(agg, topo, policy="global")
+    pl, rep = solve_exact(wins, topo, time_limit=2.0, workers=1)
+    _check_valid(pl, 8)
+    lr = rep.layers[0]
+    assert lr.extra["noise_gate"]["took"] in ("exact", "migration")
+    assert not np.array_equal(pl.physical_to_logical_map, g_pl.physical_to_logical_map)
+    assert float(_peak(pl, agg)[0]) < float(_peak(g_pl, agg)[0]) * 0.95
+    assert float(_peak(pl, agg)[0]) == pytest.approx(lr.objective)
+    # the Poisson gate on counts takes it too; bad modes are ValueErrors
+    _, rp = solve_exact(agg, topo, time_limit=1.0, workers=1, noise_gate="poisson")
+    assert rp.layers[0].objective < rp.layers[0].baseline_objective
+    with pytest.raises(ValueError, match="noise_gate"):
+        solve_exact(wins, topo, time_limit=1.0, noise_gate="bogus")
+    with pytest.raises(ValueError, match="5 windows"):
+        solve_exact(agg, topo, time_limit=1.0, noise_gate="windows")
