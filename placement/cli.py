@@ -328,11 +328,12 @@ def cmd_solve(args) -> int:
         return 0
     echo(f"{name}: {L} layers x {E} experts -> {topo.num_physical_experts} slots on {topo.ep_size} GPUs "
          f"({topo.num_nodes} node(s), {topo.slots_per_gpu} slots per GPU), {wall:.2f}s")
-    notes = list(report.notes)
-    for n in notes[:3]:
+    general = [n for n in report.notes if not n.startswith("layer ")]
+    per_layer = [n for n in report.notes if n.startswith("layer ")]
+    for n in general + per_layer[:3]:
         echo(f"note: {n}")
-    if len(notes) > 3:
-        echo(f"note: ... {len(notes) - 3} more notes (see --json or --report)")
+    if len(per_layer) > 3:
+        echo(f"note: ... {len(per_layer) - 3} more per-layer notes (see --json or --report)")
     echo("balance (peak-to-average GPU load, mean over layers; 1.0 is perfect):")
     cols = [("placement", "placement", -1), ("fit_par", "fitted PAR", 4)]
     if held is not None:

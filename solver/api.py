@@ -56,8 +56,9 @@ def solve(
     if name in ("cpsat", "milp"):
         from solver.exact import solve_exact
 
+        # the trace (not only its counts) lets the solver see window-to-window noise (noise gate, robust fit)
         return solve_exact(
-            load if trace is None or not opts.get("robust") else trace,
+            load if trace is None else trace,
             topology,
             backend=name,
             num_groups=num_groups,
