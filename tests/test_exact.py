@@ -17,7 +17,6 @@ from solver.exact import (
     layer_cost_table,
     replica_weights,
     solve_exact,
-    weighted_shares,
     write_replica_weights,
 )
 from solver.greedy import greedy_placement
