@@ -99,6 +99,7 @@ def partition_nodes(
     seed: int = 0,
     sample: int = 20000,
     window_weight: float = 1.0,
+    window_slack: float | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Assign single-node experts to nodes: exact slots, balanced windows, few remote nodes per token.
 
@@ -141,7 +142,8 @@ def partition_nodes(
     wmean = np.where(wmean > 0, wmean, 1.0)
     wts = np.concatenate([[1.0], np.full(win_load.shape[0], float(window_weight))])  # [W+1]
     base = (ws * every[None, None, :]).sum(axis=2)  # [W+1, N]
-    lim = (1.0 + slack) * wmean[:, None]  # [W+1, 1]
+    ws_ = slack if window_slack is None else float(window_slack)
+    lim = (1.0 + np.concatenate([[slack], np.full(win_load.shape[0], ws_)]))[:, None] * wmean[:, None]  # [W+1, 1]
 
     def viol(nl):
         return float((wts[:, None] * np.maximum(nl - lim, 0.0) / wmean[:, None]).sum())
@@ -269,6 +271,10 @@ def solve_replicated_layer(
     seed: int = 0,
     window_weight: float = 1.0,
     pack_time: float = 0.0,
+    window_slack: float | None = None,
+    gpu_cap: float | None = None,
+    repair_time: float = 1.0,
+    exact_pack: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """One layer: int64 ``[P]`` physical-to-logical row and info.
 
@@ -290,24 +296,288 @@ def solve_replicated_layer(
     every, _ = replicated_counts(load, P, N, m, num_everywhere)
     r = np.where(every, N, 1).astype(np.int64)
     node_of, info = partition_nodes(ids, src_node, every, r, win_load, win_src, N, P // N, slack,
-                                    time_limit, seed=seed, window_weight=window_weight)
-    # spare slots of each node: extra replicas (same node, other GPUs) of its heaviest experts
-    for n in range(N):
-        sg = np.flatnonzero(~every & (node_of == n))
-        spare = P // N - int(every.sum()) - int(r[sg].sum())
-        for _ in range(spare):
-            score = np.where(r[sg] < m, load[sg] / r[sg], -np.inf)
-            r[sg[int(score.argmax())]] += 1
+                                    time_limit, seed=seed, window_weight=window_weight,
+                                    window_slack=window_slack)
     src_tot = win_src.sum(axis=0)  # [N, E]
+    views_load = np.concatenate([load[None], win_load], axis=0) if W > 1 else load[None]  # [V, E]
+    views_src = np.concatenate([src_tot[None], win_src], axis=0) if W > 1 else src_tot[None]  # [V, N, E]
     row = np.empty(P, dtype=np.int64)
+    statuses = []
     for n in range(N):
-        ev = np.flatnonzero(every)
-        sg = np.flatnonzero(~every & (node_of == n))
-        experts = np.concatenate([ev, np.repeat(sg, r[sg])]).astype(np.int64)
-        loads = np.concatenate([src_tot[n, ev], np.repeat(load[sg] / r[sg], r[sg])])
-        gpu = pack_node_gpus(experts, loads, m, time_limit=pack_time, seed=seed)
+        on_n = np.concatenate([np.flatnonzero(every), np.flatnonzero(~every & (node_of == n))])
+        base = np.where(every[on_n][None, :], views_src[:, n, on_n], views_load[:, on_n])  # [V, n_e]
+        rr = np.ones(on_n.size, dtype=np.int64)
+        for _ in range(m * S - on_n.size):  # spare slots: extra replicas of the heaviest experts here
+            score = np.where(rr < m, base[0] / rr, -np.inf)
+            rr[int(score.argmax())] += 1
+        items = np.repeat(np.arange(on_n.size), rr).astype(np.int64)
+        gpu = pack_node_gpus(items, np.repeat(base[0] / rr, rr), m, time_limit=0.0 if exact_pack else pack_time,
+                             seed=seed)
+        slot_expert = np.stack([np.sort(items[gpu == gl]) for gl in range(m)])  # [m, S] local indices
+        if exact_pack:
+            rr, slot_expert, st = pack_node_exact(base, m, S, pack_time, seed=seed + n, hint=(rr, slot_expert))
+            statuses.append(st)
         for gl in range(m):
             g = n * m + gl
-            row[g * S:(g + 1) * S] = np.sort(experts[gpu == gl])
+            row[g * S:(g + 1) * S] = np.sort(on_n[slot_expert[gl]])
+    info["pack_status"] = statuses
+    r = np.where(every, N, 0).astype(np.int64)
+    np.add.at(r, row[~every[row]], 1)
+    if gpu_cap is not None:
+        row, rinfo = gpu_repair(row, every, r, views_load, views_src, ids, src_node, topology,
+                                np.asarray(gpu_cap, dtype=np.float64), repair_time, seed=seed)
+        info.update(rinfo)
     info["num_everywhere"] = int(every.sum())
     return row, info
+
+
+def gpu_repair(
+    row: np.ndarray,
+    every: np.ndarray,
+    r: np.ndarray,
+    load: np.ndarray,
+    src_tot: np.ndarray,
+    ids: np.ndarray,
+    src_node: np.ndarray,
+    topology,
+    gpu_cap: np.ndarray,
+    time_limit: float,
+    seed: int = 0,
+    sample: int = 20000,
+) -> tuple[np.ndarray, dict]:
+    """Bring the heaviest GPU under ``gpu_cap`` on every load view, paying few fitted remote nodes.
+
+    A *view* is the fit total or one fit window (robustness: a layout must be balanced on every window,
+    not only on their sum). A swap exchanges the experts of two slots on different GPUs: inside a node any
+    two (keeping distinct experts per GPU); across nodes only two single-replica, single-node experts (so
+    every expert stays on one node or on all). Each step takes, among swaps that lower the total excess
+    ``sum_v max(0, peak_v - cap_v) / cap_v``, the one with the smallest increase in fitted remote nodes per
+    token (ties: the larger excess reduction).
+
+    Args:
+        row: int64 ``[P]`` physical-to-logical row; every: bool ``[E]``; r: int64 ``[E]`` replicas of
+            single-node experts; load: float64 ``[V, E]`` picks per view; src_tot: float64 ``[V, N, E]``
+            picks per view by source node; ids: int64 ``[T, k]``; src_node: int64 ``[T]``;
+            gpu_cap: float64 ``[V]`` absolute peak caps.
+
+    Returns:
+        ``(row int64 [P], info)``.
+    """
+    rng = np.random.default_rng(seed)
+    N, m, S, P = topology.num_nodes, topology.gpus_per_node, topology.slots_per_gpu, topology.num_physical_experts
+    G = N * m
+    load = np.atleast_2d(load)
+    src_tot = src_tot if src_tot.ndim == 3 else src_tot[None]
+    cap = np.asarray(gpu_cap, dtype=np.float64).reshape(-1)
+    row = row.copy()
+    slot_gpu = np.arange(P) // S
+    slot_node = slot_gpu // m
+    E = every.size
+    rn = np.zeros((N, E), dtype=np.int64)  # replicas of each expert on each node
+    np.add.at(rn, (slot_node, row), 1)
+    # load a node serves for an expert, split over its replicas there: sources for everywhere experts,
+    # all picks for single-node experts
+    basev = np.where(every[None, None, :], src_tot, load[:, None, :])  # [V, N, E]
+    sl = basev[:, slot_node, row] / rn[slot_node, row][None, :]  # [V, P]
+    gl = np.stack([np.bincount(slot_gpu, weights=x, minlength=G) for x in sl])  # [V, G]
+    node_of = np.full(E, -1, dtype=np.int64)
+    node_of[row[~every[row]]] = slot_node[~every[row]]
+    T = ids.shape[0]
+    tok = np.sort(rng.choice(T, size=sample, replace=False)) if T > sample else np.arange(T)
+    sid, ssrc = ids[tok], src_node[tok]
+    valid = sid >= 0
+    e0 = np.where(valid, sid, 0)
+    pick_node = np.where(valid & ~every[e0], node_of[e0], -1)
+    cnt = np.zeros((sid.shape[0], N + 1), dtype=np.int16)
+    np.add.at(cnt, (np.repeat(np.arange(sid.shape[0])[:, None], sid.shape[1], axis=1), pick_node + 1), 1)
+    cnt = cnt[:, 1:]
+    by_expert = [np.flatnonzero((sid == e).any(axis=1)) for e in range(E)]
+    scale = 1.0 / max(sid.shape[0], 1)
+
+    def movable(x):
+        return (not every[x]) and rn[:, x].sum() == 1
+
+    def md(t_idx, a, b):
+        c, s_ = cnt[t_idx], ssrc[t_idx]
+        return int(((c[:, b] == 0) & (s_ != b)).sum()) - int(((c[:, a] == 1) & (s_ != a)).sum())
+
+    def cross_cost(e, f, a, b):
+        te, tf = by_expert[e], by_expert[f]
+        both = np.intersect1d(te, tf, assume_unique=True)
+        return (md(te, a, b) - md(both, a, b) + md(np.setdiff1d(tf, both, assume_unique=True), b, a)) * scale
+
+    def excess(x):
+        return float((np.maximum(x.max(axis=1) - cap, 0.0) / cap).sum())
+
+    deadline = time.perf_counter() + max(float(time_limit), 0.0)
+    steps, cost_sum = 0, 0.0
+    start = excess(gl)
+    cur = start
+    while cur > 0 and time.perf_counter() < deadline:
+        hot = np.unique(gl.argmax(axis=1)[gl.max(axis=1) > cap])  # GPUs at a violated peak
+        best = None
+        for g in hot:
+            for p in range(g * S, (g + 1) * S):
+                for q in range(P):
+                    h = slot_gpu[q]
+                    x, y = row[p], row[q]
+                    if h == g or x == y:
+                        continue
+                    cross = slot_node[p] != slot_node[q]
+                    if cross and not (movable(x) and movable(y)):
+                        continue
+                    d = sl[:, p] - sl[:, q]  # [V]
+                    gl2 = gl.copy()
+                    gl2[:, g] -= d
+                    gl2[:, h] += d
+                    ex = excess(gl2)
+                    if ex >= cur - 1e-12:
+                        continue
+                    if not cross:
+                        if np.any(row[h * S:(h + 1) * S] == x) or np.any(row[g * S:(g + 1) * S] == y):
+                            continue
+                        cost = 0.0
+                    else:
+                        cost = cross_cost(x, y, slot_node[p], slot_node[q])
+                    key = (cost, ex)
+                    if best is None or key < best[0]:
+                        best = (key, p, q, gl2)
+        # zero-cost re-splits inside a node: a slot holding a second replica of x becomes a replica of y
+        for n in np.unique(hot // m):
+            slots_n = np.arange(n * m * S, (n + 1) * m * S)
+            on_n = np.flatnonzero(rn[n] > 0)
+            for q in slots_n[rn[n, row[slots_n]] >= 2]:
+                hq = slot_gpu[q]
+                here = row[hq * S:(hq + 1) * S]
+                for y in on_n:
+                    if np.any(here == y):
+                        continue
+                    x = row[q]
+                    rn2 = rn[n].copy()
+                    rn2[x] -= 1
+                    rn2[y] += 1
+                    e_n = row[slots_n].copy()
+                    e_n[q - n * m * S] = y
+                    sl_n = basev[:, n, e_n] / rn2[e_n][None, :]  # [V, m*S]
+                    gl2 = gl.copy()
+                    gl2[:, n * m:(n + 1) * m] = sl_n.reshape(sl_n.shape[0], m, S).sum(axis=2)
+                    ex = excess(gl2)
+                    if ex >= cur - 1e-12:
+                        continue
+                    key = (0.0, ex)
+                    if best is None or key < best[0]:
+                        best = (key, -1 - q, int(y), gl2)
+        if best is None:
+            break
+        (cost, ex), p, q, gl = best
+        if p < 0:  # re-split: slot -1-p becomes expert q
+            qs, y = -1 - p, q
+            n = slot_node[qs]
+            rn[n, row[qs]] -= 1
+            rn[n, y] += 1
+            row[qs] = y
+            slots_n = np.arange(n * m * S, (n + 1) * m * S)
+            sl[:, slots_n] = basev[:, n, row[slots_n]] / rn[n, row[slots_n]][None, :]
+            cur = ex
+            steps += 1
+            continue
+        x, y = row[p], row[q]
+        a, b = slot_node[p], slot_node[q]
+        if a != b:
+            for t_idx, src_n, dst_n, z in ((by_expert[x], a, b, x), (by_expert[y], b, a, y)):
+                kz = (sid[t_idx] == z).sum(axis=1).astype(np.int16)
+                cnt[t_idx, src_n] -= kz
+                cnt[t_idx, dst_n] += kz
+            node_of[x], node_of[y] = b, a
+        row[p], row[q] = y, x
+        sl[:, [p, q]] = sl[:, [q, p]]
+        cur = ex
+        steps += 1
+        cost_sum += cost
+    for g in range(G):  # canonical rows: each GPU's slots sorted
+        row[g * S:(g + 1) * S] = np.sort(row[g * S:(g + 1) * S])
+    return row, {"repair_steps": steps, "repair_remote_cost": cost_sum, "excess_start": start, "excess_end": cur}
+
+
+def pack_node_exact(
+    base: np.ndarray,
+    num_gpus: int,
+    slots_per_gpu: int,
+    time_limit: float,
+    seed: int = 0,
+    max_split: int = 3,
+    hint: tuple[np.ndarray, np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Split and pack one node exactly (CP-SAT): replica counts and GPUs of the node's experts.
+
+    Expert ``i`` of the node serves ``base[v, i]`` tokens in view ``v`` (fit total, windows); with ``r_i``
+    replicas on the node each takes ``base / r_i``. Chooses ``r_i in 1..max_split`` (at most one replica per
+    GPU, ``sum r_i = num_gpus * slots_per_gpu``) and the GPU of every replica, minimising the largest
+    ``GPU load / mean GPU load`` over all views.
+
+    Args:
+        base: float64 ``[V, n]``; hint: optional ``(r int64 [n], slot_expert int64 [num_gpus, slots_per_gpu])``
+            start (e.g. the heuristic's); the result is never worse than it on the objective.
+
+    Returns:
+        ``(r int64 [n], slot_expert int64 [num_gpus, slots_per_gpu] (local expert index), status)``.
+    """
+    from ortools.sat.python import cp_model
+
+    base = np.atleast_2d(np.asarray(base, dtype=np.float64))
+    V, n = base.shape
+    G, S = int(num_gpus), int(slots_per_gpu)
+    if n > G * S:
+        raise ValueError(f"{n} experts do not fit in {G} GPUs x {S} slots")
+    R = max(1, min(int(max_split), G))
+    ref = np.maximum(base.sum(axis=1) / G, 1e-12)  # [V] mean GPU load per view
+    model = cp_model.CpModel()
+    s = [[model.new_bool_var("") for _ in range(R)] for _ in range(n)]  # s[i][j]: r_i = j + 1
+    x = [[[model.new_bool_var("") for _ in range(G)] for _ in range(R)] for _ in range(n)]
+    for i in range(n):
+        model.add_exactly_one(s[i])
+        for j in range(R):
+            model.add(sum(x[i][j]) == (j + 1) * s[i][j])
+        for g in range(G):
+            model.add(sum(x[i][j][g] for j in range(R)) <= 1)
+    model.add(sum((j + 1) * s[i][j] for i in range(n) for j in range(R)) == G * S)
+    for g in range(G):
+        model.add(sum(x[i][j][g] for i in range(n) for j in range(R)) == S)
+    scale = 10000
+    z = model.new_int_var(0, 100 * scale, "z")
+    for v in range(V):
+        coef = np.round(base[v][:, None] / (np.arange(1, R + 1)[None, :] * ref[v]) * scale).astype(np.int64)  # [n, R]
+        for g in range(G):
+            model.add(sum(int(coef[i, j]) * x[i][j][g] for i in range(n) for j in range(R)) <= z)
+    model.minimize(z)
+    if hint is not None:
+        hr, hse = hint
+        for i in range(n):
+            for j in range(R):
+                model.add_hint(s[i][j], bool(hr[i] == j + 1))
+                for g in range(G):
+                    model.add_hint(x[i][j][g], bool(hr[i] == j + 1 and np.any(hse[g] == i)))
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
+    solver.parameters.random_seed = int(seed)
+    solver.parameters.num_workers = 1
+    st = solver.solve(model)
+    name = solver.status_name(st).lower()
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if hint is None:
+            raise RuntimeError(f"node packing found no solution ({name}) and has no start")
+        return np.asarray(hint[0]), np.asarray(hint[1]), name
+    r = np.array([next(j + 1 for j in range(R) if solver.value(s[i][j])) for i in range(n)], dtype=np.int64)
+    slot_expert = np.empty((G, S), dtype=np.int64)
+    for g in range(G):
+        here = [i for i in range(n) for j in range(R) if solver.value(x[i][j][g])]
+        slot_expert[g] = sorted(here)
+    if hint is not None and _pack_peak(base, hint[0], hint[1], ref) < _pack_peak(base, r, slot_expert, ref):
+        return np.asarray(hint[0]), np.asarray(hint[1]), name
+    return r, slot_expert, name
+
+
+def _pack_peak(base: np.ndarray, r: np.ndarray, slot_expert: np.ndarray, ref: np.ndarray) -> float:
+    """Largest GPU load / mean over views of a node packing (see :func:`pack_node_exact`)."""
+    per = base / np.asarray(r)[None, :]  # [V, n]
+    return float((per[:, slot_expert].sum(axis=2).max(axis=1) / ref).max())
