@@ -273,6 +273,11 @@ def solve_locality(
     comm_weight: float | None = None,
     replication: str = "locality",
     replica_headroom: float = 0.2,
+    method: str = "replicated",
+    num_everywhere: int | None = None,
+    num_windows: int = 4,
+    window_slack: float = 0.5,
+    gpu_slack: float = 0.0,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -290,7 +295,19 @@ def solve_locality(
         refine: run CP-SAT and the token-level swap search after the heuristic.
         hidden_size: model hidden size; adds fitted ``bytes_per_token`` to the notes.
         comm_weight: None (default) minimises remote nodes under the hard balance cap; a number ``w > 0``
-            also rewards node balance in the swap search: objective ``remote_nodes + (max/mean - 1) / w``.
+            also rewards node balance in the swap search: objective ``remote_nodes + (max/mean - 1) / w``
+            (``method="grouped"`` only).
+        method: ``"replicated"`` (default, ``local`` policy only; :mod:`solver.locality_replicated`): the
+            ``num_everywhere`` hottest experts get a replica on every node, the rest one node each,
+            nodes packed exactly, then GPU peaks repaired against greedy's on every fit window.
+            ``"grouped"``: the earlier scheme (greedy replica counts spread over nodes, co-activation
+            grouping); also used for ``policy="even"``.
+        num_everywhere: experts replicated on every node (default ``floor(R / (2 (N - 1)))`` with ``R``
+            redundant slots, i.e. half the redundant slots).
+        num_windows: consecutive prompt groups of the fit trace used as extra balance views.
+        window_slack: node-load cap on each window, ``(1 + window_slack) x`` that window's mean.
+        gpu_slack: GPU peak cap on the fit total and every window: ``(1 + gpu_slack) x`` greedy's peak
+            on the same view (0: no heavier than greedy where the search can reach it).
 
     Returns:
         (Placement, SolveReport). Per layer: ``objective`` = fitted expected remote nodes per token,
@@ -307,6 +324,12 @@ def solve_locality(
         if missing:
             raise ValueError(f"layer ids {missing} are not in the trace (it has {list(trace.layer_ids)})")
         trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
+    if method not in ("replicated", "grouped"):
+        raise ValueError(f"method must be 'replicated' or 'grouped', got {method!r}")
+    if method == "replicated" and policy == "local":
+        return _solve_replicated(trace, topology, balance_slack=balance_slack, time_limit=time_limit, seed=seed,
+                                 num_everywhere=num_everywhere, num_windows=num_windows,
+                                 window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -409,6 +432,88 @@ def solve_locality(
     return placement, report
 
 
+def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
+    """int64 ``[T]``: consecutive prompt groups (or token chunks without prompt boundaries), ``0..W-1``."""
+    T = trace.num_tokens
+    W = max(1, int(num_windows))
+    if trace.seq_offsets is not None and trace.seq_offsets.size - 1 >= W:
+        off = trace.seq_offsets
+        n = off.size - 1
+        return np.repeat((np.arange(n) * W) // n, np.diff(off)).astype(np.int64)
+    return (np.arange(T) * W // max(T, 1)).astype(np.int64)
+
+
+def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
+                      window_slack, gpu_slack, hidden_size, t0) -> tuple[Placement, SolveReport]:
+    """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
+    from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
+
+    E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
+    m, L = topology.gpus_per_node, trace.num_layers
+    if not (0.0 <= window_slack <= 10.0):
+        raise ValueError(f"window_slack must be in [0, 10], got {window_slack}")
+    if not (-0.5 < gpu_slack <= 10.0):
+        raise ValueError(f"gpu_slack must be in (-0.5, 10], got {gpu_slack}")
+    if int(num_windows) < 1:
+        raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+    h_max = (P - E) // (N - 1) if N > 1 else E
+    h = (P - E) // (2 * (N - 1)) if num_everywhere is None and N > 1 else (0 if num_everywhere is None else int(num_everywhere))
+    if h < 0 or h > h_max:
+        raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
+    src, how = source_ranks(trace, G)
+    src_node = src // m
+    win = _window_of_tokens(trace, num_windows)
+    W = int(win.max()) + 1 if win.size else 1
+    load = trace.counts().astype(np.float64)
+    greedy, _ = greedy_placement(load, topology, layer_ids=trace.layer_ids)
+    # greedy's GPU peaks on the fit total and on every window: the GPU caps (same policy, same sources)
+    g_views = [trace_gpu_load(greedy, trace, "local", src=src)]
+    if W > 1:
+        for w in range(W):
+            idx = np.flatnonzero(win == w)
+            sub = trace.slice_tokens(int(idx[0]), int(idx[-1]) + 1)
+            g_views.append(trace_gpu_load(greedy, sub, "local", src=src[idx]))
+    g_peak = np.stack([v.max(axis=1) for v in g_views], axis=1)  # [L, V]
+    per_layer = max(float(time_limit), 0.0) / max(L, 1)
+    rows = np.empty((L, P), dtype=np.int64)
+    reports = []
+    for l in range(L):
+        tl = time.perf_counter()
+        ids = trace.topk_ids[:, l, :].astype(np.int64)
+        row, info = solve_replicated_layer(
+            ids, src_node, win, W, E, topology, h, balance_slack, 0.4 * per_layer, seed=seed + l,
+            window_slack=window_slack, pack_time=0.3 * per_layer / N, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
+            repair_time=0.3 * per_layer,
+        )
+        rows[l] = row
+        on_node = np.zeros((E, N), dtype=bool)
+        on_node[row, topology.node_of_slot] = True
+        every = on_node.all(axis=1)
+        node_of = on_node.argmax(axis=1)
+        obj = float(remote_nodes_fit(node_of, every, ids, src_node, N).mean()) if ids.size else 0.0
+        reports.append(LayerReport(
+            layer_id=trace.layer_ids[l], status="heuristic", objective=obj, bound=0.0,
+            wall_time_s=time.perf_counter() - tl, baseline_objective=None,
+            mean_load=float(load[l].sum() / G), extra=info,
+        ))
+    params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
+              "method": "replicated", "num_everywhere": h, "num_windows": W, "window_slack": window_slack,
+              "gpu_slack": gpu_slack, "hidden_size": hidden_size, "source_ranks": how}
+    placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
+    g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
+    comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)
+    notes = [f"source ranks: {how}",
+             f"method replicated: {h} experts on every node; fitted remote_nodes_per_token "
+             f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}"]
+    if hidden_size is not None:
+        notes.append(f"fitted bytes_per_token={comm['bytes_per_token']:.0f} (hidden_size={hidden_size})")
+    over = [r.layer_id for r in reports if r.extra.get("excess_end", 0.0) > 1e-9]
+    if over:
+        notes.append(f"GPU peak above (1+{gpu_slack}) x greedy's on some fit view in layers {over}: best effort")
+    report = SolveReport("locality", tuple(reports), time.perf_counter() - t0, params, tuple(notes))
+    return placement, report
+
+
 def _score(placement: Placement, held: RoutingTrace, policy: str, step_tokens: int, hidden_size: int | None) -> dict:
     bal = balance_stats(trace_gpu_load(placement, held, policy))
     comm = communication(placement, held, policy, hidden_size=hidden_size)
@@ -439,11 +544,14 @@ def pareto(
     step_tokens: int = 16,
     refine: bool = True,
     options: dict | None = None,
+    variants: Sequence[dict] | None = None,
 ) -> list[dict]:
     """Held-out trade-off table: greedy (``policy`` and ``even``), trivial, and locality at each slack.
 
     Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`; ``options`` go to
-    :func:`solve_locality` (e.g. ``replica_headroom``).
+    :func:`solve_locality` (e.g. ``replica_headroom``). ``variants``: option dicts (merged over ``options``)
+    each solved at every slack, e.g. ``[{"num_everywhere": 4}, {"num_everywhere": 6}]``; each row then has
+    ``variant`` (the dict's items as text).
 
     Returns:
         list of dicts with ``placement``, ``slack``, ``policy``, ``par``, ``par_worst``, ``step_par``,
@@ -465,11 +573,15 @@ def pareto(
     triv = Placement.trivial(fit_trace.num_layers, fit_trace.num_logical_experts, topology, fit_trace.layer_ids)
     rows.append({"placement": "trivial", "slack": None, **_score(triv, held_trace, policy, step_tokens, hidden_size),
                  "solve_s": 0.0})
-    for s in slacks:
-        pl, rep = solve_locality(fit_trace, topology, balance_slack=float(s), policy=policy, time_limit=time_limit,
-                                 seed=seed, refine=refine, **dict(options or {}))
-        rows.append({"placement": "locality", "slack": float(s),
-                     **_score(pl, held_trace, policy, step_tokens, hidden_size), "solve_s": rep.wall_time_s})
+    for var in (variants or [{}]):
+        opts = {**dict(options or {}), **dict(var)}
+        label = " ".join(f"{k}={v}" for k, v in var.items())
+        for s in slacks:
+            pl, rep = solve_locality(fit_trace, topology, balance_slack=float(s), policy=policy,
+                                     time_limit=time_limit, seed=seed, refine=refine, **opts)
+            rows.append({"placement": "locality", "slack": float(s), "variant": label,
+                         **_score(pl, held_trace, policy, step_tokens, hidden_size), "solve_s": rep.wall_time_s,
+                         "num_everywhere": rep.params.get("num_everywhere")})
     for r in rows:
         r["par_vs_greedy"] = r["par"] / base["par"] if base["par"] > 0 else 1.0
         r["nodes_vs_greedy"] = (

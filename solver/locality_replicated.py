@@ -489,6 +489,10 @@ def gpu_repair(
                 cnt[t_idx, src_n] -= kz
                 cnt[t_idx, dst_n] += kz
             node_of[x], node_of[y] = b, a
+            rn[a, x] -= 1
+            rn[b, x] += 1
+            rn[b, y] -= 1
+            rn[a, y] += 1
         row[p], row[q] = y, x
         sl[:, [p, q]] = sl[:, [q, p]]
         cur = ex
