@@ -278,6 +278,7 @@ def solve_locality(
     num_windows: int = 4,
     window_slack: float = 0.5,
     gpu_slack: float = 0.0,
+    single_margin: int | None = 0,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -302,12 +303,15 @@ def solve_locality(
             nodes packed exactly, then GPU peaks repaired against greedy's on every fit window.
             ``"grouped"``: the earlier scheme (greedy replica counts spread over nodes, co-activation
             grouping); also used for ``policy="even"``.
-        num_everywhere: experts replicated on every node (default ``floor(R / (2 (N - 1)))`` with ``R``
-            redundant slots, i.e. half the redundant slots).
+        num_everywhere: experts replicated on every node (default ``round(R / ((N - 1) (1 + N / 2)))`` with
+            ``R`` redundant slots: 8 for R=16/N=2, 4 for R=32/N=4, 2 for R=64/N=8; each costs ``N - 1``
+            slots, and many nodes need the spare slots for splitting heavy experts inside a node).
         num_windows: consecutive prompt groups of the fit trace used as extra balance views.
         window_slack: node-load cap on each window, ``(1 + window_slack) x`` that window's mean.
         gpu_slack: GPU peak cap on the fit total and every window: ``(1 + gpu_slack) x`` greedy's peak
             on the same view (0: no heavier than greedy where the search can reach it).
+        single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
+            (None: only the slot limit); 0 keeps spare slots on every node for splitting its heavy experts.
 
     Returns:
         (Placement, SolveReport). Per layer: ``objective`` = fitted expected remote nodes per token,
@@ -329,7 +333,8 @@ def solve_locality(
     if method == "replicated" and policy == "local":
         return _solve_replicated(trace, topology, balance_slack=balance_slack, time_limit=time_limit, seed=seed,
                                  num_everywhere=num_everywhere, num_windows=num_windows,
-                                 window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0)
+                                 window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
+                                 single_margin=single_margin)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -444,7 +449,7 @@ def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
 
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
-                      window_slack, gpu_slack, hidden_size, t0) -> tuple[Placement, SolveReport]:
+                      window_slack, gpu_slack, hidden_size, t0, single_margin) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -457,7 +462,11 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     if int(num_windows) < 1:
         raise ValueError(f"num_windows must be >= 1, got {num_windows}")
     h_max = (P - E) // (N - 1) if N > 1 else E
-    h = (P - E) // (2 * (N - 1)) if num_everywhere is None and N > 1 else (0 if num_everywhere is None else int(num_everywhere))
+    if num_everywhere is None:
+        h = int(round((P - E) / ((N - 1) * (1 + N / 2)))) if N > 1 else 0
+        h = min(h, h_max)
+    else:
+        h = int(num_everywhere)
     if h < 0 or h > h_max:
         raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
@@ -483,7 +492,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         row, info = solve_replicated_layer(
             ids, src_node, win, W, E, topology, h, balance_slack, 0.4 * per_layer, seed=seed + l,
             window_slack=window_slack, pack_time=0.3 * per_layer / N, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
-            repair_time=0.3 * per_layer,
+            repair_time=0.3 * per_layer, single_margin=single_margin,
         )
         rows[l] = row
         on_node = np.zeros((E, N), dtype=bool)
@@ -498,7 +507,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
               "method": "replicated", "num_everywhere": h, "num_windows": W, "window_slack": window_slack,
-              "gpu_slack": gpu_slack, "hidden_size": hidden_size, "source_ranks": how}
+              "gpu_slack": gpu_slack, "single_margin": single_margin, "hidden_size": hidden_size, "source_ranks": how}
     placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
     g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
     comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)

@@ -100,6 +100,7 @@ def partition_nodes(
     sample: int = 20000,
     window_weight: float = 1.0,
     window_slack: float | None = None,
+    single_margin: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """Assign single-node experts to nodes: exact slots, balanced windows, few remote nodes per token.
 
@@ -122,6 +123,8 @@ def partition_nodes(
     cap_slots = slots_per_node - int(every.sum())
     if int(r[single].sum()) > cap_slots * N:
         raise ValueError(f"single-node replicas {int(r[single].sum())} exceed {cap_slots} free slots x {N} nodes")
+    if single_margin is not None:  # keep spare slots on every node for splitting its heavy experts
+        cap_slots = min(cap_slots, -(-int(r[single].sum()) // N) + int(single_margin))
     T = ids.shape[0]
     tok = np.sort(rng.choice(T, size=sample, replace=False)) if T > sample else np.arange(T)
     sid, ssrc = ids[tok], src_node[tok]
@@ -275,6 +278,7 @@ def solve_replicated_layer(
     gpu_cap: float | None = None,
     repair_time: float = 1.0,
     exact_pack: bool = True,
+    single_margin: int | None = None,
 ) -> tuple[np.ndarray, dict]:
     """One layer: int64 ``[P]`` physical-to-logical row and info.
 
@@ -297,7 +301,7 @@ def solve_replicated_layer(
     r = np.where(every, N, 1).astype(np.int64)
     node_of, info = partition_nodes(ids, src_node, every, r, win_load, win_src, N, P // N, slack,
                                     time_limit, seed=seed, window_weight=window_weight,
-                                    window_slack=window_slack)
+                                    window_slack=window_slack, single_margin=single_margin)
     src_tot = win_src.sum(axis=0)  # [N, E]
     views_load = np.concatenate([load[None], win_load], axis=0) if W > 1 else load[None]  # [V, E]
     views_src = np.concatenate([src_tot[None], win_src], axis=0) if W > 1 else src_tot[None]  # [V, N, E]

@@ -13,6 +13,7 @@ from solver.api import solve
 from solver.greedy import greedy_placement
 from solver.locality import pack_node_gpus, solve_locality
 from solver.locality_partition import LayerProblem, expected_remote_nodes
+from solver.locality_replicated import _pack_peak, pack_node_exact, remote_nodes_fit
 
 
 def _two_cluster_trace(num_tokens=800, seed=0):
@@ -88,7 +89,7 @@ def test_partition_invariants_on_real_slice(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 32, 32, 4)
     slack = 0.05
-    pl, rep = solve_locality(fit, topo, balance_slack=slack, time_limit=3.0, seed=0)
+    pl, rep = solve_locality(fit, topo, balance_slack=slack, time_limit=3.0, seed=0, method="grouped")
     p2l = pl.physical_to_logical_map
     L, P = p2l.shape
     assert P == topo.num_physical_experts
@@ -109,8 +110,8 @@ def test_partition_invariants_on_real_slice(deepseek_slice):
 def test_refinement_never_worse_than_heuristic(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 64, 64, 8)
-    pl0, rep0 = solve_locality(fit, topo, refine=False, seed=0)
-    pl1, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0)
+    pl0, rep0 = solve_locality(fit, topo, refine=False, seed=0, method="grouped")
+    pl1, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0, method="grouped")
     for a, b in zip(rep0.layers, rep1.layers):
         if a.extra["node_load_cap_met"]:
             assert b.extra["node_load_cap_met"]
@@ -118,20 +119,83 @@ def test_refinement_never_worse_than_heuristic(deepseek_slice):
         assert b.extra["heuristic_objective"] == pytest.approx(a.objective)
 
 
+def test_replicated_invariants_on_real_slice(deepseek_slice):
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    slack, h = 0.02, 4
+    pl, rep = solve_locality(fit, topo, balance_slack=slack, time_limit=3.0, seed=0, num_everywhere=h)
+    assert rep.params["method"] == "replicated" and rep.params["num_everywhere"] == h
+    p2l = pl.physical_to_logical_map
+    N = topo.num_nodes
+    for l, lr in enumerate(rep.layers):
+        row = p2l[l]
+        assert set(row.tolist()) == set(range(64))
+        per_gpu = row.reshape(topo.ep_size, topo.slots_per_gpu)
+        assert all(len(set(r)) == topo.slots_per_gpu for r in per_gpu)
+        on_node = np.zeros((64, N), dtype=bool)
+        on_node[row, topo.node_of_slot] = True
+        homes = on_node.sum(axis=1)
+        assert set(homes.tolist()) <= {1, N}  # on one node or on all
+        assert int((homes == N).sum()) >= h  # the everywhere experts (a split may add none elsewhere)
+        # the hottest h experts are the everywhere ones
+        assert np.all(homes[np.argsort(-fit.counts()[l], kind="stable")[:h]] == N)
+        assert lr.extra["node_load_ratio_fit"] <= 1 + slack + 1e-9  # node partition met the cap
+    # reported objective = the metric's fitted remote nodes (every replica set is one node or all nodes,
+    # so the runtime's replica choice cannot change which nodes a token reaches)
+    comm = communication(pl, fit, "local")["remote_nodes_per_token"]
+    assert np.mean([lr.objective for lr in rep.layers]) == pytest.approx(comm, rel=1e-9)
+
+
+def test_pack_node_exact_keeps_slots_and_beats_start():
+    rng = np.random.default_rng(3)
+    base = rng.uniform(0.2, 1.0, size=(3, 10))  # 3 views, 10 experts, 8 GPUs x 2 slots
+    r0 = np.array([2, 2, 2, 2, 2, 2, 1, 1, 1, 1])
+    items = np.repeat(np.arange(10), r0)
+    start = np.array([[0, 1], [0, 1], [2, 3], [2, 3], [4, 5], [4, 5], [6, 7], [8, 9]])
+    assert sorted(start.ravel().tolist()) == sorted(items.tolist())
+    r, se, _ = pack_node_exact(base, 8, 2, time_limit=2.0, seed=0, hint=(r0, start))
+    assert int(r.sum()) == 16 and se.shape == (8, 2)
+    for g in range(8):
+        assert len(set(se[g].tolist())) == 2  # one replica of an expert per GPU
+    assert np.array_equal(np.bincount(se.ravel(), minlength=10), r)  # r replicas, each on its own GPU
+    ref = base.sum(axis=1) / 8
+    assert _pack_peak(base, r, se, ref) <= _pack_peak(base, r0, start, ref) + 1e-12
+
+
+def test_remote_nodes_fit_matches_metric():
+    # 4 experts, 2 nodes: 0 everywhere, 1 and 2 on node 0, 3 on node 1
+    ids = np.array([[0, 3], [1, 2], [1, 3], [0, -1]])
+    src_node = np.array([0, 1, 1, 0])
+    every = np.array([True, False, False, False])
+    node_of = np.array([-1, 0, 0, 1])
+    # t0 from node 0: expert 3 on node 1 -> 1; t1 from node 1: 1, 2 on node 0 -> 1; t2: 1 -> 1; t3: 0
+    assert remote_nodes_fit(node_of, every, ids, src_node, 2).tolist() == [1.0, 1.0, 1.0, 0.0]
+    # the metric on a placement with that layout plus a second replica of 1 on node 1 (1 GPU per node):
+    # node 0 = {0, 1, 2}, node 1 = {0, 3, 1}; t1 now finds 1 at home (2 remote), t2 finds 1 and 3 at home
+    topo = Topology(ep_size=2, num_physical_experts=6, num_nodes=2)
+    pl = Placement(np.array([[0, 1, 2, 0, 3, 1]]), 4, topo)
+    trace = RoutingTrace(num_logical_experts=4, topk_ids=ids[:, None, :], source_rank=src_node)
+    assert communication(pl, trace, "local")["remote_nodes_per_token"] == pytest.approx((1 + 1 + 0 + 0) / 4)
+
+
 def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
     fit, held = deepseek_slice
-    topo = Topology.from_redundant(64, 32, 32, 4)
-    pl, _ = solve("locality", trace=fit, topology=topo, time_limit=3.0, seed=0,
-                  options={"balance_slack": 0.02})
-    g, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)
-    loc_nodes = communication(pl, held, "local")["remote_nodes_per_token"]
-    g_nodes = communication(g, held, "local")["remote_nodes_per_token"]
-    loc_par = balance_stats(trace_gpu_load(pl, held, "local"))["par"]
-    g_par = balance_stats(trace_gpu_load(g, held, "local"))["par"]
-    assert loc_nodes <= 0.85 * g_nodes
-    # Measured held-out PAR cost is several percent above greedy's (see benchmarks/locality.py); this
-    # guards against regressions, not the 2% target.
-    assert loc_par <= 1.12 * g_par
+    out = {}
+    for ep, nodes, red in ((32, 4, 32), (64, 8, 64)):
+        topo = Topology.from_redundant(64, red, ep, nodes)
+        pl, _ = solve("locality", trace=fit, topology=topo, time_limit=4.0, seed=0, options={"balance_slack": 0.02})
+        g, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)
+        out[ep] = (
+            communication(pl, held, "local")["remote_nodes_per_token"]
+            / communication(g, held, "local")["remote_nodes_per_token"],
+            balance_stats(trace_gpu_load(pl, held, "local"))["par"] / balance_stats(trace_gpu_load(g, held, "local"))["par"],
+        )
+    # Held-out on this small slice: measured about 0.80x greedy's remote nodes at 1.01x (ep32) and
+    # 1.07-1.08x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
+    # regressions; the 0.70 / 1.02 target is not met (see benchmarks/locality.py).
+    for ep, (nodes_x, par_x) in out.items():
+        assert nodes_x <= 0.86, (ep, nodes_x, par_x)
+        assert par_x <= (1.05 if ep == 32 else 1.12), (ep, nodes_x, par_x)
 
 
 def test_bad_input_is_a_clear_error(deepseek_slice):
