@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ from solver.locality_partition import (
 )
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["solve_locality", "pareto", "coactivation_graph", "pack_node_gpus", "DEFAULT_SLACKS"]
+__all__ = ["DEFAULT_SLACKS", "coactivation_graph", "pack_node_gpus", "pareto", "solve_locality"]
 
 log = logging.getLogger(__name__)
 
@@ -463,7 +463,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         raise ValueError(f"num_windows must be >= 1, got {num_windows}")
     h_max = (P - E) // (N - 1) if N > 1 else E
     if num_everywhere is None:
-        h = int(round((P - E) / ((N - 1) * (1 + N / 2)))) if N > 1 else 0
+        h = round((P - E) / ((N - 1) * (1 + N / 2))) if N > 1 else 0
         h = min(h, h_max)
     else:
         h = int(num_everywhere)
@@ -511,9 +511,9 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
     g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
     comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)
-    notes = [f"source ranks: {how}",
-             f"method replicated: {h} experts on every node; fitted remote_nodes_per_token "
-             f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}"]
+    fitted = (f"method replicated: {h} experts on every node; fitted remote_nodes_per_token "
+              f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}")
+    notes = [f"source ranks: {how}", fitted]
     if hidden_size is not None:
         notes.append(f"fitted bytes_per_token={comm['bytes_per_token']:.0f} (hidden_size={hidden_size})")
     over = [r.layer_id for r in reports if r.extra.get("excess_end", 0.0) > 1e-9]

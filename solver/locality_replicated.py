@@ -7,15 +7,24 @@ the token's own node, and its load splits over nodes exactly as the tokens' sour
 prompts: evenly). So the ``h`` hottest experts get one replica per node ("everywhere" experts); they leave
 cross-node traffic and the node-balance problem. Every other expert lives on exactly one node, with
 ``r_e >= 1`` replicas there on distinct GPUs (extra replicas on the same node cost no locality and help
-the GPU packing). Then, per layer:
+the GPU packing). Then, per layer (:func:`solve_replicated_layer`):
 
-1. Replica counts: ``h`` everywhere experts, the remaining ``X = P - hN - (E - h)`` spare slots to the
-   single-node experts with the largest per-replica load (``r_e <= m``).
-2. Node partition of the single-node experts (:func:`partition_nodes`): exact slot counts per node,
-   node loads within ``(1 + slack)`` of the mean on every fit window (robust to drift, not only on the
-   fit total), minimising the fitted remote nodes per token (exact: distinct nodes other than the own one
-   among a token's single-node picks), by greedy affinity start and token-level move/swap search.
-3. GPU packing inside each node (:func:`solver.locality.pack_node_gpus`: LPT, swaps, CP-SAT).
+1. Everywhere set: the ``h`` hottest experts (:func:`replicated_counts`).
+2. Node partition of the single-node experts (:func:`partition_nodes`): at most the node's free slots
+   (and, with ``single_margin``, about the same number of experts per node so every node keeps spare
+   slots for splitting), node loads within ``(1 + slack)`` of the mean on the fit total and within
+   ``(1 + window_slack)`` on every fit window, minimising the fitted remote nodes per token (exact:
+   distinct nodes other than the own one among a token's single-node picks), by a greedy affinity start
+   and token-level moves/swaps.
+3. Split and pack each node exactly (:func:`pack_node_exact`, CP-SAT hinted with LPT): how many replicas
+   each of the node's experts gets (spare slots) and on which GPUs, minimising the worst GPU/mean ratio
+   over the fit total and the windows.
+4. Repair (:func:`gpu_repair`): slot swaps inside nodes, re-splits, and swaps of single-replica experts
+   across nodes until no GPU is above its cap on any view (greedy's peak on that view x (1 + gpu_slack)),
+   each step the cheapest in fitted remote nodes.
+
+Every expert ends on one node or on all nodes, so the fitted remote nodes are exact under the runtime's
+deterministic replica choice.
 """
 
 from __future__ import annotations
@@ -24,7 +33,15 @@ import time
 
 import numpy as np
 
-__all__ = ["replicated_counts", "window_node_loads", "partition_nodes", "remote_nodes_fit"]
+__all__ = [
+    "gpu_repair",
+    "pack_node_exact",
+    "partition_nodes",
+    "remote_nodes_fit",
+    "replicated_counts",
+    "solve_replicated_layer",
+    "window_node_loads",
+]
 
 
 def replicated_counts(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int, num_everywhere: int):
@@ -66,7 +83,7 @@ def window_node_loads(node_of: np.ndarray, win_load: np.ndarray, win_src: np.nda
         win_load: float64 ``[W, E]`` picks per window; win_src: float64 ``[W, N, E]`` picks per window by
             tokens from each node; every: bool ``[E]``.
     """
-    W, N, E = win_src.shape
+    _, N, E = win_src.shape
     out = (win_src * every[None, None, :]).sum(axis=2)  # everywhere experts: served where the token is
     single = np.flatnonzero(~every)
     onehot = np.zeros((E, N))
@@ -325,10 +342,8 @@ def solve_replicated_layer(
             g = n * m + gl
             row[g * S:(g + 1) * S] = np.sort(on_n[slot_expert[gl]])
     info["pack_status"] = statuses
-    r = np.where(every, N, 0).astype(np.int64)
-    np.add.at(r, row[~every[row]], 1)
     if gpu_cap is not None:
-        row, rinfo = gpu_repair(row, every, r, views_load, views_src, ids, src_node, topology,
+        row, rinfo = gpu_repair(row, every, views_load, views_src, ids, src_node, topology,
                                 np.asarray(gpu_cap, dtype=np.float64), repair_time, seed=seed)
         info.update(rinfo)
     info["num_everywhere"] = int(every.sum())
@@ -338,7 +353,6 @@ def solve_replicated_layer(
 def gpu_repair(
     row: np.ndarray,
     every: np.ndarray,
-    r: np.ndarray,
     load: np.ndarray,
     src_tot: np.ndarray,
     ids: np.ndarray,
@@ -359,8 +373,7 @@ def gpu_repair(
     token (ties: the larger excess reduction).
 
     Args:
-        row: int64 ``[P]`` physical-to-logical row; every: bool ``[E]``; r: int64 ``[E]`` replicas of
-            single-node experts; load: float64 ``[V, E]`` picks per view; src_tot: float64 ``[V, N, E]``
+        row: int64 ``[P]`` physical-to-logical row; every: bool ``[E]``; load: float64 ``[V, E]`` picks per view; src_tot: float64 ``[V, N, E]``
             picks per view by source node; ids: int64 ``[T, k]``; src_node: int64 ``[T]``;
             gpu_cap: float64 ``[V]`` absolute peak caps.
 

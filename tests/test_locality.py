@@ -34,7 +34,7 @@ def _two_cluster_trace(num_tokens=800, seed=0):
 def test_two_clusters_land_on_their_nodes():
     trace = _two_cluster_trace()
     topo = Topology(ep_size=4, num_physical_experts=8, num_nodes=2)
-    pl, rep = solve_locality(trace, topo, balance_slack=0.05, time_limit=2.0, seed=1)
+    pl, _ = solve_locality(trace, topo, balance_slack=0.05, time_limit=2.0, seed=1)
     node_of = topo.node_of_slot
     row = pl.physical_to_logical_map[0]
     assert set(row[node_of == 0]) == {0, 1, 2, 3}
@@ -110,8 +110,8 @@ def test_partition_invariants_on_real_slice(deepseek_slice):
 def test_refinement_never_worse_than_heuristic(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 64, 64, 8)
-    pl0, rep0 = solve_locality(fit, topo, refine=False, seed=0, method="grouped")
-    pl1, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0, method="grouped")
+    _, rep0 = solve_locality(fit, topo, refine=False, seed=0, method="grouped")
+    _, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0, method="grouped")
     for a, b in zip(rep0.layers, rep1.layers):
         if a.extra["node_load_cap_met"]:
             assert b.extra["node_load_cap_met"]
