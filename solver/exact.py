@@ -1111,7 +1111,9 @@ def solve_exact(
             (:func:`_noise_gate`). ``"auto"`` (default): on when the input has windows (a trace or
             ``[W, L, E]`` with ``W >= 5``) and the solve is the plain even-split token one (no ``robust``,
             ``node_constraint``, ``decode``, ``weighted=True``); noise from a bootstrap over windows (over
-            window labels when a trace's labels repeat, e.g. MMLU subjects). ``"windows"``: the same, an
+            window labels when a trace's labels repeat, e.g. MMLU subjects); a trace with fewer windows
+            (e.g. one domain's counts) uses Poisson noise of its counts; a bare ``[L, E]`` load is solved
+            as given (no gate). ``"windows"``: the same, an
             error without windows. ``"poisson"``: Poisson resampling of integer counts (for counts-only
             loads; it cannot see a domain shift). ``None``/``"off"``: the plain exact optimum.
         noise_k: move cost per moved slot in units of the noise ``sigma`` of a layer's peak (default 1).
@@ -1501,6 +1503,10 @@ def _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objec
         if noise_gate == "windows":
             n = 0 if wins is None else wins.shape[0]
             raise ValueError(f"noise_gate='windows' needs at least 5 windows, got {n}; pass [W, L, E] windows or a trace")
+        # A trace is a sample of traffic: with too few windows to resample, its counts' Poisson noise is
+        # the only noise estimate. A bare load array is a problem statement and is solved as given.
+        if isinstance(load_or_trace, RoutingTrace) and np.all(agg == np.round(agg)):
+            return ("poisson", agg, None)
         return None
     return ("windows", wins, groups)
 
