@@ -118,6 +118,8 @@ def partition_nodes(
     window_weight: float = 1.0,
     window_slack: float | None = None,
     single_margin: int | None = None,
+    init: np.ndarray | None = None,
+    perturb: bool = True,
 ) -> tuple[np.ndarray, dict]:
     """Assign single-node experts to nodes: exact slots, balanced windows, few remote nodes per token.
 
@@ -173,7 +175,12 @@ def partition_nodes(
     node_of = np.full(E, -1, dtype=np.int64)
     used = np.zeros(N, dtype=np.int64)
     nl = base.copy()  # [W+1, N]
-    for e in single[np.argsort(-wl[0, single], kind="stable")]:
+    if init is not None:  # a given start (e.g. a perturbed earlier result): same slot accounting
+        node_of[single] = np.asarray(init, dtype=np.int64)[single]
+        np.add.at(used, node_of[single], r[single])
+        for e in single:
+            nl[:, node_of[e]] += wl[:, e]
+    for e in ([] if init is not None else single[np.argsort(-wl[0, single], kind="stable")]):
         room = used + r[e] <= cap_slots
         aff = np.array([coact[e, node_of == n].sum() for n in range(N)])
         after = nl + wl[:, e:e + 1]  # [W+1, N] if e went to each node
@@ -209,69 +216,113 @@ def partition_nodes(
         gain = (c[:, b] == 0) & (s != b)
         return gain.astype(np.int64) - lose.astype(np.int64)
 
-    improved = True
-    while improved and time.perf_counter() < deadline:
-        improved = False
-        rounds += 1
-        for e in rng.permutation(single):
-            if time.perf_counter() >= deadline:
-                break
-            a = node_of[e]
-            te = by_expert[e]
-            # gains of moving e alone to each node b (ignoring the partner f)
-            best = None
-            for b in range(N):
-                if b == a:
-                    continue
-                de = move_delta(te, a, b).sum()
-                cands = list(single[(node_of[single] == b) & (r[single] == r[e])])
-                if used[b] + r[e] <= cap_slots:
-                    cands.append(-1)  # a plain move
-                for f in cands:
-                    if f < 0:
+    def descend():
+        """First-improvement moves/swaps until none helps or the deadline."""
+        nonlocal node_of, used, nl, v_cur, swaps, rounds
+        improved = True
+        while improved and time.perf_counter() < deadline:
+            improved = False
+            rounds += 1
+            for e in rng.permutation(single):
+                if time.perf_counter() >= deadline:
+                    break
+                a = node_of[e]
+                te = by_expert[e]
+                # gains of moving e alone to each node b (ignoring the partner f)
+                best = None
+                for b in range(N):
+                    if b == a:
+                        continue
+                    de = move_delta(te, a, b).sum()
+                    cands = list(single[(node_of[single] == b) & (r[single] == r[e])])
+                    if used[b] + r[e] <= cap_slots:
+                        cands.append(-1)  # a plain move
+                    for f in cands:
+                        if f < 0:
+                            nl2 = nl.copy()
+                            nl2[:, a] -= wl[:, e]
+                            nl2[:, b] += wl[:, e]
+                            v2 = viol(nl2)
+                            if v2 > v_cur + 1e-12:
+                                continue
+                            key = (v2 - v_cur) * 1e6 + de * scale
+                            if key < -1e-12 and (best is None or key < best[0]):
+                                best = (key, f, b, nl2, v2)
+                            continue
+                        dl = wl[:, f] - wl[:, e]  # load change of node a (b gets the opposite)
                         nl2 = nl.copy()
-                        nl2[:, a] -= wl[:, e]
-                        nl2[:, b] += wl[:, e]
+                        nl2[:, a] += dl
+                        nl2[:, b] -= dl
                         v2 = viol(nl2)
                         if v2 > v_cur + 1e-12:
                             continue
-                        key = (v2 - v_cur) * 1e6 + de * scale
+                        tf = by_expert[f]
+                        # tokens picking both e and f keep their node counts (e and f trade nodes)
+                        both = np.intersect1d(te, tf, assume_unique=True)
+                        d = de - move_delta(both, a, b).sum() + move_delta(np.setdiff1d(tf, both, assume_unique=True), b, a).sum()
+                        key = (v2 - v_cur) * 1e6 + d * scale
                         if key < -1e-12 and (best is None or key < best[0]):
                             best = (key, f, b, nl2, v2)
-                        continue
-                    dl = wl[:, f] - wl[:, e]  # load change of node a (b gets the opposite)
-                    nl2 = nl.copy()
-                    nl2[:, a] += dl
-                    nl2[:, b] -= dl
-                    v2 = viol(nl2)
-                    if v2 > v_cur + 1e-12:
-                        continue
-                    tf = by_expert[f]
-                    # tokens picking both e and f keep their node counts (e and f trade nodes)
-                    both = np.intersect1d(te, tf, assume_unique=True)
-                    d = de - move_delta(both, a, b).sum() + move_delta(np.setdiff1d(tf, both, assume_unique=True), b, a).sum()
-                    key = (v2 - v_cur) * 1e6 + d * scale
-                    if key < -1e-12 and (best is None or key < best[0]):
-                        best = (key, f, b, nl2, v2)
-            if best is not None:
-                _, f, b, nl2, v2 = best
-                moves = ((te, e),) if f < 0 else ((te, e), (by_expert[f], f))
-                for t_idx, x in moves:
-                    k_e = (sid[t_idx] == x).sum(axis=1).astype(np.int16)
-                    src_n, dst_n = (a, b) if x == e else (b, a)
-                    cnt[t_idx, src_n] -= k_e
-                    cnt[t_idx, dst_n] += k_e
-                node_of[e] = b
-                used[b] += r[e]
-                used[a] -= r[e]
-                if f >= 0:
-                    node_of[f] = a
-                    used[a] += r[f]
-                    used[b] -= r[f]
-                nl, v_cur = nl2, v2
-                swaps += 1
-                improved = True
-    info = {"rounds": rounds, "swaps": swaps, "violation": v_cur,
+                if best is not None:
+                    _, f, b, nl2, v2 = best
+                    moves = ((te, e),) if f < 0 else ((te, e), (by_expert[f], f))
+                    for t_idx, x in moves:
+                        k_e = (sid[t_idx] == x).sum(axis=1).astype(np.int16)
+                        src_n, dst_n = (a, b) if x == e else (b, a)
+                        cnt[t_idx, src_n] -= k_e
+                        cnt[t_idx, dst_n] += k_e
+                    node_of[e] = b
+                    used[b] += r[e]
+                    used[a] -= r[e]
+                    if f >= 0:
+                        node_of[f] = a
+                        used[a] += r[f]
+                        used[b] -= r[f]
+                    nl, v_cur = nl2, v2
+                    swaps += 1
+                    improved = True
+
+    def fitted():
+        return int(((cnt > 0) & (np.arange(N)[None, :] != ssrc[:, None])).sum())
+
+    def recount():
+        nonlocal cnt
+        pick = np.where(valid & ~every[np.where(valid, sid, 0)], node_of[np.where(valid, sid, 0)], -1)
+        c = np.zeros((sid.shape[0], N + 1), dtype=np.int16)
+        np.add.at(c, (np.repeat(np.arange(sid.shape[0])[:, None], sid.shape[1], axis=1), pick + 1), 1)
+        cnt = c[:, 1:]
+
+    descend()
+    # iterated local search: perturb the best layout by a few random swaps of equal-size experts on
+    # different nodes, descend again, keep the result if it is no less feasible and has fewer remote nodes
+    best = (v_cur, fitted(), node_of.copy())
+    kicks = kept = 0
+    while perturb and time.perf_counter() < deadline and single.size > 1:
+        kicks += 1
+        for _ in range(int(rng.integers(2, 6))):
+            a_e, b_e = rng.choice(single, 2, replace=False)
+            if node_of[a_e] != node_of[b_e] and r[a_e] == r[b_e]:
+                na, nb = node_of[a_e], node_of[b_e]
+                node_of[a_e], node_of[b_e] = nb, na
+                nl[:, na] += wl[:, b_e] - wl[:, a_e]
+                nl[:, nb] += wl[:, a_e] - wl[:, b_e]
+        recount()
+        v_cur = viol(nl)
+        descend()
+        f = fitted()
+        if v_cur <= best[0] + 1e-12 and f < best[1]:
+            best = (v_cur, f, node_of.copy())
+            kept += 1
+        else:
+            node_of = best[2].copy()
+            used = np.zeros(N, dtype=np.int64)
+            np.add.at(used, node_of[single], r[single])
+            nl = base.copy()
+            for e in single:
+                nl[:, node_of[e]] += wl[:, e]
+            v_cur = viol(nl)
+            recount()
+    info = {"rounds": rounds, "swaps": swaps, "violation": v_cur, "kicks": kicks, "kicks_kept": kept,
             "node_load_ratio_fit": float(nl[0].max() / wmean[0]),
             "node_load_ratio_windows": float((nl[1:].max(axis=1) / wmean[1:]).max()) if nl.shape[0] > 1 else 1.0}
     return node_of, info
