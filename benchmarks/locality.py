@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--everywhere", nargs="*", type=int, default=None,
                     help="num_everywhere values to sweep (method replicated; default: the solver's default)")
     ap.add_argument("--gpu-slack", type=float, default=0.0, help="GPU peak cap vs greedy's per fit view")
-    ap.add_argument("--windows", type=int, default=4, help="fit windows used as balance views")
+    ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 1 s per layer)")
     ap.add_argument("--step-tokens", type=int, default=16, help="tokens per rank per step for step_par")

