@@ -13,7 +13,7 @@ from solver.api import solve
 from solver.greedy import greedy_placement
 from solver.locality import pack_node_gpus, solve_locality
 from solver.locality_partition import LayerProblem, expected_remote_nodes
-from solver.locality_replicated import _pack_peak, pack_node_exact, remote_nodes_fit
+from solver.locality_replicated import _pack_peak, pack_node_exact, partition_nodes, remote_nodes_fit, replicated_counts
 
 
 def _two_cluster_trace(num_tokens=800, seed=0):
@@ -146,6 +146,37 @@ def test_replicated_invariants_on_real_slice(deepseek_slice):
     assert np.mean([lr.objective for lr in rep.layers]) == pytest.approx(comm, rel=1e-9)
 
 
+def test_iterated_partition_never_worse_and_keeps_limits(deepseek_slice):
+    fit, _ = deepseek_slice
+    N, P, m, h, slack = 4, 96, 8, 4, 0.02
+    ids = fit.topk_ids[:, 1, :].astype(np.int64)
+    src_node = (np.arange(ids.shape[0]) % N).astype(np.int64)
+    E = 64
+    src = np.zeros((1, N, E))
+    ok = ids >= 0
+    np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape)[ok], ids[ok]), 1.0)
+    load = src.sum(axis=1)  # [1, E]
+    every, _ = replicated_counts(load[0], P, N, m, h)
+    r = np.where(every, N, 1)
+    out = {}
+    for perturb in (False, True):
+        node_of, info = partition_nodes(ids, src_node, every, r, load, src, N, P // N, slack, 1.5, seed=0,
+                                        sample=ids.shape[0],
+                                        single_margin=0, perturb=perturb)
+        single = ~every
+        assert np.all(node_of[every] == -1) and set(node_of[single].tolist()) <= set(range(N))
+        per_node = np.bincount(node_of[single], minlength=N)
+        assert per_node.max() <= -(-int(single.sum()) // N)  # single_margin=0: at most ceil(n / N) each
+        node_load = (src[0] * every[None, :]).sum(axis=1) + np.bincount(node_of[single], weights=load[0, single],
+                                                                         minlength=N)
+        if info["violation"] == 0:
+            assert node_load.max() <= (1 + slack) * node_load.mean() * (1 + 1e-9)
+        out[perturb] = (info["violation"], remote_nodes_fit(node_of, every, ids, src_node, N).mean())
+    # the kicks start from the plain descent's result and keep only improvements
+    assert out[True][0] <= out[False][0] + 1e-12
+    assert out[True][1] <= out[False][1] + 1e-12
+
+
 def test_pack_node_exact_keeps_slots_and_beats_start():
     rng = np.random.default_rng(3)
     base = rng.uniform(0.2, 1.0, size=(3, 10))  # 3 views, 10 experts, 8 GPUs x 2 slots
@@ -190,8 +221,8 @@ def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
             / communication(g, held, "local")["remote_nodes_per_token"],
             balance_stats(trace_gpu_load(pl, held, "local"))["par"] / balance_stats(trace_gpu_load(g, held, "local"))["par"],
         )
-    # Held-out on this small slice: measured about 0.80x greedy's remote nodes at 1.01x (ep32) and
-    # 1.07-1.08x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
+    # Held-out on this small slice with 4 s in all: measured about 0.79x greedy's remote nodes at 1.03x
+    # (ep32) and 0.78x at 1.08x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
     # regressions; the 0.70 / 1.02 target is not met (see benchmarks/locality.py).
     for ep, (nodes_x, par_x) in out.items():
         assert nodes_x <= 0.86, (ep, nodes_x, par_x)
