@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 layers, ep 32/4 nodes and ep 64/8 nodes, one slack")
     ap.add_argument("--traces", nargs="*", default=list(TRACES), choices=list(TRACES))
     ap.add_argument("--ep", nargs="*", type=int, default=None, help="EP sizes (default 16 32 64)")
-    ap.add_argument("--slacks", nargs="*", type=float, default=None, help="node-load slacks (default 0 0.02 0.05)")
+    ap.add_argument("--slacks", nargs="*", type=float, default=None, help="node-load slacks (default 0.02 0.04)")
     ap.add_argument("--headroom", type=float, default=0.2, help="replica_headroom (method grouped)")
     ap.add_argument("--method", default="replicated", choices=["replicated", "grouped"])
     ap.add_argument("--everywhere", nargs="*", type=int, default=None,
@@ -55,12 +55,12 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-slack", type=float, default=0.0, help="GPU peak cap vs greedy's per fit view")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
-    ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 1 s per layer)")
+    ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
     ap.add_argument("--step-tokens", type=int, default=16, help="tokens per rank per step for step_par")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     eps = args.ep or ([32, 64] if args.quick else [16, 32, 64])
-    slacks = args.slacks or ([0.02] if args.quick else [0.01, 0.02, 0.04])
+    slacks = args.slacks or ([0.02] if args.quick else [0.02, 0.04])
     nlayers = args.layers or (4 if args.quick else None)
     root = default_traces_dir()
     for name in args.traces:
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
         for ep in eps:
             nodes, red = topos[ep]
             topo = Topology.from_redundant(E, red, ep, nodes)
-            tl = args.time_limit if args.time_limit is not None else 1.0 * trace.num_layers
+            tl = args.time_limit if args.time_limit is not None else 8.0 * trace.num_layers
             t0 = time.perf_counter()
             opts = {"method": args.method}
             if args.method == "grouped":
