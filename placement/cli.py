@@ -208,6 +208,8 @@ def _solver_options(args) -> dict:
         opts["balance_slack"] = args.balance_slack
         if args.hidden_size:
             opts["hidden_size"] = args.hidden_size
+        if args.everywhere is not None:
+            opts["num_everywhere"] = args.everywhere
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -284,13 +286,18 @@ def cmd_solve(args) -> int:
     except ValueError:
         pass
     rows = []
+    # locality trades balance for fewer remote nodes: show both, scored with the policy asked for
+    comm_view = name == "locality" and held is not None and held.has_tokens
     candidates = {"trivial": trivial, "greedy": greedy, name: placement}
     for label, pl in candidates.items():
         if pl is None:
             continue
         row = {"placement": label, "fit_par": balance_stats(expected_gpu_load(pl, load))["par"]}
         if held is not None:
-            row["heldout_par"] = evaluate(pl, held, args.policy).balance["par"]
+            ev = evaluate(pl, held, args.policy).to_dict()
+            row["heldout_par"] = ev["par"]
+            if comm_view and "remote_nodes_per_token" in ev:
+                row["heldout_remote_nodes"] = ev["remote_nodes_per_token"]
         rows.append(row)
     payload = {
         "solver": name,
@@ -338,8 +345,12 @@ def cmd_solve(args) -> int:
     cols = [("placement", "placement", -1), ("fit_par", "fitted PAR", 4)]
     if held is not None:
         cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
+    if comm_view:
+        cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))
     echo(_table(rows, cols))
-    if name != "greedy":
+    if name == "locality" and held is None:
+        echo("tip: --fit-fraction 0.5 --policy local scores held-out PAR and remote nodes per token side by side")
+    if name not in ("greedy", "locality"):
         lrows = []
         for g, lr in zip(greedy_report.layers, report.layers):
             lrows.append({"layer": lr.layer_id, "greedy": g.objective, "solver": lr.objective, "bound": lr.bound,
@@ -525,6 +536,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weighted", action="store_true", help="also choose per-replica token shares (weighted dispatch)")
     p.add_argument("--node-constraint", action="store_true", help="keep expert groups on nodes inside the exact model")
     p.add_argument("--balance-slack", type=float, default=0.02, help="locality: allowed node-load excess over the mean")
+    p.add_argument("--everywhere", type=int, metavar="H",
+                   help="locality: the H hottest experts get a replica on every node (default: chosen from the slots)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")

@@ -121,3 +121,14 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
     assert "PASS: per-rank tokens equal the prediction" in out
     sg = json.loads((tmp_path / "sglang_init_expert_location.json").read_text())
     assert list(sg) == ["physical_to_logical_map"]
+
+
+def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):
+    p = tmp_path / "clustered.npz"
+    write_trace(synthetic_trace(num_tokens=6000, num_layers=2, num_logical_experts=16, top_k=4, num_prompts=60,
+                                num_clusters=2, affinity=30.0, skew=0.2, seed=3), p)
+    assert main(["solve", "--trace", str(p), "--ep-size", "4", "--num-nodes", "2", "--num-redundant", "4",
+                 "--solver", "locality", "--time-limit", "4", "--fit-fraction", "0.5", "--policy", "local",
+                 "--json"]) == 0
+    rows = {r["placement"]: r for r in json.loads(capsys.readouterr().out)["balance"]}
+    assert rows["locality"]["heldout_remote_nodes"] < rows["greedy"]["heldout_remote_nodes"]
