@@ -406,6 +406,7 @@ def cmd_evaluate(args) -> int:
 # ---------------------------------------------------------------------------------------------
 def cmd_convert(args) -> int:
     out = _check_output(args.output)
+    assert out is not None  # -o is required
     if args.format == "trace":
         from profiling.readers import write_trace
 

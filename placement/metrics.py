@@ -249,8 +249,10 @@ def trace_gpu_load(
     t = placement.topology
     out = np.zeros((placement.num_layers, t.ep_size))
     zero = np.zeros(trace.num_tokens, dtype=np.int64)
+    ids = trace.topk_ids
+    assert ids is not None  # _layer_ids_src checked has_tokens
     for l in range(placement.num_layers):
-        slot_load = _fractional_slot_load(placement, l, trace.topk_ids[:, l, :], src, policy, zero, 1)[0]
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, zero, 1)[0]
         out[l] = slot_load.reshape(t.ep_size, t.slots_per_gpu).sum(axis=1)
     return out
 
@@ -353,6 +355,7 @@ def step_par(
     T = trace.num_tokens
     S = max(1, T // per_step)
     used = min(T, S * per_step)
+    assert trace.topk_ids is not None
     ids = trace.topk_ids[:used]  # [T', L, k]
     tok = np.arange(used, dtype=np.int64)
     step = tok // per_step  # [T']
@@ -392,6 +395,7 @@ def communication(
     how = "given" if src is not None else source_ranks(trace, placement.topology.ep_size)[1]
     src = _layer_ids_src(placement, trace, src)
     t = placement.topology
+    assert trace.topk_ids is not None  # _layer_ids_src checked has_tokens
     slots = route_tokens(placement, trace.topk_ids, src, policy)  # [T, L, k]
     valid = slots >= 0
     gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T, L, k]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -241,7 +241,7 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write the native npz format (atomically)."""
-    arrays: dict[str, np.ndarray] = {
+    arrays: dict[str, Any] = {
         "schema": np.array(TRACE_SCHEMA),
         "schema_version": np.array(TRACE_SCHEMA_VERSION),
         "num_logical_experts": np.array(trace.num_logical_experts),
