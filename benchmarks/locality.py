@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="replicated", choices=["replicated", "grouped"])
     ap.add_argument("--everywhere", nargs="*", type=int, default=None,
                     help="num_everywhere values to sweep (method replicated; default: the solver's default)")
-    ap.add_argument("--gpu-slack", type=float, default=0.0, help="GPU peak cap vs greedy's per fit view")
+    ap.add_argument("--gpu-slack", type=float, default=0.015,
+                    help="GPU peak cap: (1 + X) x greedy's peak per fit view (default 0.015)")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
