@@ -123,11 +123,12 @@ def _streamed_counts(args):
         return None  # read_trace gives the clear error
     if "topk_ids.npy" not in names or not (args.chunk_tokens or declared > _STREAM_ABOVE_BYTES):
         return None
-    small = {n[:-4] for n in names if n not in ("topk_ids.npy", "tokens.npy", "topk_weights.npy")}
     meta = {}
-    for key in small & {"counts", "counts_real", "layer_ids", "num_logical_experts"}:
-        with zipfile.ZipFile(p) as zf, zf.open(key + ".npy") as fh:
-            meta[key] = np.lib.format.read_array(fh, allow_pickle=False)
+    with zipfile.ZipFile(p) as zf:  # the small arrays that say E and the layer ids
+        for key in ("counts", "counts_real", "layer_ids", "num_logical_experts"):
+            if key + ".npy" in names:
+                with zf.open(key + ".npy") as fh:
+                    meta[key] = np.lib.format.read_array(fh, allow_pickle=False)
     if "num_logical_experts" in meta:
         E = int(meta["num_logical_experts"])
     elif "counts" in meta or "counts_real" in meta:
