@@ -279,6 +279,7 @@ def solve_locality(
     window_slack: float = 0.5,
     gpu_slack: float = 0.015,
     single_margin: int | None = 0,
+    source_model: str = "auto",
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -340,7 +341,8 @@ def solve_locality(
         return _solve_replicated(trace, topology, balance_slack=balance_slack, time_limit=time_limit, seed=seed,
                                  num_everywhere=num_everywhere, num_windows=num_windows,
                                  window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
-                                 single_margin=single_margin)
+                                 single_margin=single_margin,
+                                 source_model=source_model)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -454,8 +456,25 @@ def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
     return (np.arange(T) * W // max(T, 1)).astype(np.int64)
 
 
+def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int) -> tuple[np.ndarray, str]:
+    """Source ranks the solver fits with: int64 ``[T]`` and a description.
+
+    ``"auto"``: the trace's own ranks when it has them; when they were made up by dealing prompts
+    round-robin, tokens round-robin instead. Prompt lengths vary a lot (one long conversation can hold
+    a rank's tokens for the whole trace), so the dealt ranks' token shares are an accident of the fit
+    trace that unseen traffic does not repeat; dealing tokens gives every rank its expected, equal share.
+    ``"trace"``: exactly the scoring ranks. ``"uniform"``: always tokens round-robin.
+    """
+    if source_model not in ("auto", "trace", "uniform"):
+        raise ValueError(f"source_model must be 'auto', 'trace' or 'uniform', got {source_model!r}")
+    if source_model == "trace" or (source_model == "auto" and how in ("trace", "round-robin by token")):
+        return src, how
+    return np.arange(src.size, dtype=np.int64) % int(ep_size), f"{how}; fitted with tokens round-robin (equal shares)"
+
+
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
-                      window_slack, gpu_slack, hidden_size, t0, single_margin) -> tuple[Placement, SolveReport]:
+                      window_slack, gpu_slack, hidden_size, t0, single_margin,
+                      source_model) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -476,6 +495,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     if h < 0 or h > h_max:
         raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
+    src, how = _fit_sources(src, how, source_model, G)
     src_node = src // m
     win = _window_of_tokens(trace, num_windows)
     W = int(win.max()) + 1 if win.size else 1
@@ -513,7 +533,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
               "method": "replicated", "num_everywhere": h, "num_windows": W, "window_slack": window_slack,
-              "gpu_slack": gpu_slack, "single_margin": single_margin, "hidden_size": hidden_size, "source_ranks": how}
+              "gpu_slack": gpu_slack, "single_margin": single_margin,
+              "source_model": source_model, "hidden_size": hidden_size, "source_ranks": how}
     placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
     g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
     comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)

@@ -136,6 +136,7 @@ def partition_nodes(
     first descent. On DeepSeek-V2-Lite (ep32) the kicks cut held-out remote nodes of the partition by
     1-6% per layer in 8 s.
 
+
     Args:
         ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``; r: int64 ``[E]``.
         win_load: float64 ``[W, E]``; win_src: float64 ``[W, N, E]`` (see :func:`window_node_loads`).
@@ -180,6 +181,15 @@ def partition_nodes(
     def viol(nl):
         return float((wts[:, None] * np.maximum(nl - lim, 0.0) / wmean[:, None]).sum())
 
+    def rebuild(node_of):
+        """(used [N], nl [W+1, N]) of a layout."""
+        used = np.zeros(N, dtype=np.int64)
+        np.add.at(used, node_of[single], r[single])
+        member = np.zeros((N, E))
+        member[node_of[single], single] = 1.0
+        nl = base + (member @ wl.T).T  # [W+1, N]
+        return used, nl
+
     # --- start: experts by load, each to the node with most co-activation among those with room and
     # no window over the cap; ties to the least loaded
     node_of = np.full(E, -1, dtype=np.int64)
@@ -187,9 +197,7 @@ def partition_nodes(
     nl = base.copy()  # [W+1, N]
     if init is not None:  # a given start (e.g. a perturbed earlier result): same slot accounting
         node_of[single] = np.asarray(init, dtype=np.int64)[single]
-        np.add.at(used, node_of[single], r[single])
-        for e in single:
-            nl[:, node_of[e]] += wl[:, e]
+        used, nl = rebuild(node_of)
     for e in ([] if init is not None else single[np.argsort(-wl[0, single], kind="stable")]):
         room = used + r[e] <= cap_slots
         aff = np.array([coact[e, node_of == n].sum() for n in range(N)])
@@ -207,101 +215,106 @@ def partition_nodes(
         node_of[e] = n
         used[n] += r[e]
         nl[:, n] += wl[:, e]
-    # --- token-level local search: swaps of two experts with equal replica counts on different nodes
-    cnt = np.zeros((sid.shape[0], N + 1), dtype=np.int16)  # picks of each token on each node (col 0: none)
-    node_pick = np.where(valid & ~every[np.where(valid, sid, 0)], node_of[np.where(valid, sid, 0)], -1)
-    np.add.at(cnt, (np.repeat(np.arange(sid.shape[0])[:, None], sid.shape[1], axis=1), node_pick + 1), 1)
-    cnt = cnt[:, 1:]
-    by_expert = [np.flatnonzero((sid == e).any(axis=1)) for e in range(E)]
-    scale = 1.0 / max(sid.shape[0], 1)
-    v_cur = viol(nl)
+    # --- local search on the token sample: every plain move and every swap of two equal-size experts
+    # on different nodes is scored at once with a few matrix products; the best improving one is applied
+    X = onehot  # float32 [Ts, E]: token picks single-node expert e (everywhere columns are zero)
+    Ts = X.shape[0]
+    notsrc = (np.arange(N)[None, :] != ssrc[:, None]).astype(np.float32)  # [Ts, N]
+    scale = 1.0 / max(Ts, 1)
     deadline = time.perf_counter() + max(float(time_limit), 0.0)
     rounds = swaps = 0
-
-    def move_delta(t_idx, a, b):
-        """Change in remote nodes of tokens ``t_idx`` when one of their picks moves from node a to b."""
-        c = cnt[t_idx]
-        s = ssrc[t_idx]
-        lose = (c[:, a] == 1) & (s != a)
-        gain = (c[:, b] == 0) & (s != b)
-        return gain.astype(np.int64) - lose.astype(np.int64)
-
-    def descend():
-        """First-improvement moves/swaps until none helps or the deadline."""
-        nonlocal node_of, used, nl, v_cur, swaps, rounds
-        improved = True
-        while improved and time.perf_counter() < deadline:
-            improved = False
-            rounds += 1
-            for e in rng.permutation(single):
-                if time.perf_counter() >= deadline:
-                    break
-                a = node_of[e]
-                te = by_expert[e]
-                # gains of moving e alone to each node b (ignoring the partner f)
-                best = None
-                for b in range(N):
-                    if b == a:
-                        continue
-                    de = move_delta(te, a, b).sum()
-                    cands = list(single[(node_of[single] == b) & (r[single] == r[e])])
-                    if used[b] + r[e] <= cap_slots:
-                        cands.append(-1)  # a plain move
-                    for f in cands:
-                        if f < 0:
-                            nl2 = nl.copy()
-                            nl2[:, a] -= wl[:, e]
-                            nl2[:, b] += wl[:, e]
-                            v2 = viol(nl2)
-                            if v2 > v_cur + 1e-12:
-                                continue
-                            key = (v2 - v_cur) * 1e6 + de * scale
-                            if key < -1e-12 and (best is None or key < best[0]):
-                                best = (key, f, b, nl2, v2)
-                            continue
-                        dl = wl[:, f] - wl[:, e]  # load change of node a (b gets the opposite)
-                        nl2 = nl.copy()
-                        nl2[:, a] += dl
-                        nl2[:, b] -= dl
-                        v2 = viol(nl2)
-                        if v2 > v_cur + 1e-12:
-                            continue
-                        tf = by_expert[f]
-                        # tokens picking both e and f keep their node counts (e and f trade nodes)
-                        both = np.intersect1d(te, tf, assume_unique=True)
-                        d = de - move_delta(both, a, b).sum() + move_delta(np.setdiff1d(tf, both, assume_unique=True), b, a).sum()
-                        key = (v2 - v_cur) * 1e6 + d * scale
-                        if key < -1e-12 and (best is None or key < best[0]):
-                            best = (key, f, b, nl2, v2)
-                if best is not None:
-                    _, f, b, nl2, v2 = best
-                    moves = ((te, e),) if f < 0 else ((te, e), (by_expert[f], f))
-                    for t_idx, x in moves:
-                        k_e = (sid[t_idx] == x).sum(axis=1).astype(np.int16)
-                        src_n, dst_n = (a, b) if x == e else (b, a)
-                        cnt[t_idx, src_n] -= k_e
-                        cnt[t_idx, dst_n] += k_e
-                    node_of[e] = b
-                    used[b] += r[e]
-                    used[a] -= r[e]
-                    if f >= 0:
-                        node_of[f] = a
-                        used[a] += r[f]
-                        used[b] -= r[f]
-                    nl, v_cur = nl2, v2
-                    swaps += 1
-                    improved = True
-
-    def fitted():
-        return int(((cnt > 0) & (np.arange(N)[None, :] != ssrc[:, None])).sum())
+    cnt = np.zeros((Ts, N), dtype=np.float32)  # single-node picks of each token on each node
+    # pairs of single-node picks of one token (i < j positions): (token, expert, expert)
+    single_pick = valid & ~every[np.where(valid, sid, 0)]  # [Ts, k]
+    iu, ju = np.triu_indices(sid.shape[1], 1)
+    both_ok = single_pick[:, iu] & single_pick[:, ju]  # [Ts, k(k-1)/2]
+    pt = np.broadcast_to(np.arange(Ts)[:, None], both_ok.shape)[both_ok]
+    pe, pf = sid[:, iu][both_ok], sid[:, ju][both_ok]
+    pair_key = pe * E + pf
 
     def recount():
         nonlocal cnt
-        pick = np.where(valid & ~every[np.where(valid, sid, 0)], node_of[np.where(valid, sid, 0)], -1)
-        c = np.zeros((sid.shape[0], N + 1), dtype=np.int16)
-        np.add.at(c, (np.repeat(np.arange(sid.shape[0])[:, None], sid.shape[1], axis=1), pick + 1), 1)
-        cnt = c[:, 1:]
+        on = np.zeros((E, N), dtype=np.float32)
+        on[single, node_of[single]] = 1.0
+        cnt = X @ on
 
+    def contrib(load):
+        """Violation of node loads ``load [V, ...]`` (summed over views)."""
+        lv = lim.reshape((-1,) + (1,) * (load.ndim - 1))
+        return (wts.reshape(lv.shape) * np.maximum(load - lv, 0.0) / wmean.reshape(lv.shape)).sum(axis=0)
+
+    def step():
+        """Apply the best improving move or swap (feasibility first, then remote nodes); False if none."""
+        nonlocal v_cur, swaps
+        z0 = ((cnt == 0) * notsrc).astype(np.float32)  # [Ts, N] node not reached (and not own)
+        z1 = ((cnt == 1) * notsrc).astype(np.float32)  # [Ts, N] node reached by exactly one pick
+        g0, g1 = X.T @ z0, X.T @ z1  # [E, N]
+        # tokens picking both e and f: their terms of the two single moves cancel when e and f trade
+        # nodes; kp[e, f] = sum over such tokens of z1 at both nodes (the swap correction)
+        kp = np.bincount(pair_key, weights=z1[pt, node_of[pe]] + z1[pt, node_of[pf]], minlength=E * E).reshape(E, E)
+        kp = kp + kp.T
+        a_all = np.maximum(node_of, 0)
+        move = g0 - g1[np.arange(E), a_all][:, None]  # [E, N] remote-node change of moving e to node b
+        c_now = contrib(nl)  # [N]
+        best = (-1e-12, None)
+        for b in range(N):  # plain moves into node b
+            es = single[(node_of[single] != b) & (used[b] + r[single] <= cap_slots)]
+            if es.size == 0:
+                continue
+            a = node_of[es]
+            dv = contrib(nl[:, a] - wl[:, es]) + contrib(nl[:, b:b + 1] + wl[:, es]) - c_now[a] - c_now[b]
+            key = np.where(dv <= 1e-12, dv * 1e6 + move[es, b] * scale, np.inf)
+            i = int(key.argmin())
+            if key[i] < best[0]:
+                best = (float(key[i]), ("move", int(es[i]), -1, b))
+        for a in range(N):  # swaps between nodes a < b
+            ea = single[node_of[single] == a]
+            if ea.size == 0:
+                continue
+            for b in range(a + 1, N):
+                fb = single[node_of[single] == b]
+                if fb.size == 0:
+                    continue
+                dl = wl[:, fb][:, None, :] - wl[:, ea][:, :, None]  # [V, na, nb] load change of node a
+                dv = (contrib(nl[:, a][:, None, None] + dl) + contrib(nl[:, b][:, None, None] - dl)
+                      - c_now[a] - c_now[b])
+                d = move[ea, b][:, None] + move[fb, a][None, :] + kp[np.ix_(ea, fb)]
+                key = np.where((dv <= 1e-12) & (r[ea][:, None] == r[fb][None, :]), dv * 1e6 + d * scale, np.inf)
+                i, j = np.unravel_index(int(key.argmin()), key.shape)
+                if key[i, j] < best[0]:
+                    best = (float(key[i, j]), ("swap", int(ea[i]), int(fb[j]), b))
+        if best[1] is None:
+            return False
+        kind, e, f, b = best[1]
+        a = int(node_of[e])
+        relocate(e, a, b)
+        if kind == "swap":
+            relocate(f, b, a)
+        v_cur = viol(nl)
+        swaps += 1
+        return True
+
+    def relocate(e, a, b):
+        """Move single-node expert ``e`` from node ``a`` to ``b`` (all state)."""
+        node_of[e] = b
+        used[a] -= r[e]
+        used[b] += r[e]
+        nl[:, a] -= wl[:, e]
+        nl[:, b] += wl[:, e]
+        cnt[:, a] -= X[:, e]
+        cnt[:, b] += X[:, e]
+
+    def descend():
+        nonlocal rounds
+        rounds += 1
+        while time.perf_counter() < deadline and step():
+            pass
+
+    def fitted():
+        return float(((cnt > 0) * notsrc).sum())
+
+    recount()
+    v_cur = viol(nl)
     descend()
     # iterated local search: perturb the best layout by a few random swaps of equal-size experts on
     # different nodes, descend again, keep the result if it is no less feasible and has fewer remote nodes
@@ -312,10 +325,8 @@ def partition_nodes(
         for _ in range(int(rng.integers(2, 6))):
             a_e, b_e = rng.choice(single, 2, replace=False)
             if node_of[a_e] != node_of[b_e] and r[a_e] == r[b_e]:
-                na, nb = node_of[a_e], node_of[b_e]
-                node_of[a_e], node_of[b_e] = nb, na
-                nl[:, na] += wl[:, b_e] - wl[:, a_e]
-                nl[:, nb] += wl[:, a_e] - wl[:, b_e]
+                node_of[a_e], node_of[b_e] = node_of[b_e], node_of[a_e]
+        used, nl = rebuild(node_of)
         recount()
         v_cur = viol(nl)
         descend()
@@ -325,11 +336,7 @@ def partition_nodes(
             kept += 1
         else:
             node_of = best[2].copy()
-            used = np.zeros(N, dtype=np.int64)
-            np.add.at(used, node_of[single], r[single])
-            nl = base.copy()
-            for e in single:
-                nl[:, node_of[e]] += wl[:, e]
+            used, nl = rebuild(node_of)
             v_cur = viol(nl)
             recount()
     info = {"rounds": rounds, "swaps": swaps, "violation": v_cur, "kicks": kicks, "kicks_kept": kept,

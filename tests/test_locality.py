@@ -141,8 +141,11 @@ def test_replicated_invariants_on_real_slice(deepseek_slice):
         assert np.all(homes[np.argsort(-fit.counts()[l], kind="stable")[:h]] == N)
         assert lr.extra["node_load_ratio_fit"] <= 1 + slack + 1e-9  # node partition met the cap
     # reported objective = the metric's fitted remote nodes (every replica set is one node or all nodes,
-    # so the runtime's replica choice cannot change which nodes a token reaches)
-    comm = communication(pl, fit, "local")["remote_nodes_per_token"]
+    # so the runtime's replica choice cannot change which nodes a token reaches), with the sources the
+    # solver fits with: the slice's prompts were dealt round-robin, so it deals tokens instead
+    assert "fitted with tokens round-robin" in rep.params["source_ranks"]
+    src = np.arange(fit.num_tokens) % topo.ep_size
+    comm = communication(pl, fit, "local", src=src)["remote_nodes_per_token"]
     assert np.mean([lr.objective for lr in rep.layers]) == pytest.approx(comm, rel=1e-9)
 
 
@@ -239,3 +242,62 @@ def test_bad_input_is_a_clear_error(deepseek_slice):
     counts_only = RoutingTrace(num_logical_experts=64, window_counts=fit.counts()[None])
     with pytest.raises(ValueError, match="per-token"):
         solve_locality(counts_only, topo)
+
+
+def test_partition_descent_ends_at_a_local_optimum():
+    """No single move or equal-size swap improves the descent's result (checked by brute force)."""
+    rng = np.random.default_rng(5)
+    E, N, T, k = 12, 3, 400, 3
+    # tokens prefer one of three groups of experts, so moves and swaps matter
+    grp = rng.integers(3, size=T)
+    ids = np.stack([rng.choice(np.arange(4) + 4 * g if rng.random() < 0.7 else np.arange(E), size=k, replace=False)
+                    for g in grp]).astype(np.int64)
+    src_node = rng.integers(N, size=T).astype(np.int64)
+    src = np.zeros((1, N, E))
+    np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape), ids), 1.0)
+    load = src.sum(axis=1)
+    every = np.zeros(E, dtype=bool)
+    every[int(load[0].argmax())] = True
+    r = np.where(every, N, 1)
+    slack, slots = 0.15, 5
+    node_of, info = partition_nodes(ids, src_node, every, r, load, src, N, slots, slack, 30.0, seed=0,
+                                    sample=T, perturb=False)
+    assert info["violation"] == 0.0
+    single = np.flatnonzero(~every)
+    base = (src[0] * every[None, :]).sum(axis=1)
+    cap = (1 + slack) * load[0].sum() / N
+
+    def feasible(no):
+        nl = base + np.bincount(no[single], weights=load[0, single], minlength=N)
+        return nl.max() <= cap + 1e-9 and np.bincount(no[single], minlength=N).max() <= slots - 1
+
+    def cost(no):
+        return remote_nodes_fit(no, every, ids, src_node, N).sum()
+
+    best = cost(node_of)
+    for e in single:
+        for b in range(N):
+            if b == node_of[e]:
+                continue
+            moved = node_of.copy()
+            moved[e] = b
+            if feasible(moved):
+                assert cost(moved) >= best - 1e-9
+            for f in single[node_of[single] == b]:
+                sw = node_of.copy()
+                sw[e], sw[f] = b, node_of[e]
+                if feasible(sw):
+                    assert cost(sw) >= best - 1e-9
+
+
+def test_fit_sources_deal_tokens_when_prompts_were_dealt():
+    from solver.locality import _fit_sources
+
+    src = np.repeat(np.arange(5) % 4, [10, 1, 1, 1, 30])  # prompts dealt round-robin: rank shares uneven
+    out, how = _fit_sources(src, "round-robin by prompt", "auto", 4)
+    assert np.bincount(out, minlength=4).tolist() == [11, 11, 11, 10] and "tokens round-robin" in how
+    same, how2 = _fit_sources(src, "trace", "auto", 4)
+    assert same is src and how2 == "trace"
+    assert _fit_sources(src, "round-robin by prompt", "trace", 4)[0] is src
+    with pytest.raises(ValueError, match="source_model"):
+        _fit_sources(src, "trace", "sometimes", 4)
