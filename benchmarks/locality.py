@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--method", default="replicated", choices=["replicated", "grouped"])
     ap.add_argument("--everywhere", nargs="*", type=int, default=None,
                     help="num_everywhere values to sweep (method replicated; default: the solver's default)")
-    ap.add_argument("--gpu-slack", type=float, default=0.015,
-                    help="GPU peak cap: (1 + X) x greedy's peak per fit view (default 0.015)")
+    ap.add_argument("--gpu-slack", type=float, default=None,
+                    help="GPU peak cap: (1 + X) x greedy's peak per fit view (default: the solver's)")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
@@ -84,7 +84,9 @@ def main(argv=None) -> int:
             if args.method == "grouped":
                 opts["replica_headroom"] = args.headroom
             else:
-                opts.update(gpu_slack=args.gpu_slack, num_windows=args.windows)
+                opts.update(num_windows=args.windows)
+                if args.gpu_slack is not None:
+                    opts["gpu_slack"] = args.gpu_slack
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants)

@@ -211,6 +211,10 @@ def _solver_options(args) -> dict:
             opts["hidden_size"] = args.hidden_size
         if args.everywhere is not None:
             opts["num_everywhere"] = args.everywhere
+        if args.gpu_slack is not None:
+            opts["gpu_slack"] = args.gpu_slack
+        if args.source_model is not None:
+            opts["source_model"] = args.source_model
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -540,6 +544,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--balance-slack", type=float, default=0.02, help="locality: allowed node-load excess over the mean")
     p.add_argument("--everywhere", type=int, metavar="H",
                    help="locality: the H hottest experts get a replica on every node (default: chosen from the slots)")
+    p.add_argument("--gpu-slack", type=float, metavar="X",
+                   help="locality: GPU peaks at most (1 + X) x greedy's on the fit trace (default 0.05)")
+    p.add_argument("--source-model", choices=("auto", "trace", "uniform"),
+                   help="locality: attention-DP sources to fit with (auto: deal tokens round-robin when the trace "
+                        "has no source ranks and its prompts were dealt)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")
