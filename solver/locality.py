@@ -50,7 +50,7 @@ from solver.locality_partition import (
 )
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["DEFAULT_SLACKS", "coactivation_graph", "pack_node_gpus", "pareto", "solve_locality"]
+__all__ = ["DEFAULT_SLACKS", "coactivation_graph", "default_everywhere", "pack_node_gpus", "pareto", "solve_locality"]
 
 log = logging.getLogger(__name__)
 
@@ -300,13 +300,15 @@ def solve_locality(
             also rewards node balance in the swap search: objective ``remote_nodes + (max/mean - 1) / w``
             (``method="grouped"`` only).
         method: ``"replicated"`` (default, ``local`` policy only; :mod:`solver.locality_replicated`): the
-            ``num_everywhere`` hottest experts get a replica on every node, the rest one node each,
-            nodes packed exactly, then GPU peaks repaired against greedy's on every fit window.
+            ``num_everywhere`` experts get a replica on every node (the hottest, then traded for "hub"
+            experts where that cuts remote nodes), the rest one node each, nodes packed exactly, then
+            GPU peaks repaired against greedy's on every fit window.
             ``"grouped"``: the earlier scheme (greedy replica counts spread over nodes, co-activation
             grouping); also used for ``policy="even"``.
-        num_everywhere: experts replicated on every node (default ``round(R / ((N - 1) (1 + N / 2)))`` with
-            ``R`` redundant slots: 8 for R=16/N=2, 4 for R=32/N=4, 2 for R=64/N=8; each costs ``N - 1``
-            slots, and many nodes need the spare slots for splitting heavy experts inside a node).
+        num_everywhere: experts replicated on every node (each costs ``N - 1`` slots). Default: per layer,
+            :func:`default_everywhere` (as many as the slots allow after splitting heavy experts and a
+            packing margin); DeepSeek-V2-Lite gets 12 at ep16/2 nodes, 8 at ep32/4 nodes, 2-4 at
+            ep64/8 nodes.
         num_windows: consecutive prompt groups of the fit trace used as extra balance views (node caps,
             GPU packing and repair). Default 1 (the fit total only): on DeepSeek-V2-Lite (8 layers, ep32 and
             ep64) 4 windows gave worse held-out PAR and more remote nodes, the packing fitting the
@@ -468,6 +470,33 @@ def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
     return (np.arange(T) * W // max(T, 1)).astype(np.int64)
 
 
+def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int,
+                       margin: float = 0.25) -> int:
+    """Default number of everywhere experts of one layer: the most the spare slots can pay for.
+
+    Each everywhere expert costs ``N - 1`` slots. The spare slots ``R = P - E`` must also pay for splitting
+    every single-node expert heavier than a GPU's mean load ``g = sum(load) / G`` into
+    ``ceil(load / g)`` replicas on its node, plus ``margin x G`` slots left for the exact packing. Returns
+    the largest ``h`` (hottest first) with ``(N - 1) h + splits(h) + margin G <= R``, 0 if none.
+
+    Args:
+        load: float64 ``[E]`` fitted picks per expert.
+    """
+    w = np.asarray(load, dtype=np.float64)
+    E, N, m = w.size, int(num_nodes), int(gpus_per_node)
+    G, R = N * m, int(num_slots) - w.size
+    if N < 2 or w.sum() <= 0:
+        return 0
+    g = w.sum() / G
+    order = np.argsort(-w, kind="stable")
+    best = 0
+    for h in range(0, min(R // (N - 1), E) + 1):
+        splits = np.maximum(np.ceil(w[order[h:]] / g - 1e-9) - 1, 0).sum()
+        if (N - 1) * h + splits + margin * G <= R:
+            best = h
+    return best
+
+
 def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.
 
@@ -499,13 +528,10 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     if int(num_windows) < 1:
         raise ValueError(f"num_windows must be >= 1, got {num_windows}")
     h_max = (P - E) // (N - 1) if N > 1 else E
-    if num_everywhere is None:
-        h = round((P - E) / ((N - 1) * (1 + N / 2))) if N > 1 else 0
-        h = min(h, h_max)
-    else:
+    if num_everywhere is not None:
         h = int(num_everywhere)
-    if h < 0 or h > h_max:
-        raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
+        if h < 0 or h > h_max:
+            raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
     src, how = _fit_sources(src, how, source_model, G)
     src_node = src // m
@@ -524,11 +550,13 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     per_layer = max(float(time_limit), 0.0) / max(L, 1)
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
+    hs = [int(num_everywhere) if num_everywhere is not None else default_everywhere(load[l], P, N, m)
+          for l in range(L)]
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)
         row, info = solve_replicated_layer(
-            ids, src_node, win, W, E, topology, h, balance_slack, 0.6 * per_layer, seed=seed + l,
+            ids, src_node, win, W, E, topology, hs[l], balance_slack, 0.6 * per_layer, seed=seed + l,
             window_slack=window_slack, pack_time=0.2 * per_layer / N, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
             repair_time=0.2 * per_layer, single_margin=single_margin,
         )
@@ -544,13 +572,16 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             mean_load=float(load[l].sum() / G), extra=info,
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
-              "method": "replicated", "num_everywhere": h, "num_windows": W, "window_slack": window_slack,
+              "method": "replicated",
+              "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
+              "num_windows": W, "window_slack": window_slack,
               "gpu_slack": gpu_slack, "single_margin": single_margin,
               "source_model": source_model, "hidden_size": hidden_size, "source_ranks": how}
     placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
     g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
     comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)
-    fitted = (f"method replicated: {h} experts on every node; fitted remote_nodes_per_token "
+    h_txt = str(hs[0]) if len(set(hs)) == 1 else f"{min(hs)}-{max(hs)} (per layer)"
+    fitted = (f"method replicated: {h_txt} experts on every node; fitted remote_nodes_per_token "
               f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}")
     notes = [f"source ranks: {how}", fitted]
     if hidden_size is not None:

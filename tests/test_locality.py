@@ -13,7 +13,15 @@ from solver.api import solve
 from solver.greedy import greedy_placement
 from solver.locality import pack_node_gpus, solve_locality
 from solver.locality_partition import LayerProblem, expected_remote_nodes
-from solver.locality_replicated import _pack_peak, pack_node_exact, partition_nodes, remote_nodes_fit, replicated_counts
+from solver.locality_replicated import (
+    _pack_peak,
+    choose_everywhere,
+    everywhere_trades,
+    pack_node_exact,
+    partition_nodes,
+    remote_nodes_fit,
+    replicated_counts,
+)
 
 
 def _two_cluster_trace(num_tokens=800, seed=0):
@@ -137,8 +145,9 @@ def test_replicated_invariants_on_real_slice(deepseek_slice):
         homes = on_node.sum(axis=1)
         assert set(homes.tolist()) <= {1, N}  # on one node or on all
         assert int((homes == N).sum()) >= h  # the everywhere experts (a split may add none elsewhere)
-        # the hottest h experts are the everywhere ones
-        assert np.all(homes[np.argsort(-fit.counts()[l], kind="stable")[:h]] == N)
+        # the hottest h experts are the everywhere ones unless role trades swapped some for hubs
+        if lr.extra["role_trades"] == 0:
+            assert np.all(homes[np.argsort(-fit.counts()[l], kind="stable")[:h]] == N)
         assert lr.extra["node_load_ratio_fit"] <= 1 + slack + 1e-9  # node partition met the cap
     # reported objective = the metric's fitted remote nodes (every replica set is one node or all nodes,
     # so the runtime's replica choice cannot change which nodes a token reaches), with the sources the
@@ -224,12 +233,12 @@ def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
             / communication(g, held, "local")["remote_nodes_per_token"],
             balance_stats(trace_gpu_load(pl, held, "local"))["par"] / balance_stats(trace_gpu_load(g, held, "local"))["par"],
         )
-    # Held-out on this small slice with 4 s in all: measured 0.76x greedy's remote nodes at 1.03x (ep32)
-    # and 0.76x at 1.01x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
-    # regressions; the 0.70 / 1.02 target is not met (see benchmarks/locality.py).
+    # Held-out on this small slice with 4 s in all: measured 0.73x greedy's remote nodes at 1.00x (ep32)
+    # and 0.75x at 1.02x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
+    # regressions; the full-trace figures are in benchmarks/locality.py.
     for ep, (nodes_x, par_x) in out.items():
-        assert nodes_x <= 0.86, (ep, nodes_x, par_x)
-        assert par_x <= (1.05 if ep == 32 else 1.12), (ep, nodes_x, par_x)
+        assert nodes_x <= 0.82, (ep, nodes_x, par_x)
+        assert par_x <= 1.06, (ep, nodes_x, par_x)
 
 
 def test_bad_input_is_a_clear_error(deepseek_slice):
@@ -301,3 +310,96 @@ def test_fit_sources_deal_tokens_when_prompts_were_dealt():
     assert _fit_sources(src, "round-robin by prompt", "trace", 4)[0] is src
     with pytest.raises(ValueError, match="source_model"):
         _fit_sources(src, "trace", "sometimes", 4)
+
+
+def test_everywhere_trade_moves_the_hub_and_its_gain_is_exact():
+    # 2 nodes; expert 0 is everywhere but fires only with 1 (node 0); expert 2 (node 1) is a hub that
+    # fires with 3 (node 0) and with 4 (node 1)
+    ids = np.array([[0, 1]] * 6 + [[2, 3]] * 5 + [[2, 4]] * 3, dtype=np.int64)
+    src_node = np.array([1] * 6 + [0] * 5 + [0] * 3, dtype=np.int64)
+    every = np.array([True, False, False, False, False])
+    node_of = np.array([-1, 0, 1, 0, 1])
+    trades = everywhere_trades(ids, src_node, every, node_of, 2)
+    gain, x, e = trades[0]
+    assert (x, e) == (0, 2)
+    # the [2, 3] tokens from node 0 stop reaching node 1; expert 0 on node 1 adds nothing (its tokens
+    # come from node 1)
+    assert gain == pytest.approx(5 / 14)
+    before = remote_nodes_fit(node_of, every, ids, src_node, 2).mean()
+    ev2 = np.array([False, False, True, False, False])
+    after = remote_nodes_fit(np.array([1, 0, -1, 0, 1]), ev2, ids, src_node, 2).mean()
+    assert before - after == pytest.approx(gain)
+
+
+def test_choose_everywhere_never_worse_and_keeps_h(deepseek_slice):
+    fit, _ = deepseek_slice
+    N, P, m, h, slack = 4, 96, 8, 8, 0.02
+    ids = fit.topk_ids[:, 2, :].astype(np.int64)
+    src_node = (np.arange(ids.shape[0]) % 32) // m
+    E = 64
+    src = np.zeros((1, N, E))
+    ok = ids >= 0
+    np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape)[ok], ids[ok]), 1.0)
+    every, _ = replicated_counts(src.sum(axis=1)[0], P, N, m, h)
+    part = {"win_load": src.sum(axis=1), "win_src": src, "num_nodes": N, "slots_per_node": P // N,
+            "slack": slack, "seed": 0, "single_margin": 0}
+    node0, info0 = partition_nodes(ids, src_node, every, np.where(every, N, 1), time_limit=1.0, **part)
+    rn0 = remote_nodes_fit(node0, every, ids, src_node, N).mean()
+    ev, node_of, info = choose_everywhere(ids, src_node, every, part, 2.5)
+    assert int(ev.sum()) == h and np.all(node_of[ev] == -1) and set(node_of[~ev].tolist()) <= set(range(N))
+    assert np.bincount(node_of[~ev], minlength=N).max() <= -(-int((~ev).sum()) // N)
+    assert info["violation"] <= info0["violation"] + 1e-12
+    rn = remote_nodes_fit(node_of, ev, ids, src_node, N).mean()
+    # the start gets 40% of the time, so compare against a start given as long: the trades and polish
+    # must at least not lose what the start found (a 1% allowance for the shorter start search)
+    assert rn <= rn0 * 1.01
+
+
+def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deepseek_slice):
+    from solver.locality_replicated import gpu_repair, solve_replicated_layer
+
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 32, 32, 4)
+    N, m, E = 4, 8, 64
+    ids = fit.topk_ids[:, 0, :].astype(np.int64)
+    src_node = (np.arange(ids.shape[0]) % 32) // m
+    win = np.zeros(ids.shape[0], dtype=np.int64)
+    row, _ = solve_replicated_layer(ids, src_node, win, 1, E, topo, 8, 0.02, 1.0, seed=0, pack_time=0.05,
+                                    role_swaps=False)
+    on_node = np.zeros((E, N), dtype=bool)
+    on_node[row, topo.node_of_slot] = True
+    every = on_node.all(axis=1)
+    src = np.zeros((1, N, E))
+    ok = ids >= 0
+    np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape)[ok], ids[ok]), 1.0)
+    load = src.sum(axis=1)
+    # a cap 3% under the current peak forces repair steps
+    rn = np.zeros((N, E))
+    np.add.at(rn, (topo.node_of_slot, row), 1)
+    per = np.where(every[None, :], src[0], load)[topo.node_of_slot, row] / rn[topo.node_of_slot, row]
+    peak = np.bincount(topo.gpu_of_slot, weights=per, minlength=32).max()
+    row2, info = gpu_repair(row, every, load, src, ids, src_node, topo, np.array([0.97 * peak]), 20.0, seed=0,
+                            sample=ids.shape[0])
+    assert info["repair_steps"] > 0 and info["excess_end"] < info["excess_start"]
+    assert sorted(set(row2.tolist())) == list(range(E))
+    assert all(len(set(g)) == topo.slots_per_gpu for g in row2.reshape(32, topo.slots_per_gpu))
+    on2 = np.zeros((E, N), dtype=bool)
+    on2[row2, topo.node_of_slot] = True
+    assert set(on2.sum(axis=1).tolist()) <= {1, N} and np.array_equal(on2.all(axis=1), every)
+    # the reported remote-node cost is the real change of the fitted remote nodes (all tokens sampled)
+    node_of = np.where(every, -1, on_node.argmax(axis=1))
+    node2 = np.where(every, -1, on2.argmax(axis=1))
+    before = remote_nodes_fit(node_of, every, ids, src_node, N).mean()
+    after = remote_nodes_fit(node2, every, ids, src_node, N).mean()
+    assert after - before == pytest.approx(info["repair_remote_cost"], abs=1e-9)
+
+
+def test_default_everywhere_pays_for_splits_first():
+    from solver.locality import default_everywhere
+
+    load = np.array([4.0, 1.0, 1.0, 1.0])  # GPU mean 7/4: expert 0 as a single-node expert needs 3 replicas
+    # 2 nodes x 2 GPUs, 4 spare slots: margin 1, every everywhere expert costs 1 -> 3 fit
+    assert default_everywhere(load, 8, 2, 2) == 3
+    # 2 spare slots: splitting expert 0 (2 slots) + margin leaves none; making it everywhere (1 slot) fits
+    assert default_everywhere(load, 6, 2, 2) == 1
+    assert default_everywhere(load, 8, 1, 4) == 0  # one node: nothing to gain
