@@ -633,25 +633,24 @@ def gpu_repair(
             peak = np.where(ok, top[:, j][:, None, None], peak)
         rest = np.where(np.isfinite(peak), peak, 0.0)
         new_peak = np.maximum(rest, np.maximum(gl[:, gp][:, :, None] - d, gl[:, gq][:, None, :] + d))
-        ex = (np.maximum(new_peak - cap[:, None, None], 0.0) / cap[:, None, None]).sum(axis=0)  # [np, P]
-        x, y = row[ps][:, None], row[None, :]
+        ex_pq = (np.maximum(new_peak - cap[:, None, None], 0.0) / cap[:, None, None]).sum(axis=0)  # [np, P]
+        x_p, y_q = row[ps][:, None], row[None, :]
         cross = slot_node[ps][:, None] != slot_node[None, :]
         has = np.zeros((G, E), dtype=bool)
         has[slot_gpu, row] = True
         single_rep = ~every & (rn.sum(axis=0) == 1)  # [E] movable across nodes
-        ok = (gq[None, :] != gp[:, None]) & (x != y) & (ex < cur - 1e-12)
-        ok &= np.where(cross, single_rep[x] & single_rep[y], ~has[gq[None, :], x] & ~has[gp[:, None], y])
+        ok = (gq[None, :] != gp[:, None]) & (x_p != y_q) & (ex_pq < cur - 1e-12)
+        ok &= np.where(cross, single_rep[x_p] & single_rep[y_q], ~has[gq[None, :], x_p] & ~has[gp[:, None], y_q])
         if ok.any():
-            cost = np.zeros(ok.shape)
+            cost_pq = np.zeros(ok.shape)
             if (ok & cross).any():
-                cost = np.where(cross, swap_costs()[x, y], 0.0)
-            key_cost = np.where(ok, cost, np.inf)
-            i, q = np.unravel_index(np.lexsort((ex.ravel(), key_cost.ravel()))[0], ok.shape)
-            p = int(ps[i])
+                cost_pq = np.where(cross, swap_costs()[x_p, y_q], 0.0)
+            key_cost = np.where(ok, cost_pq, np.inf)
+            ip, iq = np.unravel_index(np.lexsort((ex_pq.ravel(), key_cost.ravel()))[0], ok.shape)
             gl2 = gl.copy()
-            gl2[:, slot_gpu[p]] -= d[:, i, q]
-            gl2[:, slot_gpu[q]] += d[:, i, q]
-            best = ((float(key_cost[i, q]), float(ex[i, q])), p, int(q), gl2)
+            gl2[:, slot_gpu[ps[ip]]] -= d[:, ip, iq]
+            gl2[:, slot_gpu[iq]] += d[:, ip, iq]
+            best = ((float(key_cost[ip, iq]), float(ex_pq[ip, iq])), int(ps[ip]), int(iq), gl2)
         # zero-cost re-splits inside a node: a slot holding a second replica of x becomes a replica of y
         for n in np.unique(hot // m):
             slots_n = np.arange(n * m * S, (n + 1) * m * S)
