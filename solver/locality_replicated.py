@@ -105,6 +105,68 @@ def remote_nodes_fit(node_of: np.ndarray, every: np.ndarray, ids: np.ndarray, sr
     return hit[:, 1:].sum(axis=1).astype(np.float64)
 
 
+class _NodeReach:
+    """Which nodes a set of tokens reaches through its single-node picks, and the exact change in remote
+    nodes when single-node experts move or trade nodes (shared by the partition search, the GPU repair
+    and the everywhere trades).
+
+    ``X`` float32 ``[T, E]``: token picks expert (all experts); ``cnt`` float32 ``[T, N]``: picks of
+    single-node experts on each node; ``notsrc`` float32 ``[T, N]``: node is not the token's own;
+    ``pt, pe, pf``: every pair of single-node picks of one token (token, expert, expert).
+    """
+
+    def __init__(self, ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, node_of: np.ndarray,
+                 num_nodes: int):
+        T, k = ids.shape
+        self.E, self.N = every.size, int(num_nodes)
+        valid = ids >= 0
+        self.X = np.zeros((T, self.E), dtype=np.float32)
+        self.X[np.repeat(np.arange(T), k)[valid.ravel()], ids[valid]] = 1.0
+        single_pick = valid & ~every[np.where(valid, ids, 0)]  # [T, k]
+        iu, ju = np.triu_indices(k, 1)
+        both = single_pick[:, iu] & single_pick[:, ju]
+        self.pt = np.broadcast_to(np.arange(T)[:, None], both.shape)[both]
+        self.pe, self.pf = ids[:, iu][both], ids[:, ju][both]
+        self.notsrc = (np.arange(self.N)[None, :] != src_node[:, None]).astype(np.float32)
+        self.recount(node_of)
+
+    def recount(self, node_of: np.ndarray) -> None:
+        """Rebuild ``cnt`` from ``node_of`` int64 ``[E]`` (-1: everywhere)."""
+        on = np.zeros((self.E, self.N), dtype=np.float32)
+        single = np.flatnonzero(node_of >= 0)
+        on[single, node_of[single]] = 1.0
+        self.cnt = self.X @ on
+
+    def relocate(self, e: int, a: int, b: int) -> None:
+        """Single-node expert ``e`` moves from node ``a`` to ``b``."""
+        self.cnt[:, a] -= self.X[:, e]
+        self.cnt[:, b] += self.X[:, e]
+
+    def reach(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(z0, z1)`` float32 ``[T, N]``: remote node not reached / reached by exactly one pick."""
+        return (((self.cnt == 0) * self.notsrc).astype(np.float32),
+                ((self.cnt == 1) * self.notsrc).astype(np.float32))
+
+    def deltas(self, node_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Remote-node changes (token counts) under the current ``cnt``.
+
+        Returns ``(move [E, N], kp [E, E], z1 [T, N])``: ``move[e, b]`` for moving ``e`` alone to node
+        ``b``; trading ``e`` and ``f`` (on different nodes) changes by
+        ``move[e, node(f)] + move[f, node(e)] + kp[e, f]`` (for tokens picking both, the two single moves'
+        terms cancel: ``kp`` adds back z1 at both nodes). Rows of everywhere experts are meaningless.
+        """
+        z0, z1 = self.reach()
+        a_all = np.maximum(node_of, 0)
+        move = self.X.T @ z0 - (self.X.T @ z1)[np.arange(self.E), a_all][:, None]
+        w = z1[self.pt, a_all[self.pe]] + z1[self.pt, a_all[self.pf]]
+        kp = np.bincount(self.pe * self.E + self.pf, weights=w, minlength=self.E * self.E).reshape(self.E, self.E)
+        return move, kp + kp.T, z1
+
+    def remote(self) -> float:
+        """Remote nodes summed over the tokens."""
+        return float(((self.cnt > 0) * self.notsrc).sum())
+
+
 def partition_nodes(
     ids: np.ndarray,
     src_node: np.ndarray,
@@ -160,13 +222,10 @@ def partition_nodes(
     T = ids.shape[0]
     tok = np.sort(rng.choice(T, size=sample, replace=False)) if T > sample else np.arange(T)
     sid, ssrc = ids[tok], src_node[tok]
+    reach = _NodeReach(sid, ssrc, every, np.full(E, -1, dtype=np.int64), N)
     # pair weights among single-node experts (tokens that pick both)
-    valid = sid >= 0
-    onehot = np.zeros((sid.shape[0], E), dtype=np.float32)
-    rows = np.repeat(np.arange(sid.shape[0]), sid.shape[1])
-    onehot[rows[valid.ravel()], sid.ravel()[valid.ravel()]] = 1.0
-    onehot[:, every] = 0.0
-    coact = (onehot.T @ onehot).astype(np.float64)
+    xs = reach.X * ~every[None, :]
+    coact = (xs.T @ xs).astype(np.float64)
     np.fill_diagonal(coact, 0.0)
     # windows plus the fit total (row 0) for the balance constraint
     tot_load = win_load.sum(axis=0, keepdims=True)
@@ -219,26 +278,9 @@ def partition_nodes(
         nl[:, n] += wl[:, e]
     # --- local search on the token sample: every plain move and every swap of two equal-size experts
     # on different nodes is scored at once with a few matrix products; the best improving one is applied
-    X = onehot  # float32 [Ts, E]: token picks single-node expert e (everywhere columns are zero)
-    Ts = X.shape[0]
-    notsrc = (np.arange(N)[None, :] != ssrc[:, None]).astype(np.float32)  # [Ts, N]
-    scale = 1.0 / max(Ts, 1)
+    scale = 1.0 / max(sid.shape[0], 1)
     deadline = time.perf_counter() + max(float(time_limit), 0.0)
     rounds = swaps = 0
-    cnt = np.zeros((Ts, N), dtype=np.float32)  # single-node picks of each token on each node
-    # pairs of single-node picks of one token (i < j positions): (token, expert, expert)
-    single_pick = valid & ~every[np.where(valid, sid, 0)]  # [Ts, k]
-    iu, ju = np.triu_indices(sid.shape[1], 1)
-    both_ok = single_pick[:, iu] & single_pick[:, ju]  # [Ts, k(k-1)/2]
-    pt = np.broadcast_to(np.arange(Ts)[:, None], both_ok.shape)[both_ok]
-    pe, pf = sid[:, iu][both_ok], sid[:, ju][both_ok]
-    pair_key = pe * E + pf
-
-    def recount():
-        nonlocal cnt
-        on = np.zeros((E, N), dtype=np.float32)
-        on[single, node_of[single]] = 1.0
-        cnt = X @ on
 
     def contrib(load):
         """Violation of node loads ``load [V, ...]`` (summed over views)."""
@@ -248,15 +290,7 @@ def partition_nodes(
     def step():
         """Apply the best improving move or swap (feasibility first, then remote nodes); False if none."""
         nonlocal v_cur, swaps
-        z0 = ((cnt == 0) * notsrc).astype(np.float32)  # [Ts, N] node not reached (and not own)
-        z1 = ((cnt == 1) * notsrc).astype(np.float32)  # [Ts, N] node reached by exactly one pick
-        g0, g1 = X.T @ z0, X.T @ z1  # [E, N]
-        # tokens picking both e and f: their terms of the two single moves cancel when e and f trade
-        # nodes; kp[e, f] = sum over such tokens of z1 at both nodes (the swap correction)
-        kp = np.bincount(pair_key, weights=z1[pt, node_of[pe]] + z1[pt, node_of[pf]], minlength=E * E).reshape(E, E)
-        kp = kp + kp.T
-        a_all = np.maximum(node_of, 0)
-        move = g0 - g1[np.arange(E), a_all][:, None]  # [E, N] remote-node change of moving e to node b
+        move, kp, _ = reach.deltas(node_of)  # [E, N], [E, E]
         c_now = contrib(nl)  # [N]
         best = (-1e-12, None)
         for b in range(N):  # plain moves into node b
@@ -303,8 +337,7 @@ def partition_nodes(
         used[b] += r[e]
         nl[:, a] -= wl[:, e]
         nl[:, b] += wl[:, e]
-        cnt[:, a] -= X[:, e]
-        cnt[:, b] += X[:, e]
+        reach.relocate(e, a, b)
 
     def descend():
         nonlocal rounds
@@ -313,7 +346,10 @@ def partition_nodes(
             pass
 
     def fitted():
-        return float(((cnt > 0) * notsrc).sum())
+        return reach.remote()
+
+    def recount():
+        reach.recount(node_of)
 
     recount()
     v_cur = viol(nl)
@@ -364,18 +400,10 @@ def everywhere_trades(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
         ids: int64 ``[T, k]`` picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``;
             node_of: int64 ``[E]`` (node of each single-node expert).
     """
-    N, E = int(num_nodes), every.size
-    T, k = ids.shape
-    valid = ids >= 0
-    X = np.zeros((T, E), dtype=np.float32)
-    X[np.repeat(np.arange(T), k)[valid.ravel()], ids[valid]] = 1.0
-    on = np.zeros((E, N), dtype=np.float32)
+    reach = _NodeReach(ids, src_node, every, node_of, num_nodes)
+    X, T = reach.X, ids.shape[0]
     single = np.flatnonzero(~every)
-    on[single, node_of[single]] = 1.0
-    cnt = X @ on  # [T, N] single-node picks of each token on each node
-    notsrc = np.arange(N)[None, :] != src_node[:, None]
-    z1 = ((cnt == 1) & notsrc).astype(np.float32)
-    z0 = ((cnt == 0) & notsrc).astype(np.float32)
+    z0, z1 = reach.reach()
     only = X[:, single] * z1[:, node_of[single]]  # [T, n_single] e is the token's only pick on e's node
     save = only.sum(axis=0)  # [n_single] tokens that stop reaching e's node
     xs = np.flatnonzero(every)
@@ -583,32 +611,13 @@ def gpu_repair(
     T = ids.shape[0]
     tok = np.sort(rng.choice(T, size=sample, replace=False)) if T > sample else np.arange(T)
     sid, ssrc = ids[tok], src_node[tok]
-    valid = sid >= 0
-    e0 = np.where(valid, sid, 0)
-    pick_node = np.where(valid & ~every[e0], node_of[e0], -1)
-    cnt = np.zeros((sid.shape[0], N + 1), dtype=np.float32)
-    np.add.at(cnt, (np.repeat(np.arange(sid.shape[0])[:, None], sid.shape[1], axis=1), pick_node + 1), 1)
-    cnt = cnt[:, 1:]  # [Ts, N] single-node picks of each token on each node
-    Ts = sid.shape[0]
-    scale = 1.0 / max(Ts, 1)
-    # token-pick pairs for the exact remote-node change of a cross-node swap (as in partition_nodes)
-    X = np.zeros((Ts, E), dtype=np.float32)
-    X[np.repeat(np.arange(Ts), sid.shape[1])[valid.ravel()], sid[valid]] = 1.0
-    iu, ju = np.triu_indices(sid.shape[1], 1)
-    pair_ok = valid[:, iu] & valid[:, ju]
-    pt = np.broadcast_to(np.arange(Ts)[:, None], pair_ok.shape)[pair_ok]
-    pe, pf = sid[:, iu][pair_ok], sid[:, ju][pair_ok]
-    notsrc = (np.arange(N)[None, :] != ssrc[:, None]).astype(np.float32)
+    reach = _NodeReach(sid, ssrc, every, node_of, N)
+    scale = 1.0 / max(sid.shape[0], 1)
 
     def swap_costs():
         """Remote-node change per token ``[E, E]`` of trading the nodes of two single-node experts."""
-        z0 = ((cnt == 0) * notsrc).astype(np.float32)
-        z1 = ((cnt == 1) * notsrc).astype(np.float32)
+        move, kp, _ = reach.deltas(node_of)
         a_all = np.maximum(node_of, 0)
-        move = X.T @ z0 - (X.T @ z1)[np.arange(E), a_all][:, None]  # [E, N] move e to node b
-        pn_e, pn_f = np.maximum(node_of[pe], 0), np.maximum(node_of[pf], 0)
-        kp = np.bincount(pe * E + pf, weights=z1[pt, pn_e] + z1[pt, pn_f], minlength=E * E).reshape(E, E)
-        kp = kp + kp.T
         return (move[:, a_all].T + move[:, a_all] + kp) * scale  # [x, y]: x to y's node, y to x's node
 
     def excess(x):
@@ -693,8 +702,8 @@ def gpu_repair(
         x, y = row[p], row[q]
         a, b = slot_node[p], slot_node[q]
         if a != b:
-            cnt[:, a] += X[:, y] - X[:, x]
-            cnt[:, b] += X[:, x] - X[:, y]
+            reach.relocate(x, a, b)
+            reach.relocate(y, b, a)
             node_of[x], node_of[y] = b, a
             rn[a, x] -= 1
             rn[b, x] += 1
