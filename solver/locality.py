@@ -316,21 +316,18 @@ def solve_locality(
         window_slack: node-load cap on each window, ``(1 + window_slack) x`` that window's mean.
         gpu_slack: GPU peak cap on the fit total and every window: ``(1 + gpu_slack) x`` greedy's peak
             on the same view (0: no heavier than greedy where the search can reach it), both under the
-            sources the solver fits with (``source_model``). Default 0.05: on DeepSeek-V2-Lite (26 layers,
-            held-out, slack 0.02, 3 s per layer) ep32/4 nodes h=8 gave 0.747x greedy's remote nodes at 1.018x
-            its PAR with 0.015, 0.724x at 1.011x with 0.03, 0.715x at 1.014x with 0.05, 0.714x at 1.013x
-            with 0.1; ep64/8 nodes h=2 0.773x/1.027x (0.015), 0.759x/1.030x (0.05), 0.758x/1.030x (0.1).
+            sources the solver fits with (``source_model``). Default 0.05: with the fit sources dealt evenly
+            a tighter cap mostly forces cross-node swaps that cost remote nodes without lowering held-out
+            PAR; ``benchmarks/locality.py --gpu-slack X`` shows the trade-off.
         source_model: attention-DP sources the solver fits with (scoring always uses the trace's or the
             dealt ones, see :func:`placement.metrics.source_ranks`). ``"auto"`` (default): the trace's own
             ranks when it has them; when prompts were dealt round-robin (no ranks in the trace), tokens
             dealt round-robin instead, so every rank has its expected, equal share. Prompt lengths vary so
-            much that dealing prompts left DeepSeek-V2-Lite's 4 nodes with 19-31% of the fit tokens and
-            16-31% of the held-out tokens (different nodes high), and everywhere-replicated experts follow
-            those shares. Measured (ep32 h=8, 3 s per layer): fitting the dealt prompts 0.720x greedy's
-            remote nodes at 1.016x its held-out PAR (gpu_slack 0.015); dealing tokens 0.715x at 1.014x
-            (gpu_slack 0.05). The source-node imbalance also inflates greedy's fitted peak, which made the
-            GPU caps loose when fitted on dealt prompts. ``"trace"``: the scoring sources; ``"uniform"``:
-            always deal tokens.
+            much that dealt prompts leave nodes with very different token shares (the report's first note
+            prints the range: 19-31% on DeepSeek-V2-Lite's fit half at 4 nodes), unseen traffic deals
+            them differently, and everywhere-replicated experts follow those shares; the imbalance also
+            inflates greedy's fitted peak, which loosens the GPU caps. ``"trace"``: the scoring sources;
+            ``"uniform"``: always deal tokens.
         single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
             (None: only the slot limit); 0 keeps spare slots on every node for splitting its heavy experts.
 
@@ -497,20 +494,25 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
     return best
 
 
-def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int) -> tuple[np.ndarray, str]:
+def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
+                 gpus_per_node: int = 1) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.
 
     ``"auto"``: the trace's own ranks when it has them; when they were made up by dealing prompts
     round-robin, tokens round-robin instead. Prompt lengths vary a lot (one long conversation can hold
     a rank's tokens for the whole trace), so the dealt ranks' token shares are an accident of the fit
     trace that unseen traffic does not repeat; dealing tokens gives every rank its expected, equal share.
-    ``"trace"``: exactly the scoring ranks. ``"uniform"``: always tokens round-robin.
+    ``"trace"``: exactly the scoring ranks. ``"uniform"``: always tokens round-robin. The description
+    gives the range of the replaced sources' per-node token shares.
     """
     if source_model not in ("auto", "trace", "uniform"):
         raise ValueError(f"source_model must be 'auto', 'trace' or 'uniform', got {source_model!r}")
     if source_model == "trace" or (source_model == "auto" and how in ("trace", "round-robin by token")):
         return src, how
-    return np.arange(src.size, dtype=np.int64) % int(ep_size), f"{how}; fitted with tokens round-robin (equal shares)"
+    share = np.bincount(src // int(gpus_per_node), minlength=int(ep_size) // int(gpus_per_node)) / max(src.size, 1)
+    return (np.arange(src.size, dtype=np.int64) % int(ep_size),
+            f"{how} (node token shares {share.min():.0%}-{share.max():.0%}); fitted with tokens round-robin "
+            f"(equal shares)")
 
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
@@ -533,7 +535,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         if h < 0 or h > h_max:
             raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
-    src, how = _fit_sources(src, how, source_model, G)
+    src, how = _fit_sources(src, how, source_model, G, m)
     src_node = src // m
     win = _window_of_tokens(trace, num_windows)
     W = int(win.max()) + 1 if win.size else 1

@@ -197,8 +197,7 @@ def partition_nodes(
     ``perturb`` is set, by kicks: 2-5 random swaps of single-node experts on different nodes, a new
     descent, and the result kept only when its violation is no larger and its fitted remote nodes (on the
     token sample) are fewer; else the best layout is restored. So the result is never worse than the
-    first descent. On DeepSeek-V2-Lite (ep32) the kicks cut held-out remote nodes of the partition by
-    1-6% per layer in 8 s.
+    first descent.
 
 
     Args:
@@ -425,12 +424,10 @@ def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
     larger and its fitted remote nodes per token (all tokens) fewer. A hot expert that fires inside one
     cluster costs little as a single-node expert; an expert that fires with every cluster ("hub") saves
     many remote nodes everywhere. The rest of the time polishes the kept layout (kicks). Never worse
-    than the start on (violation, remote nodes). On DeepSeek-V2-Lite (ep32, h=8, 3 s per layer) the
-    trades cut fitted remote nodes of layers 3 and 20 by 2.4% and left layer 10 as it was.
+    than the start on (violation, remote nodes).
 
     ``max_single_load``: see :func:`everywhere_trades` (:func:`solve_replicated_layer` passes the mean
-    GPU load: at ep64 with 2 slots per GPU, trades that demoted hot experts raised held-out PAR from
-    1.02-1.03x to 1.05x greedy's).
+    GPU load: with 2 slots per GPU, demoting a hot expert leaves its node short of slots for splitting).
 
     Args:
         ids: int64 ``[T, k]``; src_node: int64 ``[T]``; every: bool ``[E]``; part: keyword arguments of

@@ -303,8 +303,9 @@ def test_fit_sources_deal_tokens_when_prompts_were_dealt():
     from solver.locality import _fit_sources
 
     src = np.repeat(np.arange(5) % 4, [10, 1, 1, 1, 30])  # prompts dealt round-robin: rank shares uneven
-    out, how = _fit_sources(src, "round-robin by prompt", "auto", 4)
+    out, how = _fit_sources(src, "round-robin by prompt", "auto", 4, 2)
     assert np.bincount(out, minlength=4).tolist() == [11, 11, 11, 10] and "tokens round-robin" in how
+    assert "node token shares 5%-95%" in how  # node 0 (ranks 0-1) holds 10 + 1 + 30 of the 43 tokens
     same, how2 = _fit_sources(src, "trace", "auto", 4)
     assert same is src and how2 == "trace"
     assert _fit_sources(src, "round-robin by prompt", "trace", 4)[0] is src
