@@ -57,6 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
+    ap.add_argument("--work-limit", type=int, default=None,
+                    help="bound each solve by counted search steps (reproducible on any machine) instead of time")
     ap.add_argument("--step-tokens", type=int, default=16, help="tokens per rank per step for step_par")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
                 opts.update(num_windows=args.windows)
                 if args.gpu_slack is not None:
                     opts["gpu_slack"] = args.gpu_slack
+                if args.work_limit is not None:
+                    opts["work_limit"] = args.work_limit
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants)

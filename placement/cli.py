@@ -215,6 +215,8 @@ def _solver_options(args) -> dict:
             opts["gpu_slack"] = args.gpu_slack
         if args.source_model is not None:
             opts["source_model"] = args.source_model
+        if args.work_limit is not None:
+            opts["work_limit"] = args.work_limit
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -549,6 +551,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--source-model", choices=("auto", "trace", "uniform"),
                    help="locality: attention-DP sources to fit with (auto: deal tokens round-robin when the trace "
                         "has no source ranks and its prompts were dealt)")
+    p.add_argument("--work-limit", type=int, metavar="STEPS",
+                   help="locality: bound the search by counted steps instead of --time-limit, so the same seed "
+                        "gives the same placement on any machine (a step is about 1-10 ms)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")

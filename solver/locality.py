@@ -37,6 +37,7 @@ from placement.model import Placement
 from placement.topology import Topology
 from profiling.coactivation import coactivation_counts
 from profiling.trace import RoutingTrace
+from solver.budget import Budget
 from solver.greedy import balanced_packing, greedy_placement, greedy_replica_counts
 from solver.locality_partition import (
     LayerProblem,
@@ -280,6 +281,7 @@ def solve_locality(
     gpu_slack: float = 0.05,
     single_margin: int | None = 0,
     source_model: str = "auto",
+    work_limit: int | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -328,6 +330,10 @@ def solve_locality(
             them differently, and everywhere-replicated experts follow those shares; the imbalance also
             inflates greedy's fitted peak, which loosens the GPU caps. ``"trace"``: the scoring sources;
             ``"uniform"``: always deal tokens.
+        work_limit: ``method="replicated"`` only: bound the searches by counted steps (about
+            ``work_limit / L`` per layer: partition scans, kicks, repair steps; CP-SAT by its deterministic
+            time) instead of ``time_limit``, so one seed gives one placement on any machine at any load.
+            A step costs about 1-10 ms (more experts and nodes: more); ``time_limit`` is then ignored.
         single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
             (None: only the slot limit); 0 keeps spare slots on every node for splitting its heavy experts.
 
@@ -348,12 +354,15 @@ def solve_locality(
         trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
     if method not in ("replicated", "grouped"):
         raise ValueError(f"method must be 'replicated' or 'grouped', got {method!r}")
+    if work_limit is not None and not (method == "replicated" and policy == "local"):
+        raise ValueError(f"work_limit applies to method='replicated' with policy='local' only (got method={method!r}, "
+                         f"policy={policy!r}); use time_limit")
     if method == "replicated" and policy == "local":
         return _solve_replicated(trace, topology, balance_slack=balance_slack, time_limit=time_limit, seed=seed,
                                  num_everywhere=num_everywhere, num_windows=num_windows,
                                  window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
                                  single_margin=single_margin,
-                                 source_model=source_model)
+                                 source_model=source_model, work_limit=work_limit)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -517,7 +526,7 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
                       window_slack, gpu_slack, hidden_size, t0, single_margin,
-                      source_model) -> tuple[Placement, SolveReport]:
+                      source_model, work_limit=None) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -529,6 +538,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         raise ValueError(f"gpu_slack must be in (-0.5, 10], got {gpu_slack}")
     if int(num_windows) < 1:
         raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+    if work_limit is not None and int(work_limit) < 1:
+        raise ValueError(f"work_limit must be >= 1 search steps (or None to use time_limit), got {work_limit}")
     h_max = (P - E) // (N - 1) if N > 1 else E
     if num_everywhere is not None:
         h = int(num_everywhere)
@@ -557,10 +568,15 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)
+        if work_limit is None:  # seconds
+            b_part, b_pack, b_rep = 0.6 * per_layer, 0.2 * per_layer / N, 0.2 * per_layer
+        else:  # counted steps: the same placement on any machine
+            wl = int(work_limit) / max(L, 1)
+            b_part, b_pack, b_rep = (Budget(0.0, max(int(round(f * wl)), 1)) for f in (0.6, 0.2 / N, 0.2))
         row, info = solve_replicated_layer(
-            ids, src_node, win, W, E, topology, hs[l], balance_slack, 0.6 * per_layer, seed=seed + l,
-            window_slack=window_slack, pack_time=0.2 * per_layer / N, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
-            repair_time=0.2 * per_layer, single_margin=single_margin,
+            ids, src_node, win, W, E, topology, hs[l], balance_slack, b_part, seed=seed + l,
+            window_slack=window_slack, pack_time=b_pack, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
+            repair_time=b_rep, single_margin=single_margin,
         )
         rows[l] = row
         on_node = np.zeros((E, N), dtype=bool)
@@ -574,7 +590,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             mean_load=float(load[l].sum() / G), extra=info,
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
-              "method": "replicated",
+              "work_limit": work_limit, "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,
               "gpu_slack": gpu_slack, "single_margin": single_margin,

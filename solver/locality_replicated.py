@@ -32,9 +32,9 @@ deterministic replica choice.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
+
+from solver.budget import Budget, as_budget
 
 __all__ = [
     "gpu_repair",
@@ -177,7 +177,7 @@ def partition_nodes(
     num_nodes: int,
     slots_per_node: int,
     slack: float,
-    time_limit: float,
+    time_limit: float | Budget,
     seed: int = 0,
     sample: int = 20000,
     window_weight: float = 1.0,
@@ -278,7 +278,7 @@ def partition_nodes(
     # --- local search on the token sample: every plain move and every swap of two equal-size experts
     # on different nodes is scored at once with a few matrix products; the best improving one is applied
     scale = 1.0 / max(sid.shape[0], 1)
-    deadline = time.perf_counter() + max(float(time_limit), 0.0)
+    budget = as_budget(time_limit)
     rounds = swaps = 0
 
     def contrib(load):
@@ -341,8 +341,8 @@ def partition_nodes(
     def descend():
         nonlocal rounds
         rounds += 1
-        while time.perf_counter() < deadline and step():
-            pass
+        while budget.ok() and step():
+            budget.tick()
 
     def fitted():
         return reach.remote()
@@ -357,7 +357,8 @@ def partition_nodes(
     # different nodes, descend again, keep the result if it is no less feasible and has fewer remote nodes
     best = (v_cur, fitted(), node_of.copy())
     kicks = kept = 0
-    while perturb and time.perf_counter() < deadline and single.size > 1:
+    while perturb and budget.ok() and single.size > 1:
+        budget.tick()  # a kick costs at least one step, even when its descent finds nothing
         kicks += 1
         for _ in range(int(rng.integers(2, 6))):
             a_e, b_e = rng.choice(single, 2, replace=False)
@@ -414,7 +415,7 @@ def everywhere_trades(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
     return sorted(out, reverse=True)
 
 
-def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, part: dict, time_limit: float,
+def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, part: dict, time_limit: float | Budget,
                       tries: int = 5, max_single_load: float = np.inf) -> tuple[np.ndarray, np.ndarray, dict]:
     """Node partition with the everywhere set chosen by the remote nodes it saves, not by load alone.
 
@@ -433,31 +434,36 @@ def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
         ids: int64 ``[T, k]``; src_node: int64 ``[T]``; every: bool ``[E]``; part: keyword arguments of
             :func:`partition_nodes` other than ``ids, src_node, every, r, time_limit``.
 
+    ``time_limit``: seconds, or a :class:`solver.budget.Budget` (a fixed number of steps: reproducible).
+
     Returns:
         ``(every bool [E], node_of int64 [E], info)``; info adds ``role_trades`` (kept) and ``role_tries``.
     """
     N = int(part["num_nodes"])
-    deadline = time.perf_counter() + max(float(time_limit), 0.0)
+    budget = as_budget(time_limit)
 
-    def run(ev, t, init=None, perturb=True):
+    def run(ev, b, init=None, perturb=True):
         r = np.where(ev, N, 1).astype(np.int64)
-        no, inf = partition_nodes(ids, src_node, ev, r, time_limit=t, init=init, perturb=perturb, **part)
+        no, inf = partition_nodes(ids, src_node, ev, r, time_limit=b, init=init, perturb=perturb, **part)
         return no, inf, float(remote_nodes_fit(no, ev, ids, src_node, N).mean())
 
-    node_of, info, rn = run(every, 0.4 * time_limit)
+    start = budget.part(0.4)
+    node_of, info, rn = run(every, start)
+    budget.tick(start.used)
     kept = tried = 0
-    while time.perf_counter() < deadline - 0.05 * time_limit:
+    while budget.left_fraction() > 0.05:
         better = False
         for _, x, e in everywhere_trades(ids, src_node, every, node_of, N, max_single_load)[:tries]:
-            left = deadline - time.perf_counter()
-            if left <= 0.05 * time_limit:
+            if budget.left_fraction() <= 0.05:
                 break
             ev2 = every.copy()
             ev2[x], ev2[e] = False, True
             init = node_of.copy()
             init[x], init[e] = node_of[e], -1
             tried += 1
-            no2, inf2, rn2 = run(ev2, min(left, 0.1 * time_limit), init=init, perturb=False)
+            trial = budget.part(min(0.1, budget.left_fraction()))
+            no2, inf2, rn2 = run(ev2, trial, init=init, perturb=False)
+            budget.tick(max(trial.used, 1))
             if inf2["violation"] <= info["violation"] + 1e-12 and rn2 < rn - 1e-12:
                 every, node_of, info, rn = ev2, no2, inf2, rn2
                 kept += 1
@@ -465,9 +471,9 @@ def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
                 break
         if not better:
             break
-    left = deadline - time.perf_counter()
-    if left > 0.05:
-        no2, inf2, rn2 = run(every, left, init=node_of)
+    polish = budget.rest()
+    if (polish.work or 0) > 0 or polish.seconds > 0.05:
+        no2, inf2, rn2 = run(every, polish, init=node_of)
         if inf2["violation"] <= info["violation"] + 1e-12 and rn2 <= rn:
             node_of, info, rn = no2, inf2, rn2
     info = {**info, "role_trades": kept, "role_tries": tried}
@@ -483,13 +489,13 @@ def solve_replicated_layer(
     topology,
     num_everywhere: int,
     slack: float,
-    time_limit: float,
+    time_limit: float | Budget,
     seed: int = 0,
     window_weight: float = 1.0,
-    pack_time: float = 0.0,
+    pack_time: float | Budget = 0.0,
     window_slack: float | None = None,
     gpu_cap: float | None = None,
-    repair_time: float = 1.0,
+    repair_time: float | Budget = 1.0,
     exact_pack: bool = True,
     single_margin: int | None = None,
     role_swaps: bool = True,
@@ -538,7 +544,8 @@ def solve_replicated_layer(
             score = np.where(rr < m, base[0] / rr, -np.inf)
             rr[int(score.argmax())] += 1
         items = np.repeat(np.arange(on_n.size), rr).astype(np.int64)
-        gpu = pack_node_gpus(items, np.repeat(base[0] / rr, rr), m, time_limit=0.0 if exact_pack else pack_time,
+        gpu = pack_node_gpus(items, np.repeat(base[0] / rr, rr), m,
+                             time_limit=0.0 if exact_pack else as_budget(pack_time).seconds,
                              seed=seed)
         slot_expert = np.stack([np.sort(items[gpu == gl]) for gl in range(m)])  # [m, S] local indices
         if exact_pack:
@@ -565,7 +572,7 @@ def gpu_repair(
     src_node: np.ndarray,
     topology,
     gpu_cap: np.ndarray,
-    time_limit: float,
+    time_limit: float | Budget,
     seed: int = 0,
     sample: int = 20000,
 ) -> tuple[np.ndarray, dict]:
@@ -620,11 +627,12 @@ def gpu_repair(
     def excess(x):
         return float((np.maximum(x.max(axis=1) - cap, 0.0) / cap).sum())
 
-    deadline = time.perf_counter() + max(float(time_limit), 0.0)
+    budget = as_budget(time_limit)
     steps, cost_sum = 0, 0.0
     start = excess(gl)
     cur = start
-    while cur > 0 and time.perf_counter() < deadline:
+    while cur > 0 and budget.ok():
+        budget.tick()
         hot = np.unique(gl.argmax(axis=1)[gl.max(axis=1) > cap])  # GPUs at a violated peak
         best = None
         # every swap of a slot p on a hot GPU with any slot q, scored at once
@@ -720,7 +728,7 @@ def pack_node_exact(
     base: np.ndarray,
     num_gpus: int,
     slots_per_gpu: int,
-    time_limit: float,
+    time_limit: float | Budget,
     seed: int = 0,
     max_split: int = 3,
     hint: tuple[np.ndarray, np.ndarray] | None = None,
@@ -775,7 +783,7 @@ def pack_node_exact(
                 for g in range(G):
                     model.add_hint(x[i][j][g], bool(hr[i] == j + 1 and np.any(hse[g] == i)))
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
+    as_budget(time_limit).cpsat(solver.parameters)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1
     st = solver.solve(model)

@@ -226,19 +226,44 @@ def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
     out = {}
     for ep, nodes, red in ((32, 4, 32), (64, 8, 64)):
         topo = Topology.from_redundant(64, red, ep, nodes)
-        pl, _ = solve("locality", trace=fit, topology=topo, time_limit=4.0, seed=0, options={"balance_slack": 0.02})
+        # a work budget, not seconds: the same placement on a loaded CI machine as here
+        pl, rep = solve("locality", trace=fit, topology=topo, seed=0, options={"balance_slack": 0.02, "work_limit": 800})
         g, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)
         out[ep] = (
             communication(pl, held, "local")["remote_nodes_per_token"]
             / communication(g, held, "local")["remote_nodes_per_token"],
             balance_stats(trace_gpu_load(pl, held, "local"))["par"] / balance_stats(trace_gpu_load(g, held, "local"))["par"],
         )
-    # Held-out on this small slice with 4 s in all: measured 0.73x greedy's remote nodes at 1.00x (ep32)
-    # and 0.75x at 1.02x (ep64) its PAR; the search is time-limited, so the bounds leave a margin. They guard
-    # regressions; the full-trace figures are in benchmarks/locality.py.
+        # on the fit trace, under the sources it fits with (tokens dealt round-robin), the repair holds every
+        # layer's GPU peak to (1 + gpu_slack) x greedy's unless the report says best effort
+        src = np.arange(fit.num_tokens) % ep
+        peak = trace_gpu_load(pl, fit, "local", src=src).max(axis=1)
+        g_peak = trace_gpu_load(g, fit, "local", src=src).max(axis=1)
+        capped = [i for i, lr in enumerate(rep.layers) if lr.extra["excess_end"] <= 1e-9]
+        assert capped, rep.notes
+        assert np.all(peak[capped] <= 1.05 * g_peak[capped] * (1 + 1e-9)), (ep, peak / g_peak)
+    # Held-out on this small slice (3 layers): measured 0.72x greedy's remote nodes at 1.01x its PAR (ep32)
+    # and 0.75x at 1.02x (ep64). Held-out PAR on 3 layers moves by several percent with the search's path
+    # (0.75x at 1.05x with 600 steps), so the bounds leave a margin; they guard regressions, and the
+    # full-trace figures are in benchmarks/locality.py.
     for ep, (nodes_x, par_x) in out.items():
-        assert nodes_x <= 0.82, (ep, nodes_x, par_x)
-        assert par_x <= 1.06, (ep, nodes_x, par_x)
+        assert nodes_x <= 0.80, (ep, nodes_x, par_x)
+        assert par_x <= 1.07, (ep, nodes_x, par_x)
+
+
+def test_work_limit_gives_the_same_placement_twice(deepseek_slice):
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 64, 64, 8)
+    one = fit.select_layers([0])
+    a, ra = solve_locality(one, topo, seed=3, work_limit=120)
+    b, rb = solve_locality(one, topo, seed=3, work_limit=120, time_limit=0.01)  # seconds are ignored
+    assert np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map)
+    assert ra.params["work_limit"] == 120
+    assert ra.layers[0].extra["kicks"] > 0  # the budget was spent on search, not on nothing
+    with pytest.raises(ValueError, match="work_limit"):
+        solve_locality(one, topo, work_limit=0)
+    with pytest.raises(ValueError, match="work_limit"):
+        solve_locality(one, topo, work_limit=10, method="grouped")
 
 
 def test_bad_input_is_a_clear_error(deepseek_slice):
