@@ -39,7 +39,7 @@ Determinism: with ``deterministic=True`` (default) every CP-SAT solve uses one w
 and a *deterministic-time* limit (CP-SAT's work units; half a unit per second of the layer's wall
 share, since units run about 2x slower than seconds on a loaded core) computed from ``time_limit``
 only; the local search and the neighbourhood search are bounded by iterations and rounds, not time.
-Two runs then return the same map, whatever the machine load, unless the wall-clock safety cap (1.5x
+Two runs then return the same map, whatever the machine load, unless the wall-clock safety cap (4x
 the per-layer share) cuts a solve short, which ``notes`` then reports. With ``deterministic=False`` solves use the wall clock.
 
 Decode objective (``objective="decode"``): in memory-bound decode a GPU's time per step is about
@@ -110,6 +110,7 @@ _EXACT_SCALE_LIMIT = 2**40  # largest scaled share for the exact lcm scaling
 _FIXED_POINT_TOTAL = 1e7  # total scaled load per window with fixed-point scaling
 _MAX_MODEL_TERMS = 60_000
 _FULL_MODEL_LIMIT = 8192  # E * G * W above which the joint model gives way to LNS + local search
+_SAFETY_CAP = 4.0  # deterministic mode: wall-clock cap, as a multiple of the layer's share
 _DET_FACTOR = 0.5  # deterministic-time units granted per wall second (they run ~2x slower on a loaded core)
 _LNS_ROUND_S = 0.08  # CP-SAT limit of one neighbourhood re-pack (deterministic units in deterministic mode)  # (expert, gpu, window) product terms before count ranges are narrowed
 
@@ -640,7 +641,7 @@ def _solve_cpsat(pb, incumbent, inc_value, objective, windows, P, seed, limit_s,
     build = time.perf_counter() - t0
     if deterministic:
         prm.max_deterministic_time = max(0.05, _DET_FACTOR * limit_s)
-        prm.max_time_in_seconds = max(0.1, 1.5 * limit_s)
+        prm.max_time_in_seconds = max(0.5, _SAFETY_CAP * limit_s)
     else:
         prm.max_time_in_seconds = max(0.05, limit_s - build)
     st = solver.solve(m)
@@ -771,7 +772,7 @@ def _large_layer(pb, inc, seed, limit_s, deterministic, ls_iters, deadline) -> _
         left -= step
         k += 1
         assign, _ = _local_search(pb, assign, ls_iters, dl)
-        if deterministic and time.perf_counter() - t0 > 1.5 * limit_s:
+        if deterministic and time.perf_counter() - t0 > _SAFETY_CAP * limit_s:
             return _Result(assign, "time_limit", None, False, time.perf_counter() - t0,
                            "wall-clock safety cap reached in the neighbourhood search: this layer may not reproduce exactly")
     return _Result(assign, "time_limit", None, False, time.perf_counter() - t0)
@@ -1095,7 +1096,7 @@ def solve_exact(
         deterministic: ``True`` (default): one CP-SAT worker and deterministic-time limits derived from
             ``time_limit`` only, local and neighbourhood search bounded by iteration counts, so two runs
             with the same inputs and seed return the same map whatever the machine load (unless the
-            wall-clock safety cap of 1.5x a layer's share cuts a solve, which ``notes`` reports).
+            wall-clock safety cap of 4x a layer's share cuts a solve, which ``notes`` reports).
             ``False``: wall-clock limits (uses the budget fully, not reproducible).
         hint: an extra starting placement (used when better than greedy).
         expert_bytes, hardware, batch_tokens_per_gpu: decode cost overrides (:class:`DecodeCost`).
@@ -1243,9 +1244,10 @@ def solve_exact(
         status = "feasible"
         res = None
         gap_now = (inc_val - model_lb) / inc_val if inc_val > 0 else 0.0
-        remaining = per_layer - (time.perf_counter() - t0)
-        if not deterministic:
-            remaining = min(remaining, deadline - time.perf_counter())
+        if deterministic:  # the layer's whole share: a budget that does not depend on how long the start took
+            remaining = per_layer
+        else:
+            remaining = min(per_layer - (time.perf_counter() - t0), deadline - time.perf_counter())
         if gap_now > 1e-9 and remaining > 0.02:
             try:
                 if E * G * pb.W > _FULL_MODEL_LIMIT:
