@@ -19,9 +19,10 @@ the GPU packing). Then, per layer (:func:`solve_replicated_layer`):
    distinct nodes other than the own one among a token's single-node picks), by a greedy affinity start,
    token-level moves/swaps scored all at once (best improvement), then iterated local search (random
    swaps, descend again, keep improvements) for the rest of the time budget.
-3. Split and pack each node exactly (:func:`pack_node_exact`, CP-SAT hinted with LPT): how many replicas
-   each of the node's experts gets (spare slots) and on which GPUs, minimising the worst GPU/mean ratio
-   over the fit total and the windows.
+3. Split and pack each node exactly: how many replicas each of the node's experts gets (spare slots)
+   and on which GPUs, minimising the worst GPU/mean ratio over the fit total and the windows. With two
+   slots per GPU and one view, :func:`pair_pack` scores every split with the optimal pairing (heaviest
+   replica with the lightest); else :func:`pack_node_exact` (CP-SAT hinted with LPT).
 4. Repair (:func:`gpu_repair`): slot swaps inside nodes, re-splits, and swaps of single-replica experts
    across nodes until no GPU is above its cap on any view (greedy's peak on that view x (1 + gpu_slack)),
    each step the cheapest in fitted remote nodes.
@@ -32,6 +33,9 @@ deterministic replica choice.
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import numpy as np
 
 from solver.budget import Budget, as_budget
@@ -39,6 +43,7 @@ from solver.budget import Budget, as_budget
 __all__ = [
     "gpu_repair",
     "pack_node_exact",
+    "pair_pack",
     "partition_nodes",
     "remote_nodes_fit",
     "replicated_counts",
@@ -548,7 +553,15 @@ def solve_replicated_layer(
                              time_limit=0.0 if exact_pack else as_budget(pack_time).seconds,
                              seed=seed)
         slot_expert = np.stack([np.sort(items[gpu == gl]) for gl in range(m)])  # [m, S] local indices
-        if exact_pack:
+        exhaustive = False
+        if S == 2 and base.shape[0] == 1 and on_n.size <= 2 * m <= on_n.size * min(3, m):  # 2 slots/GPU: pairs
+            r2, se2, _, exhaustive = pair_pack(base[0], m, max_split=min(3, m))
+            ref = np.maximum(base.sum(axis=1) / m, 1e-12)
+            if _pack_peak(base, r2, se2, ref) <= _pack_peak(base, rr, slot_expert, ref):
+                rr, slot_expert = r2, se2
+        if exhaustive:
+            statuses.append("pairs")
+        elif exact_pack:
             rr, slot_expert, st = pack_node_exact(base, m, S, pack_time, seed=seed + n, hint=(rr, slot_expert))
             statuses.append(st)
         for gl in range(m):
@@ -722,6 +735,90 @@ def gpu_repair(
     for g in range(G):  # canonical rows: each GPU's slots sorted
         row[g * S:(g + 1) * S] = np.sort(row[g * S:(g + 1) * S])
     return row, {"repair_steps": steps, "repair_remote_cost": cost_sum, "excess_start": start, "excess_end": cur}
+
+
+def pair_pack(load: np.ndarray, num_gpus: int, max_split: int = 3,
+              max_enumerate: int = 20000) -> tuple[np.ndarray, np.ndarray, float, bool]:
+    """Split and pack one node with two slots per GPU: replica counts, then pairs (fast, one load view).
+
+    For fixed replica counts the pairing that minimises the heaviest pair puts the ``i``-th heaviest
+    replica with the ``i``-th lightest (exchange argument), so a layout is scored in ``O(P log P)``. When
+    there are at most ``max_enumerate`` ways to hand out the extra replicas, all are scored at once (exact
+    up to the duplicate rule below); else the replica counts start from "split the heaviest per-replica
+    load" and move one replica at a time from one expert to another while the heaviest pair gets lighter. A pair that would
+    hold two replicas of one expert (equal loads meeting in the middle) trades partners with a neighbour.
+
+    Args:
+        load: float64 ``[n]`` the node's load of each of its experts (``n <= 2 * num_gpus``).
+
+    Returns:
+        ``(r int64 [n], slot_expert int64 [num_gpus, 2] (local expert index), peak, exhaustive)``: ``peak``
+        = heaviest GPU load; ``exhaustive``: every split was scored (the result is optimal unless the
+        duplicate rule had to trade partners).
+    """
+    w = np.asarray(load, dtype=np.float64)
+    n, G = w.size, int(num_gpus)
+    if n > 2 * G:
+        raise ValueError(f"{n} experts do not fit in {G} GPUs x 2 slots")
+    cap = max(1, min(int(max_split), G))
+    if n * cap < 2 * G:
+        raise ValueError(f"{n} experts with at most {cap} replicas each cannot fill {2 * G} slots")
+
+    def layout(r):
+        items = np.repeat(np.arange(n), r)
+        per = w[items] / r[items]
+        order = np.argsort(-per, kind="stable")
+        a, b = order[:G], order[::-1][:G]  # heaviest with lightest
+        a, b = items[a].copy(), items[b].copy()
+        for i in np.flatnonzero(a == b):  # same expert twice on one GPU: trade partners with a neighbour
+            for j in sorted(range(G), key=lambda j: abs(j - i)):  # nearest first: the least load change
+                if j != i and a[i] != b[j] and a[j] != b[i]:
+                    b[i], b[j] = b[j], b[i]
+                    break
+        pk = float((w[a] / r[a] + w[b] / r[b]).max())
+        if np.any(a == b):
+            pk = np.inf
+        return pk, np.sort(np.stack([a, b], axis=1), axis=1)
+
+    k = 2 * G - n  # replicas beyond one per expert
+    if math.comb(n + k - 1, k) <= max_enumerate:  # every split, scored at once (duplicates checked after)
+        combos = np.array(list(itertools.combinations_with_replacement(range(n), k)), dtype=np.int64)
+        combos = combos.reshape(max(combos.shape[0], 1), k)  # k = 0: one split, one replica each
+        R = np.ones((combos.shape[0], n), dtype=np.int64)
+        np.add.at(R, (np.repeat(np.arange(combos.shape[0]), k), combos.ravel()), 1)
+        R = R[(R <= cap).all(axis=1)]
+        per = w[None, :] / R  # [B, n]
+        rep = np.stack([np.repeat(per[i], R[i]) for i in range(R.shape[0])])  # [B, 2G]
+        rep = -np.sort(-rep, axis=1)
+        peak = (rep[:, :G] + rep[:, ::-1][:, :G]).max(axis=1)  # [B]
+        best, se, r = np.inf, None, None
+        for i in np.argsort(peak, kind="stable")[:8]:  # the best few, with the duplicate check
+            pk, se_i = layout(R[i])
+            if pk < best:
+                best, se, r = pk, se_i, R[i].copy()
+        if r is not None and np.isfinite(best):
+            return r, se, best, True
+    r = np.ones(n, dtype=np.int64)
+    for _ in range(k):
+        score = np.where(r < cap, w / r, -np.inf)
+        r[int(score.argmax())] += 1
+    best, se = layout(r)
+    while True:
+        cand = None
+        for x in np.flatnonzero(r > 1):
+            for y in np.flatnonzero(r < cap):
+                if x == y:
+                    continue
+                r2 = r.copy()
+                r2[x] -= 1
+                r2[y] += 1
+                pk, se2 = layout(r2)
+                if pk < best - 1e-9 and (cand is None or pk < cand[0]):
+                    cand = (pk, r2, se2)
+        if cand is None:
+            break
+        best, r, se = cand
+    return r, se, best, False
 
 
 def pack_node_exact(

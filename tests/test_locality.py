@@ -19,6 +19,7 @@ from solver.locality_replicated import (
     choose_everywhere,
     everywhere_trades,
     pack_node_exact,
+    pair_pack,
     partition_nodes,
     remote_nodes_fit,
     replicated_counts,
@@ -208,6 +209,51 @@ def test_pack_node_exact_keeps_slots_and_beats_start():
     assert _pack_peak(base, r, se, ref) <= _pack_peak(base, r0, start, ref) + 1e-12
 
 
+def _brute_pairs(w, G, cap):
+    """Lightest possible heaviest GPU over every split (1..cap replicas) and every pairing, by enumeration."""
+    import itertools
+
+    best = np.inf
+    n = w.size
+    for r in itertools.product(range(1, cap + 1), repeat=n):
+        if sum(r) != 2 * G:
+            continue
+        items = [e for e in range(n) for _ in range(r[e])]
+
+        def match(rest):
+            if not rest:
+                yield []
+                return
+            a = rest[0]
+            for j in range(1, len(rest)):
+                if items[rest[j]] != items[a]:
+                    for m in match(rest[1:j] + rest[j + 1:]):
+                        yield [(a, rest[j])] + m
+
+        for pairs in match(list(range(2 * G))):
+            pk = max(w[items[a]] / r[items[a]] + w[items[b]] / r[items[b]] for a, b in pairs)
+            best = min(best, pk)
+    return best
+
+
+def test_pair_pack_is_exact_on_small_nodes():
+    rng = np.random.default_rng(11)
+    G = 4
+    for trial in range(12):
+        n = int(rng.integers(4, 8))
+        w = rng.pareto(1.2, size=n) + 0.2
+        opt = _brute_pairs(w, G, 3)
+        for enum in (20000, 0):  # all splits scored at once; the local search over splits
+            r, se, pk, exhaustive = pair_pack(w, G, max_split=3, max_enumerate=enum)
+            assert exhaustive == (enum > 0)
+            assert se.shape == (G, 2) and np.all(se[:, 0] != se[:, 1])  # two different experts per GPU
+            assert np.array_equal(np.bincount(se.ravel(), minlength=n), r) and r.min() >= 1 and r.max() <= 3
+            assert pk == pytest.approx((w[se] / r[se]).sum(axis=1).max())
+            assert pk >= opt - 1e-9
+            if exhaustive:
+                assert pk == pytest.approx(opt), (trial, w, r)
+
+
 def test_remote_nodes_fit_matches_metric():
     # 4 experts, 2 nodes: 0 everywhere, 1 and 2 on node 0, 3 on node 1
     ids = np.array([[0, 3], [1, 2], [1, 3], [0, -1]])
@@ -224,8 +270,12 @@ def test_remote_nodes_fit_matches_metric():
     assert communication(pl, trace, "local")["remote_nodes_per_token"] == pytest.approx((1 + 1 + 0 + 0) / 4)
 
 
-def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
-    fit, held = deepseek_slice
+def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice, deepseek_trace):
+    fit, _ = deepseek_slice
+    # every prompt after the fit ones: 400 held-out prompts leave ~600 tokens per GPU at ep64, and held-out
+    # PAR then swings by 5-10% with which GPU a few long prompts land on
+    t = deepseek_trace.select_layers([1, 9, 20])
+    held = t.select_windows(range(600, t.num_windows))
     out = {}
     for ep, nodes, red in ((32, 4, 32), (64, 8, 64)):
         topo = Topology.from_redundant(64, red, ep, nodes)
@@ -245,10 +295,9 @@ def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice):
         capped = [i for i, lr in enumerate(rep.layers) if lr.extra["excess_end"] <= 1e-9]
         assert capped, rep.notes
         assert np.all(peak[capped] <= 1.05 * g_peak[capped] * (1 + 1e-9)), (ep, peak / g_peak)
-    # Held-out on this small slice (3 layers): measured 0.72x greedy's remote nodes at 1.01x its PAR (ep32)
-    # and 0.75x at 1.02x (ep64). Held-out PAR on 3 layers moves by several percent with the search's path
-    # (0.75x at 1.05x with 600 steps), so the bounds leave a margin; they guard regressions, and the
-    # full-trace figures are in benchmarks/locality.py.
+    # Held-out on this slice (3 layers, 1399 prompts held out): measured 0.71x greedy's remote nodes at 1.02x
+    # its PAR (ep32) and 0.75x at 1.04x (ep64). The bounds leave a margin for the held-out noise; they
+    # guard regressions, and the full-trace figures are in benchmarks/locality.py.
     for ep, (nodes_x, par_x) in out.items():
         assert nodes_x <= 0.80, (ep, nodes_x, par_x)
         assert par_x <= 1.07, (ep, nodes_x, par_x)
