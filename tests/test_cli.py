@@ -123,6 +123,19 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
     assert list(sg) == ["physical_to_logical_map"]
 
 
+def test_locality_work_limit_writes_the_same_placement_twice(tmp_path):
+    p = tmp_path / "t.npz"
+    write_trace(synthetic_trace(num_tokens=4000, num_layers=2, num_logical_experts=16, top_k=4, num_prompts=100,
+                                num_clusters=2, affinity=30.0, skew=0.2, seed=5), p)
+    outs = []
+    for i, tl in enumerate(("0.05", "3")):  # the seconds differ; the step budget decides
+        out = tmp_path / f"p{i}.json"
+        assert main(["solve", "--trace", str(p), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8",
+                     "--solver", "locality", "--work-limit", "200", "--time-limit", tl, "-o", str(out)]) == 0
+        outs.append(json.loads(out.read_text()))
+    assert outs[0]["physical_to_logical_map"] == outs[1]["physical_to_logical_map"]
+
+
 def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):
     p = tmp_path / "clustered.npz"
     # 400 prompts: with a few dozen, which topic the held-out prompts dealt to a node happen to share
