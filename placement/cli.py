@@ -217,6 +217,8 @@ def _solver_options(args) -> dict:
             opts["source_model"] = args.source_model
         if args.work_limit is not None:
             opts["work_limit"] = args.work_limit
+        if args.share_margin is not None:
+            opts["share_margin"] = args.share_margin
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -554,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-limit", type=int, metavar="STEPS",
                    help="locality: bound the search by counted steps instead of --time-limit, so the same seed "
                         "gives the same placement on any machine (a step is about 1-10 ms)")
+    p.add_argument("--share-margin", type=float, metavar="X",
+                   help="locality, 2 slots per GPU: pair everywhere replicas as if (1 + X) x their fitted load "
+                        "(default: the busiest node's token share in the fit trace over the mean, minus 1)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")

@@ -282,6 +282,7 @@ def solve_locality(
     single_margin: int | None = 0,
     source_model: str = "auto",
     work_limit: int | None = None,
+    share_margin: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -334,6 +335,11 @@ def solve_locality(
             ``work_limit / L`` per layer: partition scans, kicks, repair steps; CP-SAT by its deterministic
             time) instead of ``time_limit``, so one seed gives one placement on any machine at any load.
             A step costs about 1-10 ms (more experts and nodes: more); ``time_limit`` is then ignored.
+        share_margin: with two slots per GPU, everywhere replicas are paired as if
+            ``(1 + share_margin) x`` their fitted load (their load follows their node's token share).
+            None (default): the busiest node's token share over the mean, minus 1, under the scoring
+            sources on the fit trace (dealt prompts: 0.34 on DeepSeek-V2-Lite's fit half at 8 nodes;
+            0 when tokens are dealt, since shares are then equal).
         single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
             (None: only the slot limit); 0 keeps spare slots on every node for splitting its heavy experts.
 
@@ -362,7 +368,7 @@ def solve_locality(
                                  num_everywhere=num_everywhere, num_windows=num_windows,
                                  window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
                                  single_margin=single_margin,
-                                 source_model=source_model, work_limit=work_limit)
+                                 source_model=source_model, work_limit=work_limit, share_margin=share_margin)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -526,7 +532,7 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
                       window_slack, gpu_slack, hidden_size, t0, single_margin,
-                      source_model, work_limit=None) -> tuple[Placement, SolveReport]:
+                      source_model, work_limit=None, share_margin=None) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -546,6 +552,12 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         if h < 0 or h > h_max:
             raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
+    if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
+        share = np.bincount(src // m, minlength=N).astype(np.float64)
+        share_margin = float(share.max() / share.mean() - 1.0) if share.sum() > 0 else 0.0
+    elif not (0.0 <= float(share_margin) <= 10.0):
+        raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
+                         f"got {share_margin}")
     src, how = _fit_sources(src, how, source_model, G, m)
     src_node = src // m
     win = _window_of_tokens(trace, num_windows)
@@ -576,7 +588,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         row, info = solve_replicated_layer(
             ids, src_node, win, W, E, topology, hs[l], balance_slack, b_part, seed=seed + l,
             window_slack=window_slack, pack_time=b_pack, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
-            repair_time=b_rep, single_margin=single_margin,
+            repair_time=b_rep, single_margin=single_margin, share_margin=share_margin,
         )
         rows[l] = row
         on_node = np.zeros((E, N), dtype=bool)
@@ -590,7 +602,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             mean_load=float(load[l].sum() / G), extra=info,
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
-              "work_limit": work_limit, "method": "replicated",
+              "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,
               "gpu_slack": gpu_slack, "single_margin": single_margin,

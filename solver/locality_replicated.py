@@ -504,11 +504,18 @@ def solve_replicated_layer(
     exact_pack: bool = True,
     single_margin: int | None = None,
     role_swaps: bool = True,
+    share_margin: float = 0.0,
 ) -> tuple[np.ndarray, dict]:
     """One layer: int64 ``[P]`` physical-to-logical row and info.
 
     ``role_swaps``: start from the ``h`` hottest experts everywhere, then trade roles where that cuts
     fitted remote nodes (:func:`choose_everywhere`).
+
+    ``share_margin``: with two slots per GPU, the pairing sees every everywhere replica at
+    ``(1 + share_margin) x`` its fitted load. An everywhere replica serves its node's own tokens, so its
+    load follows that node's token share, which varies with where long requests land; pairing it with a
+    lighter partner keeps the GPU under the peak when its node is the busy one. The result is kept only
+    if it is no worse than the plain start on the fitted loads.
 
     Args:
         ids: int64 ``[T, k]`` fit picks; src_node: int64 ``[T]``; win: int64 ``[T]`` window of each token
@@ -555,7 +562,8 @@ def solve_replicated_layer(
         slot_expert = np.stack([np.sort(items[gpu == gl]) for gl in range(m)])  # [m, S] local indices
         exhaustive = False
         if S == 2 and base.shape[0] == 1 and on_n.size <= 2 * m <= on_n.size * min(3, m):  # 2 slots/GPU: pairs
-            r2, se2, _, exhaustive = pair_pack(base[0], m, max_split=min(3, m))
+            seen = base[0] * np.where(every[on_n], 1.0 + float(share_margin), 1.0)
+            r2, se2, _, exhaustive = pair_pack(seen, m, max_split=min(3, m))
             ref = np.maximum(base.sum(axis=1) / m, 1e-12)
             if _pack_peak(base, r2, se2, ref) <= _pack_peak(base, rr, slot_expert, ref):
                 rr, slot_expert = r2, se2

@@ -325,6 +325,8 @@ def test_bad_input_is_a_clear_error(deepseek_slice):
         solve_locality(fit, topo, num_redundant=16)
     with pytest.raises(ValueError, match="balance_slack"):
         solve_locality(fit, topo, balance_slack=-0.1)
+    with pytest.raises(ValueError, match="share_margin"):
+        solve_locality(fit, topo, share_margin=-0.5)
     counts_only = RoutingTrace(num_logical_experts=64, window_counts=fit.counts()[None])
     with pytest.raises(ValueError, match="per-token"):
         solve_locality(counts_only, topo)
@@ -481,3 +483,33 @@ def test_default_everywhere_pays_for_splits_first():
     # 2 spare slots: splitting expert 0 (2 slots) + margin leaves none; making it everywhere (1 slot) fits
     assert default_everywhere(load, 6, 2, 2) == 1
     assert default_everywhere(load, 8, 1, 4) == 0  # one node: nothing to gain
+
+
+def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice):
+    from solver.locality_replicated import solve_replicated_layer
+
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 64, 64, 8)  # two slots per GPU: the pairing path
+    N, m, E, S = 8, 8, 64, 2
+    ids = fit.topk_ids[:, 0, :].astype(np.int64)
+    src_node = (np.arange(ids.shape[0]) % 64) // m
+    win = np.zeros(ids.shape[0], dtype=np.int64)
+    load = np.bincount(ids[ids >= 0], minlength=E).astype(np.float64)
+    partner, peak = {}, {}
+    for margin in (0.0, 1.0):
+        row, info = solve_replicated_layer(ids, src_node, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0,
+                                           role_swaps=False, share_margin=margin)
+        assert info["pack_status"] == ["pairs"] * N  # every split scored (exhaustive)
+        on_node = np.zeros((E, N), dtype=bool)
+        on_node[row, topo.node_of_slot] = True
+        every = on_node.all(axis=1)
+        reps = np.bincount(row, minlength=E)
+        per_slot = np.where(every[row], load[row] / N / np.maximum(reps[row] // N, 1), load[row] / reps[row])
+        gpu = per_slot.reshape(-1, S)
+        ev_slot = every[row].reshape(-1, S)
+        # load of the other expert on every GPU that holds an everywhere replica
+        partner[margin] = float(np.mean([gpu[g][~ev_slot[g]].sum() for g in range(gpu.shape[0]) if ev_slot[g].any()]))
+        peak[margin] = gpu.sum(axis=1).max()
+    assert partner[1.0] < partner[0.0]
+    # the exhaustive pairing at margin 0 is optimal on the fitted loads: the margin can only cost fitted peak
+    assert peak[1.0] >= peak[0.0] - 1e-9
