@@ -59,6 +59,8 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
     ap.add_argument("--work-limit", type=int, default=None,
                     help="bound each solve by counted search steps (reproducible on any machine) instead of time")
+    ap.add_argument("--redeal", type=int, default=0,
+                    help="also score PAR on K random re-dealings of the held-out prompts (mean and worst ratio)")
     ap.add_argument("--step-tokens", type=int, default=16, help="tokens per rank per step for step_par")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
                     opts["work_limit"] = args.work_limit
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
-                          step_tokens=args.step_tokens, options=opts, variants=variants)
+                          step_tokens=args.step_tokens, options=opts, variants=variants, redeal=args.redeal)
             print(f"\n## {name} [{args.method}]: {E} experts, {trace.num_layers} layers, ep {ep}, {nodes} nodes, {red} redundant "
                   f"({topo.slots_per_gpu} slots/GPU); fit {fit.num_tokens} tokens, held-out {held.num_tokens}; "
                   f"source ranks: {rows[0]['source_ranks']}; step = {args.step_tokens} tokens/rank; "
@@ -102,6 +104,9 @@ def main(argv=None) -> int:
                     ("par_vs_greedy", "/greedy"), ("step_par", "step PAR"), ("remote_nodes_per_token", "remote nodes"),
                     ("nodes_vs_greedy", "/greedy"), ("remote_gpus_per_token", "remote GPUs"),
                     ("bytes_per_token", "bytes/token"), ("solve_s", "solve s")]
+            if args.redeal:
+                cols[6:6] = [("par_vs_greedy_redealt", f"/greedy {args.redeal} re-dealt"),
+                             ("par_vs_greedy_redealt_max", "worst")]
             print(" | ".join(h for _, h in cols))
             for r in rows:
                 print(" | ".join(_fmt(r.get(k), 0 if k == "bytes_per_token" else (2 if k in ("slack", "solve_s") else 4))

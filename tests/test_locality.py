@@ -513,3 +513,24 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
     assert partner[1.0] < partner[0.0]
     # the exhaustive pairing at margin 0 is optimal on the fitted loads: the margin can only cost fitted peak
     assert peak[1.0] >= peak[0.0] - 1e-9
+
+
+def test_pareto_table_has_baselines_and_redealt_ratios():
+    from profiling.synthetic import synthetic_trace
+    from solver.locality import pareto
+
+    t = synthetic_trace(num_tokens=6000, num_layers=2, num_logical_experts=16, top_k=4, num_prompts=120,
+                        num_clusters=2, affinity=20.0, skew=0.5, seed=2)
+    fit, held = t.split(0.5)
+    topo = Topology.from_redundant(16, 8, 8, 2)
+    rows = pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 100}, redeal=3)
+    kinds = [(r["placement"], r["policy"]) for r in rows]
+    assert kinds[:3] == [("greedy", "local"), ("greedy", "even"), ("trivial", "local")] and kinds[3][0] == "locality"
+    assert rows[0]["par_vs_greedy"] == 1.0 and rows[0]["par_vs_greedy_redealt"] == pytest.approx(1.0)
+    for r in rows:
+        assert r["par_vs_greedy_redealt"] <= r["par_vs_greedy_redealt_max"] + 1e-12
+    # the re-dealt ratio is a different measurement from the scored dealing's
+    assert rows[3]["par_vs_greedy_redealt"] != pytest.approx(rows[3]["par_vs_greedy"], abs=1e-9)
+    assert "par_vs_greedy_redealt" not in pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 50})[0]
+    with pytest.raises(ValueError, match="redeal"):
+        pareto(fit, held, topo, slacks=[0.02], redeal=-1)
