@@ -32,10 +32,6 @@ class Budget:
         self.used = 0
         self._deadline = time.perf_counter() + self.seconds
 
-    @property
-    def deterministic(self) -> bool:
-        return self.work is not None
-
     def ok(self) -> bool:
         """True while the budget lasts."""
         if self.work is not None:
@@ -58,11 +54,11 @@ class Budget:
         f = max(float(fraction), 0.0)
         return Budget(self.seconds * f, None if self.work is None else int(round(self.work * f)))
 
-    def rest(self, fraction: float = 1.0) -> Budget:
-        """A new budget of ``fraction`` of what is left of this one (the caller stops using this one)."""
+    def rest(self) -> Budget:
+        """A new budget of what is left of this one (the caller stops using this one)."""
         if self.work is not None:
-            return Budget(0.0, int(max(self.work - self.used, 0) * max(float(fraction), 0.0)))
-        return Budget(max(self._deadline - time.perf_counter(), 0.0) * max(float(fraction), 0.0))
+            return Budget(0.0, max(self.work - self.used, 0))
+        return Budget(max(self._deadline - time.perf_counter(), 0.0))
 
     def cpsat(self, parameters) -> None:
         """Set a CP-SAT solver's limits from this budget (deterministic time when ``work`` is set)."""

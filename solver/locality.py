@@ -509,6 +509,11 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
     return best
 
 
+def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndarray:
+    """Share of the tokens each node's ranks hold: float64 ``[N]`` from source ranks ``src`` int64 ``[T]``."""
+    return np.bincount(src // int(gpus_per_node), minlength=int(num_nodes)) / max(src.size, 1)
+
+
 def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
                  gpus_per_node: int = 1) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.
@@ -524,7 +529,7 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
         raise ValueError(f"source_model must be 'auto', 'trace' or 'uniform', got {source_model!r}")
     if source_model == "trace" or (source_model == "auto" and how in ("trace", "round-robin by token")):
         return src, how
-    share = np.bincount(src // int(gpus_per_node), minlength=int(ep_size) // int(gpus_per_node)) / max(src.size, 1)
+    share = _node_shares(src, gpus_per_node, int(ep_size) // int(gpus_per_node))
     return (np.arange(src.size, dtype=np.int64) % int(ep_size),
             f"{how} (node token shares {share.min():.0%}-{share.max():.0%}); fitted with tokens round-robin "
             f"(equal shares)")
@@ -553,8 +558,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     src, how = source_ranks(trace, G)
     if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
-        share = np.bincount(src // m, minlength=N).astype(np.float64)
-        share_margin = float(share.max() / share.mean() - 1.0) if share.sum() > 0 else 0.0
+        share = _node_shares(src, m, N)
+        share_margin = float(share.max() * N - 1.0) if src.size else 0.0
     elif not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
                          f"got {share_margin}")

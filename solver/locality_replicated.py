@@ -39,6 +39,7 @@ import math
 import numpy as np
 
 from solver.budget import Budget, as_budget
+from solver.greedy import greedy_replica_counts
 
 __all__ = [
     "gpu_repair",
@@ -198,12 +199,11 @@ def partition_nodes(
     terms against the fit-total term. Among layouts of equal (normally zero) violation, fewer fitted remote
     nodes per token win.
 
-    The descent (first-improvement moves and equal-size swaps) is followed, while ``time_limit`` lasts and
+    The descent (best-improvement moves and equal-size swaps) is followed, while ``time_limit`` lasts and
     ``perturb`` is set, by kicks: 2-5 random swaps of single-node experts on different nodes, a new
     descent, and the result kept only when its violation is no larger and its fitted remote nodes (on the
     token sample) are fewer; else the best layout is restored. So the result is never worse than the
     first descent.
-
 
     Args:
         ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``; r: int64 ``[E]``.
@@ -753,8 +753,9 @@ def pair_pack(load: np.ndarray, num_gpus: int, max_split: int = 3,
     replica with the ``i``-th lightest (exchange argument), so a layout is scored in ``O(P log P)``. When
     there are at most ``max_enumerate`` ways to hand out the extra replicas, all are scored at once (exact
     up to the duplicate rule below); else the replica counts start from "split the heaviest per-replica
-    load" and move one replica at a time from one expert to another while the heaviest pair gets lighter. A pair that would
-    hold two replicas of one expert (equal loads meeting in the middle) trades partners with a neighbour.
+    load" and move one replica at a time from one expert to another while the heaviest pair gets
+    lighter. A pair that would hold two replicas of one expert (equal loads meeting in the middle) trades
+    partners with a neighbour.
 
     Args:
         load: float64 ``[n]`` the node's load of each of its experts (``n <= 2 * num_gpus``).
@@ -796,7 +797,7 @@ def pair_pack(load: np.ndarray, num_gpus: int, max_split: int = 3,
         np.add.at(R, (np.repeat(np.arange(combos.shape[0]), k), combos.ravel()), 1)
         R = R[(R <= cap).all(axis=1)]
         per = w[None, :] / R  # [B, n]
-        rep = np.stack([np.repeat(per[i], R[i]) for i in range(R.shape[0])])  # [B, 2G]
+        rep = np.repeat(per.ravel(), R.ravel()).reshape(R.shape[0], 2 * G)  # [B, 2G]: every row sums to 2G
         rep = -np.sort(-rep, axis=1)
         peak = (rep[:, :G] + rep[:, ::-1][:, :G]).max(axis=1)  # [B]
         best, se, r = np.inf, None, None
@@ -806,10 +807,7 @@ def pair_pack(load: np.ndarray, num_gpus: int, max_split: int = 3,
                 best, se, r = pk, se_i, R[i].copy()
         if r is not None and np.isfinite(best):
             return r, se, best, True
-    r = np.ones(n, dtype=np.int64)
-    for _ in range(k):
-        score = np.where(r < cap, w / r, -np.inf)
-        r[int(score.argmax())] += 1
+    r = greedy_replica_counts(w[None, :], 2 * G, max_replicas=cap)[0]  # split the heaviest per replica
     best, se = layout(r)
     while True:
         cand = None
