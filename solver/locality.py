@@ -283,6 +283,7 @@ def solve_locality(
     source_model: str = "auto",
     work_limit: int | None = None,
     share_margin: float | None = None,
+    drift_z: float = 1.0,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -340,6 +341,10 @@ def solve_locality(
             None (default): the busiest node's token share over the mean, minus 1, under the scoring
             sources on the fit trace (dealt prompts: 0.34 on DeepSeek-V2-Lite's fit half at 8 nodes;
             0 when tokens are dealt, since shares are then equal).
+        drift_z: with two slots per GPU, every single-node expert is paired as if its fitted load plus
+            ``drift_z`` times its expected drift to unseen traffic (a bootstrap over the fit trace's
+            prompts, :func:`_load_drift`), so experts whose load is uncertain get split or lighter
+            partners. Default 1.0; 0 turns it off.
         single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
             (None: only the slot limit); 0 keeps spare slots on every node for splitting its heavy experts.
 
@@ -368,7 +373,8 @@ def solve_locality(
                                  num_everywhere=num_everywhere, num_windows=num_windows,
                                  window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
                                  single_margin=single_margin,
-                                 source_model=source_model, work_limit=work_limit, share_margin=share_margin)
+                                 source_model=source_model, work_limit=work_limit, share_margin=share_margin,
+                                 drift_z=drift_z)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -509,6 +515,36 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
     return best
 
 
+def _load_drift(trace: RoutingTrace, seed: int = 0, draws: int = 64) -> np.ndarray:
+    """Expected change of each expert's load from the fit trace to unseen traffic: float64 ``[L, E]``.
+
+    Bootstrap over the trace's prompts (64-token chunks with fewer than two prompts): the standard
+    deviation of an expert's share of the picks over ``draws`` resamples of the prompts, in picks of the
+    fit trace, times ``sqrt(2)`` (the fit total and the unseen traffic are two independent samples).
+    """
+    T, L, k = trace.topk_ids.shape
+    E = trace.num_logical_experts
+    if trace.seq_offsets is not None and trace.seq_offsets.size > 2:  # two or more prompts
+        unit = np.repeat(np.arange(trace.seq_offsets.size - 1), np.diff(trace.seq_offsets))
+    else:
+        unit = np.arange(T) // 64
+    U = int(unit.max()) + 1 if T else 0
+    out = np.zeros((L, E))
+    if U < 2:
+        return out
+    rng = np.random.default_rng(seed)
+    w = rng.multinomial(U, np.full(U, 1.0 / U), size=draws).astype(np.float64)  # [B, U]
+    for l in range(L):
+        ids = trace.topk_ids[:, l, :]
+        v = ids >= 0
+        uu = np.broadcast_to(unit[:, None], ids.shape)[v]
+        cnt = np.bincount(uu * E + ids[v].astype(np.int64), minlength=U * E).reshape(U, E).astype(np.float64)
+        draw = w @ cnt  # [B, E]
+        share = draw / np.maximum(draw.sum(axis=1, keepdims=True), 1.0)
+        out[l] = share.std(axis=0) * cnt.sum() * np.sqrt(2.0)
+    return out
+
+
 def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndarray:
     """Share of the tokens each node's ranks hold: float64 ``[N]`` from source ranks ``src`` int64 ``[T]``."""
     return np.bincount(src // int(gpus_per_node), minlength=int(num_nodes)) / max(src.size, 1)
@@ -537,7 +573,7 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
                       window_slack, gpu_slack, hidden_size, t0, single_margin,
-                      source_model, work_limit=None, share_margin=None) -> tuple[Placement, SolveReport]:
+                      source_model, work_limit=None, share_margin=None, drift_z=1.0) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -563,6 +599,9 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     elif not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
                          f"got {share_margin}")
+    if not (0.0 <= float(drift_z) <= 10.0):
+        raise ValueError(f"drift_z must be in [0, 10] (1 = pair single-node experts at their fitted load plus one "
+                         f"expected drift), got {drift_z}")
     src, how = _fit_sources(src, how, source_model, G, m)
     src_node = src // m
     win = _window_of_tokens(trace, num_windows)
@@ -582,6 +621,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     reports = []
     hs = [int(num_everywhere) if num_everywhere is not None else default_everywhere(load[l], P, N, m)
           for l in range(L)]
+    # expected load drift of every expert (used by the two-slot pairing only)
+    drift = _load_drift(trace, seed) * float(drift_z) if drift_z and topology.slots_per_gpu == 2 else None  # [L, E]
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)
@@ -594,6 +635,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             ids, src_node, win, W, E, topology, hs[l], balance_slack, b_part, seed=seed + l,
             window_slack=window_slack, pack_time=b_pack, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
             repair_time=b_rep, single_margin=single_margin, share_margin=share_margin,
+            drift=None if drift is None else drift[l],
         )
         rows[l] = row
         on_node = np.zeros((E, N), dtype=bool)
@@ -607,7 +649,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             mean_load=float(load[l].sum() / G), extra=info,
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
-              "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "method": "replicated",
+              "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
+              "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,
               "gpu_slack": gpu_slack, "single_margin": single_margin,

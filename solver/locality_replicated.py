@@ -22,7 +22,9 @@ the GPU packing). Then, per layer (:func:`solve_replicated_layer`):
 3. Split and pack each node exactly: how many replicas each of the node's experts gets (spare slots)
    and on which GPUs, minimising the worst GPU/mean ratio over the fit total and the windows. With two
    slots per GPU and one view, :func:`pair_pack` scores every split with the optimal pairing (heaviest
-   replica with the lightest); else :func:`pack_node_exact` (CP-SAT hinted with LPT).
+   replica with the lightest), on loads with margins for what unseen traffic changes (everywhere
+   replicas: their node's token share; single-node experts: their expected drift); else
+   :func:`pack_node_exact` (CP-SAT hinted with LPT).
 4. Repair (:func:`gpu_repair`): slot swaps inside nodes, re-splits, and swaps of single-replica experts
    across nodes until no GPU is above its cap on any view (greedy's peak on that view x (1 + gpu_slack)),
    each step the cheapest in fitted remote nodes.
@@ -508,6 +510,7 @@ def solve_replicated_layer(
     single_margin: int | None = None,
     role_swaps: bool = True,
     share_margin: float = 0.0,
+    drift: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict]:
     """One layer: int64 ``[P]`` physical-to-logical row and info.
 
@@ -517,8 +520,11 @@ def solve_replicated_layer(
     ``share_margin``: with two slots per GPU, the pairing sees every everywhere replica at
     ``(1 + share_margin) x`` its fitted load. An everywhere replica serves its node's own tokens, so its
     load follows that node's token share, which varies with where long requests land; pairing it with a
-    lighter partner keeps the GPU under the peak when its node is the busy one. The result is kept only
-    if it is no worse than the plain start on the fitted loads.
+    lighter partner keeps the GPU under the peak when its node is the busy one. ``drift`` float64 ``[E]``
+    (picks, optional) is added to every single-node expert's load in the same pairing: the change of its
+    load that unseen traffic can be expected to bring (see ``solver.locality._load_drift``), so an expert
+    whose load is uncertain is split more or gets a lighter partner. The result is kept only if it is no
+    worse than the plain start on the fitted loads.
 
     Args:
         ids: int64 ``[T, k]`` fit picks; src_node: int64 ``[T]``; win: int64 ``[T]`` window of each token
@@ -566,6 +572,8 @@ def solve_replicated_layer(
         exhaustive = False
         if S == 2 and base.shape[0] == 1 and on_n.size <= 2 * m <= on_n.size * min(3, m):  # 2 slots/GPU: pairs
             seen = base[0] * np.where(every[on_n], 1.0 + float(share_margin), 1.0)
+            if drift is not None:
+                seen = seen + np.where(every[on_n], 0.0, drift[on_n])
             r2, se2, _, exhaustive = pair_pack(seen, m, max_split=min(3, m))
             ref = np.maximum(base.sum(axis=1) / m, 1e-12)
             if _pack_peak(base, r2, se2, ref) <= _pack_peak(base, rr, slot_expert, ref):

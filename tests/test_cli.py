@@ -136,6 +136,25 @@ def test_locality_work_limit_writes_the_same_placement_twice(tmp_path):
     assert outs[0]["physical_to_logical_map"] == outs[1]["physical_to_logical_map"]
 
 
+def test_locality_drift_z_reaches_the_pairing(tmp_path):
+    p = tmp_path / "t.npz"
+    # 8 experts on 8 GPUs with 8 redundant slots: two slots per GPU, the pairing path that uses drift_z
+    write_trace(synthetic_trace(num_tokens=4000, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=100,
+                                num_clusters=2, affinity=30.0, skew=0.6, seed=5), p)
+    maps = {}
+    for z in ("0", "3"):
+        out = tmp_path / f"p{z}.json"
+        assert main(["solve", "--trace", str(p), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8",
+                     "--solver", "locality", "--work-limit", "100", "--drift-z", z, "-o", str(out)]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["provenance"]["drift_z"] == float(z)
+        maps[z] = doc["physical_to_logical_map"]
+    assert maps["0"] != maps["3"]  # step budgets: the same search both times, only the margin differs
+    assert main(["solve", "--trace", str(p), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8",
+                 "--solver", "locality", "--drift-z", "-1", "-o", str(tmp_path / "bad.json")]) == 2
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):
     p = tmp_path / "clustered.npz"
     # 400 prompts: with a few dozen, which topic the held-out prompts dealt to a node happen to share

@@ -327,6 +327,8 @@ def test_bad_input_is_a_clear_error(deepseek_slice):
         solve_locality(fit, topo, balance_slack=-0.1)
     with pytest.raises(ValueError, match="share_margin"):
         solve_locality(fit, topo, share_margin=-0.5)
+    with pytest.raises(ValueError, match="drift_z"):
+        solve_locality(fit, topo, drift_z=-1.0)
     counts_only = RoutingTrace(num_logical_experts=64, window_counts=fit.counts()[None])
     with pytest.raises(ValueError, match="per-token"):
         solve_locality(counts_only, topo)
@@ -514,6 +516,63 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
     assert partner[1.0] < partner[0.0]
     # the exhaustive pairing at margin 0 is optimal on the fitted loads: the margin can only cost fitted peak
     assert peak[1.0] >= peak[0.0] - 1e-9
+
+
+def test_load_drift_follows_how_bursty_an_expert_is():
+    from solver.locality import _load_drift
+
+    # 40 prompts of 50 tokens, top-2 of 4 experts. Expert 0 fires in every token of every 4th prompt
+    # only; expert 1 in a quarter of every prompt's tokens: the same total, very different spread.
+    rng = np.random.default_rng(0)
+    ids = np.full((2000, 1, 2), 3, dtype=np.int64)
+    ids[:, 0, 0] = 2
+    prompt = np.repeat(np.arange(40), 50)
+    ids[prompt % 4 == 0, 0, 0] = 0
+    quarter = rng.permutation(2000)[:500]
+    ids[quarter, 0, 1] = 1
+    t = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.arange(0, 2001, 50))
+    d = _load_drift(t, seed=0)
+    assert d.shape == (1, 4)
+    assert t.counts()[0, 0] == t.counts()[0, 1] == 500
+    assert d[0, 0] > 3 * d[0, 1] > 0
+    np.testing.assert_array_equal(d, _load_drift(t, seed=0))  # seeded: reproducible
+    # without prompt boundaries: 64-token chunks are resampled instead
+    chunks = _load_drift(RoutingTrace(num_logical_experts=4, topk_ids=ids))
+    assert chunks[0, 0] > 3 * chunks[0, 1] > 0
+    short = RoutingTrace(num_logical_experts=4, topk_ids=ids[:60], seq_offsets=np.array([0, 60]))
+    assert not _load_drift(short).any()  # one unit: nothing to resample
+
+
+def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
+    from solver.locality_replicated import solve_replicated_layer
+
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 64, 64, 8)  # two slots per GPU: the pairing path
+    N, m, E, S = 8, 8, 64, 2
+    ids = fit.topk_ids[:, 0, :].astype(np.int64)
+    src = np.arange(ids.shape[0]) % 64
+    win = np.zeros(ids.shape[0], dtype=np.int64)
+    load = np.bincount(ids[ids >= 0], minlength=E).astype(np.float64)
+    kw = dict(role_swaps=False, share_margin=0.0)
+    row0, info0 = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, **kw)
+    assert info0["pack_status"] == ["pairs"] * N
+    # the heaviest single-replica expert with a partner: declare its load uncertain
+    reps = np.bincount(row0, minlength=E)
+    gpu_of = np.arange(row0.size) // S
+    gpu_load = np.bincount(gpu_of, weights=load[row0] / reps[row0])
+    cand = [e for e in np.argsort(-load) if reps[e] == 1]
+    x = int(cand[0])
+    drift = np.zeros(E)
+    drift[x] = 0.5 * load[x]
+    row1, info1 = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0,
+                                         drift=drift, **kw)
+    reps1 = np.bincount(row1, minlength=E)
+    gpu_load1 = np.bincount(gpu_of, weights=load[row1] / reps1[row1])
+    worst_x = lambda row, gl: gl[gpu_of[row == x]].max()  # noqa: E731  heaviest GPU holding x
+    # x is split, or shares its GPU with a lighter partner
+    assert reps1[x] > reps[x] or worst_x(row1, gpu_load1) < worst_x(row0, gpu_load)
+    # the plain pairing is optimal on the fitted loads: the margin can only cost fitted peak
+    assert gpu_load1.max() >= gpu_load.max() - 1e-9
 
 
 def test_pareto_table_has_baselines_and_redealt_ratios():
