@@ -518,6 +518,26 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
     assert peak[1.0] >= peak[0.0] - 1e-9
 
 
+def test_hot_everywhere_experts_can_be_traded_for_hubs(deepseek_slice):
+    from solver.locality_replicated import replicated_counts, solve_replicated_layer
+
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 64, 64, 8)  # ep64: every start everywhere expert is above a GPU's mean
+    ids = fit.topk_ids[:, 0, :].astype(np.int64)
+    src = np.arange(ids.shape[0]) % 64
+    load = np.bincount(ids[ids >= 0], minlength=64).astype(np.float64)
+    start, _ = replicated_counts(load, 128, 8, 8, 3)
+    assert (load[start] > load.sum() / 64).all()
+    row, info = solve_replicated_layer(ids, src // 8, np.zeros(ids.shape[0], dtype=np.int64), 1, 64, topo, 3, 0.02,
+                                       Budget(0.0, 60), seed=0)
+    on_node = np.zeros((64, 8), dtype=bool)
+    on_node[row, topo.node_of_slot] = True
+    every = on_node.all(axis=1)
+    assert info["role_trades"] > 0 and every.sum() == 3
+    left = start & ~every  # hot experts now on one node (split there as needed)
+    assert left.any() and (on_node[left].sum(axis=1) == 1).all()
+
+
 def test_load_drift_follows_how_bursty_an_expert_is():
     from solver.locality import _load_drift
 
