@@ -522,7 +522,7 @@ def _load_drift(trace: RoutingTrace, seed: int = 0, draws: int = 64) -> np.ndarr
     deviation of an expert's share of the picks over ``draws`` resamples of the prompts, in picks of the
     fit trace, times ``sqrt(2)`` (the fit total and the unseen traffic are two independent samples).
     """
-    T, L, k = trace.topk_ids.shape
+    T, L, _ = trace.topk_ids.shape
     E = trace.num_logical_experts
     if trace.seq_offsets is not None and trace.seq_offsets.size > 2:  # two or more prompts
         unit = np.repeat(np.arange(trace.seq_offsets.size - 1), np.diff(trace.seq_offsets))
