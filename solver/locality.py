@@ -518,14 +518,16 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
 def _load_drift(trace: RoutingTrace, seed: int = 0, draws: int = 64) -> np.ndarray:
     """Expected change of each expert's load from the fit trace to unseen traffic: float64 ``[L, E]``.
 
-    Bootstrap over the trace's prompts (64-token chunks with fewer than two prompts): the standard
-    deviation of an expert's share of the picks over ``draws`` resamples of the prompts, in picks of the
-    fit trace, times ``sqrt(2)`` (the fit total and the unseen traffic are two independent samples).
+    Bootstrap over the trace's natural windows (prompts, else steps; 64-token chunks when it has fewer
+    than two): the standard deviation of an expert's share of the picks over ``draws`` resamples of the
+    windows, in picks of the fit trace, times ``sqrt(2)`` (the fit total and the unseen traffic are two
+    independent samples).
     """
     T, L, _ = trace.topk_ids.shape
     E = trace.num_logical_experts
-    if trace.seq_offsets is not None and trace.seq_offsets.size > 2:  # two or more prompts
-        unit = np.repeat(np.arange(trace.seq_offsets.size - 1), np.diff(trace.seq_offsets))
+    bounds = trace.natural_windows()
+    if len(bounds) > 1:
+        unit = np.repeat(np.arange(len(bounds)), [b - a for a, b in bounds])
     else:
         unit = np.arange(T) // 64
     U = int(unit.max()) + 1 if T else 0
@@ -621,8 +623,9 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     reports = []
     hs = [int(num_everywhere) if num_everywhere is not None else default_everywhere(load[l], P, N, m)
           for l in range(L)]
-    # expected load drift of every expert (used by the two-slot pairing only)
-    drift = _load_drift(trace, seed) * float(drift_z) if drift_z and topology.slots_per_gpu == 2 else None  # [L, E]
+    # expected load drift of every expert (used by the two-slot pairing, which runs on one view only)
+    pairs = topology.slots_per_gpu == 2 and W == 1
+    drift = _load_drift(trace, seed) * float(drift_z) if drift_z and pairs else None  # [L, E]
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)
@@ -759,10 +762,9 @@ def pareto(
             rank = np.empty(lengths.size, dtype=np.int64)
             rank[rng.permutation(lengths.size)] = np.arange(lengths.size) % G
             src = np.repeat(rank, lengths)
-            g_par = balance_stats(trace_gpu_load(greedy, held_trace, policy, src=src))["par"]
-            for i, (r, p) in enumerate(zip(rows, placements)):
-                par_k = balance_stats(trace_gpu_load(p, held_trace, r["policy"], src=src))["par"]
-                ratios[i, k] = par_k / g_par if g_par > 0 else 1.0
+            par_k = np.array([balance_stats(trace_gpu_load(p, held_trace, r["policy"], src=src))["par"]
+                              for r, p in zip(rows, placements)])
+            ratios[:, k] = par_k / par_k[0] if par_k[0] > 0 else 1.0  # row 0: greedy under ``policy``
         for r, x in zip(rows, ratios):
             r["par_vs_greedy_redealt"] = float(x.mean())
             r["par_vs_greedy_redealt_max"] = float(x.max())
