@@ -56,6 +56,8 @@ def main(argv=None) -> int:
                     help="GPU peak cap: (1 + X) x greedy's peak per fit view (default: the solver's)")
     ap.add_argument("--drift-z", type=float, default=None,
                     help="two-slot pairing margin in expected drifts of each expert's load (default: the solver's)")
+    ap.add_argument("--single-margin", type=int, default=None,
+                    help="single-node experts per node at most ceil(n / N) + this (default: the solver's, 0)")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
@@ -97,6 +99,8 @@ def main(argv=None) -> int:
                     opts["work_limit"] = args.work_limit
                 if args.drift_z is not None:
                     opts["drift_z"] = args.drift_z
+                if args.single_margin is not None:
+                    opts["single_margin"] = args.single_margin
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants, redeal=args.redeal)
