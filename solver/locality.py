@@ -144,11 +144,24 @@ def pack_node_gpus(
     the heaviest GPU, then (``time_limit > 0``) CP-SAT minimising the peak, hinted with that.
 
     Args:
-        experts: int64 ``[r]`` logical expert of each replica; loads: float64 ``[r]``.
+        experts: int64 ``[r]`` logical expert of each replica; loads: float64 ``[r]`` (the replicas of one
+            expert on a node split its load evenly, so they must carry equal loads).
 
     Returns:
         int64 ``[r]`` GPU (0..num_gpus-1 within the node) of each replica.
     """
+    experts = np.asarray(experts, dtype=np.int64)
+    loads = np.asarray(loads, dtype=np.float64)
+    if experts.size:
+        lo = np.full(int(experts.max()) + 1, np.inf)
+        hi = np.full(lo.size, -np.inf)
+        np.minimum.at(lo, experts, loads)
+        np.maximum.at(hi, experts, loads)
+        bad = np.flatnonzero(hi - lo > 1e-9 * np.maximum(np.abs(hi), 1.0))
+        if bad.size:
+            e = int(bad[0])
+            raise ValueError(f"replicas of expert {e} carry unequal loads ({lo[e]:g} to {hi[e]:g}); a node splits "
+                             f"an expert's load evenly over its replicas: pass load / replicas for each")
     pack, _ = balanced_packing(loads[None, :], num_gpus, item_key=experts[None, :])
     gpu = _swap_improve(experts, loads, pack[0].copy(), num_gpus, max_rounds)
     if time_limit > 0 and loads.size > num_gpus:
@@ -157,42 +170,22 @@ def pack_node_gpus(
 
 
 def _pack_cpsat(experts, loads, gpu0, num_gpus, time_limit, seed):
-    """CP-SAT bin packing of one node (min peak GPU load), hinted with ``gpu0``; never worse than it."""
-    from ortools.sat.python import cp_model
+    """CP-SAT packing of one node's replicas (min peak GPU load), hinted with ``gpu0``; never worse than it.
 
-    r = loads.size
-    per = r // num_gpus
-    scale = 1e6 / max(float(loads.sum()), 1e-12)
-    li = np.round(loads * scale).astype(np.int64)
-    model = cp_model.CpModel()
-    x = [[model.new_bool_var(f"x_{i}_{g}") for g in range(num_gpus)] for i in range(r)]
-    peak = model.new_int_var(0, int(li.sum()), "peak")
-    # each replica on one GPU
-    for i in range(r):
-        model.add_exactly_one(x[i])
-    # exactly `per` slots per GPU, at most one replica of an expert per GPU, peak >= every GPU load
-    for g in range(num_gpus):
-        model.add(sum(x[i][g] for i in range(r)) == per)
-        for e in np.unique(experts):
-            same = np.flatnonzero(experts == e)
-            if same.size > 1:
-                model.add_at_most_one(x[i][g] for i in same)
-        model.add(sum(int(li[i]) * x[i][g] for i in range(r)) <= peak)
-    model.minimize(peak)
-    for i in range(r):
-        for g in range(num_gpus):
-            model.add_hint(x[i][g], bool(gpu0[i] == g))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(time_limit)
-    solver.parameters.random_seed = int(seed)
-    solver.parameters.num_workers = 1
-    st = solver.solve(model)
-    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return gpu0
-    gpu = np.array([next(g for g in range(num_gpus) if solver.value(x[i][g])) for i in range(r)], dtype=np.int64)
-    old = np.bincount(gpu0, weights=loads, minlength=num_gpus).max()
-    new = np.bincount(gpu, weights=loads, minlength=num_gpus).max()
-    return gpu if new <= old + 1e-12 else gpu0
+    The replicas of one expert carry equal loads (its node load split evenly), so this is
+    :func:`solver.locality_replicated.pack_node_exact` with the replica counts fixed.
+    """
+    from solver.locality_replicated import pack_node_exact
+
+    uniq, local, r = np.unique(experts, return_inverse=True, return_counts=True)
+    base = np.bincount(local, weights=loads, minlength=uniq.size)[None, :]  # [1, n]
+    per = loads.size // num_gpus
+    hint = np.stack([np.sort(local[gpu0 == g]) for g in range(num_gpus)])  # [G, per] local expert indices
+    _, slot_expert, _ = pack_node_exact(base, num_gpus, per, time_limit, seed=seed, hint=(r, hint), counts=r)
+    gpu = np.empty(loads.size, dtype=np.int64)
+    for i in range(uniq.size):  # replicas of expert i take its GPUs in order
+        gpu[local == i] = np.flatnonzero((slot_expert == i).any(axis=1))
+    return gpu
 
 
 def _swap_improve(experts, loads, gpu, num_gpus, max_rounds):

@@ -434,11 +434,10 @@ def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
     many remote nodes everywhere. The rest of the time polishes the kept layout (kicks). Never worse
     than the start on (violation, remote nodes).
 
-    ``max_single_load``: see :func:`everywhere_trades`. :func:`solve_replicated_layer` sets no cap. On
-    DeepSeek-V2-Lite at ep64/8 nodes every everywhere expert is heavier than a GPU's mean load, so a cap
-    at that load blocked every trade; without it, held-out remote nodes went from 0.7315x to 0.7260x
-    greedy's at the same held-out PAR (1.013x; over eight re-dealings of the held-out prompts 1.028x ->
-    1.024x on average). At ep32/4 nodes no trade changed.
+    ``max_single_load``: see :func:`everywhere_trades`. :func:`solve_replicated_layer` sets no cap: with
+    two slots per GPU the everywhere experts are often all heavier than a GPU's mean load (DeepSeek-V2-Lite
+    at ep64/8 nodes), and a cap at that load would block every trade. ``benchmarks/locality.py`` measures
+    what the trades give.
 
     Args:
         ids: int64 ``[T, k]``; src_node: int64 ``[T]``; every: bool ``[E]``; part: keyword arguments of
@@ -846,6 +845,7 @@ def pack_node_exact(
     seed: int = 0,
     max_split: int = 3,
     hint: tuple[np.ndarray, np.ndarray] | None = None,
+    counts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, str]:
     """Split and pack one node exactly (CP-SAT): replica counts and GPUs of the node's experts.
 
@@ -857,6 +857,8 @@ def pack_node_exact(
     Args:
         base: float64 ``[V, n]``; hint: optional ``(r int64 [n], slot_expert int64 [num_gpus, slots_per_gpu])``
             start (e.g. the heuristic's); the result is never worse than it on the objective.
+        counts: optional int64 ``[n]``: fixed replica counts (then only the GPUs are chosen; ``max_split``
+            is raised to ``max(counts)``).
 
     Returns:
         ``(r int64 [n], slot_expert int64 [num_gpus, slots_per_gpu] (local expert index), status)``.
@@ -868,6 +870,11 @@ def pack_node_exact(
     G, S = int(num_gpus), int(slots_per_gpu)
     if n > G * S:
         raise ValueError(f"{n} experts do not fit in {G} GPUs x {S} slots")
+    if counts is not None:
+        counts = np.asarray(counts, dtype=np.int64)
+        if counts.shape != (n,) or counts.min(initial=1) < 1 or counts.max(initial=1) > G or counts.sum() != G * S:
+            raise ValueError(f"counts must be {n} replica counts in [1, {G}] summing to {G * S} slots, got {counts.tolist()}")
+        max_split = int(counts.max(initial=1))
     R = max(1, min(int(max_split), G))
     ref = np.maximum(base.sum(axis=1) / G, 1e-12)  # [V] mean GPU load per view
     model = cp_model.CpModel()
@@ -875,6 +882,8 @@ def pack_node_exact(
     x = [[[model.new_bool_var("") for _ in range(G)] for _ in range(R)] for _ in range(n)]
     for i in range(n):
         model.add_exactly_one(s[i])
+        if counts is not None:
+            model.add(s[i][int(counts[i]) - 1] == 1)
         for j in range(R):
             model.add(sum(x[i][j]) == (j + 1) * s[i][j])
         for g in range(G):

@@ -618,3 +618,27 @@ def test_pareto_table_has_baselines_and_redealt_ratios():
     assert "par_vs_greedy_redealt" not in pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 50})[0]
     with pytest.raises(ValueError, match="redeal"):
         pareto(fit, held, topo, slacks=[0.02], redeal=-1)
+
+
+def test_pack_node_gpus_cpsat_reaches_the_optimum_and_rejects_unequal_replicas():
+    # 9 replicas (experts 2, 3, 4 split in two) over 3 GPUs x 3 slots: LPT and pairwise swaps stop at a
+    # peak of 11; the CP-SAT step (fixed replica counts) reaches the brute-force optimum (10.5)
+    import itertools
+
+    experts = np.array([0, 1, 2, 2, 3, 3, 4, 4, 5])
+    loads = np.array([1.0, 5.0, 2.5, 2.5, 0.5, 0.5, 3.0, 3.0, 8.0])
+    best = min(
+        np.bincount(np.array(a), weights=loads, minlength=3).max()
+        for a in itertools.product(range(3), repeat=9)
+        if np.bincount(np.array(a), minlength=3).tolist() == [3, 3, 3]
+        and a[2] != a[3] and a[4] != a[5] and a[6] != a[7]
+    )
+    start = pack_node_gpus(experts, loads, 3)  # no CP-SAT
+    assert np.bincount(start, weights=loads, minlength=3).max() > best + 1e-9
+    gpu = pack_node_gpus(experts, loads, 3, time_limit=2.0)
+    assert np.bincount(gpu, minlength=3).tolist() == [3, 3, 3]
+    for e in (2, 3, 4):
+        assert len(set(gpu[experts == e].tolist())) == 2  # one replica of an expert per GPU
+    assert np.bincount(gpu, weights=loads, minlength=3).max() == pytest.approx(best)
+    with pytest.raises(ValueError, match="expert 2 carry unequal loads"):
+        pack_node_gpus(experts, np.array([1.0, 5.0, 2.0, 3.0, 0.5, 0.5, 3.0, 3.0, 8.0]), 3, time_limit=1.0)
