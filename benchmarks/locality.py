@@ -58,6 +58,10 @@ def main(argv=None) -> int:
                     help="two-slot pairing margin in expected drifts of each expert's load (default: the solver's)")
     ap.add_argument("--single-margin", type=int, default=None,
                     help="single-node experts per node at most ceil(n / N) + this (default: the solver's, 0)")
+    ap.add_argument("--nodes", type=int, default=None,
+                    help="number of nodes (default: 2/4/8 for ep 16/32/64); GPUs per node = ep / nodes")
+    ap.add_argument("--redundant", type=int, default=None,
+                    help="redundant slots (default: the trace's table, ep for DeepSeek-V2-Lite: 2 slots per GPU)")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
@@ -84,7 +88,16 @@ def main(argv=None) -> int:
         fit, held = trace.split(0.5)
         E = trace.num_logical_experts
         for ep in eps:
-            nodes, red = topos[ep]
+            if ep not in topos and (args.nodes is None or args.redundant is None):
+                print(f"skip {name} ep {ep}: no default topology (give --nodes and --redundant)")
+                continue
+            nodes, red = topos.get(ep, (args.nodes, args.redundant))
+            nodes = args.nodes if args.nodes is not None else nodes
+            red = args.redundant if args.redundant is not None else red
+            if ep % nodes or (E + red) % ep:
+                print(f"skip {name} ep {ep}: {nodes} nodes must divide ep and {E} + {red} slots must divide "
+                      f"evenly over {ep} GPUs")
+                continue
             topo = Topology.from_redundant(E, red, ep, nodes)
             tl = args.time_limit if args.time_limit is not None else 8.0 * trace.num_layers
             t0 = time.perf_counter()
