@@ -56,6 +56,9 @@ def main(argv=None) -> int:
                     help="GPU peak cap: (1 + X) x greedy's peak per fit view (default: the solver's)")
     ap.add_argument("--drift-z", type=float, default=None,
                     help="two-slot pairing margin in expected drifts of each expert's load (default: the solver's)")
+    ap.add_argument("--share-overload", type=float, default=None,
+                    help="cap of the default everywhere count: busiest node's extra token share x everywhere load "
+                         "share (default: the solver's, 0.07)")
     ap.add_argument("--single-margin", type=int, default=None,
                     help="single-node experts per node at most ceil(n / N) + this (default: the solver's, 0)")
     ap.add_argument("--nodes", type=int, default=None,
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
                     opts["drift_z"] = args.drift_z
                 if args.single_margin is not None:
                     opts["single_margin"] = args.single_margin
+                if args.share_overload is not None:
+                    opts["share_overload"] = args.share_overload
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants, redeal=args.redeal)

@@ -221,6 +221,8 @@ def _solver_options(args) -> dict:
             opts["share_margin"] = args.share_margin
         if args.drift_z is not None:
             opts["drift_z"] = args.drift_z
+        if args.share_overload is not None:
+            opts["share_overload"] = args.share_overload
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -564,6 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drift-z", type=float, metavar="Z",
                    help="locality, 2 slots per GPU: pair single-node experts as if their fitted load plus Z x their "
                         "expected drift to unseen traffic (bootstrap over the fit prompts; default 1, 0: off)")
+    p.add_argument("--share-overload", type=float, metavar="X",
+                   help="locality: the default --everywhere keeps (the busiest node's token share over the mean, "
+                        "minus 1) x (the everywhere experts' load share) at most X (default 0.07)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")

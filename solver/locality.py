@@ -277,6 +277,7 @@ def solve_locality(
     work_limit: int | None = None,
     share_margin: float | None = None,
     drift_z: float = 1.0,
+    share_overload: float = 0.07,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -304,8 +305,20 @@ def solve_locality(
             grouping); also used for ``policy="even"``.
         num_everywhere: experts replicated on every node (each costs ``N - 1`` slots). Default: per layer,
             :func:`default_everywhere` (as many as the slots allow after splitting heavy experts and a
-            packing margin); DeepSeek-V2-Lite gets 12 at ep16/2 nodes, 8 at ep32/4 nodes, 2-4 at
-            ep64/8 nodes.
+            packing margin, and no more than ``share_overload`` allows); DeepSeek-V2-Lite gets 12 at
+            ep16/2 nodes, 8 at ep32/4 nodes, 2-4 at ep64/8 nodes with 2 slots per GPU, 7-10 (instead of
+            13-15 by slots alone) with 3.
+        share_overload: caps the default ``num_everywhere``: an everywhere replica serves its own node's
+            tokens, so the busiest node's share of the tokens (``1 + d`` times the mean under the scoring
+            sources on the fit trace; dealt prompts at 8 nodes: d = 0.34 on DeepSeek-V2-Lite's fit half)
+            puts ``d x`` the everywhere experts' share of the layer's load on that node on top of its
+            fair share, and unseen traffic deals the shares anew. The default keeps that product at most
+            ``share_overload`` (0.07). Measured at ep64/8 nodes with 3 slots per GPU on DeepSeek-V2-Lite
+            (``benchmarks/locality.py --ep 64 --redundant 128 --everywhere 9 12``): 0.068 kept held-out PAR
+            at 0.96x greedy's, 0.087 at 1.00x, the slot rule alone (0.098) at 1.06x; no other default
+            topology of the benchmark reaches 0.07. With unequal shares, 0 gives no everywhere
+            experts unless ``num_everywhere`` asks for them, and 10 turns the cap off; with tokens dealt
+            round-robin (d = 0) it never binds.
         num_windows: consecutive prompt groups of the fit trace used as extra balance views (node caps,
             GPU packing and repair). Default 1 (the fit total only): on DeepSeek-V2-Lite (8 layers, ep32 and
             ep64) 4 windows gave worse held-out PAR and more remote nodes, the packing fitting the
@@ -367,7 +380,7 @@ def solve_locality(
                                  window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
                                  single_margin=single_margin,
                                  source_model=source_model, work_limit=work_limit, share_margin=share_margin,
-                                 drift_z=drift_z)
+                                 drift_z=drift_z, share_overload=share_overload)
     E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
@@ -482,16 +495,20 @@ def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
 
 
 def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int,
-                       margin: float = 0.25) -> int:
+                       margin: float = 0.25, share_excess: float = 0.0, share_overload: float = np.inf) -> int:
     """Default number of everywhere experts of one layer: the most the spare slots can pay for.
 
     Each everywhere expert costs ``N - 1`` slots. The spare slots ``R = P - E`` must also pay for splitting
     every single-node expert heavier than a GPU's mean load ``g = sum(load) / G`` into
     ``ceil(load / g)`` replicas on its node, plus ``margin x G`` slots left for the exact packing. Returns
-    the largest ``h`` (hottest first) with ``(N - 1) h + splits(h) + margin G <= R``, 0 if none.
+    the largest ``h`` (hottest first) with ``(N - 1) h + splits(h) + margin G <= R`` and
+    ``share_excess x (load share of the h hottest) <= share_overload``, 0 if none.
 
     Args:
         load: float64 ``[E]`` fitted picks per expert.
+        share_excess: ``d``: the busiest node's token share over the mean, minus 1 (everywhere replicas
+            serve their own node's tokens, so that node gets ``d x`` their load share on top of its fair
+            share); share_overload: the most of that allowed (see :func:`solve_locality`).
     """
     w = np.asarray(load, dtype=np.float64)
     E, N, m = w.size, int(num_nodes), int(gpus_per_node)
@@ -500,10 +517,11 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
         return 0
     g = w.sum() / G
     order = np.argsort(-w, kind="stable")
+    top = np.concatenate([[0.0], np.cumsum(w[order])]) / w.sum()  # load share of the h hottest
     best = 0
     for h in range(0, min(R // (N - 1), E) + 1):
         splits = np.maximum(np.ceil(w[order[h:]] / g - 1e-9) - 1, 0).sum()
-        if (N - 1) * h + splits + margin * G <= R:
+        if (N - 1) * h + splits + margin * G <= R and max(float(share_excess), 0.0) * top[h] <= share_overload + 1e-12:
             best = h
     return best
 
@@ -568,7 +586,8 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
 
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
                       window_slack, gpu_slack, hidden_size, t0, single_margin,
-                      source_model, work_limit=None, share_margin=None, drift_z=1.0) -> tuple[Placement, SolveReport]:
+                      source_model, work_limit=None, share_margin=None, drift_z=1.0,
+                      share_overload=0.07) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -587,10 +606,14 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         h = int(num_everywhere)
         if h < 0 or h > h_max:
             raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
+    if not (0.0 <= float(share_overload) <= 10.0):
+        raise ValueError(f"share_overload must be in [0, 10] (0.07: the busiest node's extra token share times the "
+                         f"everywhere experts' load share at most 7%), got {share_overload}")
     src, how = source_ranks(trace, G)
-    if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
-        share = _node_shares(src, m, N)
-        share_margin = float(share.max() * N - 1.0) if src.size else 0.0
+    # the busiest node's token share under the scoring sources, over the mean, minus 1
+    share_excess = float(_node_shares(src, m, N).max() * N - 1.0) if src.size else 0.0
+    if share_margin is None:
+        share_margin = share_excess
     elif not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
                          f"got {share_margin}")
@@ -614,7 +637,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     per_layer = max(float(time_limit), 0.0) / max(L, 1)
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
-    hs = [int(num_everywhere) if num_everywhere is not None else default_everywhere(load[l], P, N, m)
+    hs = [int(num_everywhere) if num_everywhere is not None else
+          default_everywhere(load[l], P, N, m, share_excess=share_excess, share_overload=float(share_overload))
           for l in range(L)]
     # expected load drift of every expert (used by the two-slot pairing, which runs on one view only)
     pairs = topology.slots_per_gpu == 2 and W == 1
@@ -646,6 +670,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
               "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
+              "share_overload": float(share_overload),
               "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,

@@ -136,6 +136,14 @@ def test_locality_work_limit_writes_the_same_placement_twice(tmp_path):
     assert outs[0]["physical_to_logical_map"] == outs[1]["physical_to_logical_map"]
 
 
+def _locality_cli(tmp_path, trace: Path, name: str, redundant: int, *flags: str):
+    """Run ``solve --solver locality`` on 8 GPUs / 2 nodes with a step budget; (exit code, placement doc or None)."""
+    out = tmp_path / f"{name}.json"
+    rc = main(["solve", "--trace", str(trace), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", str(redundant),
+               "--solver", "locality", "--work-limit", "100", *flags, "-o", str(out)])
+    return rc, (json.loads(out.read_text()) if out.exists() else None)
+
+
 def test_locality_drift_z_reaches_the_pairing(tmp_path):
     p = tmp_path / "t.npz"
     # 8 experts on 8 GPUs with 8 redundant slots: two slots per GPU, the pairing path that uses drift_z
@@ -143,16 +151,27 @@ def test_locality_drift_z_reaches_the_pairing(tmp_path):
                                 num_clusters=2, affinity=30.0, skew=0.6, seed=5), p)
     maps = {}
     for z in ("0", "3"):
-        out = tmp_path / f"p{z}.json"
-        assert main(["solve", "--trace", str(p), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8",
-                     "--solver", "locality", "--work-limit", "100", "--drift-z", z, "-o", str(out)]) == 0
-        doc = json.loads(out.read_text())
-        assert doc["provenance"]["drift_z"] == float(z)
+        rc, doc = _locality_cli(tmp_path, p, f"p{z}", 8, "--drift-z", z)
+        assert rc == 0 and doc["provenance"]["drift_z"] == float(z)
         maps[z] = doc["physical_to_logical_map"]
     assert maps["0"] != maps["3"]  # step budgets: the same search both times, only the margin differs
-    assert main(["solve", "--trace", str(p), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8",
-                 "--solver", "locality", "--drift-z", "-1", "-o", str(tmp_path / "bad.json")]) == 2
-    assert not (tmp_path / "bad.json").exists()
+    assert _locality_cli(tmp_path, p, "bad", 8, "--drift-z", "-1") == (2, None)
+
+
+def test_locality_share_overload_caps_the_default_everywhere_count(tmp_path):
+    p = tmp_path / "t.npz"
+    # 30 prompts dealt to 8 ranks (2 nodes): one node holds more of the tokens than the other
+    write_trace(synthetic_trace(num_tokens=3000, num_layers=2, num_logical_experts=16, top_k=4, num_prompts=30,
+                                num_clusters=2, affinity=30.0, skew=0.6, seed=5), p)
+    h = {}
+    for x in ("0", "10"):
+        rc, doc = _locality_cli(tmp_path, p, f"p{x}", 16, "--share-overload", x)
+        assert rc == 0 and doc["provenance"]["share_overload"] == float(x)
+        pl = np.array(doc["physical_to_logical_map"])  # [L, P]; node n owns slots [n * 16, (n + 1) * 16)
+        h[x] = [len(set(row[:16].tolist()) & set(row[16:].tolist())) for row in pl]
+    assert h["0"] == [0, 0]  # unequal node shares and no overload allowed: no expert on both nodes
+    assert min(h["10"]) > 0  # uncapped: the slots pay for everywhere experts
+    assert _locality_cli(tmp_path, p, "bad", 16, "--share-overload", "-0.1") == (2, None)
 
 
 def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):

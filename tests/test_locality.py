@@ -487,6 +487,22 @@ def test_default_everywhere_pays_for_splits_first():
     assert default_everywhere(load, 8, 1, 4) == 0  # one node: nothing to gain
 
 
+def test_default_everywhere_caps_the_share_overload():
+    from solver.locality import default_everywhere
+
+    load = np.array([4.0, 3.0, 2.0, 1.0])  # load shares of the h hottest: 0, .4, .7, .9, 1
+    # 2 nodes x 2 GPUs x 4 slots, 12 spare: the slots alone pay for all 4
+    assert default_everywhere(load, 16, 2, 2) == 4
+    assert default_everywhere(load, 16, 2, 2, share_excess=0.0, share_overload=0.0) == 4  # equal shares: no cap
+    # the busiest node holds 1.5x the mean tokens: it gets 0.5 x the everywhere share on top of its own
+    assert default_everywhere(load, 16, 2, 2, share_excess=0.5, share_overload=0.2) == 1  # 0.5 x .4 = .2
+    assert default_everywhere(load, 16, 2, 2, share_excess=0.5, share_overload=0.35) == 2  # 0.5 x .7 = .35
+    assert default_everywhere(load, 16, 2, 2, share_excess=0.5, share_overload=0.1) == 0
+    # 3 spare slots: splits and margin leave room for 2 (the cap, 0.5 x .9 = .45 <= .5, would allow 3)
+    assert default_everywhere(load, 7, 2, 2) == 2
+    assert default_everywhere(load, 7, 2, 2, share_excess=0.5, share_overload=0.5) == 2
+
+
 def _routed_slot_loads(row: np.ndarray, num_experts: int, ids: np.ndarray, src: np.ndarray, topo: Topology) -> np.ndarray:
     """float64 ``[G, S]``: tokens per slot of one layer's ``row [P]`` as the runtime routes ``ids [T, k]``
     from ranks ``src [T]`` under `local`."""
