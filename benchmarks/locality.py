@@ -58,7 +58,7 @@ def main(argv=None) -> int:
                     help="two-slot pairing margin in expected drifts of each expert's load (default: the solver's)")
     ap.add_argument("--share-overload", type=float, default=None,
                     help="cap of the default everywhere count: busiest node's extra token share x everywhere load "
-                         "share (default: the solver's, 0.07)")
+                         "share (default: the solver's, 0.08)")
     ap.add_argument("--single-margin", type=int, default=None,
                     help="single-node experts per node at most ceil(n / N) + this (default: the solver's, 0)")
     ap.add_argument("--nodes", type=int, default=None,

@@ -568,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "expected drift to unseen traffic (bootstrap over the fit prompts; default 1, 0: off)")
     p.add_argument("--share-overload", type=float, metavar="X",
                    help="locality: the default --everywhere keeps (the busiest node's token share over the mean, "
-                        "minus 1) x (the everywhere experts' load share) at most X (default 0.07)")
+                        "minus 1) x (the everywhere experts' load share) at most X (default 0.08)")
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
     p.add_argument("--previous", help="current placement: re-place with few moves")
     p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")

@@ -277,7 +277,7 @@ def solve_locality(
     work_limit: int | None = None,
     share_margin: float | None = None,
     drift_z: float = 1.0,
-    share_overload: float = 0.07,
+    share_overload: float = 0.08,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -306,19 +306,20 @@ def solve_locality(
         num_everywhere: experts replicated on every node (each costs ``N - 1`` slots). Default: per layer,
             :func:`default_everywhere` (as many as the slots allow after splitting heavy experts and a
             packing margin, and no more than ``share_overload`` allows); DeepSeek-V2-Lite gets 12 at
-            ep16/2 nodes, 8 at ep32/4 nodes, 2-4 at ep64/8 nodes with 2 slots per GPU, 7-10 (instead of
+            ep16/2 nodes, 8 at ep32/4 nodes, 2-4 at ep64/8 nodes with 2 slots per GPU, 8-10 (instead of
             13-15 by slots alone) with 3.
         share_overload: caps the default ``num_everywhere``: an everywhere replica serves its own node's
-            tokens, so the busiest node's share of the tokens (``1 + d`` times the mean under the scoring
-            sources on the fit trace; dealt prompts at 8 nodes: d = 0.34 on DeepSeek-V2-Lite's fit half)
-            puts ``d x`` the everywhere experts' share of the layer's load on that node on top of its
-            fair share, and unseen traffic deals the shares anew. The default keeps that product at most
-            ``share_overload`` (0.07). Measured at ep64/8 nodes with 3 slots per GPU on DeepSeek-V2-Lite
-            (``benchmarks/locality.py --ep 64 --redundant 128 --everywhere 9 12``): 0.068 kept held-out PAR
-            at 0.96x greedy's, 0.087 at 1.00x, the slot rule alone (0.098) at 1.06x; no other default
-            topology of the benchmark reaches 0.07. With unequal shares, 0 gives no everywhere
-            experts unless ``num_everywhere`` asks for them, and 10 turns the cap off; with tokens dealt
-            round-robin (d = 0) it never binds.
+            tokens, so the busiest node's share of the tokens (``1 + d`` times the mean) puts ``d x`` the
+            everywhere experts' share of the layer's load on that node on top of its fair share. Unseen
+            traffic deals the shares anew, so ``d`` is what a random dealing of the fit trace's prompts gives
+            on average (:func:`_expected_share_excess`: 0.38 for DeepSeek-V2-Lite's fit half at 8 nodes; the
+            trace's own ranks when it has them; 0 for tokens dealt round-robin, where the cap never binds).
+            The default keeps ``d x`` that share at most ``share_overload`` (0.08), a value calibrated at
+            ep64/8 nodes with 3 slots per GPU on DeepSeek-V2-Lite, the only benchmark topology where it binds
+            (``benchmarks/locality.py --ep 64 --redundant 128``, with ``--everywhere`` and
+            ``--share-overload`` to sweep): the slot rule alone gave 13-15 everywhere experts and held-out
+            PAR 1.06x greedy's. With unequal shares, 0 gives no everywhere experts unless ``num_everywhere``
+            asks for them; 10 turns the cap off.
         num_windows: consecutive prompt groups of the fit trace used as extra balance views (node caps,
             GPU packing and repair). Default 1 (the fit total only): on DeepSeek-V2-Lite (8 layers, ep32 and
             ep64) 4 windows gave worse held-out PAR and more remote nodes, the packing fitting the
@@ -563,6 +564,32 @@ def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndar
     return np.bincount(src // int(gpus_per_node), minlength=int(num_nodes)) / max(src.size, 1)
 
 
+def _expected_share_excess(trace: RoutingTrace, src: np.ndarray, how: str, gpus_per_node: int, num_nodes: int,
+                           seed: int = 0, draws: int = 64) -> float:
+    """The busiest node's token share over the mean, minus 1, that unseen traffic should be expected to give.
+
+    Prompts dealt round-robin (``how == "round-robin by prompt"``): the mean over ``draws`` random orders of
+    the fit trace's prompts dealt round-robin to the ranks (the realized dealing is one draw of that; on
+    DeepSeek-V2-Lite's halves at 8 nodes it was 0.34 and 0.61 where the mean is 0.38 and 0.36). Otherwise the
+    shares under ``src`` int64 ``[T]`` (the trace's own ranks; 0 for tokens dealt round-robin).
+    """
+    N, m = int(num_nodes), int(gpus_per_node)
+    if not src.size:
+        return 0.0
+    if how != "round-robin by prompt" or trace.seq_offsets is None:
+        return float(_node_shares(src, m, N).max() * N - 1.0)
+    lengths = np.diff(trace.seq_offsets).astype(np.float64)  # [U]
+    G = N * m
+    rng = np.random.default_rng(seed)
+    out = 0.0
+    for _ in range(int(draws)):
+        rank = np.empty(lengths.size, dtype=np.int64)
+        rank[rng.permutation(lengths.size)] = np.arange(lengths.size) % G
+        share = np.bincount(rank // m, weights=lengths, minlength=N) / lengths.sum()
+        out += float(share.max() * N - 1.0)
+    return out / int(draws)
+
+
 def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
                  gpus_per_node: int = 1) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.
@@ -587,7 +614,7 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
 def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
                       window_slack, gpu_slack, hidden_size, t0, single_margin,
                       source_model, work_limit=None, share_margin=None, drift_z=1.0,
-                      share_overload=0.07) -> tuple[Placement, SolveReport]:
+                      share_overload=0.08) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
@@ -607,19 +634,19 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         if h < 0 or h > h_max:
             raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
     if not (0.0 <= float(share_overload) <= 10.0):
-        raise ValueError(f"share_overload must be in [0, 10] (0.07: the busiest node's extra token share times the "
-                         f"everywhere experts' load share at most 7%), got {share_overload}")
+        raise ValueError(f"share_overload must be in [0, 10] (0.08: the busiest node's extra token share times the "
+                         f"everywhere experts' load share at most 8%), got {share_overload}")
     src, how = source_ranks(trace, G)
-    # the busiest node's token share under the scoring sources, over the mean, minus 1
-    share_excess = float(_node_shares(src, m, N).max() * N - 1.0) if src.size else 0.0
-    if share_margin is None:
-        share_margin = share_excess
+    if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
+        share = _node_shares(src, m, N)
+        share_margin = float(share.max() * N - 1.0) if src.size else 0.0
     elif not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
                          f"got {share_margin}")
     if not (0.0 <= float(drift_z) <= 10.0):
         raise ValueError(f"drift_z must be in [0, 10] (1 = pair single-node experts at their fitted load plus one "
                          f"expected drift), got {drift_z}")
+    src_scoring, how_scoring = src, how
     src, how = _fit_sources(src, how, source_model, G, m)
     src_node = src // m
     win = _window_of_tokens(trace, num_windows)
@@ -637,6 +664,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     per_layer = max(float(time_limit), 0.0) / max(L, 1)
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
+    share_excess = 0.0 if num_everywhere is not None else _expected_share_excess(trace, src_scoring, how_scoring,
+                                                                                 m, N, seed)
     hs = [int(num_everywhere) if num_everywhere is not None else
           default_everywhere(load[l], P, N, m, share_excess=share_excess, share_overload=float(share_overload))
           for l in range(L)]
@@ -670,7 +699,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
               "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
-              "share_overload": float(share_overload),
+              "share_overload": float(share_overload), "share_excess": round(share_excess, 4),
               "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,

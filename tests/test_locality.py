@@ -503,6 +503,35 @@ def test_default_everywhere_caps_the_share_overload():
     assert default_everywhere(load, 7, 2, 2, share_excess=0.5, share_overload=0.5) == 2
 
 
+def test_expected_share_excess_follows_how_prompts_can_be_dealt():
+    from placement.metrics import source_ranks
+    from solver.locality import _expected_share_excess
+
+    ids = np.zeros((160, 1, 2), dtype=np.int64)
+
+    def excess(trace):
+        src, how = source_ranks(trace, 8)
+        return _expected_share_excess(trace, src, how, 4, 2)
+
+    # 16 equal prompts on 8 ranks (2 nodes): every dealing gives each rank two: equal shares
+    even = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.arange(0, 161, 10))
+    assert excess(even) == pytest.approx(0.0)
+    # one prompt of 80 tokens and 16 of 5: 17 prompts dealt to 8 ranks give each node's 4 ranks at least 8,
+    # so the big prompt's node holds at least 80 + 7 x 5 of the 160 tokens in every dealing
+    big = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.array([0, 80, *range(85, 161, 5)]))
+    assert excess(big) >= 2 * (80 + 7 * 5) / 160 - 1 - 1e-12
+    # 8 long then 8 short prompts: the trace's own round-robin dealing happens to be even, random ones are not
+    lucky = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.r_[np.arange(0, 121, 15), 125:161:5])
+    src, _ = source_ranks(lucky, 8)
+    assert np.bincount(src // 4, minlength=2).tolist() == [80, 80]
+    assert excess(lucky) > 0.05
+    # the trace's own ranks: their realized shares (node 0 holds 3/4 of the tokens: 2 x 3/4 - 1)
+    own = RoutingTrace(num_logical_experts=4, topk_ids=ids, source_rank=np.r_[np.zeros(120, int), np.full(40, 5)])
+    assert excess(own) == pytest.approx(0.5)
+    # tokens dealt round-robin (no prompts, no ranks): equal shares
+    assert excess(RoutingTrace(num_logical_experts=4, topk_ids=ids)) == pytest.approx(0.0)
+
+
 def _routed_slot_loads(row: np.ndarray, num_experts: int, ids: np.ndarray, src: np.ndarray, topo: Topology) -> np.ndarray:
     """float64 ``[G, S]``: tokens per slot of one layer's ``row [P]`` as the runtime routes ``ids [T, k]``
     from ranks ``src [T]`` under `local`."""
