@@ -65,6 +65,8 @@ def main(argv=None) -> int:
                     help="number of nodes (default: 2/4/8 for ep 16/32/64); GPUs per node = ep / nodes")
     ap.add_argument("--redundant", type=int, default=None,
                     help="redundant slots (default: the trace's table, ep for DeepSeek-V2-Lite: 2 slots per GPU)")
+    ap.add_argument("--swap-halves", action="store_true",
+                    help="fit on the second half of the prompts and score on the first")
     ap.add_argument("--windows", type=int, default=1, help="fit windows used as balance views (1: fit total only)")
     ap.add_argument("--layers", type=int, default=None, help="use the first N layers only")
     ap.add_argument("--time-limit", type=float, default=None, help="solver seconds per solve (default 8 s per layer)")
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
         if nlayers:
             trace = trace.select_layers(range(min(nlayers, trace.num_layers)))
         fit, held = trace.split(0.5)
+        if args.swap_halves:
+            fit, held = held, fit
         E = trace.num_logical_experts
         for ep in eps:
             if ep not in topos and (args.nodes is None or args.redundant is None):
@@ -122,7 +126,8 @@ def main(argv=None) -> int:
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants, redeal=args.redeal)
-            print(f"\n## {name} [{args.method}]: {E} experts, {trace.num_layers} layers, ep {ep}, {nodes} nodes, {red} redundant "
+            halves = " (fit: 2nd half, held out: 1st)" if args.swap_halves else ""
+            print(f"\n## {name} [{args.method}]{halves}: {E} experts, {trace.num_layers} layers, ep {ep}, {nodes} nodes, {red} redundant "
                   f"({topo.slots_per_gpu} slots/GPU); fit {fit.num_tokens} tokens, held-out {held.num_tokens}; "
                   f"source ranks: {rows[0]['source_ranks']}; step = {args.step_tokens} tokens/rank; "
                   f"hidden {hidden}; {time.perf_counter() - t0:.0f}s")
