@@ -317,9 +317,8 @@ def solve_locality(
             The default keeps ``d x`` that share at most ``share_overload`` (0.08), a value calibrated at
             ep64/8 nodes with 3 slots per GPU on DeepSeek-V2-Lite, the only benchmark topology where it binds
             (``benchmarks/locality.py --ep 64 --redundant 128``, with ``--everywhere`` and
-            ``--share-overload`` to sweep): the slot rule alone gave 13-15 everywhere experts and held-out
-            PAR 1.06x greedy's. With unequal shares, 0 gives no everywhere experts unless ``num_everywhere``
-            asks for them; 10 turns the cap off.
+            ``--share-overload`` to sweep). With unequal shares, 0 gives no everywhere experts unless
+            ``num_everywhere`` asks for them; 10 turns the cap off.
         num_windows: consecutive prompt groups of the fit trace used as extra balance views (node caps,
             GPU packing and repair). Default 1 (the fit total only): on DeepSeek-V2-Lite (8 layers, ep32 and
             ep64) 4 windows gave worse held-out PAR and more remote nodes, the packing fitting the
@@ -664,8 +663,9 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     per_layer = max(float(time_limit), 0.0) / max(L, 1)
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
-    share_excess = 0.0 if num_everywhere is not None else _expected_share_excess(trace, src_scoring, how_scoring,
-                                                                                 m, N, seed)
+    # expected share excess of unseen traffic: only the default everywhere count needs it
+    share_excess = None if num_everywhere is not None else _expected_share_excess(trace, src_scoring, how_scoring,
+                                                                                  m, N, seed)
     hs = [int(num_everywhere) if num_everywhere is not None else
           default_everywhere(load[l], P, N, m, share_excess=share_excess, share_overload=float(share_overload))
           for l in range(L)]
@@ -699,7 +699,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         ))
     params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
               "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
-              "share_overload": float(share_overload), "share_excess": round(share_excess, 4),
+              "share_overload": float(share_overload), "share_excess": None if share_excess is None else round(share_excess, 4),
               "method": "replicated",
               "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,

@@ -167,6 +167,7 @@ def test_locality_share_overload_caps_the_default_everywhere_count(tmp_path):
     for x in ("0", "10"):
         rc, doc = _locality_cli(tmp_path, p, f"p{x}", 16, "--share-overload", x)
         assert rc == 0 and doc["provenance"]["share_overload"] == float(x)
+        assert doc["provenance"]["share_excess"] > 0  # dealt prompts: the busiest node is expected above the mean
         pl = np.array(doc["physical_to_logical_map"])  # [L, P]; node n owns slots [n * 16, (n + 1) * 16)
         h[x] = [len(set(row[:16].tolist()) & set(row[16:].tolist())) for row in pl]
     assert h["0"] == [0, 0]  # unequal node shares and no overload allowed: no expert on both nodes
