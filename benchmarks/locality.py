@@ -113,16 +113,9 @@ def main(argv=None) -> int:
                 opts["replica_headroom"] = args.headroom
             else:
                 opts.update(num_windows=args.windows)
-                if args.gpu_slack is not None:
-                    opts["gpu_slack"] = args.gpu_slack
-                if args.work_limit is not None:
-                    opts["work_limit"] = args.work_limit
-                if args.drift_z is not None:
-                    opts["drift_z"] = args.drift_z
-                if args.single_margin is not None:
-                    opts["single_margin"] = args.single_margin
-                if args.share_overload is not None:
-                    opts["share_overload"] = args.share_overload
+                for key in ("gpu_slack", "work_limit", "drift_z", "single_margin", "share_overload"):
+                    if getattr(args, key) is not None:
+                        opts[key] = getattr(args, key)
             variants = [{"num_everywhere": h} for h in args.everywhere] if args.everywhere else None
             rows = pareto(fit, held, topo, slacks=slacks, seed=args.seed, time_limit=tl, hidden_size=hidden,
                           step_tokens=args.step_tokens, options=opts, variants=variants, redeal=args.redeal)

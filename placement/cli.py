@@ -209,20 +209,12 @@ def _solver_options(args) -> dict:
         opts["balance_slack"] = args.balance_slack
         if args.hidden_size:
             opts["hidden_size"] = args.hidden_size
-        if args.everywhere is not None:
-            opts["num_everywhere"] = args.everywhere
-        if args.gpu_slack is not None:
-            opts["gpu_slack"] = args.gpu_slack
-        if args.source_model is not None:
-            opts["source_model"] = args.source_model
-        if args.work_limit is not None:
-            opts["work_limit"] = args.work_limit
-        if args.share_margin is not None:
-            opts["share_margin"] = args.share_margin
-        if args.drift_z is not None:
-            opts["drift_z"] = args.drift_z
-        if args.share_overload is not None:
-            opts["share_overload"] = args.share_overload
+        for flag, key in (("everywhere", "num_everywhere"), ("gpu_slack", "gpu_slack"),
+                          ("source_model", "source_model"), ("work_limit", "work_limit"),
+                          ("share_margin", "share_margin"), ("drift_z", "drift_z"),
+                          ("share_overload", "share_overload")):
+            if getattr(args, flag) is not None:
+                opts[key] = getattr(args, flag)
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves

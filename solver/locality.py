@@ -563,6 +563,18 @@ def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndar
     return np.bincount(src // int(gpus_per_node), minlength=int(num_nodes)) / max(src.size, 1)
 
 
+def _share_excess(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> float:
+    """The busiest node's token share over the mean, minus 1, under source ranks ``src`` int64 ``[T]``."""
+    return float(_node_shares(src, gpus_per_node, num_nodes).max() * int(num_nodes) - 1.0) if src.size else 0.0
+
+
+def _dealt_prompt_ranks(num_prompts: int, ep_size: int, rng: np.random.Generator) -> np.ndarray:
+    """Rank of every prompt, int64 ``[U]``, when prompts in a random order are dealt round-robin."""
+    rank = np.empty(int(num_prompts), dtype=np.int64)
+    rank[rng.permutation(int(num_prompts))] = np.arange(int(num_prompts)) % int(ep_size)
+    return rank
+
+
 def _expected_share_excess(trace: RoutingTrace, src: np.ndarray, how: str, gpus_per_node: int, num_nodes: int,
                            seed: int = 0, draws: int = 64) -> float:
     """The busiest node's token share over the mean, minus 1, that unseen traffic should be expected to give.
@@ -576,14 +588,12 @@ def _expected_share_excess(trace: RoutingTrace, src: np.ndarray, how: str, gpus_
     if not src.size:
         return 0.0
     if how != "round-robin by prompt" or trace.seq_offsets is None:
-        return float(_node_shares(src, m, N).max() * N - 1.0)
+        return _share_excess(src, m, N)
     lengths = np.diff(trace.seq_offsets).astype(np.float64)  # [U]
-    G = N * m
     rng = np.random.default_rng(seed)
     out = 0.0
     for _ in range(int(draws)):
-        rank = np.empty(lengths.size, dtype=np.int64)
-        rank[rng.permutation(lengths.size)] = np.arange(lengths.size) % G
+        rank = _dealt_prompt_ranks(lengths.size, N * m, rng)
         share = np.bincount(rank // m, weights=lengths, minlength=N) / lengths.sum()
         out += float(share.max() * N - 1.0)
     return out / int(draws)
@@ -637,8 +647,7 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
                          f"everywhere experts' load share at most 8%), got {share_overload}")
     src, how = source_ranks(trace, G)
     if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
-        share = _node_shares(src, m, N)
-        share_margin = float(share.max() * N - 1.0) if src.size else 0.0
+        share_margin = _share_excess(src, m, N)
     elif not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
                          f"got {share_margin}")
@@ -701,7 +710,8 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
               "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
               "share_overload": float(share_overload), "share_excess": None if share_excess is None else round(share_excess, 4),
               "method": "replicated",
-              "num_everywhere": hs[0] if num_everywhere is not None else f"auto (mean {np.mean(hs):.1f})",
+              "num_everywhere": hs[0] if num_everywhere is not None else
+              f"auto ({min(hs)}-{max(hs)}, mean {np.mean(hs):.1f})",
               "num_windows": W, "window_slack": window_slack,
               "gpu_slack": gpu_slack, "single_margin": single_margin,
               "source_model": source_model, "hidden_size": hidden_size, "source_ranks": how}
@@ -806,9 +816,7 @@ def pareto(
         G = topology.ep_size
         ratios = np.zeros((len(rows), int(redeal)))
         for k in range(int(redeal)):
-            rank = np.empty(lengths.size, dtype=np.int64)
-            rank[rng.permutation(lengths.size)] = np.arange(lengths.size) % G
-            src = np.repeat(rank, lengths)
+            src = np.repeat(_dealt_prompt_ranks(lengths.size, G, rng), lengths)
             par_k = np.array([balance_stats(trace_gpu_load(p, held_trace, r["policy"], src=src))["par"]
                               for r, p in zip(rows, placements)])
             ratios[:, k] = par_k / par_k[0] if par_k[0] > 0 else 1.0  # row 0: greedy under ``policy``

@@ -541,15 +541,19 @@ def _routed_slot_loads(row: np.ndarray, num_experts: int, ids: np.ndarray, src: 
     return np.bincount(slots[slots >= 0], minlength=row.size).astype(np.float64).reshape(-1, topo.slots_per_gpu)
 
 
+def _pairing_layer(fit: RoutingTrace):
+    """ep64 on 8 nodes with two slots per GPU (the pairing path) and the fit trace's first layer:
+    ``(topology, ids int64 [T, k], source ranks int64 [T] dealt by token, one window int64 [T])``."""
+    ids = fit.topk_ids[:, 0, :].astype(np.int64)
+    return (Topology.from_redundant(64, 64, 64, 8), ids, np.arange(ids.shape[0]) % 64,
+            np.zeros(ids.shape[0], dtype=np.int64))
+
+
 def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice):
     from solver.locality_replicated import solve_replicated_layer
 
-    fit, _ = deepseek_slice
-    topo = Topology.from_redundant(64, 64, 64, 8)  # two slots per GPU: the pairing path
+    topo, ids, src, win = _pairing_layer(deepseek_slice[0])
     N, m, E, S = 8, 8, 64, 2
-    ids = fit.topk_ids[:, 0, :].astype(np.int64)
-    src = np.arange(ids.shape[0]) % 64
-    win = np.zeros(ids.shape[0], dtype=np.int64)
     partner, peak = {}, {}
     for margin in (0.0, 1.0):
         row, info = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0,
@@ -616,12 +620,8 @@ def test_load_drift_follows_how_bursty_an_expert_is():
 def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
     from solver.locality_replicated import solve_replicated_layer
 
-    fit, _ = deepseek_slice
-    topo = Topology.from_redundant(64, 64, 64, 8)  # two slots per GPU: the pairing path
+    topo, ids, src, win = _pairing_layer(deepseek_slice[0])
     N, m, E, S = 8, 8, 64, 2
-    ids = fit.topk_ids[:, 0, :].astype(np.int64)
-    src = np.arange(ids.shape[0]) % 64
-    win = np.zeros(ids.shape[0], dtype=np.int64)
     load = np.bincount(ids[ids >= 0], minlength=E).astype(np.float64)
     kw = dict(role_swaps=False, share_margin=0.0)
     row0, info0 = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, **kw)
