@@ -39,7 +39,9 @@ def _placements(G: int, E: int, seed: int):
 
     R = G if G > 1 else 0  # one GPU cannot hold two replicas of one expert
     topo = Topology.from_redundant(E, R, G, 1)
-    tr = synthetic_trace(num_tokens=4000, num_layers=2, num_logical_experts=E, top_k=4, num_prompts=40, seed=seed)
+    tr = synthetic_trace(
+        num_tokens=4000, num_layers=2, num_logical_experts=E, top_k=4, num_prompts=40, seed=seed
+    )
     a = greedy_placement(tr.slice_tokens(0, 2000).counts(), topo, layer_ids=tr.layer_ids)[0]
     b = greedy_placement(tr.slice_tokens(2000, 4000).counts()[::-1].copy(), topo, layer_ids=tr.layer_ids)[0]
     if np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map):  # force a change
@@ -60,8 +62,9 @@ def _rank(rank, world_size, tr, a, b, tokens_per_rank, hidden):
 
     out = {}
     for policy in ("even", "local"):
-        spec = ValidationSpec.from_trace(a, tr, tokens_per_rank=tokens_per_rank, policy=policy, hidden=hidden,
-                                         ffn=hidden // 2, seed=1)
+        spec = ValidationSpec.from_trace(
+            a, tr, tokens_per_rank=tokens_per_rank, policy=policy, hidden=hidden, ffn=hidden // 2, seed=1
+        )
         out[f"validate-{policy}"] = validate_rank(rank, world_size, spec)
     # migration over NCCL, then correctness under the new placement
     w = ExpertWeights.random(a.num_logical_experts, hidden, hidden // 2, seed=3)
@@ -70,13 +73,20 @@ def _rank(rank, world_size, tr, a, b, tokens_per_rank, hidden):
     res = layer.apply_placement(b, layer=0, timeout=60.0)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens_per_rank, hidden, generator=g)
-    ids = torch.as_tensor(np.asarray(tr.topk_ids[rank * tokens_per_rank:(rank + 1) * tokens_per_rank, 0], dtype=np.int64))
+    ids = torch.as_tensor(
+        np.asarray(tr.topk_ids[rank * tokens_per_rank : (rank + 1) * tokens_per_rank, 0], dtype=np.int64)
+    )
     tok = rank * tokens_per_rank + torch.arange(tokens_per_rank)
     wts = replay_weights(ids, 0, token_index=tok, num_experts=a.num_logical_experts)
     y = layer(x.to(dev), ids.to(dev), wts.to(dev), tok.to(dev)).cpu()
     ref = reference_moe(x, ids, wts, w)
-    out["migrate"] = (res.committed, res.reason, res.moved_slots, float((y - ref).abs().max()),
-                      layer.placement == b.select_layers([0]))
+    out["migrate"] = (
+        res.committed,
+        res.reason,
+        res.moved_slots,
+        float((y - ref).abs().max()),
+        layer.placement == b.select_layers([0]),
+    )
     if rank == 0 and dev.type == "cuda":
         out["graph"] = _graph_checks(layer, hidden, dev)
     return out
@@ -92,7 +102,11 @@ def _graph_checks(layer, hidden, dev):
         from profiling.hooks import RoutingRecorder
     except ImportError:
         RoutingRecorder = None
-    rec = RoutingRecorder([0], layer.placement.num_logical_experts, k, mode="counts", device=dev) if RoutingRecorder else None
+    rec = (
+        RoutingRecorder([0], layer.placement.num_logical_experts, k, mode="counts", device=dev)
+        if RoutingRecorder
+        else None
+    )
 
     def body():
         ids, _ = layer.route(x, k)  # [T, k]
@@ -119,8 +133,10 @@ def _graph_checks(layer, hidden, dev):
     torch.cuda.synchronize()
     ids_e = layer.route(x, k)[0]
     y_eager = layer.expert_compute(x.repeat_interleave(k, 0), (ids_e % S).reshape(-1))
-    out = {"expert_compute_err": float((y_static - y_eager).abs().max()),
-           "ids_equal": bool(torch.equal(ids_static, ids_e))}
+    out = {
+        "expert_compute_err": float((y_static - y_eager).abs().max()),
+        "ids_equal": bool(torch.equal(ids_static, ids_e)),
+    }
     if rec is not None:
         want = np.bincount(ids_e.reshape(-1).cpu().numpy(), minlength=layer.placement.num_logical_experts)
         out["counts_ok"] = bool(np.array_equal(rec.counts()[0], replays * want))
@@ -133,8 +149,12 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--experts", type=int, default=16)
     ap.add_argument("--timeout", type=float, default=300.0)
-    ap.add_argument("--cpu-dry-run", type=int, metavar="RANKS",
-                    help="run the same checks on gloo with RANKS CPU processes (no CUDA graph part)")
+    ap.add_argument(
+        "--cpu-dry-run",
+        type=int,
+        metavar="RANKS",
+        help="run the same checks on gloo with RANKS CPU processes (no CUDA graph part)",
+    )
     args = ap.parse_args(argv)
     import torch
 
@@ -155,33 +175,60 @@ def main(argv=None) -> int:
     tr, a, b = _placements(G, args.experts, seed=0)
     t0 = time.perf_counter()
     try:
-        per_rank = launch(_rank, G, args=(tr, a, b, args.tokens_per_rank, args.hidden), backend=backend,
-                          timeout=args.timeout)
+        per_rank = launch(
+            _rank,
+            G,
+            args=(tr, a, b, args.tokens_per_rank, args.hidden),
+            backend=backend,
+            timeout=args.timeout,
+        )
     except Exception:  # noqa: BLE001 - report and fail
         print(traceback.format_exc())
         print("FAIL: the NCCL world did not complete")
         return 1
     for policy in ("even", "local"):
-        spec = ValidationSpec.from_trace(a, tr, tokens_per_rank=args.tokens_per_rank, policy=policy,
-                                         hidden=args.hidden, ffn=args.hidden // 2, seed=1)
+        spec = ValidationSpec.from_trace(
+            a,
+            tr,
+            tokens_per_rank=args.tokens_per_rank,
+            policy=policy,
+            hidden=args.hidden,
+            ffn=args.hidden // 2,
+            seed=1,
+        )
         rep = collect_report(spec, [r[f"validate-{policy}"] for r in per_rank])
-        detail = (f"max err {rep.max_abs_error:.2e}, tokens match {rep.tokens_match}, "
-                  f"checksum mismatches {len(rep.checksum_mismatches)}; predicted {rep.predicted.tolist()} "
-                  f"measured {rep.measured.tolist()}")
+        detail = (
+            f"max err {rep.max_abs_error:.2e}, tokens match {rep.tokens_match}, "
+            f"checksum mismatches {len(rep.checksum_mismatches)}; predicted {rep.predicted.tolist()} "
+            f"measured {rep.measured.tolist()}"
+        )
         results.append((f"{backend}-validate-{policy}", rep.ok, detail))
     mig = [r["migrate"] for r in per_rank]
     ok = all(c and err < 1e-3 and same for c, _, _, err, same in mig)
-    detail = (f"committed {[m[0] for m in mig]}, moved {mig[0][2]} slots, "
-              f"max err {max(m[3] for m in mig):.2e}, reason {mig[0][1]!r}")
+    detail = (
+        f"committed {[m[0] for m in mig]}, moved {mig[0][2]} slots, "
+        f"max err {max(m[3] for m in mig):.2e}, reason {mig[0][1]!r}"
+    )
     results.append((f"{backend}-migrate", ok, detail))
-    g = per_rank[0].get("graph", {"expert_compute_err": 0.0, "ids_equal": True}) if args.cpu_dry_run else per_rank[0]["graph"]
-    results.append(("cuda-graph-expert-compute", g["expert_compute_err"] < 1e-4 and g["ids_equal"],
-                    f"max |graph - eager| {g['expert_compute_err']:.2e}, router ids equal {g['ids_equal']}"))
+    g = (
+        per_rank[0].get("graph", {"expert_compute_err": 0.0, "ids_equal": True})
+        if args.cpu_dry_run
+        else per_rank[0]["graph"]
+    )
+    results.append(
+        (
+            "cuda-graph-expert-compute",
+            g["expert_compute_err"] < 1e-4 and g["ids_equal"],
+            f"max |graph - eager| {g['expert_compute_err']:.2e}, router ids equal {g['ids_equal']}",
+        )
+    )
     if args.cpu_dry_run:
         results.pop()
         print("SKIP cuda-graph checks: CPU dry run")
     elif "counts_ok" in g:
-        results.append(("cuda-graph-counts-hook", g["counts_ok"], "RoutingRecorder counts = replays x eager counts"))
+        results.append(
+            ("cuda-graph-counts-hook", g["counts_ok"], "RoutingRecorder counts = replays x eager counts")
+        )
     else:
         print("SKIP cuda-graph-counts-hook: profiling.hooks not importable")
     print(f"({time.perf_counter() - t0:.1f} s)")

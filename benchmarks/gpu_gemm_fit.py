@@ -42,7 +42,10 @@ def main() -> int:
         print("gpu_gemm_fit: torch is not installed; this script needs torch with CUDA", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
-        print("gpu_gemm_fit: no CUDA device here; run this on a GPU machine (nothing was measured)", file=sys.stderr)
+        print(
+            "gpu_gemm_fit: no CUDA device here; run this on a GPU machine (nothing was measured)",
+            file=sys.stderr,
+        )
         return 2
     import numpy as np
     from scipy.optimize import least_squares
@@ -53,8 +56,12 @@ def main() -> int:
     base = GPUS[args.base]
     dev = torch.device("cuda")
     d, f, E = args.hidden, args.inter, args.experts
-    use_fp8 = args.dtype == "fp8" or (args.dtype == "auto" and hasattr(torch, "float8_e4m3fn")
-                                       and torch.cuda.get_device_capability() >= (8, 9) and hasattr(torch, "_scaled_mm"))
+    use_fp8 = args.dtype == "fp8" or (
+        args.dtype == "auto"
+        and hasattr(torch, "float8_e4m3fn")
+        and torch.cuda.get_device_capability() >= (8, 9)
+        and hasattr(torch, "_scaled_mm")
+    )
     wb = 1.0 if use_fp8 else 2.0
     w_up = [torch.randn(2 * f, d, device=dev, dtype=torch.bfloat16) / d**0.5 for _ in range(E)]
     w_dn = [torch.randn(d, f, device=dev, dtype=torch.bfloat16) / f**0.5 for _ in range(E)]
@@ -92,8 +99,10 @@ def main() -> int:
         torch.cuda.synchronize()
         t = start.elapsed_time(end) / 1e3 / args.repeats
         times.append(t)
-        print(f"tokens/expert {n:>5}: {t * 1e6:9.1f} us  ({6 * d * f * n * E / t / 1e12:7.1f} TFLOP/s, "
-              f"{E * 3 * d * f * wb / t / 1e9:7.0f} GB/s weights)")
+        print(
+            f"tokens/expert {n:>5}: {t * 1e6:9.1f} us  ({6 * d * f * n * E / t / 1e12:7.1f} TFLOP/s, "
+            f"{E * 3 * d * f * wb / t / 1e9:7.0f} GB/s weights)"
+        )
     n = np.array(ns, float)
     t = np.array(times)
     F = 6.0 * d * f * n * E
@@ -119,10 +128,18 @@ def main() -> int:
         "gemm_overhead": float(t0),
         "source": "benchmarks/gpu_gemm_fit.py",
         "provenance": {
-            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "dtype": "fp8" if use_fp8 else "bf16", "hidden": d, "inter": f, "experts": E, "tokens": ns,
-            "times_s": times, "fit_rms_log_error": float(np.sqrt(np.mean(best.fun ** 2))),
-            "host": platform.node(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dtype": "fp8" if use_fp8 else "bf16",
+            "hidden": d,
+            "inter": f,
+            "experts": E,
+            "tokens": ns,
+            "times_s": times,
+            "fit_rms_log_error": float(np.sqrt(np.mean(best.fun**2))),
+            "host": platform.node(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "note": "per-expert torch matmuls, not DeepGEMM: eta_c is a lower bound for a fused grouped kernel",
         },
     }

@@ -40,7 +40,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     L, E = 58, 256
-    print(f"{'topology':<22}{'load':<10}{'policy':<14}{'time ms':>9}{'trivial PAR':>13}{'greedy PAR':>12}{'greedy/trivial':>16}")
+    print(
+        f"{'topology':<22}{'load':<10}{'policy':<14}{'time ms':>9}{'trivial PAR':>13}{'greedy PAR':>12}{'greedy/trivial':>16}"
+    )
     for G, N, P in ((32, 4, 288), (64, 8, 320)):
         topo = Topology(G, P, N)
         for kind in ("zipf0.8", "zipf1.2", "lognormal"):
@@ -53,8 +55,10 @@ def main() -> None:
                     pl, _ = greedy_placement(w, topo, num_groups=8, policy=policy)
                     times.append((time.perf_counter() - t0) * 1e3)
                 par = balance_stats(expected_gpu_load(pl, w))["par"]
-                print(f"{f'{G} GPUs/{N} nodes/{P}':<22}{kind:<10}{policy:<14}{statistics.median(times):>9.1f}"
-                      f"{triv:>13.4f}{par:>12.4f}{par / triv:>16.4f}")
+                print(
+                    f"{f'{G} GPUs/{N} nodes/{P}':<22}{kind:<10}{policy:<14}{statistics.median(times):>9.1f}"
+                    f"{triv:>13.4f}{par:>12.4f}{par / triv:>16.4f}"
+                )
 
 
 if __name__ == "__main__":

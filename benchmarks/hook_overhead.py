@@ -39,9 +39,19 @@ def bench_hooks(args) -> None:
 
     torch.set_num_threads(args.threads)
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=1024, hidden_size=args.hidden, intermediate_size=2 * args.hidden, moe_intermediate_size=args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4, num_experts=args.experts,
-        num_experts_per_tok=args.top_k, max_position_embeddings=4096, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=1024,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_experts=args.experts,
+        num_experts_per_tok=args.top_k,
+        max_position_embeddings=4096,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
@@ -68,7 +78,9 @@ def bench_hooks(args) -> None:
     ids = torch.randint(0, args.experts, (tokens, args.top_k))
     rec_cost = {}
     for mode in ("counts", "tokens"):
-        rec = RoutingRecorder(list(range(args.layers)), args.experts, args.top_k, mode=mode, capacity_tokens=1 << 16)
+        rec = RoutingRecorder(
+            list(range(args.layers)), args.experts, args.top_k, mode=mode, capacity_tokens=1 << 16
+        )
         n = 200
         t0 = time.perf_counter()
         for i in range(n):
@@ -78,19 +90,36 @@ def bench_hooks(args) -> None:
     for mode in ("off", "counts", "tokens"):
         med = statistics.median(times[mode])
         q = np.percentile(times[mode], [25, 75])
-        rows.append({
-            "mode": mode,
-            "median_ms": f"{med * 1e3:.2f}",
-            "iqr_ms": f"{q[0] * 1e3:.2f}-{q[1] * 1e3:.2f}",
-            "ratio": f"{med / base:.4f}",
-            "overhead": "-" if mode == "off" else f"{(med / base - 1) * 100:+.2f}%",
-            "record_only": "-" if mode == "off" else f"{rec_cost[mode] * 1e3:.3f} ms ({rec_cost[mode] / base * 100:.2f}%)",
-        })
-    print(f"== hook overhead: Qwen3-MoE random weights, hidden {args.hidden}, {args.layers} MoE layers, "
-          f"{args.experts} experts top-{args.top_k}, batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.threads} thread(s), {args.repeats} interleaved repeats")
-    print(_table(rows, [("mode", "mode"), ("median_ms", "forward median ms"), ("iqr_ms", "IQR ms"),
-                        ("ratio", "/ no hook"), ("overhead", "overhead"), ("record_only", "record() per forward")]))
+        rows.append(
+            {
+                "mode": mode,
+                "median_ms": f"{med * 1e3:.2f}",
+                "iqr_ms": f"{q[0] * 1e3:.2f}-{q[1] * 1e3:.2f}",
+                "ratio": f"{med / base:.4f}",
+                "overhead": "-" if mode == "off" else f"{(med / base - 1) * 100:+.2f}%",
+                "record_only": "-"
+                if mode == "off"
+                else f"{rec_cost[mode] * 1e3:.3f} ms ({rec_cost[mode] / base * 100:.2f}%)",
+            }
+        )
+    print(
+        f"== hook overhead: Qwen3-MoE random weights, hidden {args.hidden}, {args.layers} MoE layers, "
+        f"{args.experts} experts top-{args.top_k}, batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.threads} thread(s), {args.repeats} interleaved repeats"
+    )
+    print(
+        _table(
+            rows,
+            [
+                ("mode", "mode"),
+                ("median_ms", "forward median ms"),
+                ("iqr_ms", "IQR ms"),
+                ("ratio", "/ no hook"),
+                ("overhead", "overhead"),
+                ("record_only", "record() per forward"),
+            ],
+        )
+    )
 
 
 def bench_stats(args) -> None:
@@ -114,16 +143,26 @@ def bench_stats(args) -> None:
         dt = time.perf_counter() - t
         rows.append({"step": name, "s": f"{dt:.3f}", "rate": f"{units / dt / 1e6:.2f} M token-layers/s"})
 
-    rows.append({"step": "read_trace", "s": f"{t_read:.3f}", "rate": f"{T * L / t_read / 1e6:.2f} M token-layers/s"})
+    rows.append(
+        {"step": "read_trace", "s": f"{t_read:.3f}", "rate": f"{T * L / t_read / 1e6:.2f} M token-layers/s"}
+    )
     timed("counts [L, E]", lambda: tr.slice_tokens(0, T).counts(), T * L)
     timed("skew_table", lambda: skew_table(tr), T * L)
     wl = {}
     timed("window_loads (8 windows)", lambda: wl.setdefault("w", stats.window_loads(tr, 8)), T * L)
-    timed("window_drift + persistence", lambda: (stats.window_drift(wl["w"]), stats.hot_expert_persistence(wl["w"])), T * L)
+    timed(
+        "window_drift + persistence",
+        lambda: (stats.window_drift(wl["w"]), stats.hot_expert_persistence(wl["w"])),
+        T * L,
+    )
     timed("natural windows (1999 prompts) drift", lambda: stats.window_drift(tr.window_load()), T * L)
     co = {}
     timed("coactivation [26, 64, 64]", lambda: co.setdefault("c", stats.coactivation(tr)), T * L)
-    timed("lift + NPMI", lambda: (stats.coactivation_lift(co["c"], T), stats.pmi(co["c"], T, normalized=True)), T * L)
+    timed(
+        "lift + NPMI",
+        lambda: (stats.coactivation_lift(co["c"], T), stats.pmi(co["c"], T, normalized=True)),
+        T * L,
+    )
     timed("layer NMI (25 consecutive pairs)", lambda: stats.layer_mutual_information(tr), T * (L - 1))
     print(f"\n== trace statistics on {path.name}: {T} tokens x {L} layers x top-{k}")
     print(_table(rows, [("step", "step"), ("s", "seconds"), ("rate", "throughput")]))

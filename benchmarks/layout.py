@@ -33,19 +33,29 @@ def main() -> None:
         for phase in ("decode", "prefill"):
             plan = res["plans"][phase]
             o = plan.options
-            print(f"\n## DeepSeek-V3, {nodes} x 8 {cl.name}, {phase}: {o.batch_per_rank} tokens/GPU/step, context {o.context_len}")
+            print(
+                f"\n## DeepSeek-V3, {nodes} x 8 {cl.name}, {phase}: {o.batch_per_rank} tokens/GPU/step, context {o.context_len}"
+            )
             print(f"workload: {plan.workload}")
-            print(f"{'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'vs best':>7} {'PAR':>5} {'attn':>6} {'disp':>6} "
-                  f"{'moe':>6} {'comb':>6} {'TBO':>3} {'KV GB':>6} {'maxB':>5}")
+            print(
+                f"{'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'vs best':>7} {'PAR':>5} {'attn':>6} {'disp':>6} "
+                f"{'moe':>6} {'comb':>6} {'TBO':>3} {'KV GB':>6} {'maxB':>5}"
+            )
             best = plan.best.tokens_per_s_per_gpu
             for r in plan.feasible[: args.top]:
                 c, lc, m = r.cost, r.cost.layer, r.memory
-                print(f"{r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} "
-                      f"{c.tokens_per_s_per_gpu / best:>7.2f} {r.par:>5.2f} {lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} "
-                      f"{lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} {'on' if lc.overlap_used else 'off':>3} "
-                      f"{m.kv_free / 1e9:>6.1f} {m.max_batch_per_rank:>5}")
+                print(
+                    f"{r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} "
+                    f"{c.tokens_per_s_per_gpu / best:>7.2f} {r.par:>5.2f} {lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} "
+                    f"{lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} {'on' if lc.overlap_used else 'off':>3} "
+                    f"{m.kv_free / 1e9:>6.1f} {m.max_batch_per_rank:>5}"
+                )
             bad = [r for r in plan.results if not r.feasible]
-            print(f"rejected for memory: {len(bad)} (e.g. {bad[-1].candidate.label(E)}: {bad[-1].reason})" if bad else "rejected: none")
+            print(
+                f"rejected for memory: {len(bad)} (e.g. {bad[-1].candidate.label(E)}: {bad[-1].reason})"
+                if bad
+                else "rejected: none"
+            )
             for n in plan.notes:
                 print(f"* {n}")
         print(f"* {res['message']}")

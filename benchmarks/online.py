@@ -47,11 +47,19 @@ def build(name: str, args):
         return None, f"{path} not found (set MOE_TRACES_DIR)"
     trace = read_trace(path)
     if name == "deepseek":
-        stream = token_stream(trace, ep, step_tokens=args.step_tokens, name="deepseek-v2-lite chat, prompt order")
+        stream = token_stream(
+            trace, ep, step_tokens=args.step_tokens, name="deepseek-v2-lite chat, prompt order"
+        )
     elif name == "olmoe":
-        stream = domain_stream(trace, OLMOE_DOMAINS, steps_per_domain=args.steps_per_domain,
-                               tokens_per_step=args.step_tokens * ep, top_k=8, seed=args.seed,
-                               name="olmoe " + "->".join(OLMOE_DOMAINS))
+        stream = domain_stream(
+            trace,
+            OLMOE_DOMAINS,
+            steps_per_domain=args.steps_per_domain,
+            tokens_per_step=args.step_tokens * ep,
+            top_k=8,
+            seed=args.seed,
+            name="olmoe " + "->".join(OLMOE_DOMAINS),
+        )
     else:
         stream = question_stream(trace, name="mixtral mmlu, subjects in sequence")
     topo = Topology.from_redundant(trace.num_logical_experts, red, ep)
@@ -65,15 +73,27 @@ def main(argv=None) -> int:
     ap.add_argument("--mixtral-window-steps", type=int, default=200, help="questions per window (Mixtral)")
     ap.add_argument("--step-tokens", type=int, default=32, help="tokens per rank per step")
     ap.add_argument("--steps-per-domain", type=int, default=200)
-    ap.add_argument("--max-moves-frac", type=float, default=0.09,
-                    help="move budget per re-placement as a fraction of all slots (L x P); <0: none")
+    ap.add_argument(
+        "--max-moves-frac",
+        type=float,
+        default=0.09,
+        help="move budget per re-placement as a fraction of all slots (L x P); <0: none",
+    )
     ap.add_argument("--move-cost-scale", type=float, default=1.0)
-    ap.add_argument("--horizon-steps", type=int, default=3000,
-                    help="steps a new placement is predicted to serve (gain horizon); 3000 = vLLM's step_interval "
-                         "default; 0 = one replay window")
+    ap.add_argument(
+        "--horizon-steps",
+        type=int,
+        default=3000,
+        help="steps a new placement is predicted to serve (gain horizon); 3000 = vLLM's step_interval "
+        "default; 0 = one replay window",
+    )
     ap.add_argument("--link", choices=("nvlink", "rdma"), default="nvlink")
-    ap.add_argument("--fit-windows", type=int, default=1,
-                    help="the rebalancer's sliding window (and greedy's fit data) in replay windows")
+    ap.add_argument(
+        "--fit-windows",
+        type=int,
+        default=1,
+        help="the rebalancer's sliding window (and greedy's fit data) in replay windows",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -87,25 +107,42 @@ def main(argv=None) -> int:
         stream, topo, d, f = built
         L = stream.steps.shape[1]
         ws = args.mixtral_window_steps if name == "mixtral" else args.window_steps
-        budget = None if args.max_moves_frac < 0 else int(round(args.max_moves_frac * L * topo.num_physical_experts))
-        cfg = RebalancerConfig(window_size=ws * args.fit_windows, step_interval=ws, link=args.link, hidden_size=d,
-                               expert_intermediate_size=f, peak_flops=BF16_HOPPER_FLOPS,
-                               move_cost_scale=args.move_cost_scale, max_moves=budget,
-                               horizon_steps=args.horizon_steps)
+        budget = (
+            None
+            if args.max_moves_frac < 0
+            else int(round(args.max_moves_frac * L * topo.num_physical_experts))
+        )
+        cfg = RebalancerConfig(
+            window_size=ws * args.fit_windows,
+            step_interval=ws,
+            link=args.link,
+            hidden_size=d,
+            expert_intermediate_size=f,
+            peak_flops=BF16_HOPPER_FLOPS,
+            move_cost_scale=args.move_cost_scale,
+            max_moves=budget,
+            horizon_steps=args.horizon_steps,
+        )
         expert_bytes = 3 * d * f * 2  # GLU, BF16
         t0 = time.perf_counter()
         res = replay(stream, topo, cfg, window_steps=ws, expert_bytes=expert_bytes)
         wall = time.perf_counter() - t0
         s = res.summary
         print(f"\n== {res.name}: {stream.note}")
-        print(f"   {L} layers x {topo.num_physical_experts} slots on {topo.ep_size} GPUs, window {ws} steps, "
-              f"{res.params['windows_scored']} held-out windows, budget {budget} slots per re-placement, "
-              f"gain horizon {cfg.effective_horizon} steps, "
-              f"expert {expert_bytes / 1e6:.1f} MB over {args.link}; {wall:.1f} s")
-        print(f"   {'policy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}")
+        print(
+            f"   {L} layers x {topo.num_physical_experts} slots on {topo.ep_size} GPUs, window {ws} steps, "
+            f"{res.params['windows_scored']} held-out windows, budget {budget} slots per re-placement, "
+            f"gain horizon {cfg.effective_horizon} steps, "
+            f"expert {expert_bytes / 1e6:.1f} MB over {args.link}; {wall:.1f} s"
+        )
+        print(
+            f"   {'policy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}"
+        )
         for p, v in s.items():
-            print(f"   {p:<14}{v['mean_par']:>8.4f}{v['mean_step_par']:>9.4f}{v['moved_slots']:>8d}"
-                  f"{v['moved_fraction']:>9.3f}{v['moved_bytes'] / 1e9:>9.2f}{v['migration_time_s']:>10.4f}")
+            print(
+                f"   {p:<14}{v['mean_par']:>8.4f}{v['mean_step_par']:>9.4f}{v['moved_slots']:>8d}"
+                f"{v['moved_fraction']:>9.3f}{v['moved_bytes'] / 1e9:>9.2f}{v['migration_time_s']:>10.4f}"
+            )
         m, g, a = s["migration"], s["greedy"], s["greedy+align"]
         ratios = {
             "par_vs_greedy": m["mean_par"] / g["mean_par"],
@@ -114,9 +151,11 @@ def main(argv=None) -> int:
             "moved_vs_greedy_align": m["moved_slots"] / max(a["moved_slots"], 1),
         }
         done = ratios["par_vs_greedy"] <= 1.01 and ratios["moved_vs_greedy"] <= 0.15
-        print(f"   migration/greedy: PAR x{ratios['par_vs_greedy']:.4f}, moved x{ratios['moved_vs_greedy']:.3f}; "
-              f"migration/(greedy+align): PAR x{ratios['par_vs_greedy_align']:.4f}, "
-              f"moved x{ratios['moved_vs_greedy_align']:.3f}  -> criterion {'MET' if done else 'NOT met'}")
+        print(
+            f"   migration/greedy: PAR x{ratios['par_vs_greedy']:.4f}, moved x{ratios['moved_vs_greedy']:.3f}; "
+            f"migration/(greedy+align): PAR x{ratios['par_vs_greedy_align']:.4f}, "
+            f"moved x{ratios['moved_vs_greedy_align']:.3f}  -> criterion {'MET' if done else 'NOT met'}"
+        )
         out[name] = {"summary": s, "ratios": ratios, "params": res.params, "criterion_met": done}
     if args.json:
         atomic_write_text(args.json, json.dumps(out, indent=2))

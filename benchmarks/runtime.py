@@ -36,7 +36,9 @@ from placement.model import Placement
 from placement.topology import Topology
 
 
-def _bench_rank(rank, world_size, placements, ids, tokens_per_rank, steps, sec_per_pick, policy, hidden, warmup):
+def _bench_rank(
+    rank, world_size, placements, ids, tokens_per_rank, steps, sec_per_pick, policy, hidden, warmup
+):
     """Per rank: for each placement, time ``steps`` replayed steps; return {name: [step seconds]}."""
     import torch
     import torch.distributed as dist
@@ -49,8 +51,11 @@ def _bench_rank(rank, world_size, placements, ids, tokens_per_rank, steps, sec_p
         stacks[name] = []
         for l in range(pl.num_layers):
             w = ExpertWeights.random(pl.num_logical_experts, hidden, hidden // 2, seed=l)
-            stacks[name].append(EPMoELayer(pl, l, w, policy=policy, name=f"{name}{l}",
-                                           simulated_seconds_per_token=sec_per_pick))
+            stacks[name].append(
+                EPMoELayer(
+                    pl, l, w, policy=policy, name=f"{name}{l}", simulated_seconds_per_token=sec_per_pick
+                )
+            )
     out = {name: ([], []) for name in placements}
     g = torch.Generator().manual_seed(rank)
     # Placements take turns step by step, so load from other processes on this shared machine
@@ -59,14 +64,16 @@ def _bench_rank(rank, world_size, placements, ids, tokens_per_rank, steps, sec_p
         lo = s * b * G + rank * b
         tok = torch.arange(lo, lo + b)
         x0 = torch.randn(b, hidden, generator=g)
-        step_ids = torch.as_tensor(np.asarray(ids[lo:lo + b], dtype=np.int64))  # [b, L, k]
+        step_ids = torch.as_tensor(np.asarray(ids[lo : lo + b], dtype=np.int64))  # [b, L, k]
         for name, layers in stacks.items():
             x = x0
             dist.barrier()
             t0 = time.perf_counter()
             n = []
             for l, layer in enumerate(layers):
-                wts = replay_weights(step_ids[:, l], seed=l, token_index=tok, num_experts=layer.placement.num_logical_experts)
+                wts = replay_weights(
+                    step_ids[:, l], seed=l, token_index=tok, num_experts=layer.placement.num_logical_experts
+                )
                 x = layer(x, step_ids[:, l], wts, tok)
                 n.append(layer.last_tokens_processed)
             dt = time.perf_counter() - t0
@@ -79,7 +86,11 @@ def _bench_rank(rank, world_size, placements, ids, tokens_per_rank, steps, sec_p
 def _trace(args):
     from profiling.readers import default_traces_dir, read_trace
 
-    path = Path(args.trace) if args.trace else default_traces_dir() / "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz"
+    path = (
+        Path(args.trace)
+        if args.trace
+        else default_traces_dir() / "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz"
+    )
     if path.is_file():
         tr = read_trace(path)
         rows = np.linspace(0, tr.num_layers - 1, args.layers).round().astype(int).tolist()
@@ -87,7 +98,9 @@ def _trace(args):
     from profiling.synthetic import synthetic_trace
 
     need = 2 * (args.warmup + args.steps) * args.ranks * args.tokens_per_rank
-    return synthetic_trace(num_tokens=max(need, 20000), num_layers=args.layers, seed=0), "synthetic (shared traces absent)"
+    return synthetic_trace(
+        num_tokens=max(need, 20000), num_layers=args.layers, seed=0
+    ), "synthetic (shared traces absent)"
 
 
 def main(argv=None) -> int:
@@ -99,7 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-rank", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--ms-per-step", type=float, default=50.0, help="simulated device ms per layer on a balanced rank")
+    ap.add_argument(
+        "--ms-per-step", type=float, default=50.0, help="simulated device ms per layer on a balanced rank"
+    )
     ap.add_argument("--policy", choices=("even", "local"), default="even")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds (whole solve)")
@@ -125,62 +140,82 @@ def main(argv=None) -> int:
     else:
         from solver.api import solve
 
-        pl, rep = solve("cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=args.time_limit, seed=0)
+        pl, rep = solve(
+            "cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=args.time_limit, seed=0
+        )
         placements["cpsat"] = pl
         notes.append(f"cpsat: status {rep.status}, gap {rep.gap:.3f}, {rep.wall_time_s:.1f} s")
     G, b, k = args.ranks, args.tokens_per_rank, trace.top_k
     n_tok = (args.warmup + args.steps) * G * b
     if n_tok > held.num_tokens:
-        raise SystemExit(f"need {n_tok} held-out tokens, the trace has {held.num_tokens}; lower --steps or --tokens-per-rank")
+        raise SystemExit(
+            f"need {n_tok} held-out tokens, the trace has {held.num_tokens}; lower --steps or --tokens-per-rank"
+        )
     ids = np.asarray(held.topk_ids[:n_tok], dtype=np.int64)  # [n_tok, L, k]
     sec_per_pick = args.ms_per_step / 1000.0 / (b * k)  # a balanced rank computes b*k picks per layer
 
     from runtime_hooks.launcher import launch
 
     t0 = time.perf_counter()
-    res = launch(_bench_rank, G, args=(placements, ids, b, args.steps, sec_per_pick, args.policy, args.hidden,
-                                       args.warmup), timeout=600)
+    res = launch(
+        _bench_rank,
+        G,
+        args=(placements, ids, b, args.steps, sec_per_pick, args.policy, args.hidden, args.warmup),
+        timeout=600,
+    )
     wall = time.perf_counter() - t0
     src = (np.arange(n_tok) % (G * b)) // b
     rows = []
     for name, pl in placements.items():
         step_t = np.max([r[name][0] for r in res], axis=0)  # [steps] slowest rank's view of each step
         slots = route_tokens(pl, ids, src, args.policy, token_index=np.arange(n_tok))
-        per = routed_gpu_tokens(pl, slots[args.warmup * G * b:])  # [L, G] over measured steps
+        per = routed_gpu_tokens(pl, slots[args.warmup * G * b :])  # [L, G] over measured steps
         # per-step peak/mean of computed picks, from the runtime itself
         picks = np.array([r[name][1] for r in res], dtype=np.float64)  # [G, steps, L] picks per rank
-        rows.append({
-            "placement": name,
-            "step_ms": float(np.median(step_t) * 1000),
-            "device_ms": float(picks.max(axis=0).sum(axis=1).mean() * sec_per_pick * 1000),
-            "step_ms_p90": float(np.percentile(step_t, 90) * 1000),
-            "measured_step_par": float((picks.max(axis=0) / np.maximum(picks.mean(axis=0), 1e-9)).mean()),
-            "aggregate_par": float((per.max(axis=1) / per.mean(axis=1)).mean()),
-        })
+        rows.append(
+            {
+                "placement": name,
+                "step_ms": float(np.median(step_t) * 1000),
+                "device_ms": float(picks.max(axis=0).sum(axis=1).mean() * sec_per_pick * 1000),
+                "step_ms_p90": float(np.percentile(step_t, 90) * 1000),
+                "measured_step_par": float((picks.max(axis=0) / np.maximum(picks.mean(axis=0), 1e-9)).mean()),
+                "aggregate_par": float((per.max(axis=1) / per.mean(axis=1)).mean()),
+            }
+        )
     g = next(r for r in rows if r["placement"] == "greedy")
     for r in rows:
         r["step_vs_greedy"] = r["step_ms"] / g["step_ms"]
         r["device_vs_greedy"] = r["device_ms"] / g["device_ms"]
-    print(f"EP runtime benchmark: {G} gloo ranks, {args.nodes} nodes, {topo.num_physical_experts} slots/layer, "
-          f"{trace.num_layers} layers, {b} tokens/rank/step, {args.steps} steps, policy {args.policy}")
+    print(
+        f"EP runtime benchmark: {G} gloo ranks, {args.nodes} nodes, {topo.num_physical_experts} slots/layer, "
+        f"{trace.num_layers} layers, {b} tokens/rank/step, {args.steps} steps, policy {args.policy}"
+    )
     print(f"trace: {source} (fit on first half, replay held-out second half)")
-    print(f"simulated device time: {sec_per_pick * 1e6:.1f} us per pick = {args.ms_per_step:.0f} ms per layer on a "
-          f"perfectly balanced rank (sleep, no CPU; see module docstring)")
-    hdr = (f"{'placement':>10} {'step ms':>9} {'p90 ms':>8} {'/greedy':>8} {'device ms':>10} {'/greedy':>8} "
-           f"{'step PAR':>9} {'aggr PAR':>9}")
+    print(
+        f"simulated device time: {sec_per_pick * 1e6:.1f} us per pick = {args.ms_per_step:.0f} ms per layer on a "
+        f"perfectly balanced rank (sleep, no CPU; see module docstring)"
+    )
+    hdr = (
+        f"{'placement':>10} {'step ms':>9} {'p90 ms':>8} {'/greedy':>8} {'device ms':>10} {'/greedy':>8} "
+        f"{'step PAR':>9} {'aggr PAR':>9}"
+    )
     print(hdr)
     for r in rows:
-        print(f"{r['placement']:>10} {r['step_ms']:9.1f} {r['step_ms_p90']:8.1f} {r['step_vs_greedy']:8.3f} "
-              f"{r['device_ms']:10.1f} {r['device_vs_greedy']:8.3f} {r['measured_step_par']:9.3f} {r['aggregate_par']:9.3f}")
+        print(
+            f"{r['placement']:>10} {r['step_ms']:9.1f} {r['step_ms_p90']:8.1f} {r['step_vs_greedy']:8.3f} "
+            f"{r['device_ms']:10.1f} {r['device_vs_greedy']:8.3f} {r['measured_step_par']:9.3f} {r['aggregate_par']:9.3f}"
+        )
     ideal = args.ms_per_step * trace.num_layers
     print(f"ideal (every rank exactly balanced, no communication): {ideal:.1f} ms per step")
     for n in notes:
         print(n)
-    print(f"(launch + run {wall:.1f} s; step ms = median wall time of a step (all layers) seen by the slowest rank; "
-          f"device ms = simulated device time of the straggler, sum over layers of max-rank picks x {sec_per_pick * 1e6:.1f} us; "
-          f"step PAR = per-step max/mean picks per rank measured in the runtime, "
-          f"per layer, averaged; aggr PAR = over all measured steps; "
-          f"ms per step above ideal x step PAR is gloo all_to_all and Python overhead on 2 shared cores)")
+    print(
+        f"(launch + run {wall:.1f} s; step ms = median wall time of a step (all layers) seen by the slowest rank; "
+        f"device ms = simulated device time of the straggler, sum over layers of max-rank picks x {sec_per_pick * 1e6:.1f} us; "
+        f"step PAR = per-step max/mean picks per rank measured in the runtime, "
+        f"per layer, averaged; aggr PAR = over all measured steps; "
+        f"ms per step above ideal x step PAR is gloo all_to_all and Python overhead on 2 shared cores)"
+    )
     if args.json:
         from profiling.fileio import atomic_write_json
 

@@ -1,7 +1,7 @@
 """moe-placement: where the experts of a mixture-of-experts model live when served on many GPUs.
 
 The shared data model (:class:`Topology`, :class:`Placement`), metrics and engine formats.
-The CLI (:mod:`placement.cli`) is deliberately not imported here.
+The CLI lives in the top-floor package :mod:`cli`; nothing here imports it.
 """
 
 from placement.model import Placement, compute_logical_maps, validate_map

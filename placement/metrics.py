@@ -111,12 +111,16 @@ def expected_gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
     if squeeze:
         w = w[None]
     if w.ndim != 3:
-        raise ValueError(f"load must be [layers, experts] or [windows, layers, experts], got shape {np.shape(load)}")
+        raise ValueError(
+            f"load must be [layers, experts] or [windows, layers, experts], got shape {np.shape(load)}"
+        )
     _check_compatible(placement, w.shape[1], w.shape[2], "the load")
     p2l = placement.physical_to_logical_map  # [L, P]
     cnt = placement.logical_replica_count  # [L, E]
     per_replica = w / cnt[None]  # [W, L, E]
-    slot_load = np.take_along_axis(per_replica, np.broadcast_to(p2l, (w.shape[0],) + p2l.shape), axis=2)  # [W, L, P]
+    slot_load = np.take_along_axis(
+        per_replica, np.broadcast_to(p2l, (w.shape[0],) + p2l.shape), axis=2
+    )  # [W, L, P]
     t = placement.topology
     out = slot_load.reshape(w.shape[0], w.shape[1], t.ep_size, t.slots_per_gpu).sum(axis=3)  # [W, L, G]
     return out[0] if squeeze else out
@@ -193,8 +197,13 @@ def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, policy: str, g
 
 
 def _fractional_slot_load(
-    placement: Placement, layer: int, ids: np.ndarray, src: np.ndarray, policy: str,
-    group: np.ndarray, num_groups: int,
+    placement: Placement,
+    layer: int,
+    ids: np.ndarray,
+    src: np.ndarray,
+    policy: str,
+    group: np.ndarray,
+    num_groups: int,
 ) -> np.ndarray:
     """Expected slot loads ``[num_groups, P]`` of one layer; ``group`` int64 ``[T]`` buckets tokens (steps).
 
@@ -214,7 +223,9 @@ def _fractional_slot_load(
         out += np.bincount(gk[sel] * P + own[sel], minlength=num_groups * P).reshape(num_groups, P)
         sel = tier == 1  # spread over the replicas on the token's node
         sn = np.broadcast_to((src // t.gpus_per_node)[:, None], ids.shape)
-        c1 = np.bincount((gk[sel] * N + sn[sel]) * E + e[sel], minlength=num_groups * N * E).reshape(num_groups, N, E)
+        c1 = np.bincount((gk[sel] * N + sn[sel]) * E + e[sel], minlength=num_groups * N * E).reshape(
+            num_groups, N, E
+        )
         denom = np.maximum(tab.node_cnt[tab.slot_node, tab.p2l], 1)  # [P]
         out += c1[:, tab.slot_node, tab.p2l] / denom[None, :]
     return out
@@ -230,9 +241,10 @@ def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | 
     if src.shape != (trace.num_tokens,):
         raise ValueError(f"source ranks must have shape ({trace.num_tokens},), got {src.shape}")
     if src.size and (src.min() < 0 or src.max() >= placement.topology.ep_size):
-        raise ValueError(f"source ranks must be in [0, {placement.topology.ep_size}), got [{src.min()}, {src.max()}]")
+        raise ValueError(
+            f"source ranks must be in [0, {placement.topology.ep_size}), got [{src.min()}, {src.max()}]"
+        )
     return src
-
 
 
 def trace_gpu_load(
@@ -331,9 +343,7 @@ def _gpu_load_any(placement, trace_or_load, policy):
     return expected_gpu_load(placement, trace_or_load)
 
 
-def step_par(
-    placement: Placement, trace: RoutingTrace, step_tokens: int, policy: Policy = "even"
-) -> dict:
+def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy: Policy = "even") -> dict:
     """Per-step balance: step ``s`` is ``b = step_tokens`` consecutive tokens on each of the ``G`` ranks.
 
     Token ``t`` of step ``s`` sits on rank ``(t - s*b*G) // b``. A trailing partial step is dropped
@@ -406,7 +416,9 @@ def communication(
         """Distinct values of ``x [T, L, k]`` other than ``own [T]`` and -1, per (token, layer)."""
         x = np.where(x == own[:, None, None], -1, x)
         if count <= 64 and hasattr(np, "bitwise_count"):  # a set as a 64-bit mask, then popcount
-            bits = np.where(x >= 0, np.left_shift(np.uint64(1), np.maximum(x, 0).astype(np.uint64)), np.uint64(0))
+            bits = np.where(
+                x >= 0, np.left_shift(np.uint64(1), np.maximum(x, 0).astype(np.uint64)), np.uint64(0)
+            )
             return np.bitwise_count(np.bitwise_or.reduce(bits, axis=2)).astype(np.int64)
         xs = np.sort(x, axis=2)  # own and padding are -1
         first = xs[:, :, :1] >= 0
@@ -444,7 +456,9 @@ def moved_slots(previous: Placement | np.ndarray, new: Placement | np.ndarray) -
     a = previous.physical_to_logical_map if isinstance(previous, Placement) else np.asarray(previous)
     b = new.physical_to_logical_map if isinstance(new, Placement) else np.asarray(new)
     if a.shape != b.shape:
-        raise ValueError(f"placements differ in shape {a.shape} vs {b.shape}; moved_slots needs the same layers and slots")
+        raise ValueError(
+            f"placements differ in shape {a.shape} vs {b.shape}; moved_slots needs the same layers and slots"
+        )
     return int((a != b).sum())
 
 
@@ -492,7 +506,9 @@ def evaluate(
     """All metrics of a placement on a trace (communication and step metrics need per-token ids)."""
     _check_policy(policy)
     if policy == "local" and not trace.has_tokens:
-        raise ValueError("policy 'local' needs a per-token trace; this trace has counts only (use --policy even)")
+        raise ValueError(
+            "policy 'local' needs a per-token trace; this trace has counts only (use --policy even)"
+        )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
     gl = trace_gpu_load(placement, trace, policy)
@@ -503,4 +519,3 @@ def evaluate(
     step = step_par(placement, trace, step_tokens, policy) if (step_tokens and trace.has_tokens) else None
     comm = communication(placement, trace, policy, hidden_size=hidden_size) if trace.has_tokens else None
     return Evaluation(policy, bal, step, comm, lb_par)
-

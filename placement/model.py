@@ -11,9 +11,10 @@ Shapes (L = layers, P = physical experts per layer, E = logical experts, G = EP 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -68,9 +69,7 @@ def validate_map(
         if arr.dtype.kind == "f" and arr.size and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
             arr = arr.astype(np.int64)
         else:
-            raise ValueError(
-                f"physical_to_logical_map must hold integer expert ids, got dtype {arr.dtype}"
-            )
+            raise ValueError(f"physical_to_logical_map must hold integer expert ids, got dtype {arr.dtype}")
     if arr.ndim == 1:
         raise ValueError(
             f"physical_to_logical_map must be 2-D [num_layers, num_physical_experts], got shape {arr.shape}; "
@@ -176,7 +175,7 @@ class Placement:
         num_logical_experts: int,
         topology: Topology,
         layer_ids: Sequence[int] | None = None,
-    ) -> "Placement":
+    ) -> Placement:
         """Slot ``p`` holds expert ``p % E`` (the engines' default with redundant slots)."""
         P, E = topology.num_physical_experts, int(num_logical_experts)
         if E > P:
@@ -195,7 +194,7 @@ class Placement:
         num_nodes: int = 1,
         layer_ids: Sequence[int] | None = None,
         provenance: Mapping[str, Any] | None = None,
-    ) -> "Placement":
+    ) -> Placement:
         """Build from a ``[L, P]`` map; ``num_logical_experts`` defaults to ``max id + 1``."""
         arr = np.asarray(physical_to_logical_map)
         if arr.ndim != 2:
@@ -206,13 +205,6 @@ class Placement:
             num_logical_experts = int(arr.max()) + 1 if arr.size else 0
         topo = Topology(ep_size=ep_size, num_physical_experts=arr.shape[1], num_nodes=num_nodes)
         return cls(arr, int(num_logical_experts), topo, tuple(layer_ids or ()), dict(provenance or {}))
-
-    @classmethod
-    def from_file(cls, path, **kwargs) -> "Placement":
-        """Read any supported placement file (see :mod:`placement.formats`)."""
-        from placement.formats import read_placement
-
-        return read_placement(path, **kwargs)
 
     # ---- derived views ------------------------------------------------------------------------
     @property
@@ -250,11 +242,19 @@ class Placement:
         L, E, G = self.num_layers, self.num_logical_experts, self.topology.ep_size
         mask = np.zeros((L, E, G), dtype=np.float64)
         gpu = np.broadcast_to(self.topology.gpu_of_slot, (L, self.num_physical_experts))
-        np.add.at(mask, (np.repeat(np.arange(L), self.num_physical_experts), self.physical_to_logical_map.ravel(), gpu.ravel()), 1.0)
+        np.add.at(
+            mask,
+            (
+                np.repeat(np.arange(L), self.num_physical_experts),
+                self.physical_to_logical_map.ravel(),
+                gpu.ravel(),
+            ),
+            1.0,
+        )
         mask.setflags(write=False)
         return mask
 
-    def select_layers(self, indices: Sequence[int]) -> "Placement":
+    def select_layers(self, indices: Sequence[int]) -> Placement:
         """A placement over a subset of rows (by row index, not layer id)."""
         idx = list(indices)
         return Placement(
@@ -266,7 +266,7 @@ class Placement:
             self.allow_colocated_replicas,
         )
 
-    def with_provenance(self, **extra) -> "Placement":
+    def with_provenance(self, **extra) -> Placement:
         prov = dict(self.provenance)
         prov.update(extra)
         return Placement(

@@ -66,7 +66,7 @@ class Topology:
     @classmethod
     def from_redundant(
         cls, num_logical_experts: int, num_redundant: int, ep_size: int, num_nodes: int = 1
-    ) -> "Topology":
+    ) -> Topology:
         """Topology with ``num_logical_experts + num_redundant`` slots per layer."""
         if num_redundant < 0:
             raise ValueError(f"num_redundant must be >= 0, got {num_redundant}")
@@ -117,7 +117,7 @@ class Topology:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Topology":
+    def from_dict(cls, d: dict) -> Topology:
         try:
             topo = cls(
                 ep_size=d["ep_size"],

@@ -467,7 +467,7 @@ def _read_trtllm(folder: Path, only: Path | None, E: int | None, moe_layer_ids) 
 
     # counts: sum over ranks per (iter, layer)
     total: dict[tuple[int, int], np.ndarray] = {}
-    for rank, f in sorted(counts_files.items()):
+    for _rank, f in sorted(counts_files.items()):
         for key, value in _safetensors_load(f).items():
             it, layer = _parse_key(f, key)
             arr = _array(f, value, key, 1, "iuf")

@@ -13,8 +13,9 @@ import json
 import os
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 import numpy as np
 
@@ -110,7 +111,9 @@ def load_npz(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_ARRAY_BYTES) 
     try:
         declared = _npz_declared_bytes(p)
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise InputFileError(f"{p}: not a readable .npz archive ({exc}); expected a file written by numpy.savez") from None
+        raise InputFileError(
+            f"{p}: not a readable .npz archive ({exc}); expected a file written by numpy.savez"
+        ) from None
     if declared > max_bytes:
         raise InputFileError(
             f"{p}: arrays declare {declared / 1e9:.1f} GB uncompressed, over the {max_bytes / 1e9:.1f} GB limit; "
@@ -144,7 +147,9 @@ def load_json(path: str | os.PathLike, max_bytes: int = 1024**3):
     except UnicodeDecodeError as exc:
         raise InputFileError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
-        raise InputFileError(f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+        raise InputFileError(
+            f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+        ) from None
     except RecursionError:
         raise InputFileError(f"{p}: JSON nested too deeply") from None
 
@@ -208,7 +213,9 @@ def safe_torch_load(path: str | os.PathLike, max_bytes: int, what: str = "a .pt 
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is an optional extra
-        raise InputFileError(f"{p}: reading {what} needs torch (pip install 'moe-placement[torch]')") from None
+        raise InputFileError(
+            f"{p}: reading {what} needs torch (pip install 'moe-placement[torch]')"
+        ) from None
     try:
         return torch.load(p, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...

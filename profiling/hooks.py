@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -80,10 +81,8 @@ def _cfg_get(config, *names):
 
 
 def _layer_id_of(name: str, fallback: int) -> int:
-    m = None
-    for m in _LAYER_RE.finditer(name):
-        pass
-    return int(m.group(1)) if m else fallback
+    matches = list(_LAYER_RE.finditer(name))
+    return int(matches[-1].group(1)) if matches else fallback
 
 
 def find_moe_layers(model: nn.Module) -> list[MoeLayerSpec]:
@@ -172,8 +171,14 @@ def read_stream(stream_dir: str | Path) -> RoutingTrace:
     parts = [read_trace(f) for f in files]
     first = parts[0]
     for f, p in zip(files, parts):
-        if p.layer_ids != first.layer_ids or p.num_logical_experts != first.num_logical_experts or p.top_k != first.top_k:
-            raise InputFileError(f"{f}: chunk has layers/experts/top-k unlike {files[0].name}; mixed streams in one folder")
+        if (
+            p.layer_ids != first.layer_ids
+            or p.num_logical_experts != first.num_logical_experts
+            or p.top_k != first.top_k
+        ):
+            raise InputFileError(
+                f"{f}: chunk has layers/experts/top-k unlike {files[0].name}; mixed streams in one folder"
+            )
     ids = np.concatenate([p.topk_ids for p in parts])
 
     def joined(key):
@@ -232,7 +237,9 @@ class RoutingRecorder:
             raise ValueError(f"mode must be 'counts' or 'tokens', got {mode!r}")
         L = len(layer_ids)
         if L < 1:
-            raise ValueError("no MoE layers to record: the model has no block with experts and a router; pass adapters=")
+            raise ValueError(
+                "no MoE layers to record: the model has no block with experts and a router; pass adapters="
+            )
         if len(set(int(x) for x in layer_ids)) != L:
             raise ValueError(f"layer_ids must be distinct, got {list(layer_ids)}")
         if num_logical_experts < 1 or top_k < 1:
@@ -242,7 +249,9 @@ class RoutingRecorder:
         if mode == "tokens" and int(capacity_tokens) < 1:
             raise ValueError(f"capacity_tokens must be >= 1, got {capacity_tokens}")
         if stream_dir is not None and mode != "tokens":
-            raise ValueError("stream_dir streams per-token ids; use mode='tokens' (counts mode is already bounded)")
+            raise ValueError(
+                "stream_dir streams per-token ids; use mode='tokens' (counts mode is already bounded)"
+            )
         self.layer_ids = tuple(int(x) for x in layer_ids)
         self.num_logical_experts = int(num_logical_experts)
         self.top_k = int(top_k)
@@ -283,7 +292,9 @@ class RoutingRecorder:
         self._pending_shape = None
         self._windows, self._window_labels = [], []
         if self.mode == "tokens":
-            self._ring = torch.full((self.capacity_tokens, L, self.top_k), -1, dtype=self._id_dtype, device=self.device)
+            self._ring = torch.full(
+                (self.capacity_tokens, L, self.top_k), -1, dtype=self._id_dtype, device=self.device
+            )
         else:
             self._ring = None
 
@@ -317,7 +328,9 @@ class RoutingRecorder:
             ids = ids.unsqueeze(-1)
         k = ids.shape[-1]
         if k > self.top_k:
-            raise ValueError(f"layer row {layer_index} selected {k} experts per token but the recorder holds top_k={self.top_k}")
+            raise ValueError(
+                f"layer row {layer_index} selected {k} experts per token but the recorder holds top_k={self.top_k}"
+            )
         ids = ids.reshape(-1, k)  # [N, k]
         n = ids.shape[0]
         if ids.device != self.device:
@@ -345,13 +358,13 @@ class RoutingRecorder:
                 f"raise capacity_tokens to at least chunk_tokens + the largest forward pass ({self.chunk_tokens} + {n})"
             )
         if n > C:  # only the newest C tokens can be kept
-            ids, pos_eff, n_eff = ids[n - C:], pos + n - C, C
+            ids, pos_eff, n_eff = ids[n - C :], pos + n - C, C
         else:
             pos_eff, n_eff = pos, n
         vals = ids.to(self._id_dtype)
         start = pos_eff % C
         head = min(n_eff, C - start)
-        self._ring[start:start + head, layer_index, :k] = vals[:head]  # [head, k]
+        self._ring[start : start + head, layer_index, :k] = vals[:head]  # [head, k]
         if head < n_eff:
             self._ring[: n_eff - head, layer_index, :k] = vals[head:]  # wrapped part
         self._written[layer_index] = pos + n
@@ -366,9 +379,13 @@ class RoutingRecorder:
         shape = None
         if isinstance(x, torch.Tensor):
             if x.dtype.is_floating_point:
-                shape = (x.shape[0], x.shape[1]) if x.dim() >= 3 else (1, x.shape[0]) if x.dim() == 2 else None
+                shape = (
+                    (x.shape[0], x.shape[1]) if x.dim() >= 3 else (1, x.shape[0]) if x.dim() == 2 else None
+                )
             else:
-                shape = (x.shape[0], x.shape[1]) if x.dim() == 2 else (1, x.shape[0]) if x.dim() == 1 else None
+                shape = (
+                    (x.shape[0], x.shape[1]) if x.dim() == 2 else (1, x.shape[0]) if x.dim() == 1 else None
+                )
         self._pending_shape = shape
 
     def _after_forward(self) -> None:
@@ -383,7 +400,9 @@ class RoutingRecorder:
                 self._seq_bounds.extend(base + shape[1] * (b + 1) for b in range(shape[0]))
             elif self._seq_ok:
                 self._seq_ok = False  # decode steps or token counts unlike B*S: prompts are not contiguous
-                log.info("prompt boundaries dropped: a forward pass routed %d tokens for input shape %s", n, shape)
+                log.info(
+                    "prompt boundaries dropped: a forward pass routed %d tokens for input shape %s", n, shape
+                )
         self._pending_shape = None
         if self.stream_dir is not None and min(self._written) - self._flushed >= self.chunk_tokens:
             self.flush()
@@ -421,7 +440,7 @@ class RoutingRecorder:
 
     def _ring_slice(self, lo: int, hi: int) -> np.ndarray:
         C = self.capacity_tokens
-        idx = (torch.arange(lo, hi, device=self.device) % C)  # [hi - lo] ring rows in token order
+        idx = torch.arange(lo, hi, device=self.device) % C  # [hi - lo] ring rows in token order
         return self._ring.index_select(0, idx).cpu().numpy()  # [hi - lo, L, k]
 
     def _offsets(self, bounds: list[int], lo: int, hi: int) -> np.ndarray | None:
@@ -510,7 +529,11 @@ class RoutingRecorder:
             raise ValueError("nothing recorded yet: run a forward pass before to_trace()")
         meta = self._meta() | {"dropped_tokens": lo}
         if lo > 0:
-            log.warning("ring buffer kept the newest %d of %d recorded tokens; raise capacity_tokens or stream", hi - lo, hi)
+            log.warning(
+                "ring buffer kept the newest %d of %d recorded tokens; raise capacity_tokens or stream",
+                hi - lo,
+                hi,
+            )
         return self._token_trace(lo, hi, name, meta)
 
     # ---- hooks ---------------------------------------------------------------------------------
@@ -524,7 +547,7 @@ class RoutingRecorder:
     def attached(self) -> bool:
         return bool(self._handles)
 
-    def __enter__(self) -> "RoutingRecorder":
+    def __enter__(self) -> RoutingRecorder:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -583,7 +606,9 @@ def attach(
         E = num_logical_experts or _cfg_get(text_cfg, "num_local_experts", "num_experts", "n_routed_experts")
         k = top_k or _cfg_get(text_cfg, "num_experts_per_tok", "top_k")
         if E is None or k is None:
-            raise ValueError("adapters need num_logical_experts= and top_k= (the model config does not say them)")
+            raise ValueError(
+                "adapters need num_logical_experts= and top_k= (the model config does not say them)"
+            )
     else:
         specs = find_moe_layers(model)
         if not specs:
@@ -593,7 +618,9 @@ def attach(
             )
         Es = {s.num_experts for s in specs}
         if len(Es) > 1:
-            raise ValueError(f"MoE blocks disagree on the expert count {sorted(Es)}; record them with separate adapters")
+            raise ValueError(
+                f"MoE blocks disagree on the expert count {sorted(Es)}; record them with separate adapters"
+            )
         E = num_logical_experts or Es.pop()
         k = top_k or max(s.top_k for s in specs)
         ids_ = [s.layer_id for s in specs]
@@ -605,23 +632,38 @@ def attach(
     if len(set(ids_)) != len(ids_):
         ids_ = list(range(len(ids_)))  # module paths without distinct layer numbers: number in order
     rec = RoutingRecorder(
-        ids_, int(E), int(k), mode=mode, device=device, capacity_tokens=capacity_tokens,
-        sample_every=sample_every, stream_dir=stream_dir, chunk_tokens=chunk_tokens,
+        ids_,
+        int(E),
+        int(k),
+        mode=mode,
+        device=device,
+        capacity_tokens=capacity_tokens,
+        sample_every=sample_every,
+        stream_dir=stream_dir,
+        chunk_tokens=chunk_tokens,
     )
     for row, (mod, where, fn) in enumerate(hooks):
         if where == "output":
+
             def hook(_m, _inp, out, row=row):
                 rec.record(row, _ids_from_output(out))
+
             rec._handles.append(mod.register_forward_hook(hook))
         elif where == "inputs":
+
             def pre(_m, args, kwargs, row=row):
                 rec.record(row, _ids_from_inputs(args, kwargs))
+
             rec._handles.append(mod.register_forward_pre_hook(pre, with_kwargs=True))
         else:
+
             def ahook(m, inp, out, row=row, fn=fn):
                 rec.record(row, fn(m, inp, out))
+
             rec._handles.append(mod.register_forward_hook(ahook))
-    rec._handles.append(model.register_forward_pre_hook(lambda _m, a, kw: rec._note_forward(a, kw), with_kwargs=True))
+    rec._handles.append(
+        model.register_forward_pre_hook(lambda _m, a, kw: rec._note_forward(a, kw), with_kwargs=True)
+    )
     rec._handles.append(model.register_forward_hook(lambda *_: rec._after_forward()))
     log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, mode)
     return rec

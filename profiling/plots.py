@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -66,7 +66,9 @@ def save_figure(fig, path: str | Path) -> Path:
     return p
 
 
-def load_heatmap(load, layer_ids: Sequence[int] | None = None, *, sort: bool = True, title: str | None = None):
+def load_heatmap(
+    load, layer_ids: Sequence[int] | None = None, *, sort: bool = True, title: str | None = None
+):
     """Layers x experts heatmap of load shares, log colour scale.
 
     Args:
@@ -85,8 +87,13 @@ def load_heatmap(load, layer_ids: Sequence[int] | None = None, *, sort: bool = T
     masked = np.ma.masked_less_equal(s, 0)
     fig = _figure(min(12, 3 + 0.12 * E), min(10, 1.5 + 0.25 * L))
     ax = fig.add_subplot()
-    im = ax.imshow(masked, aspect="auto", interpolation="nearest", cmap="magma",
-                   norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)))
+    im = ax.imshow(
+        masked,
+        aspect="auto",
+        interpolation="nearest",
+        cmap="magma",
+        norm=LogNorm(vmin=vmin, vmax=max(vmax, vmin * 1.0001)),
+    )
     ax.set_xlabel("expert rank in layer (hottest first)" if sort else "expert id")
     ax.set_ylabel("layer")
     step = max(1, L // 16)
@@ -96,7 +103,13 @@ def load_heatmap(load, layer_ids: Sequence[int] | None = None, *, sort: bool = T
     return fig
 
 
-def lorenz_plot(load, layer_ids: Sequence[int] | None = None, *, layers: Sequence[int] | None = None, title: str | None = None):
+def lorenz_plot(
+    load,
+    layer_ids: Sequence[int] | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+    title: str | None = None,
+):
     """Lorenz curve per layer (share of selections carried by the coldest fraction of experts).
 
     Args:
@@ -108,7 +121,11 @@ def lorenz_plot(load, layer_ids: Sequence[int] | None = None, *, layers: Sequenc
     c = np.asarray(load, dtype=np.float64)
     L, E = c.shape
     ids = _ids(layer_ids, L)
-    rows = list(layers) if layers is not None else sorted(set(np.linspace(0, L - 1, min(L, 8)).round().astype(int)))
+    rows = (
+        list(layers)
+        if layers is not None
+        else sorted(set(np.linspace(0, L - 1, min(L, 8)).round().astype(int)))
+    )
     curves = stats.lorenz_curve(c)
     g = gini(c)
     x = np.linspace(0, 1, E + 1)
@@ -135,8 +152,11 @@ def drift_plot(drift: dict, layer_ids: Sequence[int] | None = None, *, title: st
     keys = [k for k in ("tv", "spearman", "topn_overlap") if k in drift]
     if not keys:
         raise ValueError(f"drift must hold 'tv', 'spearman' or 'topn_overlap' arrays, got {sorted(drift)}")
-    labels = {"tv": "total variation (0 = same)", "spearman": "Spearman rank corr. (1 = same)",
-              "topn_overlap": "hot-set overlap (1 = same)"}
+    labels = {
+        "tv": "total variation (0 = same)",
+        "spearman": "Spearman rank corr. (1 = same)",
+        "topn_overlap": "hot-set overlap (1 = same)",
+    }
     fig = _figure(4 * len(keys), 3.4)
     axes = fig.subplots(1, len(keys), squeeze=False)[0]
     for ax, k in zip(axes, keys):
@@ -156,8 +176,14 @@ def drift_plot(drift: dict, layer_ids: Sequence[int] | None = None, *, title: st
     return fig
 
 
-def coactivation_heatmap(matrix, *, order: Sequence[int] | None = None, log_scale: bool = True,
-                         title: str | None = None, label: str = "co-activation lift"):
+def coactivation_heatmap(
+    matrix,
+    *,
+    order: Sequence[int] | None = None,
+    log_scale: bool = True,
+    title: str | None = None,
+    label: str = "co-activation lift",
+):
     """Heatmap of one layer's expert-pair matrix ``[E, E]`` (counts, lift or PMI).
 
     Args:
@@ -191,8 +217,15 @@ def coactivation_heatmap(matrix, *, order: Sequence[int] | None = None, log_scal
     return fig
 
 
-def gpu_load_bars(before, after, *, labels: tuple[str, str] = ("before", "after"), layer: int | None = None,
-                  layer_ids: Sequence[int] | None = None, title: str | None = None):
+def gpu_load_bars(
+    before,
+    after,
+    *,
+    labels: tuple[str, str] = ("before", "after"),
+    layer: int | None = None,
+    layer_ids: Sequence[int] | None = None,
+    title: str | None = None,
+):
     """Per-GPU load of two placements, e.g. from :func:`placement.metrics.expected_gpu_load`.
 
     Args:
@@ -240,7 +273,9 @@ def gpu_load_bars(before, after, *, labels: tuple[str, str] = ("before", "after"
     return fig
 
 
-def domain_distance_plot(distance, labels: Sequence[str], *, layer_ids: Sequence[int] | None = None, title: str | None = None):
+def domain_distance_plot(
+    distance, labels: Sequence[str], *, layer_ids: Sequence[int] | None = None, title: str | None = None
+):
     """Total-variation distance between domains ``[L, D, D]`` (from :func:`profiling.stats.domain_distance`),
     one small matrix per layer."""
     d = np.asarray(distance, dtype=np.float64)
@@ -279,7 +314,12 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> l
     load = trace.counts()
     ids = trace.layer_ids
     name = trace.name or "trace"
-    written.append(save_figure(load_heatmap(load, ids, title=f"{name}: expert load share (sorted, log)"), out / "load_heatmap.png"))
+    written.append(
+        save_figure(
+            load_heatmap(load, ids, title=f"{name}: expert load share (sorted, log)"),
+            out / "load_heatmap.png",
+        )
+    )
     written.append(save_figure(lorenz_plot(load, ids, title=f"{name}: Lorenz curves"), out / "lorenz.png"))
     wins = trace.natural_windows()
     if trace.has_tokens:
@@ -290,11 +330,19 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> l
         if wl is not None and wl.shape[0] > 12:  # many small windows (questions, steps): 8 consecutive groups
             wl = np.stack([g.sum(axis=0) for g in np.array_split(wl, 8)])
     if wl is not None and wl.shape[0] >= 2:
-        written.append(save_figure(drift_plot(stats.window_drift(wl), ids, title=f"{name}: drift over {wl.shape[0]} windows"),
-                                   out / "drift.png"))
+        written.append(
+            save_figure(
+                drift_plot(stats.window_drift(wl), ids, title=f"{name}: drift over {wl.shape[0]} windows"),
+                out / "drift.png",
+            )
+        )
     if not trace.has_tokens and trace.window_labels and 2 <= len(trace.window_labels) <= 12:
         d = stats.domain_distance(trace.window_counts)
-        written.append(save_figure(domain_distance_plot(d, trace.window_labels, layer_ids=ids), out / "domain_distance.png"))
+        written.append(
+            save_figure(
+                domain_distance_plot(d, trace.window_labels, layer_ids=ids), out / "domain_distance.png"
+            )
+        )
     if trace.has_tokens:
         from profiling.skew import gini
 
@@ -303,17 +351,30 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> l
         co = stats.coactivation(sub, layers=[row])
         lift = stats.coactivation_lift(co, sub.num_tokens)[0]
         order = stats.hotness(load[row])[1]
-        written.append(save_figure(
-            coactivation_heatmap(lift, order=order, title=f"{name}: co-activation lift, layer {ids[row]} (hottest first)"),
-            out / "coactivation.png"))
+        written.append(
+            save_figure(
+                coactivation_heatmap(
+                    lift, order=order, title=f"{name}: co-activation lift, layer {ids[row]} (hottest first)"
+                ),
+                out / "coactivation.png",
+            )
+        )
     if placement is not None:
         from placement.metrics import expected_gpu_load
         from placement.model import Placement
 
         base = Placement.trivial(load.shape[0], trace.num_logical_experts, placement.topology, layer_ids=ids)
-        written.append(save_figure(
-            gpu_load_bars(expected_gpu_load(base, load), expected_gpu_load(placement, load), labels=("trivial", "placement"),
-                          layer_ids=ids, title=f"{name}: per-GPU load"),
-            out / "gpu_load.png"))
+        written.append(
+            save_figure(
+                gpu_load_bars(
+                    expected_gpu_load(base, load),
+                    expected_gpu_load(placement, load),
+                    labels=("trivial", "placement"),
+                    layer_ids=ids,
+                    title=f"{name}: per-GPU load",
+                ),
+                out / "gpu_load.png",
+            )
+        )
     log.info("wrote %d plots to %s", len(written), out)
     return written

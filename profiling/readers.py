@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -137,17 +138,23 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
             metadata=meta,
         )
 
-    layer_ids = tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
+    layer_ids = (
+        tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
+    )
 
     if "topk_ids" in arrays:
         ids = np.asarray(arrays["topk_ids"])
         if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
-            raise InputFileError(f"{p}: field 'topk_ids' must be integer [tokens, layers, top_k], got {ids.dtype} {ids.shape}")
+            raise InputFileError(
+                f"{p}: field 'topk_ids' must be integer [tokens, layers, top_k], got {ids.dtype} {ids.shape}"
+            )
         if ids.ndim == 2:
             ids = ids[:, None, :]
         T = ids.shape[0]
         E = num_logical_experts
-        counts_field = "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
+        counts_field = (
+            "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
+        )
         if E is None and counts_field is not None:
             E = int(np.asarray(arrays[counts_field]).shape[-1])
         if E is None:
@@ -162,7 +169,11 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
             seg = np.asarray(arrays["segment"]).astype(np.int64)
             if seg.shape != (T,):
                 raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
-            segs = tuple(keep_segments) if keep_segments is not None else ((2, 3) if "counts_real" in arrays else None)
+            segs = (
+                tuple(keep_segments)
+                if keep_segments is not None
+                else ((2, 3) if "counts_real" in arrays else None)
+            )
             if segs is not None:
                 keep = np.isin(seg, segs)
                 meta["kept_segments"] = list(segs)
@@ -179,7 +190,9 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
             if source is not None:
                 source = np.asarray(source)[keep]
             if seq is not None:
-                raise InputFileError(f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries")
+                raise InputFileError(
+                    f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries"
+                )
         if seq is not None:
             seq = np.asarray(seq).astype(np.int64)
             if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
@@ -217,7 +230,9 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
     if "counts" in arrays:
         c = np.asarray(arrays["counts"])
         if c.ndim not in (2, 3) or c.dtype.kind not in "iuf":
-            raise InputFileError(f"{p}: field 'counts' must be numeric [layers, experts] or [windows, layers, experts], got {c.dtype} {c.shape}")
+            raise InputFileError(
+                f"{p}: field 'counts' must be numeric [layers, experts] or [windows, layers, experts], got {c.dtype} {c.shape}"
+            )
         labels: tuple[str, ...] = ()
         if c.ndim == 3 and "subject_index" in arrays and "subjects" in arrays:
             subj = np.asarray(arrays["subjects"]).astype(str)
@@ -258,9 +273,7 @@ def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     atomic_save_npz(path, **arrays)
 
 
-def stream_counts(
-    path: str | os.PathLike, num_logical_experts: int, chunk_tokens: int = 65536
-) -> np.ndarray:
+def stream_counts(path: str | os.PathLike, num_logical_experts: int, chunk_tokens: int = 65536) -> np.ndarray:
     """Per-layer expert counts ``[L, E]`` of a per-token npz trace, read in chunks of tokens.
 
     For traces too large to load: memory is bounded by ``chunk_tokens`` rows of ``topk_ids``.

@@ -55,14 +55,16 @@ def skew_table(trace_or_counts, layer_ids=None) -> list[dict]:
     h = normalized_entropy(c)
     rows = []
     for l in range(c.shape[0]):
-        rows.append({
-            "layer_id": int(ids[l]),
-            "tokens": float(total[l]),
-            "max_over_mean": float(ratio[l]),
-            "gini": float(g[l]),
-            "entropy": float(h[l]),
-            "idle_experts": int((c[l] == 0).sum()),
-            "top1_share": float(mx[l] / total[l]) if total[l] > 0 else 0.0,
-            "hottest_expert": int(c[l].argmax()),
-        })
+        rows.append(
+            {
+                "layer_id": int(ids[l]),
+                "tokens": float(total[l]),
+                "max_over_mean": float(ratio[l]),
+                "gini": float(g[l]),
+                "entropy": float(h[l]),
+                "idle_experts": int((c[l] == 0).sum()),
+                "top1_share": float(mx[l] / total[l]) if total[l] > 0 else 0.0,
+                "hottest_expert": int(c[l].argmax()),
+            }
+        )
     return rows

@@ -179,7 +179,11 @@ def window_drift(window_load, top_n: int | None = None) -> dict[str, np.ndarray]
         raise ValueError(f"window_load must be [windows >= 2, layers, experts], got shape {w.shape}")
     n = top_n or max(1, w.shape[-1] // 8)
     a, b = w[:-1], w[1:]
-    return {"tv": tv_distance(a, b), "spearman": rank_correlation(a, b), "topn_overlap": topn_overlap(a, b, n)}
+    return {
+        "tv": tv_distance(a, b),
+        "spearman": rank_correlation(a, b),
+        "topn_overlap": topn_overlap(a, b, n),
+    }
 
 
 def drift_from_reference(window_load, reference, top_n: int | None = None) -> dict[str, np.ndarray]:
@@ -191,7 +195,11 @@ def drift_from_reference(window_load, reference, top_n: int | None = None) -> di
         raise ValueError(f"window_load {w.shape} and reference {ref.shape} must be [W, L, E] and [L, E]")
     n = top_n or max(1, w.shape[-1] // 8)
     r = np.broadcast_to(ref, w.shape)
-    return {"tv": tv_distance(w, r), "spearman": rank_correlation(w, r), "topn_overlap": topn_overlap(w, r, n)}
+    return {
+        "tv": tv_distance(w, r),
+        "spearman": rank_correlation(w, r),
+        "topn_overlap": topn_overlap(w, r, n),
+    }
 
 
 def hot_expert_persistence(window_load, top_n: int | None = None) -> np.ndarray:

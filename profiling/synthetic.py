@@ -48,9 +48,13 @@ def synthetic_trace(
     Returns:
         RoutingTrace with ``topk_ids`` int16 ``[T, L, k]`` and ``seq_offsets`` ``[num_prompts + 1]``.
     """
-    for name, v, lo in (("num_tokens", num_tokens, 1), ("num_layers", num_layers, 1),
-                        ("num_logical_experts", num_logical_experts, 2), ("num_prompts", num_prompts, 1),
-                        ("num_clusters", num_clusters, 1)):
+    for name, v, lo in (
+        ("num_tokens", num_tokens, 1),
+        ("num_layers", num_layers, 1),
+        ("num_logical_experts", num_logical_experts, 2),
+        ("num_prompts", num_prompts, 1),
+        ("num_clusters", num_clusters, 1),
+    ):
         if int(v) < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
     if not 1 <= top_k < num_logical_experts:
@@ -69,7 +73,11 @@ def synthetic_trace(
     cluster = np.stack([rng.permutation(E) % num_clusters for _ in range(L)])  # [L, E] cluster of each expert
 
     # prompt lengths: random cut points, every prompt at least one token
-    cuts = np.sort(rng.choice(np.arange(1, T), size=num_prompts - 1, replace=False)) if num_prompts > 1 else np.array([], int)
+    cuts = (
+        np.sort(rng.choice(np.arange(1, T), size=num_prompts - 1, replace=False))
+        if num_prompts > 1
+        else np.array([], int)
+    )
     offsets = np.concatenate([[0], cuts, [T]]).astype(np.int64)
     ids = np.empty((T, L, k), dtype=np.int16)
     topic = rng.integers(0, num_clusters, size=num_prompts)  # a prompt's topic, shared across layers
@@ -92,8 +100,17 @@ def synthetic_trace(
         metadata={
             "synthetic": True,
             "generator": "profiling.synthetic.synthetic_trace",
-            "params": {"num_tokens": T, "num_layers": L, "num_logical_experts": E, "top_k": k,
-                       "num_prompts": int(num_prompts), "skew": skew, "num_clusters": int(num_clusters),
-                       "affinity": affinity, "drift": drift, "seed": seed},
+            "params": {
+                "num_tokens": T,
+                "num_layers": L,
+                "num_logical_experts": E,
+                "top_k": k,
+                "num_prompts": int(num_prompts),
+                "skew": skew,
+                "num_clusters": int(num_clusters),
+                "affinity": affinity,
+                "drift": drift,
+                "seed": seed,
+            },
         },
     )

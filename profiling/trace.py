@@ -15,9 +15,10 @@ A trace has per-token ids, or window counts, or both (counts then describe the s
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,13 +37,19 @@ def _check_offsets(name: str, offsets, total: int) -> np.ndarray | None:
         return None
     off = np.asarray(offsets)
     if off.dtype.kind not in "iu" or off.ndim != 1 or off.size < 2:
-        raise ValueError(f"{name} must be a 1-D integer array of at least 2 boundaries, got {off.dtype} {off.shape}")
+        raise ValueError(
+            f"{name} must be a 1-D integer array of at least 2 boundaries, got {off.dtype} {off.shape}"
+        )
     off = off.astype(np.int64)
     if off[0] != 0 or off[-1] != total:
-        raise ValueError(f"{name} must start at 0 and end at the token count {total}, got {off[0]} .. {off[-1]}")
+        raise ValueError(
+            f"{name} must start at 0 and end at the token count {total}, got {off[0]} .. {off[-1]}"
+        )
     if np.any(np.diff(off) < 0):
         i = int(np.argmax(np.diff(off) < 0))
-        raise ValueError(f"{name} must be non-decreasing; boundary {i + 1} ({off[i + 1]}) < boundary {i} ({off[i]})")
+        raise ValueError(
+            f"{name} must be non-decreasing; boundary {i + 1} ({off[i + 1]}) < boundary {i} ({off[i]})"
+        )
     return off
 
 
@@ -123,7 +130,9 @@ class RoutingTrace:
         if self.source_rank is not None:
             sr = np.asarray(self.source_rank)
             if sr.dtype.kind not in "iu" or sr.shape != (T,):
-                raise ValueError(f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}")
+                raise ValueError(
+                    f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}"
+                )
             if T and sr.min() < 0:
                 raise ValueError(f"source_rank must be >= 0, found {sr.min()}")
             sr = sr.astype(np.int32)
@@ -190,7 +199,7 @@ class RoutingTrace:
             return [(0, self.num_tokens)]
         return [(int(a), int(b)) for a, b in zip(off[:-1], off[1:])]
 
-    def slice_tokens(self, start: int, stop: int) -> "RoutingTrace":
+    def slice_tokens(self, start: int, stop: int) -> RoutingTrace:
         """Tokens ``[start, stop)`` as a new trace (offsets clipped and re-based)."""
         if self.topk_ids is None:
             raise ValueError("slice_tokens needs a per-token trace; this one has window counts only")
@@ -216,7 +225,7 @@ class RoutingTrace:
             metadata=self.metadata,
         )
 
-    def select_windows(self, indices: Sequence[int]) -> "RoutingTrace":
+    def select_windows(self, indices: Sequence[int]) -> RoutingTrace:
         """Keep the given natural windows (prompts/steps for token traces, rows for counts-only)."""
         wins = self.natural_windows()
         idx = [int(i) for i in indices]
@@ -250,7 +259,7 @@ class RoutingTrace:
             metadata=self.metadata,
         )
 
-    def select_layers(self, indices: Sequence[int]) -> "RoutingTrace":
+    def select_layers(self, indices: Sequence[int]) -> RoutingTrace:
         """Keep the given layer rows (by row index)."""
         idx = [int(i) for i in indices]
         return RoutingTrace(
@@ -266,7 +275,7 @@ class RoutingTrace:
             metadata=self.metadata,
         )
 
-    def split(self, fraction: float = 0.5) -> tuple["RoutingTrace", "RoutingTrace"]:
+    def split(self, fraction: float = 0.5) -> tuple[RoutingTrace, RoutingTrace]:
         """Fit / held-out split at a window boundary: the first ``fraction`` of windows, then the rest.
 
         Windows are prompts (or steps) for per-token traces and rows for counts-only traces; a
@@ -280,11 +289,13 @@ class RoutingTrace:
             return self.select_windows(range(cut)), self.select_windows(range(cut, len(wins)))
         T = self.num_tokens
         if T < 2:
-            raise ValueError(f"cannot split a trace with {max(T, len(wins))} token(s)/window(s) into fit and held-out parts")
+            raise ValueError(
+                f"cannot split a trace with {max(T, len(wins))} token(s)/window(s) into fit and held-out parts"
+            )
         cut = min(max(1, int(round(T * fraction))), T - 1)
         return self.slice_tokens(0, cut), self.slice_tokens(cut, T)
 
-    def windows(self, num_windows: int) -> list["RoutingTrace"]:
+    def windows(self, num_windows: int) -> list[RoutingTrace]:
         """Split into ``num_windows`` consecutive groups of natural windows (or of tokens)."""
         if num_windows < 1:
             raise ValueError(f"num_windows must be >= 1, got {num_windows}")
@@ -319,8 +330,12 @@ class RoutingTrace:
         }
 
     def __repr__(self) -> str:
-        kind = f"tokens={self.num_tokens}, top_k={self.top_k}" if self.has_tokens else (
-            f"windows={self.window_counts.shape[0]} (counts only)"  # type: ignore[union-attr]
+        kind = (
+            f"tokens={self.num_tokens}, top_k={self.top_k}"
+            if self.has_tokens
+            else (
+                f"windows={self.window_counts.shape[0]} (counts only)"  # type: ignore[union-attr]
+            )
         )
         return f"RoutingTrace({self.name!r}, {kind}, layers={self.num_layers}, experts={self.num_logical_experts})"
 

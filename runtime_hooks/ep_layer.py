@@ -66,7 +66,9 @@ class ExpertWeights:
     router: torch.Tensor
 
     @classmethod
-    def random(cls, num_experts: int, hidden: int, ffn: int, seed: int = 0, dtype=torch.float32) -> ExpertWeights:
+    def random(
+        cls, num_experts: int, hidden: int, ffn: int, seed: int = 0, dtype=torch.float32
+    ) -> ExpertWeights:
         """Seeded weights, identical in every process for the same arguments (CPU generator)."""
         if min(num_experts, hidden, ffn) < 1:
             raise ValueError(f"num_experts, hidden, ffn must be >= 1, got {num_experts}, {hidden}, {ffn}")
@@ -101,7 +103,9 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Ten
     return (F.silu(gate) * up) @ w2.T  # [m, d]
 
 
-def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights) -> torch.Tensor:
+def reference_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: ExpertWeights
+) -> torch.Tensor:
     """Single-process MoE without replication: ``x [T, d]``, ids/weights ``[T, k]`` (-1 = none) -> ``[T, d]``."""
     out = torch.zeros_like(x)
     for e in torch.unique(topk_ids[topk_ids >= 0]).tolist():
@@ -111,8 +115,12 @@ def reference_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     return out
 
 
-def replay_weights(topk_ids: torch.Tensor, seed: int = 0, token_index: torch.Tensor | None = None,
-                   num_experts: int | None = None) -> torch.Tensor:
+def replay_weights(
+    topk_ids: torch.Tensor,
+    seed: int = 0,
+    token_index: torch.Tensor | None = None,
+    num_experts: int | None = None,
+) -> torch.Tensor:
     """Router weights for replayed ids: softmax over seeded random logits, gathered at the ids.
 
     Args:
@@ -134,7 +142,9 @@ def replay_weights(topk_ids: torch.Tensor, seed: int = 0, token_index: torch.Ten
 def tensor_checksum(t: torch.Tensor) -> str:
     """Content hash (blake2b of the raw bytes) of a tensor, device-independent."""
     a = t.detach().contiguous().cpu()
-    return hashlib.blake2b(a.view(torch.uint8).numpy().tobytes() if a.numel() else b"", digest_size=16).hexdigest()
+    return hashlib.blake2b(
+        a.view(torch.uint8).numpy().tobytes() if a.numel() else b"", digest_size=16
+    ).hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -175,13 +185,18 @@ def build_routing_tables(placement: Placement, layer: int, device=None) -> Routi
             e = p2l[e_slot]
             r = int((node_l2p[n, e] >= 0).sum())
             node_l2p[n, e, r] = e_slot
-    as_t = lambda a: torch.tensor(np.array(a, dtype=np.int64), device=device)
-    return RoutingTables(as_t(l2p), as_t(cnt), as_t(gpu_slot), as_t(node_l2p), as_t(node_cnt),
-                         t.slots_per_gpu, t.gpus_per_node)
+
+    def as_t(a):
+        return torch.tensor(np.array(a, dtype=np.int64), device=device)
+
+    return RoutingTables(
+        as_t(l2p), as_t(cnt), as_t(gpu_slot), as_t(node_l2p), as_t(node_cnt), t.slots_per_gpu, t.gpus_per_node
+    )
 
 
-def route_slots(tables: RoutingTables, topk_ids: torch.Tensor, token_index: torch.Tensor, src_rank,
-                policy: str = "even") -> torch.Tensor:
+def route_slots(
+    tables: RoutingTables, topk_ids: torch.Tensor, token_index: torch.Tensor, src_rank, policy: str = "even"
+) -> torch.Tensor:
     """Physical slot of every pick, exactly as :func:`placement.metrics.route_tokens`.
 
     Args:
@@ -232,9 +247,19 @@ class EPMoELayer:
             (benchmarks only: models device time proportional to load without using the CPU cores).
     """
 
-    def __init__(self, placement: Placement, layer: int, weights: ExpertWeights, *, policy: str = "even",
-                 group=None, device=None, store=None, name: str | None = None,
-                 simulated_seconds_per_token: float = 0.0):
+    def __init__(
+        self,
+        placement: Placement,
+        layer: int,
+        weights: ExpertWeights,
+        *,
+        policy: str = "even",
+        group=None,
+        device=None,
+        store=None,
+        name: str | None = None,
+        simulated_seconds_per_token: float = 0.0,
+    ):
         import torch.distributed as dist
 
         if policy not in ("even", "local"):
@@ -256,7 +281,11 @@ class EPMoELayer:
         backend = dist.get_backend(group)
         self.backend = str(backend)
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if self.backend == "nccl"
+                else torch.device("cpu")
+            )
         self.device = torch.device(device)
         self.policy = policy
         self.store = store
@@ -273,7 +302,7 @@ class EPMoELayer:
         self.tokens_processed_total = 0
         self._set_placement(placement.select_layers([layer]))
         S = self.slots_per_gpu
-        local = self.placement.physical_to_logical_map[0, self.rank * S:(self.rank + 1) * S]  # [S]
+        local = self.placement.physical_to_logical_map[0, self.rank * S : (self.rank + 1) * S]  # [S]
         idx = torch.tensor(np.array(local, dtype=np.int64))
         self.slot_w1 = weights.w1.index_select(0, idx).to(self.device).contiguous()  # [S, 2f, d]
         self.slot_w2 = weights.w2.index_select(0, idx).to(self.device).contiguous()  # [S, d, f]
@@ -289,11 +318,14 @@ class EPMoELayer:
     def local_experts(self) -> np.ndarray:
         """int64 ``[S]``: logical expert held by each of this rank's slots."""
         S = self.slots_per_gpu
-        return self.placement.physical_to_logical_map[0, self.rank * S:(self.rank + 1) * S]
+        return self.placement.physical_to_logical_map[0, self.rank * S : (self.rank + 1) * S]
 
     def slot_checksums(self) -> list[str]:
         """Content hash of each local slot's ``(w1, w2)`` (compare with the logical expert's)."""
-        return [tensor_checksum(self.slot_w1[s]) + tensor_checksum(self.slot_w2[s]) for s in range(self.slots_per_gpu)]
+        return [
+            tensor_checksum(self.slot_w1[s]) + tensor_checksum(self.slot_w2[s])
+            for s in range(self.slots_per_gpu)
+        ]
 
     # ---- one step ---------------------------------------------------------------------------------
     def route(self, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,7 +344,7 @@ class EPMoELayer:
         start = 0
         for s, c in enumerate(counts):
             if c:
-                rows = order[start:start + c]
+                rows = order[start : start + c]
                 y[rows] = expert_ffn(x[rows], self.slot_w1[s], self.slot_w2[s])
                 start += c
         return y
@@ -325,8 +357,14 @@ class EPMoELayer:
         gate, up = h.chunk(2, dim=-1)
         return torch.bmm(w2, (F.silu(gate) * up).unsqueeze(2)).squeeze(2)  # [m, d]
 
-    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
-                token_index: torch.Tensor | None = None, top_k: int = 2) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+        token_index: torch.Tensor | None = None,
+        top_k: int = 2,
+    ) -> torch.Tensor:
         """One step: dispatch this rank's tokens, compute, combine. Collective over ``group``.
 
         Args:

@@ -155,8 +155,9 @@ def launch(
             raise ValueError("backend 'nccl' needs CUDA GPUs, none is visible; use --backend gloo")
     pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
     host = "127.0.0.1"
-    store = dist.TCPStore(host, 0, world_size + 1, True, timeout=datetime.timedelta(seconds=pg_timeout),
-                          wait_for_workers=False)
+    store = dist.TCPStore(
+        host, 0, world_size + 1, True, timeout=datetime.timedelta(seconds=pg_timeout), wait_for_workers=False
+    )
     ctx = _context(start_method)
     results = ctx.Queue()
     procs = []
@@ -225,4 +226,3 @@ def launch(
     if missing:
         raise WorkerTimeout(missing, timeout)
     return [out[r] for r in range(world_size)]
-

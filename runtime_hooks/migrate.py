@@ -39,7 +39,14 @@ from placement.model import Placement
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FaultSpec", "MigrationResult", "SlotMove", "apply_placement", "live_staging_buffers", "plan_migration"]
+__all__ = [
+    "FaultSpec",
+    "MigrationResult",
+    "SlotMove",
+    "apply_placement",
+    "live_staging_buffers",
+    "plan_migration",
+]
 
 _LIVE_STAGING: weakref.WeakSet = weakref.WeakSet()
 
@@ -103,7 +110,9 @@ def plan_migration(old: Placement, new: Placement) -> list[SlotMove]:
             f"vs {new.topology} E={new.num_logical_experts}"
         )
     if old.num_layers != new.num_layers:
-        raise ValueError(f"old placement has {old.num_layers} rows, new has {new.num_layers}; select matching layers")
+        raise ValueError(
+            f"old placement has {old.num_layers} rows, new has {new.num_layers}; select matching layers"
+        )
     t = old.topology
     gpu_of, node_of_gpu = t.gpu_of_slot, t.node_of_gpu
     moves: list[SlotMove] = []
@@ -115,7 +124,9 @@ def plan_migration(old: Placement, new: Placement) -> list[SlotMove]:
             cands = np.nonzero(a == e)[0]  # old slots of expert e (at least one: old is valid)
             src_gpu = gpu_of[cands]
             # same rank first, then same node, then the least-busy sender, then the lowest slot
-            key = np.lexsort((cands, sends[src_gpu], node_of_gpu[src_gpu] != node_of_gpu[dst], src_gpu != dst))
+            key = np.lexsort(
+                (cands, sends[src_gpu], node_of_gpu[src_gpu] != node_of_gpu[dst], src_gpu != dst)
+            )
             s = int(cands[key[0]])
             src = int(gpu_of[s])
             if src != dst:
@@ -124,7 +135,9 @@ def plan_migration(old: Placement, new: Placement) -> list[SlotMove]:
     return moves
 
 
-def _decide(store, prefix: str, rank: int, world: int, ok: bool, reason: str, deadline: float) -> tuple[bool, str]:
+def _decide(
+    store, prefix: str, rank: int, world: int, ok: bool, reason: str, deadline: float
+) -> tuple[bool, str]:
     """Agree on commit/abort through the store (first compare_set wins). Returns (commit, reason)."""
     store.set(f"{prefix}/flag/{rank}", "ok" if ok else f"fail: {reason}"[:500])
     keys = [f"{prefix}/flag/{r}" for r in range(world)]
@@ -146,8 +159,9 @@ def _decide(store, prefix: str, rank: int, world: int, ok: bool, reason: str, de
     return decision == "commit", decision
 
 
-def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout: float = 10.0,
-                    fault: FaultSpec | None = None) -> MigrationResult:
+def apply_placement(
+    layer_obj, new_placement: Placement, layer: int = 0, timeout: float = 10.0, fault: FaultSpec | None = None
+) -> MigrationResult:
     """Collective: migrate ``layer_obj`` (an :class:`~runtime_hooks.ep_layer.EPMoELayer`) to row ``layer``
     of ``new_placement``. Commits on every rank or on none; see the module docstring."""
     import torch
@@ -160,8 +174,10 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     new1 = new_placement.select_layers([layer])
     old1 = layer_obj.placement
     moves = plan_migration(old1, new1)
-    expert_bytes = int(layer_obj.slot_w1[0].numel() * layer_obj.slot_w1.element_size()
-                       + layer_obj.slot_w2[0].numel() * layer_obj.slot_w2.element_size())
+    expert_bytes = int(
+        layer_obj.slot_w1[0].numel() * layer_obj.slot_w1.element_size()
+        + layer_obj.slot_w2[0].numel() * layer_obj.slot_w2.element_size()
+    )
     moved = len(moves)
     net = sum(1 for m in moves if m.src_rank != m.dst_rank) * expert_bytes
     if not moves:
@@ -178,8 +194,11 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
     group = None
     reqs = []
     try:
-        group = dist.new_group(ranks=list(range(G)), backend=layer_obj.backend,
-                               timeout=datetime.timedelta(seconds=max(timeout, 1.0)))
+        group = dist.new_group(
+            ranks=list(range(G)),
+            backend=layer_obj.backend,
+            timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
+        )
         if layer_obj.backend == "nccl":
             # NCCL builds a communicator lazily; a first batch_isend_irecv that some ranks skip (no moves)
             # is undefined, so initialise it with one collective every rank joins.
@@ -211,7 +230,9 @@ def apply_placement(layer_obj, new_placement: Placement, layer: int = 0, timeout
             half = sends[: 2 * ((len(my_sends) + 1) // 2)]
             if half:
                 reqs.extend(dist.batch_isend_irecv(half))
-            raise RuntimeError(f"injected fault on rank {me} after posting {len(half) // 2} of {len(my_sends)} sends")
+            raise RuntimeError(
+                f"injected fault on rank {me} after posting {len(half) // 2} of {len(my_sends)} sends"
+            )
         ops.extend(sends)
         if ops:
             reqs.extend(dist.batch_isend_irecv(ops))

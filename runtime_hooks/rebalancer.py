@@ -72,7 +72,9 @@ LINKS: dict[str, tuple[float, float]] = {
 }
 
 
-def seconds_per_assignment(hidden_size: int, intermediate_size: int, peak_flops: float, efficiency: float) -> float:
+def seconds_per_assignment(
+    hidden_size: int, intermediate_size: int, peak_flops: float, efficiency: float
+) -> float:
     """Expert compute seconds for one (token, expert) assignment: ``6 d f / (P * eta_c)`` (GLU)."""
     return 6.0 * hidden_size * intermediate_size / (peak_flops * efficiency)
 
@@ -161,7 +163,9 @@ class RebalancerConfig:
 
     @property
     def seconds_per_assignment(self) -> float:
-        return seconds_per_assignment(self.hidden_size, self.expert_intermediate_size, self.peak_flops, self.compute_efficiency)
+        return seconds_per_assignment(
+            self.hidden_size, self.expert_intermediate_size, self.peak_flops, self.compute_efficiency
+        )
 
     @property
     def effective_check_interval(self) -> int:
@@ -203,7 +207,9 @@ def slots_copied_per_gpu(previous_map: np.ndarray, new_map: np.ndarray, ep_size:
     return changed.sum(axis=(0, 2)).astype(np.int64)
 
 
-def migration_time(previous_map, new_map, ep_size: int, expert_bytes: float, bandwidth: float, latency: float) -> float:
+def migration_time(
+    previous_map, new_map, ep_size: int, expert_bytes: float, bandwidth: float, latency: float
+) -> float:
     """``T_move`` seconds: the busiest receiving GPU's copies at ``bandwidth`` plus ``latency``; 0 if nothing moves."""
     per_gpu = slots_copied_per_gpu(previous_map, new_map, ep_size)
     if per_gpu.sum() == 0:
@@ -263,14 +269,19 @@ class Rebalancer:
             from dataclasses import replace
 
             cfg = replace(cfg, link=link)
-        if cfg.num_redundant_experts is not None and cfg.num_redundant_experts != current_placement.num_redundant_experts:
+        if (
+            cfg.num_redundant_experts is not None
+            and cfg.num_redundant_experts != current_placement.num_redundant_experts
+        ):
             raise ValueError(
                 f"config says num_redundant_experts={cfg.num_redundant_experts} but the placement has "
                 f"{current_placement.num_redundant_experts} ({current_placement.num_physical_experts} slots - "
                 f"{current_placement.num_logical_experts} experts); make them agree"
             )
         self.config = cfg
-        self.expert_bytes = float(expert_bytes if expert_bytes is not None else 3 * cfg.hidden_size * cfg.expert_intermediate_size)
+        self.expert_bytes = float(
+            expert_bytes if expert_bytes is not None else 3 * cfg.hidden_size * cfg.expert_intermediate_size
+        )
         if not self.expert_bytes > 0:
             raise ValueError(f"expert_bytes must be > 0, got {expert_bytes!r}")
         self.apply_fn = apply
@@ -282,8 +293,11 @@ class Rebalancer:
         self.step = 0
         self._own_executor = executor is None
         if executor is None:
-            executor = (cf.ProcessPoolExecutor(max_workers=1) if cfg.executor == "process"
-                        else cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rebalancer"))
+            executor = (
+                cf.ProcessPoolExecutor(max_workers=1)
+                if cfg.executor == "process"
+                else cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="moe-rebalancer")
+            )
         self._executor = executor
         self._future: cf.Future | None = None
         self._pending_meta: dict | None = None
@@ -345,7 +359,9 @@ class Rebalancer:
             target = np.maximum(lb, mean * par)
         z = cfg.noise_z if cfg.trigger == "gain" else 0.0
         noise = z * np.sqrt(np.maximum(peak, 0.0))  # [L] sampling noise of the window's peak
-        saved_per_step = np.maximum(peak - target - noise, 0.0).sum() / self._filled  # assignments / step on the peak GPU
+        saved_per_step = (
+            np.maximum(peak - target - noise, 0.0).sum() / self._filled
+        )  # assignments / step on the peak GPU
         return float(saved_per_step * cfg.seconds_per_assignment * cfg.effective_horizon)
 
     # ---- serving-thread API --------------------------------------------------------------------
@@ -357,7 +373,9 @@ class Rebalancer:
         c = np.asarray(counts, dtype=np.float64)
         L, E = self._sum.shape
         if c.shape != (L, E):
-            raise ValueError(f"counts have shape {c.shape}; expected [{L}, {E}] (layers x logical experts) per step")
+            raise ValueError(
+                f"counts have shape {c.shape}; expected [{L}, {E}] (layers x logical experts) per step"
+            )
         if not np.all(np.isfinite(c)) or (c.size and c.min() < 0):
             raise ValueError("counts must be finite and >= 0")
         cfg = self.config
@@ -367,11 +385,19 @@ class Rebalancer:
         self._filled = min(self._filled + 1, cfg.window_size)
         self.step += 1
         if cfg.log_balancedness:
-            peak, mean = _gpu_peaks(self._placement.physical_to_logical_map, c, self._placement.topology.ep_size)
+            peak, mean = _gpu_peaks(
+                self._placement.physical_to_logical_map, c, self._placement.topology.ep_size
+            )
             with np.errstate(divide="ignore", invalid="ignore"):
                 bal = np.where(peak > 0, mean / np.where(peak > 0, peak, 1), 1.0)
-            log.info("rebalancer step %d: balancedness %.4f (mean GPU load %.1f, peak %.1f, worst layer %.4f)",
-                     self.step, float(bal.mean()), float(mean.mean()), float(peak.mean()), float(bal.min()))
+            log.info(
+                "rebalancer step %d: balancedness %.4f (mean GPU load %.1f, peak %.1f, worst layer %.4f)",
+                self.step,
+                float(bal.mean()),
+                float(mean.mean()),
+                float(peak.mean()),
+                float(bal.min()),
+            )
         if self._future is None and self._should_trigger():
             self._submit()
 
@@ -388,8 +414,13 @@ class Rebalancer:
 
     def _submit(self) -> None:
         cfg = self.config
-        kwargs = dict(max_moves=cfg.max_moves, move_cost=self.move_cost(), time_limit=cfg.time_limit,
-                      method=cfg.method, drift_guard=cfg.drift_guard)
+        kwargs = dict(
+            max_moves=cfg.max_moves,
+            move_cost=self.move_cost(),
+            time_limit=cfg.time_limit,
+            method=cfg.method,
+            drift_guard=cfg.drift_guard,
+        )
         self._pending_meta = {"step": self.step, "trigger": cfg.trigger, "fit_load": self._sum.copy()}
         self._future = self._executor.submit(_resolve_job, self._sum.copy(), self._placement, kwargs)
         self.num_solves += 1
@@ -424,7 +455,9 @@ class Rebalancer:
             self._reachable_par = np.where(fit_mean > 0, fit_peak / np.where(fit_mean > 0, fit_mean, 1), 1.0)
         old_map = self._placement.physical_to_logical_map
         moved = int((old_map != new.physical_to_logical_map).sum())
-        t_move = migration_time(old_map, new.physical_to_logical_map, G, self.expert_bytes, cfg.bandwidth, cfg.latency)
+        t_move = migration_time(
+            old_map, new.physical_to_logical_map, G, self.expert_bytes, cfg.bandwidth, cfg.latency
+        )
         gain = self.predicted_gain_s(new.physical_to_logical_map)
         peak_before = float(_gpu_peaks(old_map, self._sum, G)[0].sum())
         peak_after = float(_gpu_peaks(new.physical_to_logical_map, self._sum, G)[0].sum())
@@ -441,15 +474,30 @@ class Rebalancer:
                 log.exception("rebalancer: apply callback failed; keeping the current placement")
                 applied, reason = False, "apply callback failed"
         ev = RebalanceEvent(
-            step=int(meta.get("step", self.step)), trigger=str(meta.get("trigger", cfg.trigger)), applied=applied,
-            moved_slots=moved, moved_bytes=moved * self.expert_bytes, migration_time_s=t_move,
-            predicted_gain_s=gain, peak_before=peak_before, peak_after=peak_after, solve_wall_s=wall,
-            solve_thread=thread, reason=reason,
+            step=int(meta.get("step", self.step)),
+            trigger=str(meta.get("trigger", cfg.trigger)),
+            applied=applied,
+            moved_slots=moved,
+            moved_bytes=moved * self.expert_bytes,
+            migration_time_s=t_move,
+            predicted_gain_s=gain,
+            peak_before=peak_before,
+            peak_after=peak_after,
+            solve_wall_s=wall,
+            solve_thread=thread,
+            reason=reason,
         )
         self.history.append(ev)
-        log.info("rebalancer: step %d %s: %d slots (%.1f MB), T_move %.3f ms, predicted gain %.3f ms (%s)",
-                 self.step, "applied" if applied else "skipped", moved, moved * self.expert_bytes / 1e6,
-                 t_move * 1e3, gain * 1e3, reason)
+        log.info(
+            "rebalancer: step %d %s: %d slots (%.1f MB), T_move %.3f ms, predicted gain %.3f ms (%s)",
+            self.step,
+            "applied" if applied else "skipped",
+            moved,
+            moved * self.expert_bytes / 1e6,
+            t_move * 1e3,
+            gain * 1e3,
+            reason,
+        )
         if applied:
             self._placement = new
             return new

@@ -33,7 +33,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-__all__ = ["POLICIES", "ReplayResult", "ReplayStream", "domain_stream", "question_stream", "replay", "token_stream"]
+__all__ = [
+    "POLICIES",
+    "ReplayResult",
+    "ReplayStream",
+    "domain_stream",
+    "question_stream",
+    "replay",
+    "token_stream",
+]
 
 POLICIES = ("migration", "greedy", "greedy+align", "static")
 
@@ -62,19 +70,35 @@ def token_stream(trace, ep_size: int, step_tokens: int = 32, name: str | None = 
     from profiling.trace import token_counts
 
     if not trace.has_tokens:
-        raise ValueError("token_stream needs a per-token trace (topk_ids); use domain_stream or question_stream")
+        raise ValueError(
+            "token_stream needs a per-token trace (topk_ids); use domain_stream or question_stream"
+        )
     per = int(step_tokens) * int(ep_size)
     n = trace.num_tokens // per
     if n < 2:
-        raise ValueError(f"the trace has {trace.num_tokens} tokens: fewer than 2 steps of {per}; lower step_tokens")
+        raise ValueError(
+            f"the trace has {trace.num_tokens} tokens: fewer than 2 steps of {per}; lower step_tokens"
+        )
     ids = trace.topk_ids[: n * per]
-    steps = np.stack([token_counts(ids[i * per:(i + 1) * per], trace.num_logical_experts) for i in range(n)])  # [N, L, E]
-    return ReplayStream(name or trace.name, steps.astype(np.float64), (), trace.layer_ids,
-                        f"{n} steps of {step_tokens} tokens x {ep_size} ranks, prompt order")
+    steps = np.stack(
+        [token_counts(ids[i * per : (i + 1) * per], trace.num_logical_experts) for i in range(n)]
+    )  # [N, L, E]
+    return ReplayStream(
+        name or trace.name,
+        steps.astype(np.float64),
+        (),
+        trace.layer_ids,
+        f"{n} steps of {step_tokens} tokens x {ep_size} ranks, prompt order",
+    )
 
 
 def domain_stream(
-    trace, domains: Sequence[str], steps_per_domain: int, tokens_per_step: int, top_k: int, seed: int = 0,
+    trace,
+    domains: Sequence[str],
+    steps_per_domain: int,
+    tokens_per_step: int,
+    top_k: int,
+    seed: int = 0,
     name: str | None = None,
 ) -> ReplayStream:
     """Counts-only per-domain trace -> SAMPLED steps, domain after domain (seeded multinomial)."""
@@ -89,12 +113,20 @@ def domain_stream(
         w = np.asarray(trace.window_counts[labels.index(d)], dtype=np.float64)  # [L, E]
         p = w / w.sum(axis=1, keepdims=True)
         for _ in range(int(steps_per_domain)):
-            out.append(np.stack([rng.multinomial(int(tokens_per_step) * int(top_k), p[l]) for l in range(p.shape[0])]))
+            out.append(
+                np.stack(
+                    [rng.multinomial(int(tokens_per_step) * int(top_k), p[l]) for l in range(p.shape[0])]
+                )
+            )
             lab.append(d)
-    return ReplayStream(name or f"{trace.name}:{'->'.join(domains)}", np.stack(out).astype(np.float64), tuple(lab),
-                        trace.layer_ids,
-                        f"SAMPLED: {steps_per_domain} steps per domain, {tokens_per_step} tokens x top-{top_k} "
-                        f"assignments per step, seeded multinomial (seed={seed}) from each domain's counts")
+    return ReplayStream(
+        name or f"{trace.name}:{'->'.join(domains)}",
+        np.stack(out).astype(np.float64),
+        tuple(lab),
+        trace.layer_ids,
+        f"SAMPLED: {steps_per_domain} steps per domain, {tokens_per_step} tokens x top-{top_k} "
+        f"assignments per step, seeded multinomial (seed={seed}) from each domain's counts",
+    )
 
 
 def question_stream(trace, name: str | None = None, max_steps: int | None = None) -> ReplayStream:
@@ -105,7 +137,9 @@ def question_stream(trace, name: str | None = None, max_steps: int | None = None
     labels = trace.window_labels
     if max_steps is not None:
         wc, labels = wc[:max_steps], labels[:max_steps]
-    return ReplayStream(name or trace.name, wc, tuple(labels), trace.layer_ids, f"{wc.shape[0]} questions, one step each")
+    return ReplayStream(
+        name or trace.name, wc, tuple(labels), trace.layer_ids, f"{wc.shape[0]} questions, one step each"
+    )
 
 
 @dataclass(frozen=True)
@@ -165,7 +199,9 @@ def replay(
     N, L, E = steps.shape
     W = N // window_steps
     if W < 3:
-        raise ValueError(f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)")
+        raise ValueError(
+            f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)"
+        )
     bad = [p for p in policies if p not in POLICIES]
     if bad:
         raise ValueError(f"unknown policies {bad}; choose from {POLICIES}")
@@ -175,7 +211,7 @@ def replay(
     layer_ids = stream.layer_ids or tuple(range(L))
 
     def wload(k):  # [L, E]
-        return steps[k * window_steps:(k + 1) * window_steps].sum(axis=0)
+        return steps[k * window_steps : (k + 1) * window_steps].sum(axis=0)
 
     init, _ = greedy_placement(wload(0), topology, layer_ids=layer_ids)
     current = {p: init for p in policies}
@@ -185,7 +221,7 @@ def replay(
         if k > 0:
             # Re-place before window k with what was seen up to the end of window k-1.
             lo = max(0, k * window_steps - cfg.window_size)
-            fit = reb.window_load() if reb is not None else steps[lo:k * window_steps].sum(axis=0)  # [L, E]
+            fit = reb.window_load() if reb is not None else steps[lo : k * window_steps].sum(axis=0)  # [L, E]
             new = {}
             if "greedy" in policies or "greedy+align" in policies:
                 g, _ = greedy_placement(fit, topology, layer_ids=layer_ids)
@@ -198,7 +234,7 @@ def replay(
             if reb is not None:
                 reb.wait()  # the simulator waits; a server would poll() and keep serving
                 new["migration"] = reb.placement
-            held = steps[k * window_steps:(k + 1) * window_steps]  # [w, L, E] held-out traffic
+            held = steps[k * window_steps : (k + 1) * window_steps]  # [w, L, E] held-out traffic
             label = stream.labels[k * window_steps] if stream.labels else ""
             for p in policies:
                 pl = new[p]
@@ -206,10 +242,26 @@ def replay(
                 par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
                 spar = float(_par_rows(gl_steps).mean())
                 moved = moved_slots(current[p], pl)
-                t_move = migration_time(current[p].physical_to_logical_map, pl.physical_to_logical_map, G,
-                                        expert_bytes, cfg.bandwidth, cfg.latency)
-                rows.append({"window": k, "policy": p, "label": label, "par": par, "step_par": spar,
-                             "moved_slots": moved, "moved_bytes": moved * expert_bytes, "migration_time_s": t_move})
+                t_move = migration_time(
+                    current[p].physical_to_logical_map,
+                    pl.physical_to_logical_map,
+                    G,
+                    expert_bytes,
+                    cfg.bandwidth,
+                    cfg.latency,
+                )
+                rows.append(
+                    {
+                        "window": k,
+                        "policy": p,
+                        "label": label,
+                        "par": par,
+                        "step_par": spar,
+                        "moved_slots": moved,
+                        "moved_bytes": moved * expert_bytes,
+                        "migration_time_s": t_move,
+                    }
+                )
                 current[p] = pl
         if reb is not None:
             for s in range(k * window_steps, (k + 1) * window_steps):
@@ -228,7 +280,15 @@ def replay(
             "migration_time_s": float(sum(x["migration_time_s"] for x in r)),
             "moved_fraction": float(np.mean([x["moved_slots"] for x in r]) / (P * L)),
         }
-    params = {"window_steps": window_steps, "windows_scored": W - 1, "ep_size": G, "num_physical_experts": P,
-              "expert_bytes": expert_bytes, "note": stream.note, "link": cfg.link,
-              "rebalancer_window_size": cfg.window_size, "max_moves": cfg.max_moves}
+    params = {
+        "window_steps": window_steps,
+        "windows_scored": W - 1,
+        "ep_size": G,
+        "num_physical_experts": P,
+        "expert_bytes": expert_bytes,
+        "note": stream.note,
+        "link": cfg.link,
+        "rebalancer_window_size": cfg.window_size,
+        "max_moves": cfg.max_moves,
+    }
     return ReplayResult(stream.name, tuple(rows), summary, params)

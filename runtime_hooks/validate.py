@@ -58,7 +58,11 @@ class ValidationSpec:
     def __post_init__(self):
         G = self.placement.topology.ep_size
         ids = np.asarray(self.topk_ids)
-        if ids.ndim != 3 or ids.shape[0] != G * self.tokens_per_rank or ids.shape[1] != self.placement.num_layers:
+        if (
+            ids.ndim != 3
+            or ids.shape[0] != G * self.tokens_per_rank
+            or ids.shape[1] != self.placement.num_layers
+        ):
             raise ValueError(
                 f"topk_ids must be [{G} ranks x {self.tokens_per_rank} tokens, {self.placement.num_layers} layers, k], "
                 f"got {ids.shape}"
@@ -71,11 +75,14 @@ class ValidationSpec:
             )
 
     @classmethod
-    def from_trace(cls, placement: Placement, trace: RoutingTrace, tokens_per_rank: int = 8, offset: int = 0,
-                   **kw) -> ValidationSpec:
+    def from_trace(
+        cls, placement: Placement, trace: RoutingTrace, tokens_per_rank: int = 8, offset: int = 0, **kw
+    ) -> ValidationSpec:
         """Slice ``G * tokens_per_rank`` tokens from ``offset`` of a per-token trace with matching layers."""
         if not trace.has_tokens:
-            raise ValueError("validation replays per-token routing; this trace has counts only (use a topk_ids trace)")
+            raise ValueError(
+                "validation replays per-token routing; this trace has counts only (use a topk_ids trace)"
+            )
         if trace.num_logical_experts != placement.num_logical_experts:
             raise ValueError(
                 f"the trace has {trace.num_logical_experts} experts, the placement {placement.num_logical_experts}"
@@ -89,7 +96,7 @@ class ValidationSpec:
             raise ValueError(
                 f"need {n} tokens from offset {offset} but the trace has {trace.num_tokens}; lower --tokens-per-rank"
             )
-        ids = np.asarray(trace.topk_ids[offset:offset + n], dtype=np.int64)
+        ids = np.asarray(trace.topk_ids[offset : offset + n], dtype=np.int64)
         return cls(placement, ids, int(tokens_per_rank), token_offset=int(offset), **kw)
 
     @property
@@ -172,7 +179,9 @@ def _validate_worker(rank: int, world_size: int, spec: ValidationSpec) -> dict:
     return validate_rank(rank, world_size, spec)
 
 
-def validate_placement(spec: ValidationSpec, backend: str = "gloo", timeout: float = 120.0) -> ValidationReport:
+def validate_placement(
+    spec: ValidationSpec, backend: str = "gloo", timeout: float = 120.0
+) -> ValidationReport:
     """Launch ``ep_size`` ranks, validate every row of ``spec.placement``, return the report."""
     from runtime_hooks.launcher import launch
 

@@ -69,7 +69,11 @@ class Budget:
             parameters.max_time_in_seconds = max(self.seconds, 0.05)
 
     def __repr__(self) -> str:
-        return f"Budget(work={self.work}, used={self.used})" if self.work is not None else f"Budget({self.seconds:.3g}s)"
+        return (
+            f"Budget(work={self.work}, used={self.used})"
+            if self.work is not None
+            else f"Budget({self.seconds:.3g}s)"
+        )
 
 
 def as_budget(limit: float | Budget) -> Budget:

@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import numpy as np
 
@@ -128,7 +129,9 @@ class ModelSpec:
             if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"model {self.name!r}: {k} must be a positive integer, got {v!r}")
         if self.top_k > self.num_logical_experts:
-            raise ValueError(f"model {self.name!r}: top_k={self.top_k} exceeds {self.num_logical_experts} experts")
+            raise ValueError(
+                f"model {self.name!r}: top_k={self.top_k} exceeds {self.num_logical_experts} experts"
+            )
         ids = tuple(int(i) for i in self.moe_layer_ids)
         if not ids or min(ids) < 0 or max(ids) >= self.num_layers or len(set(ids)) != len(ids):
             raise ValueError(
@@ -161,7 +164,9 @@ class ModelSpec:
         if self.attention == "mla":
             qk = self.qk_nope_head_dim + self.qk_rope_head_dim
             q = d * self.q_lora_rank + self.q_lora_rank * H * qk if self.q_lora_rank else d * H * qk
-            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * H * (self.qk_nope_head_dim + self.v_head_dim)
+            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * H * (
+                self.qk_nope_head_dim + self.v_head_dim
+            )
             return float(q + kv + H * self.v_head_dim * d)
         hd = self.head_dim
         return float(d * H * hd + 2 * d * self.num_kv_heads * hd + H * hd * d)
@@ -204,7 +209,7 @@ class ModelSpec:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "model description") -> "ModelSpec":
+    def from_dict(cls, d: Mapping[str, Any], where: str = "model description") -> ModelSpec:
         d = dict(d)
         if "moe_layer_ids" not in d and "first_moe_layer" in d:
             d["moe_layer_ids"] = list(range(int(d.pop("first_moe_layer")), int(d["num_layers"])))
@@ -214,8 +219,19 @@ class ModelSpec:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        missing = [k for k in ("name", "hidden_size", "moe_intermediate_size", "num_logical_experts", "top_k",
-                               "num_layers", "moe_layer_ids") if k not in d]
+        missing = [
+            k
+            for k in (
+                "name",
+                "hidden_size",
+                "moe_intermediate_size",
+                "num_logical_experts",
+                "top_k",
+                "num_layers",
+                "moe_layer_ids",
+            )
+            if k not in d
+        ]
         if missing:
             raise ValueError(f"{where}: missing keys {missing}")
         d["moe_layer_ids"] = tuple(d["moe_layer_ids"])
@@ -316,7 +332,9 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     if p.is_dir():
         p = p / "config.json"
     if not p.is_file():
-        raise ValueError(f"unknown model {name_or_path!r}: not a built-in ({sorted(BUILTIN_MODELS)}) and no such file")
+        raise ValueError(
+            f"unknown model {name_or_path!r}: not a built-in ({sorted(BUILTIN_MODELS)}) and no such file"
+        )
     d = load_json(p)
     if not isinstance(d, dict):
         raise ValueError(f"{p}: expected a JSON object")
@@ -358,8 +376,14 @@ class CostOptions:
             raise ValueError(
                 f"batch_per_rank, context_len and attn_tp must be >= 1, got {self.batch_per_rank}, {self.context_len}, {self.attn_tp}"
             )
-        if self.a2a_mode not in ("auto", "normal", "low_latency") or self.overlap not in ("off", "on", "auto"):
-            raise ValueError(f"a2a_mode in auto/normal/low_latency and overlap in off/on/auto, got {self.a2a_mode}, {self.overlap}")
+        if self.a2a_mode not in ("auto", "normal", "low_latency") or self.overlap not in (
+            "off",
+            "on",
+            "auto",
+        ):
+            raise ValueError(
+                f"a2a_mode in auto/normal/low_latency and overlap in off/on/auto, got {self.a2a_mode}, {self.overlap}"
+            )
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
 
@@ -374,7 +398,10 @@ def gemm_time(gpu: GpuSpec, flops, bytes_moved, weight_bytes: float = 1.0):
     """``max(F / (P eta_c), M / (BW eta_m)) + t0`` (seconds); ``flops``/``bytes_moved`` broadcast."""
     P = gpu.peak_flops(weight_bytes) * gpu.eta_compute
     BW = gpu.hbm_bandwidth * gpu.eta_memory
-    return np.maximum(np.asarray(flops, dtype=np.float64) / P, np.asarray(bytes_moved, dtype=np.float64) / BW) + gpu.gemm_overhead
+    return (
+        np.maximum(np.asarray(flops, dtype=np.float64) / P, np.asarray(bytes_moved, dtype=np.float64) / BW)
+        + gpu.gemm_overhead
+    )
 
 
 def a2a_time(cluster: ClusterSpec, nvl_bytes, rdma_bytes, num_nodes: int, ep_size: int):
@@ -385,7 +412,10 @@ def a2a_time(cluster: ClusterSpec, nvl_bytes, rdma_bytes, num_nodes: int, ep_siz
     if ep_size <= 1:
         return np.zeros_like(np.asarray(nvl_bytes, dtype=np.float64))
     alpha = cluster.inter.latency if num_nodes > 1 else cluster.intra.latency
-    return alpha + np.maximum(np.asarray(nvl_bytes, float) / cluster.intra.bandwidth, np.asarray(rdma_bytes, float) / cluster.inter.bandwidth)
+    return alpha + np.maximum(
+        np.asarray(nvl_bytes, float) / cluster.intra.bandwidth,
+        np.asarray(rdma_bytes, float) / cluster.inter.bandwidth,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,7 +525,9 @@ def analytic_workload(placement, load: np.ndarray, top_k: int, batch_per_rank: i
     return Workload(slot[None], np.asarray(nvl)[None], np.asarray(rdma)[None], t.slots_per_gpu, False, how)
 
 
-def trace_workload(placement, trace, batch_per_rank: int, mode: str, max_steps: int = 4, policy: str = "even") -> Workload:
+def trace_workload(
+    placement, trace, batch_per_rank: int, mode: str, max_steps: int = 4, policy: str = "even"
+) -> Workload:
     """Workload counted token by token from a per-token trace.
 
     Step ``s`` holds ``b x G`` consecutive tokens, token ``t`` of a step on rank ``t // b`` (as
@@ -524,8 +556,10 @@ def trace_workload(placement, trace, batch_per_rank: int, mode: str, max_steps: 
     src = np.arange(per_step) // b  # [T'] rank of each token in a step
     src_node = src // m
     for i, s0 in enumerate(starts):
-        ids = np.asarray(trace.topk_ids[s0:s0 + per_step])  # [T', L, k]
-        slots = route_tokens(placement, ids, src, policy, token_index=np.arange(s0, s0 + per_step))  # [T', L, k]
+        ids = np.asarray(trace.topk_ids[s0 : s0 + per_step])  # [T', L, k]
+        slots = route_tokens(
+            placement, ids, src, policy, token_index=np.arange(s0, s0 + per_step)
+        )  # [T', L, k]
         valid = slots >= 0
         gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T', L, k]
         nd = np.where(valid, gpu // m, -1)
@@ -546,14 +580,18 @@ def trace_workload(placement, trace, batch_per_rank: int, mode: str, max_steps: 
                 # distinct remote nodes per token (RDMA), distinct GPUs per token (NVLink fan-out)
                 key_n = np.where(off_node, n, -1)
                 key_n = np.sort(key_n, axis=1)
-                first_n = (key_n >= 0) & np.concatenate([np.ones((key_n.shape[0], 1), bool), key_n[:, 1:] != key_n[:, :-1]], axis=1)
+                first_n = (key_n >= 0) & np.concatenate(
+                    [np.ones((key_n.shape[0], 1), bool), key_n[:, 1:] != key_n[:, :-1]], axis=1
+                )
                 rs = np.bincount(src, weights=first_n.sum(axis=1), minlength=G)
                 tok_n = np.repeat(np.arange(key_n.shape[0]), key_n.shape[1]).reshape(key_n.shape)
                 landing = key_n * m + (src[tok_n] % m)  # lands on the same-index GPU of the remote node
                 rr = np.bincount(landing[first_n], minlength=G)
                 key_g = np.where(v & (g != src[:, None]), g, -1)
                 key_g = np.sort(key_g, axis=1)
-                first_g = (key_g >= 0) & np.concatenate([np.ones((key_g.shape[0], 1), bool), key_g[:, 1:] != key_g[:, :-1]], axis=1)
+                first_g = (key_g >= 0) & np.concatenate(
+                    [np.ones((key_g.shape[0], 1), bool), key_g[:, 1:] != key_g[:, :-1]], axis=1
+                )
                 nr = np.bincount(key_g[first_g], minlength=G).astype(float) * (m - 1) / m
                 ns = np.full(G, nr.mean())
             rdma[i, l] = np.maximum(rs, rr)
@@ -609,17 +647,22 @@ class MemoryBreakdown:
         gb = 1e9
         used = self.non_expert + self.expert + self.reserve
         if self.kv_free < 0:
-            return (f"weights do not fit: {self.expert / gb:.1f} GB experts (incl. {self.redundant / gb:.1f} GB redundant) + "
-                    f"{self.non_expert / gb:.1f} GB other weights + {self.reserve / gb:.1f} GB reserve = {used / gb:.1f} GB "
-                    f"> {self.hbm / gb:.1f} GB HBM")
-        return (f"KV cache does not fit: needs {self.kv_needed / gb:.1f} GB, {self.kv_free / gb:.1f} GB left after "
-                f"{self.expert / gb:.1f} GB experts (incl. {self.redundant / gb:.1f} GB redundant) + "
-                f"{self.non_expert / gb:.1f} GB other weights + {self.reserve / gb:.1f} GB reserve; "
-                f"at most {self.max_batch_per_rank} sequences per rank")
+            return (
+                f"weights do not fit: {self.expert / gb:.1f} GB experts (incl. {self.redundant / gb:.1f} GB redundant) + "
+                f"{self.non_expert / gb:.1f} GB other weights + {self.reserve / gb:.1f} GB reserve = {used / gb:.1f} GB "
+                f"> {self.hbm / gb:.1f} GB HBM"
+            )
+        return (
+            f"KV cache does not fit: needs {self.kv_needed / gb:.1f} GB, {self.kv_free / gb:.1f} GB left after "
+            f"{self.expert / gb:.1f} GB experts (incl. {self.redundant / gb:.1f} GB redundant) + "
+            f"{self.non_expert / gb:.1f} GB other weights + {self.reserve / gb:.1f} GB reserve; "
+            f"at most {self.max_batch_per_rank} sequences per rank"
+        )
 
 
-def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, ep_size: int, num_physical_experts: int,
-                   options: CostOptions) -> MemoryBreakdown:
+def memory_per_gpu(
+    model: ModelSpec, gpu: GpuSpec, ep_size: int, num_physical_experts: int, options: CostOptions
+) -> MemoryBreakdown:
     """Weights, redundant-slot cost and KV space per GPU.
 
     Every redundant slot costs one expert's weights in every MoE layer (DeepSeek-V3: 44 MB x 58 =
@@ -636,7 +679,9 @@ def memory_per_gpu(model: ModelSpec, gpu: GpuSpec, ep_size: int, num_physical_ex
     non_expert = model.non_expert_bytes(t)
     reserve = options.reserve_fraction * gpu.hbm_bytes
     kv_free = gpu.hbm_bytes - non_expert - expert - reserve
-    kv_token = model.kv_bytes_per_token * (1.0 if model.attention == "mla" else 1.0 / min(t, model.num_kv_heads))
+    kv_token = model.kv_bytes_per_token * (
+        1.0 if model.attention == "mla" else 1.0 / min(t, model.num_kv_heads)
+    )
     seqs_per_gpu = options.batch_per_rank * (t if model.attention == "mla" else 1)
     if options.phase == "decode":
         kv_needed = seqs_per_gpu * options.context_len * kv_token
@@ -655,7 +700,9 @@ def _attention_time(model: ModelSpec, cluster: ClusterSpec, b: float, options: C
     w_bytes = model.attention_params * model.weight_bytes / t
     if model.attention == "mla":
         qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
-        decode_core = 2.0 * H * (2 * model.kv_lora_rank + model.qk_rope_head_dim)  # absorbed, per cached token
+        decode_core = (
+            2.0 * H * (2 * model.kv_lora_rank + model.qk_rope_head_dim)
+        )  # absorbed, per cached token
     else:
         qk = v = model.head_dim
         decode_core = 2.0 * H * 2 * model.head_dim
@@ -666,10 +713,15 @@ def _attention_time(model: ModelSpec, cluster: ClusterSpec, b: float, options: C
         core = 2.0 * H * (qk + v) * (c / 2) * b  # causal: half the prompt on average
         kv_read = b * model.kv_bytes_per_token_layer
     proj = float(gemm_time(gpu, proj_flops, w_bytes + b * model.hidden_size * 4, model.weight_bytes))
-    time = proj + max(core / (gpu.flops_bf16 * gpu.eta_attention), kv_read / (gpu.hbm_bandwidth * gpu.eta_memory))
+    time = proj + max(
+        core / (gpu.flops_bf16 * gpu.eta_attention), kv_read / (gpu.hbm_bandwidth * gpu.eta_memory)
+    )
     time += gpu.gemm_overhead
     if t > 1:  # one all-reduce of the attention output inside the TP group
-        time += cluster.intra.latency + 2.0 * (t - 1) / t * b * t * model.hidden_size * 2 / cluster.intra.bandwidth
+        time += (
+            cluster.intra.latency
+            + 2.0 * (t - 1) / t * b * t * model.hidden_size * 2 / cluster.intra.bandwidth
+        )
     return float(time)
 
 
@@ -681,18 +733,32 @@ def _mlp_time(model: ModelSpec, gpu: GpuSpec, tokens: float, inter: int, split: 
     return float(gemm_time(gpu, 6.0 * d * inter * tokens / split, w + tokens * 4 * d, model.weight_bytes))
 
 
-def _moe_parts(model: ModelSpec, cluster: ClusterSpec, wl: Workload, scale: float, num_nodes: int, ep_size: int):
+def _moe_parts(
+    model: ModelSpec, cluster: ClusterSpec, wl: Workload, scale: float, num_nodes: int, ep_size: int
+):
     """Per-step, per-layer ``(dispatch, compute max over g, combine, compute mean)`` arrays ``[S, L]``."""
     gpu = cluster.gpu
     d, f = model.hidden_size, model.moe_intermediate_size
     n = wl.gpu_tokens(scale)  # [S, L, G]
     A = wl.active_experts(scale)  # [S, L, G]
     act_bytes = n * (model.dispatch_bytes_per_token + 2 * d + 4 * f)
-    comp = gemm_time(gpu, 6.0 * d * f * n, A * model.expert_bytes + act_bytes, model.weight_bytes)  # [S, L, G]
-    disp = a2a_time(cluster, wl.nvl_units * scale * model.dispatch_bytes_per_token,
-                    wl.rdma_units * scale * model.dispatch_bytes_per_token, num_nodes, ep_size).max(axis=2)
-    comb = a2a_time(cluster, wl.nvl_units * scale * model.combine_bytes_per_token,
-                    wl.rdma_units * scale * model.combine_bytes_per_token, num_nodes, ep_size).max(axis=2)
+    comp = gemm_time(
+        gpu, 6.0 * d * f * n, A * model.expert_bytes + act_bytes, model.weight_bytes
+    )  # [S, L, G]
+    disp = a2a_time(
+        cluster,
+        wl.nvl_units * scale * model.dispatch_bytes_per_token,
+        wl.rdma_units * scale * model.dispatch_bytes_per_token,
+        num_nodes,
+        ep_size,
+    ).max(axis=2)
+    comb = a2a_time(
+        cluster,
+        wl.nvl_units * scale * model.combine_bytes_per_token,
+        wl.rdma_units * scale * model.combine_bytes_per_token,
+        num_nodes,
+        ep_size,
+    ).max(axis=2)
     return disp, comp.max(axis=2), comb, comp.mean(axis=2), A.max(axis=2), n
 
 
@@ -713,7 +779,9 @@ class StepCost:
     workload_how: str
 
 
-def step_cost(model: ModelSpec, cluster: ClusterSpec, placement, workload: Workload, options: CostOptions) -> StepCost:
+def step_cost(
+    model: ModelSpec, cluster: ClusterSpec, placement, workload: Workload, options: CostOptions
+) -> StepCost:
     """Step time of one attention-DP rank (all ranks run in lockstep through the all-to-alls).
 
     Args:
@@ -747,23 +815,43 @@ def step_cost(model: ModelSpec, cluster: ClusterSpec, placement, workload: Workl
     # The workload has L rows; the model may have more MoE layers (a trace of some layers): scale the mean.
     moe_time = float(used.mean() * model.num_moe_layers)
     dense_attn = _attention_time(model, cluster, b, options)
-    dense_time = model.num_dense_layers * (dense_attn + _mlp_time(model, gpu, b, model.dense_intermediate_size, options.attn_tp))
+    dense_time = model.num_dense_layers * (
+        dense_attn + _mlp_time(model, gpu, b, model.dense_intermediate_size, options.attn_tp)
+    )
     head_tokens = b if options.phase == "decode" else max(1.0, b / options.context_len)
-    lm = float(gemm_time(gpu, 2.0 * model.vocab_size * model.hidden_size * head_tokens,
-                         model.vocab_size * model.hidden_size * 2.0 / options.attn_tp, 2.0))
+    lm = float(
+        gemm_time(
+            gpu,
+            2.0 * model.vocab_size * model.hidden_size * head_tokens,
+            model.vocab_size * model.hidden_size * 2.0 / options.attn_tp,
+            2.0,
+        )
+    )
     step = moe_time + dense_time + lm
     tokens_per_expert = float(n.sum(axis=2).mean() / max(model.num_logical_experts, 1))
     knee = gpu.knee_tokens_per_expert(model.weight_bytes)
     layer = LayerCost(
-        attention=float(np.mean(attn)), shared=float(np.mean(shared)), dispatch=float(disp.mean()),
-        compute=float(comp.mean()), combine=float(comb.mean()), no_overlap=float(no.mean()),
-        overlapped=float(tbo.mean()), used=float(used.mean()), overlap_used=on,
-        compute_mean=float(comp_mean.mean()), active_experts_max=float(amax.mean()),
-        tokens_per_expert=tokens_per_expert, memory_bound=bool(tokens_per_expert < knee),
+        attention=float(np.mean(attn)),
+        shared=float(np.mean(shared)),
+        dispatch=float(disp.mean()),
+        compute=float(comp.mean()),
+        combine=float(comb.mean()),
+        no_overlap=float(no.mean()),
+        overlapped=float(tbo.mean()),
+        used=float(used.mean()),
+        overlap_used=on,
+        compute_mean=float(comp_mean.mean()),
+        active_experts_max=float(amax.mean()),
+        tokens_per_expert=tokens_per_expert,
+        memory_bound=bool(tokens_per_expert < knee),
     )
     comm = layer.dispatch + layer.combine
     compute = layer.attention + layer.shared + layer.compute
-    bottleneck = "communication" if comm > compute else ("attention" if layer.attention > layer.compute + layer.shared else "experts")
+    bottleneck = (
+        "communication"
+        if comm > compute
+        else ("attention" if layer.attention > layer.compute + layer.shared else "experts")
+    )
     return StepCost(step, b / step, layer, moe_time, float(dense_time), lm, bottleneck, workload.how)
 
 
@@ -774,4 +862,3 @@ def with_overrides(spec, **kw):
     if bad:
         raise ValueError(f"{type(spec).__name__} has no fields {sorted(bad)}; valid: {sorted(names)}")
     return replace(spec, **kw)
-

@@ -80,9 +80,10 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -149,21 +150,31 @@ class DecodeCost:
         return self.expert_bytes / self.hbm_bytes_per_s * 1e6
 
     @classmethod
-    def build(cls, expert_bytes=None, hardware=None, top_k=None) -> "DecodeCost":
+    def build(cls, expert_bytes=None, hardware=None, top_k=None) -> DecodeCost:
         """Defaults overridden by ``expert_bytes``, a hardware name (h100, h800, h200) or a dict of fields."""
         dc = cls()
         if isinstance(hardware, str):
             key = hardware.lower()
             if key not in _HBM_EFFECTIVE:
-                raise ValueError(f"unknown hardware {hardware!r}; use one of {sorted(_HBM_EFFECTIVE)} or a dict")
-            dc = replace(dc, hbm_bytes_per_s=_HBM_EFFECTIVE[key], token_time_us=6 * 7168 * 2048 / _FLOPS_EFFECTIVE[key] * 1e6)
+                raise ValueError(
+                    f"unknown hardware {hardware!r}; use one of {sorted(_HBM_EFFECTIVE)} or a dict"
+                )
+            dc = replace(
+                dc,
+                hbm_bytes_per_s=_HBM_EFFECTIVE[key],
+                token_time_us=6 * 7168 * 2048 / _FLOPS_EFFECTIVE[key] * 1e6,
+            )
         elif isinstance(hardware, Mapping):
             unknown = set(hardware) - set(cls.__dataclass_fields__)
             if unknown:
-                raise ValueError(f"unknown decode cost fields {sorted(unknown)}; use {sorted(cls.__dataclass_fields__)}")
+                raise ValueError(
+                    f"unknown decode cost fields {sorted(unknown)}; use {sorted(cls.__dataclass_fields__)}"
+                )
             dc = replace(dc, **dict(hardware))
         elif hardware is not None:
-            raise ValueError(f"hardware must be a name or a dict of DecodeCost fields, got {type(hardware).__name__}")
+            raise ValueError(
+                f"hardware must be a name or a dict of DecodeCost fields, got {type(hardware).__name__}"
+            )
         if expert_bytes is not None:
             if not expert_bytes > 0:
                 raise ValueError(f"expert_bytes must be > 0, got {expert_bytes}")
@@ -207,7 +218,7 @@ def count_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int)
         def need(T):
             if T <= 0:
                 return math.inf
-            return np.maximum(1, np.ceil(wl / T - 1e-12)).sum()
+            return np.maximum(1, np.ceil(wl / T - 1e-12)).sum()  # noqa: B023 (called in this iteration)
 
         lo, hi = 0, len(cand) - 1
         while lo < hi:
@@ -221,7 +232,11 @@ def count_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int)
 
 
 def layer_cost_table(
-    windows: np.ndarray, rmax: int, objective: str = "tokens", decode: DecodeCost | None = None, num_gpus: int = 1
+    windows: np.ndarray,
+    rmax: int,
+    objective: str = "tokens",
+    decode: DecodeCost | None = None,
+    num_gpus: int = 1,
 ) -> np.ndarray:
     """Per-replica cost ``c[w, e, r]`` for ``r = 0..rmax`` (index 0 unused, set to +inf).
 
@@ -290,7 +305,9 @@ def _counts_of(assign: np.ndarray, E: int) -> np.ndarray:
     return np.bincount(assign.ravel(), minlength=E).astype(np.int64)
 
 
-def _local_search(pb: _Layer, assign: np.ndarray, max_iters: int, deadline: float | None) -> tuple[np.ndarray, int]:
+def _local_search(
+    pb: _Layer, assign: np.ndarray, max_iters: int, deadline: float | None
+) -> tuple[np.ndarray, int]:
     """Deterministic descent on (objective, sum of squared loads) from ``assign [G, S]``.
 
     Moves: swap an item of the hottest GPU with an item of another GPU (same node when node
@@ -344,7 +361,9 @@ def _local_search(pb: _Layer, assign: np.ndarray, max_iters: int, deadline: floa
                         rest[w, gidx != o] = L[w, o]
             newpeak = np.maximum(np.maximum(newLh, newLg), rest[:, None, :, None])  # [W, S, G, S]
             obj = pb.agg(np.moveaxis(newpeak, 0, -1))  # [S, G, S]
-            sq = ((newLh**2 + newLg**2) - (L[:, h][:, None, None, None] ** 2 + L[:, None, :, None] ** 2)).sum(axis=0)
+            sq = ((newLh**2 + newLg**2) - (L[:, h][:, None, None, None] ** 2 + L[:, None, :, None] ** 2)).sum(
+                axis=0
+            )
             obj = np.where(ok, obj, np.inf)
             sqv = np.where(ok, sq + cur[1], np.inf)
             k = np.lexsort((sqv.ravel(), obj.ravel()))[0]
@@ -386,9 +405,13 @@ def _local_search(pb: _Layer, assign: np.ndarray, max_iters: int, deadline: floa
             na, nb = counts[ca], counts[cb]
             da = pb.cost[:, ca, na - 1] - pb.cost[:, ca, na]  # [W, C]
             db = pb.cost[:, cb, nb + 1] - pb.cost[:, cb, nb]
-            newL = L[:, None, :] + da[:, :, None] * holds.T[ca][None] + db[:, :, None] * holds.T[cb][None]  # [W, C, G]
+            newL = (
+                L[:, None, :] + da[:, :, None] * holds.T[ca][None] + db[:, :, None] * holds.T[cb][None]
+            )  # [W, C, G]
             ci = np.arange(len(cg))
-            newL[:, ci, cg] += -pb.cost[:, ca, na - 1] + pb.cost[:, cb, nb + 1]  # g: loses a entirely, gains b
+            newL[:, ci, cg] += (
+                -pb.cost[:, ca, na - 1] + pb.cost[:, cb, nb + 1]
+            )  # g: loses a entirely, gains b
             obj = pb.agg(np.moveaxis(newL.max(axis=2), 0, -1))  # [C]
             sq = (newL**2).sum(axis=(0, 2))
             k = np.lexsort((sq, obj))[0]
@@ -461,7 +484,9 @@ class _Result:
     note: str = ""
 
 
-def _count_ranges(pb: _Layer, incumbent: np.ndarray, inc_value: float, objective: str, windows: np.ndarray, P: int):
+def _count_ranges(
+    pb: _Layer, incumbent: np.ndarray, inc_value: float, objective: str, windows: np.ndarray, P: int
+):
     E, G = pb.E, pb.G
     inc_counts = _counts_of(incumbent, E)
     lo = np.ones(E, dtype=np.int64)
@@ -471,7 +496,10 @@ def _count_ranges(pb: _Layer, incumbent: np.ndarray, inc_value: float, objective
     slack = P - int(lo.sum())
     hi = np.minimum(pb.rmax, lo + slack)
     complete = True
-    terms = lambda lo_, hi_: int(((hi_ > lo_) * G * pb.W).sum())
+
+    def terms(lo_, hi_):
+        return int(((hi_ > lo_) * G * pb.W).sum())
+
     if terms(lo, hi) > _MAX_MODEL_TERMS:
         complete = False
         # narrow around the incumbent: hot experts keep a window, cold ones keep the incumbent's count
@@ -486,7 +514,9 @@ def _count_ranges(pb: _Layer, incumbent: np.ndarray, inc_value: float, objective
     return lo, hi, complete
 
 
-def _canonical(pb: _Layer, assign: np.ndarray, tab: np.ndarray, counts: np.ndarray, e0: int, grp0: int | None):
+def _canonical(
+    pb: _Layer, assign: np.ndarray, tab: np.ndarray, counts: np.ndarray, e0: int, grp0: int | None
+):
     """Permute GPUs (and nodes) of ``assign [G, S]`` so that it meets the symmetry-breaking rules."""
     G = pb.G
     per = tab[:, np.arange(pb.E), counts]
@@ -559,11 +589,11 @@ def _solve_cpsat(pb, incumbent, inc_value, objective, windows, P, seed, limit_s,
     for w in range(W):
         for e in var_e:
             vals = [int(tab[w, e, max(r, lo[e])]) for r in range(int(hi[e]) + 1)]
-            t = m.new_int_var(min(vals[lo[e]:]), max(vals[lo[e]:]), f"t{w}_{e}")
+            t = m.new_int_var(min(vals[lo[e] :]), max(vals[lo[e] :]), f"t{w}_{e}")
             m.add_element(n[e], vals, t)
             t_vars[w, e] = t
             for g in range(G):
-                s = m.new_int_var(0, max(vals[lo[e]:]), f"s{w}_{e}_{g}")
+                s = m.new_int_var(0, max(vals[lo[e] :]), f"s{w}_{e}_{g}")
                 m.add(s >= t).only_enforce_if(x[e][g])
                 s_vars[w, e, g] = s
     ub = int(tab[:, :, 1].sum(axis=1).max())  # no GPU can carry more than every expert unsplit
@@ -650,7 +680,9 @@ def _solve_cpsat(pb, incumbent, inc_value, objective, windows, P, seed, limit_s,
     if deterministic and solver.wall_time >= 0.98 * prm.max_time_in_seconds:
         note = "wall-clock safety cap reached: this layer may not reproduce exactly"
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _Result(None, "greedy_fallback" if st == cp_model.UNKNOWN else "infeasible", None, complete, wall, note)
+        return _Result(
+            None, "greedy_fallback" if st == cp_model.UNKNOWN else "infeasible", None, complete, wall, note
+        )
     xv = np.array([[solver.boolean_value(x[e][g]) for g in range(G)] for e in range(E)])
     assign = np.stack([np.flatnonzero(xv[:, g]) for g in range(G)])
     # model bound to true units (ceil-rounded shares: at most S units per GPU above K * true load)
@@ -662,8 +694,16 @@ def _solve_cpsat(pb, incumbent, inc_value, objective, windows, P, seed, limit_s,
     return _Result(assign, status, bt, complete, wall, note)
 
 
-def _lns_cpsat(pb: _Layer, assign: np.ndarray, rounds: int, sub_limit: float, seed: int, deterministic: bool,
-               deadline: float | None, size: int = 8) -> tuple[np.ndarray, int]:
+def _lns_cpsat(
+    pb: _Layer,
+    assign: np.ndarray,
+    rounds: int,
+    sub_limit: float,
+    seed: int,
+    deterministic: bool,
+    deadline: float | None,
+    size: int = 8,
+) -> tuple[np.ndarray, int]:
     """Large-neighbourhood search with exact CP-SAT sub-solves, for instances too big for the joint model.
 
     Each round frees the hottest GPU of the critical window, the coolest ones and a seeded random one
@@ -773,8 +813,14 @@ def _large_layer(pb, inc, seed, limit_s, deterministic, ls_iters, deadline) -> _
         k += 1
         assign, _ = _local_search(pb, assign, ls_iters, dl)
         if deterministic and time.perf_counter() - t0 > _SAFETY_CAP * limit_s:
-            return _Result(assign, "time_limit", None, False, time.perf_counter() - t0,
-                           "wall-clock safety cap reached in the neighbourhood search: this layer may not reproduce exactly")
+            return _Result(
+                assign,
+                "time_limit",
+                None,
+                False,
+                time.perf_counter() - t0,
+                "wall-clock safety cap reached in the neighbourhood search: this layer may not reproduce exactly",
+            )
     return _Result(assign, "time_limit", None, False, time.perf_counter() - t0)
 
 
@@ -900,7 +946,11 @@ def _solve_milp(pb, incumbent, inc_value, objective, windows, P, seed, limit_s, 
         integrality=integrality,
         bounds=Bounds(lb, ub),
         constraints=LinearConstraint(A, lbs, ubs),
-        options={"time_limit": max(0.1, limit_s - (time.perf_counter() - t0)), "mip_rel_gap": 1e-9, "disp": False},
+        options={
+            "time_limit": max(0.1, limit_s - (time.perf_counter() - t0)),
+            "mip_rel_gap": 1e-9,
+            "disp": False,
+        },
     )
     wall = time.perf_counter() - t0
     if res.x is None:
@@ -920,7 +970,9 @@ def _solve_milp(pb, incumbent, inc_value, objective, windows, P, seed, limit_s, 
 # ---------------------------------------------------------------------------------------------
 # Weighted dispatch: LP on a fixed placement
 # ---------------------------------------------------------------------------------------------
-def weighted_shares(phy2log_row: np.ndarray, windows: np.ndarray, topology: Topology) -> tuple[np.ndarray, float]:
+def weighted_shares(
+    phy2log_row: np.ndarray, windows: np.ndarray, topology: Topology
+) -> tuple[np.ndarray, float]:
     """Per-replica token shares minimising the peak on a fixed placement of one layer.
 
     Args:
@@ -943,13 +995,18 @@ def weighted_shares(phy2log_row: np.ndarray, windows: np.ndarray, topology: Topo
     c_ub = np.tile(np.arange(P), W)
     v_ub = w[:, p2l].ravel()
     A_ub = coo_matrix(
-        (np.concatenate([v_ub, -np.ones(W * G)]), (np.concatenate([r_ub, np.arange(W * G)]), np.concatenate([c_ub, np.full(W * G, P)]))),
+        (
+            np.concatenate([v_ub, -np.ones(W * G)]),
+            (np.concatenate([r_ub, np.arange(W * G)]), np.concatenate([c_ub, np.full(W * G, P)])),
+        ),
         shape=(W * G, P + 1),
     )
     A_eq = coo_matrix((np.ones(P), (p2l, np.arange(P))), shape=(E, P + 1))
     cobj = np.zeros(P + 1)
     cobj[P] = 1.0
-    res = linprog(cobj, A_ub=A_ub, b_ub=np.zeros(W * G), A_eq=A_eq, b_eq=np.ones(E), bounds=(0, None), method="highs")
+    res = linprog(
+        cobj, A_ub=A_ub, b_ub=np.zeros(W * G), A_eq=A_eq, b_eq=np.ones(E), bounds=(0, None), method="highs"
+    )
     cnt = np.bincount(p2l, minlength=E)
     even = 1.0 / cnt[p2l]
     if res.status != 0:
@@ -957,7 +1014,11 @@ def weighted_shares(phy2log_row: np.ndarray, windows: np.ndarray, topology: Topo
     q = np.clip(res.x[:P], 0, None)
     tot = np.bincount(p2l, weights=q, minlength=E)
     q = q / tot[p2l]
-    peak = float(np.bincount(np.repeat(np.arange(W) * G, P) + np.tile(gpu, W), weights=(w[:, p2l] * q).ravel(), minlength=W * G).max())
+    peak = float(
+        np.bincount(
+            np.repeat(np.arange(W) * G, P) + np.tile(gpu, W), weights=(w[:, p2l] * q).ravel(), minlength=W * G
+        ).max()
+    )
     even_peak = float((w[:, p2l] * even).reshape(W, G, -1).sum(axis=2).max())
     if peak > even_peak:
         return even, even_peak
@@ -995,7 +1056,9 @@ def write_replica_weights(path, weights: np.ndarray, placement: Placement) -> No
 
     wts = np.asarray(weights, dtype=np.float64)
     if wts.shape != placement.physical_to_logical_map.shape:
-        raise ValueError(f"weights have shape {wts.shape} but the placement map is {placement.physical_to_logical_map.shape}")
+        raise ValueError(
+            f"weights have shape {wts.shape} but the placement map is {placement.physical_to_logical_map.shape}"
+        )
     if not np.all(np.isfinite(wts)) or wts.min(initial=0) < 0:
         raise ValueError("replica weights must be finite and >= 0")
     p2l = placement.physical_to_logical_map
@@ -1051,7 +1114,9 @@ def _as_windows(load_or_trace, robust, num_windows: int):
         return arr, arr[None], None, None
     if arr.ndim == 3:
         return arr.sum(axis=0), (arr if robust else arr.sum(axis=0)[None]), None, None
-    raise ValueError(f"load must be [layers, experts], [windows, layers, experts] or a RoutingTrace, got shape {arr.shape}")
+    raise ValueError(
+        f"load must be [layers, experts], [windows, layers, experts] or a RoutingTrace, got shape {arr.shape}"
+    )
 
 
 def solve_exact(
@@ -1144,37 +1209,88 @@ def solve_exact(
     if E > P:
         raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
     if S > E:
-        raise ValueError(f"{S} slots per GPU exceed the {E} experts; use at most {E * G - E} redundant experts")
+        raise ValueError(
+            f"{S} slots per GPU exceed the {E} experts; use at most {E * G - E} redundant experts"
+        )
     if weighted not in (False, True, "shares"):
         raise ValueError(f"weighted must be False, True or 'shares', got {weighted!r}")
     if weighted is True:
         if node_constraint or objective != "tokens":
-            raise ValueError("weighted=True (placement for weighted dispatch) supports objective='tokens' without "
-                             "node_constraint; use weighted='shares' for LP shares on the even-split optimum")
+            raise ValueError(
+                "weighted=True (placement for weighted dispatch) supports objective='tokens' without "
+                "node_constraint; use weighted='shares' for LP shares on the even-split optimum"
+            )
         from solver.weighted import solve_weighted
 
-        w_pl, _, w_rep = solve_weighted(agg, topology, windows=wins if robust else None, layer_ids=layer_ids,
-                                        hint=hint, seed=seed, time_limit=time_limit)
-        params = {"backend": "weighted", "seed": seed, "time_limit": time_limit, "weighted": True, "robust": robust}
+        w_pl, _, w_rep = solve_weighted(
+            agg,
+            topology,
+            windows=wins if robust else None,
+            layer_ids=layer_ids,
+            hint=hint,
+            seed=seed,
+            time_limit=time_limit,
+        )
+        params = {
+            "backend": "weighted",
+            "seed": seed,
+            "time_limit": time_limit,
+            "weighted": True,
+            "robust": robust,
+        }
         return w_pl.with_provenance(**params), replace(w_rep, params=params)
     guard = _validation_split(load_or_trace, validation, seed)
-    gate = None if guard is not None else _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objective, weighted)
+    gate = (
+        None
+        if guard is not None
+        else _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objective, weighted)
+    )
     if gate is not None:
         if not (np.isfinite(noise_k) and noise_k >= 0):
             raise ValueError(f"noise_k must be a finite number >= 0 (sigmas per moved slot), got {noise_k!r}")
-        kw = dict(backend=backend, num_groups=num_groups, node_constraint=node_constraint, objective=objective,
-                  robust=robust, num_windows=num_windows, weighted=weighted, layer_ids=layer_ids, seed=seed,
-                  workers=workers, hint=hint, expert_bytes=expert_bytes, hardware=hardware, deterministic=deterministic,
-                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0,
-                  noise_gate=None)
+        kw = dict(
+            backend=backend,
+            num_groups=num_groups,
+            node_constraint=node_constraint,
+            objective=objective,
+            robust=robust,
+            num_windows=num_windows,
+            weighted=weighted,
+            layer_ids=layer_ids,
+            seed=seed,
+            workers=workers,
+            hint=hint,
+            expert_bytes=expert_bytes,
+            hardware=hardware,
+            deterministic=deterministic,
+            batch_tokens_per_gpu=batch_tokens_per_gpu,
+            local_search_iters=local_search_iters,
+            validation=0,
+            noise_gate=None,
+        )
         pl, rep = solve_exact(load_or_trace, topology, **{**kw, "time_limit": 0.85 * time_limit})
         return _noise_gate(load_or_trace, topology, pl, rep, gate, float(noise_k), seed, time_limit, t_start)
     if guard is not None:
-        kw = dict(backend=backend, num_groups=num_groups, node_constraint=node_constraint, objective=objective,
-                  robust=robust, num_windows=num_windows, weighted=weighted, layer_ids=layer_ids, seed=seed,
-                  workers=workers, hint=hint, expert_bytes=expert_bytes, hardware=hardware, deterministic=deterministic,
-                  batch_tokens_per_gpu=batch_tokens_per_gpu, local_search_iters=local_search_iters, validation=0,
-                  noise_gate=None)
+        kw = dict(
+            backend=backend,
+            num_groups=num_groups,
+            node_constraint=node_constraint,
+            objective=objective,
+            robust=robust,
+            num_windows=num_windows,
+            weighted=weighted,
+            layer_ids=layer_ids,
+            seed=seed,
+            workers=workers,
+            hint=hint,
+            expert_bytes=expert_bytes,
+            hardware=hardware,
+            deterministic=deterministic,
+            batch_tokens_per_gpu=batch_tokens_per_gpu,
+            local_search_iters=local_search_iters,
+            validation=0,
+            noise_gate=None,
+        )
         return _validation_guard(load_or_trace, topology, guard, time_limit, t_start, kw)
     decode = DecodeCost.build(expert_bytes, hardware, top_k) if objective == "decode" else None
     if decode is not None and batch_tokens_per_gpu is not None:
@@ -1192,10 +1308,15 @@ def solve_exact(
     hint_map = None
     if hint is not None:
         if hint.physical_to_logical_map.shape != greedy_map.shape or hint.num_logical_experts != E:
-            raise ValueError(f"hint placement has map shape {hint.physical_to_logical_map.shape}, expected {greedy_map.shape}")
+            raise ValueError(
+                f"hint placement has map shape {hint.physical_to_logical_map.shape}, expected {greedy_map.shape}"
+            )
         hint_map = hint.physical_to_logical_map
     rmax = _max_replicas(E, G, P)
-    workers = int(workers or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    workers = int(
+        workers
+        or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
     workers = max(1, min(workers, L))
     setup = time.perf_counter() - t_start
     per_layer = max(0.05, (time_limit - setup) * workers / L * 0.85)
@@ -1217,7 +1338,10 @@ def solve_exact(
         wl = wnorm[:, l]  # [W, E]
         pb = _Layer(
             cost=layer_cost_table(wl, rmax, objective, decode, G),
-            G=G, S=S, rmax=rmax, robust_m=robust_m,
+            G=G,
+            S=S,
+            rmax=rmax,
+            robust_m=robust_m,
             node_of_gpu=topology.node_of_gpu if node_constraint else None,
             group_of_expert=group_of_expert,
             groups_per_node=(num_groups // N) if node_constraint else 0,
@@ -1253,7 +1377,9 @@ def solve_exact(
                 if E * G * pb.W > _FULL_MODEL_LIMIT:
                     res = _large_layer(pb, inc, seed, remaining, deterministic, ls_iters, deadline)
                 elif backend == "cpsat":
-                    res = _solve_cpsat(pb, inc, inc_val, objective, wl, P, seed, remaining, deterministic, lb_true)
+                    res = _solve_cpsat(
+                        pb, inc, inc_val, objective, wl, P, seed, remaining, deterministic, lb_true
+                    )
                 else:
                     res = _solve_milp(pb, inc, inc_val, objective, wl, P, seed, remaining, lb_true)
             except Exception as exc:  # a solver failure is data, not an exception
@@ -1277,8 +1403,10 @@ def solve_exact(
             # layer keeps a valid placement, so its status says where that placement came from
             status = "feasible" if inc_val < g_val else "greedy_fallback"
             with lock:
-                notes.append(f"layer {l}: {backend} backend ended {res.status!r} without a solution; "
-                             f"kept the {'local-search' if inc_val < g_val else 'greedy'} placement")
+                notes.append(
+                    f"layer {l}: {backend} backend ended {res.status!r} without a solution; "
+                    f"kept the {'local-search' if inc_val < g_val else 'greedy'} placement"
+                )
         row = inc.reshape(-1)
         if model_val >= g_val - 1e-12 * max(1, g_val):
             row = greedy_map[l]
@@ -1291,8 +1419,16 @@ def solve_exact(
         gpu_tok = per_slot.reshape(G, S).sum(axis=1)
         obj_tok = float(gpu_tok.max())
         g_row = greedy_map[l]
-        g_tok = float((agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max())
-        if objective == "tokens" and pb.W == 1 and res is not None and res.complete and res.model_bound is not None:
+        g_tok = float(
+            (agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max()
+        )
+        if (
+            objective == "tokens"
+            and pb.W == 1
+            and res is not None
+            and res.complete
+            and res.model_bound is not None
+        ):
             glob_bound = max(glob_bound, min(res.model_bound, obj_tok))
         if model_lb >= model_val * (1 - 1e-7):
             if status != "optimal" or proved_by is None:
@@ -1349,7 +1485,13 @@ def solve_exact(
     }
     if decode is not None:
         params["decode_cost"] = {k: getattr(decode, k) for k in decode.__dataclass_fields__}
-    placement = Placement(phy2log, E, topology, tuple(layer_ids or ()), {"solver": backend, **{k: v for k, v in params.items() if k != "decode_cost"}})
+    placement = Placement(
+        phy2log,
+        E,
+        topology,
+        tuple(layer_ids or ()),
+        {"solver": backend, **{k: v for k, v in params.items() if k != "decode_cost"}},
+    )
     report = SolveReport(
         solver=backend,
         layers=tuple(r[1] for r in results),
@@ -1382,15 +1524,25 @@ def _validation_split(load_or_trace, validation, seed: int):
 
     The fit part keeps the input's kind (windows ``[W', L, E]``) so a robust solve still sees windows.
     """
-    if validation is None or validation is False or (not isinstance(validation, str) and float(validation) == 0):
+    if (
+        validation is None
+        or validation is False
+        or (not isinstance(validation, str) and float(validation) == 0)
+    ):
         return None
     if isinstance(validation, str) and validation not in ("auto", "thin"):
-        raise ValueError(f"validation must be 'auto', 'thin', a fraction in (0, 0.5] or 0, got {validation!r}")
+        raise ValueError(
+            f"validation must be 'auto', 'thin', a fraction in (0, 0.5] or 0, got {validation!r}"
+        )
     frac = 0.2 if isinstance(validation, str) else float(validation)
     if not 0 < frac <= 0.5:
         raise ValueError(f"validation fraction must be in (0, 0.5], got {validation}")
     if validation == "thin":
-        agg = load_or_trace.counts() if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+        agg = (
+            load_or_trace.counts()
+            if isinstance(load_or_trace, RoutingTrace)
+            else np.asarray(load_or_trace, dtype=np.float64)
+        )
         if agg.ndim == 3:
             agg = agg.sum(axis=0)
         if not np.all(agg == np.round(agg)):
@@ -1431,11 +1583,25 @@ def _validation_guard(load_or_trace, topology: Topology, guard, time_limit: floa
     e_fit, _ = solve_exact(fit_arg, topology, **{**kw, "time_limit": 0.3 * left})
     v_g = expected_gpu_load(g_fit, val).max(axis=1)  # [L]
     v_e = expected_gpu_load(e_fit, val).max(axis=1)
-    pl, rep = solve_exact(load_or_trace, topology, **{**kw, "time_limit": max(0.1, time_limit - (time.perf_counter() - t_start))})
-    agg = load_or_trace.counts().astype(np.float64) if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+    pl, rep = solve_exact(
+        load_or_trace,
+        topology,
+        **{**kw, "time_limit": max(0.1, time_limit - (time.perf_counter() - t_start))},
+    )
+    agg = (
+        load_or_trace.counts().astype(np.float64)
+        if isinstance(load_or_trace, RoutingTrace)
+        else np.asarray(load_or_trace, dtype=np.float64)
+    )
     if agg.ndim == 3:
         agg = agg.sum(axis=0)
-    g_all, _ = greedy_placement(agg, topology, kw.get("num_groups"), policy=policy, layer_ids=kw.get("layer_ids") or pl.layer_ids or None)
+    g_all, _ = greedy_placement(
+        agg,
+        topology,
+        kw.get("num_groups"),
+        policy=policy,
+        layer_ids=kw.get("layer_ids") or pl.layer_ids or None,
+    )
     rows = pl.physical_to_logical_map.copy()
     layers = []
     fallbacks = 0
@@ -1448,22 +1614,36 @@ def _validation_guard(load_or_trace, topology: Topology, guard, time_limit: floa
             fallbacks += 1
             rows[l] = g_all.physical_to_logical_map[l]
             g_row = rows[l]
-            g_tok = float((agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max())
+            g_tok = float(
+                (agg[l][g_row] / np.bincount(g_row, minlength=E)[g_row]).reshape(G, S).sum(axis=1).max()
+            )
             extra.update(proved_by=None, fitted_objective=lr.objective)
             if "replica_shares" in extra:  # shares belong to the map: recompute them for greedy's
                 q, wpeak = weighted_shares(g_row, agg[l], topology)
                 extra.update(replica_shares=q.tolist(), weighted_objective=wpeak)
-            lr = replace(lr, status="greedy_fallback", objective=g_tok, bound=min(lr.bound, g_tok), extra=extra)
+            lr = replace(
+                lr, status="greedy_fallback", objective=g_tok, bound=min(lr.bound, g_tok), extra=extra
+            )
         else:
             lr = replace(lr, extra=extra)
         layers.append(lr)
     notes = list(rep.notes)
     if fallbacks:
-        notes.append(f"validation guard ({how}): {fallbacks} of {len(layers)} layers kept greedy's placement "
-                     "because the exact one fitted without the held-out part was worse on it")
+        notes.append(
+            f"validation guard ({how}): {fallbacks} of {len(layers)} layers kept greedy's placement "
+            "because the exact one fitted without the held-out part was worse on it"
+        )
     params = {**rep.params, "validation": how, "validation_fallbacks": fallbacks}
-    out = Placement(rows, pl.num_logical_experts, topology, pl.layer_ids, {**pl.provenance, "validation": how})
-    return out, replace(rep, layers=tuple(layers), wall_time_s=time.perf_counter() - t_start, params=params, notes=tuple(notes))
+    out = Placement(
+        rows, pl.num_logical_experts, topology, pl.layer_ids, {**pl.provenance, "validation": how}
+    )
+    return out, replace(
+        rep,
+        layers=tuple(layers),
+        wall_time_s=time.perf_counter() - t_start,
+        params=params,
+        notes=tuple(notes),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1482,8 +1662,10 @@ def _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objec
     if not plain:
         if noise_gate == "auto":
             return None
-        raise ValueError(f"noise_gate={noise_gate!r} applies to the plain even-split token solve; drop robust, "
-                         "node_constraint, objective='decode' and weighted=True, or set noise_gate=None")
+        raise ValueError(
+            f"noise_gate={noise_gate!r} applies to the plain even-split token solve; drop robust, "
+            "node_constraint, objective='decode' and weighted=True, or set noise_gate=None"
+        )
     groups = None
     if isinstance(load_or_trace, RoutingTrace):
         wins = load_or_trace.window_load().astype(np.float64)
@@ -1499,12 +1681,16 @@ def _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objec
         agg = arr.sum(axis=0) if arr.ndim == 3 else arr
     if noise_gate == "poisson":
         if not np.all(agg == np.round(agg)):
-            raise ValueError("noise_gate='poisson' needs integer token counts; pass windows (noise_gate='windows')")
+            raise ValueError(
+                "noise_gate='poisson' needs integer token counts; pass windows (noise_gate='windows')"
+            )
         return ("poisson", agg, None)
     if wins is None or wins.shape[0] < 5:
         if noise_gate == "windows":
             n = 0 if wins is None else wins.shape[0]
-            raise ValueError(f"noise_gate='windows' needs at least 5 windows, got {n}; pass [W, L, E] windows or a trace")
+            raise ValueError(
+                f"noise_gate='windows' needs at least 5 windows, got {n}; pass [W, L, E] windows or a trace"
+            )
         # A trace is a sample of traffic: with too few windows to resample, its counts' Poisson noise is
         # the only noise estimate. A bare load array is a problem statement and is solved as given.
         if isinstance(load_or_trace, RoutingTrace) and np.all(agg == np.round(agg)):
@@ -1513,7 +1699,9 @@ def _gate_noise_source(load_or_trace, noise_gate, robust, node_constraint, objec
     return ("windows", wins, groups)
 
 
-def peak_noise(source, placement: Placement, seed: int = 0, num_resamples: int = _GATE_BOOTSTRAP) -> np.ndarray:
+def peak_noise(
+    source, placement: Placement, seed: int = 0, num_resamples: int = _GATE_BOOTSTRAP
+) -> np.ndarray:
     """Sampling noise (standard deviation) of each layer's even-split peak GPU load, in tokens of the fit total.
 
     ``source`` is what :func:`_gate_noise_source` returns: windows are resampled with replacement (whole
@@ -1528,7 +1716,9 @@ def peak_noise(source, placement: Placement, seed: int = 0, num_resamples: int =
     if kind == "windows":
         units = data
         if groups is not None:
-            units = np.stack([data[groups == c].sum(axis=0) for c in range(int(groups.max()) + 1)])  # [C, L, E]
+            units = np.stack(
+                [data[groups == c].sum(axis=0) for c in range(int(groups.max()) + 1)]
+            )  # [C, L, E]
         U = units.shape[0]
         wts = rng.multinomial(U, np.full(U, 1.0 / U), size=B).astype(np.float64)  # [B, U]
         total = data.sum(axis=0)  # [L, E]
@@ -1551,8 +1741,17 @@ def peak_noise(source, placement: Placement, seed: int = 0, num_resamples: int =
     return out
 
 
-def _noise_gate(load_or_trace, topology: Topology, pl: Placement, rep: SolveReport, source, k: float, seed: int,
-                time_limit: float, t_start: float):
+def _noise_gate(
+    load_or_trace,
+    topology: Topology,
+    pl: Placement,
+    rep: SolveReport,
+    source,
+    k: float,
+    seed: int,
+    time_limit: float,
+    t_start: float,
+):
     """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
 
     Re-places each layer with :func:`solver.migration.solve_migration` from greedy's placement with
@@ -1562,7 +1761,11 @@ def _noise_gate(load_or_trace, topology: Topology, pl: Placement, rep: SolveRepo
     """
     from solver.migration import moved_pairs, solve_migration
 
-    agg = load_or_trace.counts().astype(np.float64) if isinstance(load_or_trace, RoutingTrace) else np.asarray(load_or_trace, dtype=np.float64)
+    agg = (
+        load_or_trace.counts().astype(np.float64)
+        if isinstance(load_or_trace, RoutingTrace)
+        else np.asarray(load_or_trace, dtype=np.float64)
+    )
     if agg.ndim == 3:
         agg = agg.sum(axis=0)
     L, E = agg.shape
@@ -1580,16 +1783,26 @@ def _noise_gate(load_or_trace, topology: Topology, pl: Placement, rep: SolveRepo
     for l, lr in enumerate(rep.layers):
         mc = k * float(sigma[l])
         g_row = g_pl.physical_to_logical_map[l]
-        m_pl, m_rep = solve_migration(agg[l:l + 1], g_pl.select_layers([l]), move_cost=mc, time_limit=per, seed=seed)
+        m_pl, m_rep = solve_migration(
+            agg[l : l + 1], g_pl.select_layers([l]), move_cost=mc, time_limit=per, seed=seed
+        )
         m_row = m_pl.physical_to_logical_map[0]
         m_obj = peak(m_row, agg[l]) + mc * int(m_rep.layers[0].extra["moved_slots"])
         e_obj = lr.objective + mc * int(exact_moved[l])
         row = rows[l] if e_obj <= m_obj else m_row
         obj = peak(row, agg[l])
-        info = {"sigma": float(sigma[l]), "move_cost": mc, "k": k, "source": source[0] + ("/groups" if source[2] is not None else ""),
-                "exact_objective": float(lr.objective), "greedy_objective": float(lr.baseline_objective),
-                "moved_slots_vs_greedy": int(moved_pairs(g_pl.select_layers([l]), Placement(row[None], E, topology))[0]),
-                "took": "greedy" if np.array_equal(row, g_row) else ("exact" if row is rows[l] else "migration")}
+        info = {
+            "sigma": float(sigma[l]),
+            "move_cost": mc,
+            "k": k,
+            "source": source[0] + ("/groups" if source[2] is not None else ""),
+            "exact_objective": float(lr.objective),
+            "greedy_objective": float(lr.baseline_objective),
+            "moved_slots_vs_greedy": int(
+                moved_pairs(g_pl.select_layers([l]), Placement(row[None], E, topology))[0]
+            ),
+            "took": "greedy" if np.array_equal(row, g_row) else ("exact" if row is rows[l] else "migration"),
+        }
         extra = {**lr.extra, "noise_gate": info}
         if row is rows[l]:
             kept_exact += 1
@@ -1606,8 +1819,16 @@ def _noise_gate(load_or_trace, topology: Topology, pl: Placement, rep: SolveRepo
     desc = f"{source[0]}{'/groups' if source[2] is not None else ''}, k={k:g}"
     notes = list(rep.notes)
     if kept_exact < L:
-        notes.append(f"noise gate ({desc}): {kept_exact} of {L} layers took the exact placement, {changed} a partial "
-                     f"move from greedy, {L - kept_exact - changed} kept greedy's (gain within the sampling noise)")
+        notes.append(
+            f"noise gate ({desc}): {kept_exact} of {L} layers took the exact placement, {changed} a partial "
+            f"move from greedy, {L - kept_exact - changed} kept greedy's (gain within the sampling noise)"
+        )
     params = {**rep.params, "noise_gate": desc, "noise_gate_exact_layers": kept_exact}
     out = Placement(rows, E, topology, pl.layer_ids, {**pl.provenance, "noise_gate": desc})
-    return out, replace(rep, layers=tuple(layers), wall_time_s=time.perf_counter() - t_start, params=params, notes=tuple(notes))
+    return out, replace(
+        rep,
+        layers=tuple(layers),
+        wall_time_s=time.perf_counter() - t_start,
+        params=params,
+        notes=tuple(notes),
+    )

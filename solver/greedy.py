@@ -18,16 +18,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
+from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from placement.topology import Topology
-from placement.metrics import expected_gpu_load, peak_lower_bound
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["greedy_placement", "replicate", "balanced_packing", "greedy_replica_counts"]
+__all__ = [
+    "GreedyOptions",
+    "greedy_placement",
+    "replicate",
+    "balanced_packing",
+    "greedy_replica_counts",
+    "run_greedy",
+]
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +211,9 @@ def _hierarchical(weight: np.ndarray, P: int, num_groups: int, num_nodes: int, n
     phy2pphy = pack * slots_per_gpu + rank  # replica -> slot within the node
     pphy2phy = _inverse(phy2pphy)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)  # [L*N, P/N]
-    pphy2mlog = (pphy2mlog.reshape(L, num_nodes, p_node) + (np.arange(num_nodes) * e_node)[None, :, None]).reshape(L, P)
+    pphy2mlog = (
+        pphy2mlog.reshape(L, num_nodes, p_node) + (np.arange(num_nodes) * e_node)[None, :, None]
+    ).reshape(L, P)
     return np.take_along_axis(mlog2log, pphy2mlog, axis=1)  # [L, P]
 
 
@@ -252,7 +263,9 @@ def greedy_placement(
                 f"num_nodes={N}, got num_groups={groups}"
             )
         if not parity and (P // N) > (E // N) * topology.gpus_per_node:
-            raise ValueError(f"{P // N} slots per node exceed what {E // N} experts x {topology.gpus_per_node} GPUs can hold")
+            raise ValueError(
+                f"{P // N} slots per node exceed what {E // N} experts x {topology.gpus_per_node} GPUs can hold"
+            )
         used = "hierarchical"
         phy2log = _hierarchical(w, P, groups, N, G, parity)
     elif policy in ("auto", "global"):
@@ -294,3 +307,24 @@ def greedy_placement(
     )
     log.debug("greedy: policy=%s %d layers in %.3fs", used, L, wall)
     return placement, report
+
+
+@dataclass(frozen=True)
+class GreedyOptions:
+    """How the greedy baseline runs: ``policy`` (``auto``: hierarchical when the expert groups divide
+    over the nodes, else global) and ``parity`` (reproduce the published slots exactly)."""
+
+    policy: Literal["auto", "hierarchical", "global"] = "auto"
+    parity: bool = False
+
+
+def run_greedy(problem, options: GreedyOptions) -> tuple[Placement, SolveReport]:
+    """The registry's entry (:mod:`solver.api`): :func:`greedy_placement` on ``problem.load``."""
+    return greedy_placement(
+        problem.load,
+        problem.topology,
+        problem.num_groups,
+        policy=options.policy,
+        parity=options.parity,
+        layer_ids=problem.layer_id_list,
+    )

@@ -10,9 +10,10 @@ Units: bytes, bytes/s, FLOP/s, seconds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = [
     "LinkSpec",
@@ -51,7 +52,9 @@ class LinkSpec:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or self.latency < 0:
-            raise ValueError(f"link {self.name!r}: bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
+            raise ValueError(
+                f"link {self.name!r}: bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}"
+            )
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,12 @@ class GpuSpec:
 
         FLOPs ``6 d f n`` vs bytes ``3 d f b_w``: the knee is ``n = P eta_c b_w / (2 BW eta_m)``.
         """
-        return self.peak_flops(weight_bytes) * self.eta_compute * weight_bytes / (2 * self.hbm_bandwidth * self.eta_memory)
+        return (
+            self.peak_flops(weight_bytes)
+            * self.eta_compute
+            * weight_bytes
+            / (2 * self.hbm_bandwidth * self.eta_memory)
+        )
 
 
 @dataclass(frozen=True)
@@ -119,8 +127,12 @@ class ClusterSpec:
         return f"{self.gpu.name}/{self.intra.name}/{self.inter.name}"
 
     def to_dict(self) -> dict:
-        return {"gpu": asdict(self.gpu), "intra": asdict(self.intra), "inter": asdict(self.inter),
-                "gpus_per_node": self.gpus_per_node}
+        return {
+            "gpu": asdict(self.gpu),
+            "intra": asdict(self.intra),
+            "inter": asdict(self.inter),
+            "gpus_per_node": self.gpus_per_node,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,25 +141,72 @@ class ClusterSpec:
 LINKS: dict[str, LinkSpec] = {
     # H100/H200 NVLink 4: 450 GB/s per direction nominal; ~0.6 of it effective for all-to-all
     # (calculon's efficiency; costmodel.md). Latency floor 18-20 us dispatch, 30 us combine, 40 us typical.
-    "nvlink4": LinkSpec("nvlink4", 270 * GB, 20e-6, 450 * GB,
-                        "NVIDIA H100 datasheet (900 GB/s bidirectional); efficiency 0.6 (calculon)", (200 * GB, 360 * GB)),
+    "nvlink4": LinkSpec(
+        "nvlink4",
+        270 * GB,
+        20e-6,
+        450 * GB,
+        "NVIDIA H100 datasheet (900 GB/s bidirectional); efficiency 0.6 (calculon)",
+        (200 * GB, 360 * GB),
+    ),
     # H800 NVLink (400 GB/s bidirectional): DeepEP README measures 153-158 GB/s intranode EP8.
-    "nvlink-h800": LinkSpec("nvlink-h800", 155 * GB, 20e-6, 200 * GB,
-                            "deepseek-ai/DeepEP README (legacy): intranode EP8 153/158 GB/s on H800", (140 * GB, 170 * GB)),
+    "nvlink-h800": LinkSpec(
+        "nvlink-h800",
+        155 * GB,
+        20e-6,
+        200 * GB,
+        "deepseek-ai/DeepEP README (legacy): intranode EP8 153/158 GB/s on H800",
+        (140 * GB, 170 * GB),
+    ),
     # B200 NVLink 5: 900 GB/s per direction nominal. DeepEP V2 README: 643-740 GB/s logical on SM100 EP8.
-    "nvlink5": LinkSpec("nvlink5", 600 * GB, 20e-6, 900 * GB,
-                        "NVIDIA B200 datasheet; deepseek-ai/DeepEP README (V2) 643-740 GB/s logical EP8", (540 * GB, 740 * GB)),
+    "nvlink5": LinkSpec(
+        "nvlink5",
+        600 * GB,
+        20e-6,
+        900 * GB,
+        "NVIDIA B200 datasheet; deepseek-ai/DeepEP README (V2) 643-740 GB/s logical EP8",
+        (540 * GB, 740 * GB),
+    ),
     # PCIe Gen5 x16: 63 GB/s per direction nominal; peer-to-peer through a switch reaches ~0.6-0.7.
-    "pcie5": LinkSpec("pcie5", 40 * GB, 25e-6, 63 * GB, "PCIe 5.0 x16 spec; efficiency 0.6-0.7 assumed", (30 * GB, 50 * GB)),
-    "pcie4": LinkSpec("pcie4", 20 * GB, 25e-6, 31.5 * GB, "PCIe 4.0 x16 spec; efficiency 0.6-0.7 assumed", (15 * GB, 25 * GB)),
+    "pcie5": LinkSpec(
+        "pcie5", 40 * GB, 25e-6, 63 * GB, "PCIe 5.0 x16 spec; efficiency 0.6-0.7 assumed", (30 * GB, 50 * GB)
+    ),
+    "pcie4": LinkSpec(
+        "pcie4",
+        20 * GB,
+        25e-6,
+        31.5 * GB,
+        "PCIe 4.0 x16 spec; efficiency 0.6-0.7 assumed",
+        (15 * GB, 25 * GB),
+    ),
     # One 400 Gb/s CX7 NIC per GPU: 50 GB/s nominal. 45 GB/s and 30 us fit DeepEP's low-latency table
     # (EP16..EP256, H800 + CX7) within 10%; costmodel.md: 40-45 GB/s at EP >= 64, latency 30 us (up to 120 us).
-    "rdma": LinkSpec("rdma", 45 * GB, 30e-6, 50 * GB,
-                     "deepseek-ai/DeepEP README low-latency table (H800, CX7 400 Gb/s); costmodel.md", (39 * GB, 50 * GB)),
+    "rdma": LinkSpec(
+        "rdma",
+        45 * GB,
+        30e-6,
+        50 * GB,
+        "deepseek-ai/DeepEP README low-latency table (H800, CX7 400 Gb/s); costmodel.md",
+        (39 * GB, 50 * GB),
+    ),
     # Plain Ethernet with TCP sockets (no RDMA): 100 GbE = 12.5 GB/s nominal; NCCL socket transport
     # reaches ~70%; latency 100 us (band 50-300 us).
-    "ethernet": LinkSpec("ethernet", 9 * GB, 100e-6, 12.5 * GB, "100 GbE, TCP sockets; efficiency 0.7 assumed", (5 * GB, 11 * GB)),
-    "ethernet-25g": LinkSpec("ethernet-25g", 2.2 * GB, 150e-6, 3.125 * GB, "25 GbE, TCP sockets; efficiency 0.7 assumed", (1.5 * GB, 2.8 * GB)),
+    "ethernet": LinkSpec(
+        "ethernet",
+        9 * GB,
+        100e-6,
+        12.5 * GB,
+        "100 GbE, TCP sockets; efficiency 0.7 assumed",
+        (5 * GB, 11 * GB),
+    ),
+    "ethernet-25g": LinkSpec(
+        "ethernet-25g",
+        2.2 * GB,
+        150e-6,
+        3.125 * GB,
+        "25 GbE, TCP sockets; efficiency 0.7 assumed",
+        (1.5 * GB, 2.8 * GB),
+    ),
 }
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +219,15 @@ GPUS: dict[str, GpuSpec] = {
     "h800": GpuSpec("h800", 1979 * TB, 989 * TB, 3.35 * TB, 80 * GB, LINKS["nvlink-h800"], source=_HOPPER),
     "h200": GpuSpec("h200", 1979 * TB, 989 * TB, 4.8 * TB, 141 * GB, LINKS["nvlink4"], source=_HOPPER),
     # B200: FP8 4.5 PFLOP/s dense, BF16 2.25, HBM3e 8 TB/s, 180 GB usable (192 GB nominal).
-    "b200": GpuSpec("b200", 4500 * TB, 2250 * TB, 8.0 * TB, 180 * GB, LINKS["nvlink5"],
-                    source="NVIDIA B200 datasheet; Hopper efficiencies assumed (sensitivity: eta_c 0.4-0.7)"),
+    "b200": GpuSpec(
+        "b200",
+        4500 * TB,
+        2250 * TB,
+        8.0 * TB,
+        180 * GB,
+        LINKS["nvlink5"],
+        source="NVIDIA B200 datasheet; Hopper efficiencies assumed (sensitivity: eta_c 0.4-0.7)",
+    ),
 }
 
 HARDWARE_NAMES = tuple(GPUS)
@@ -177,22 +243,38 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
 
     d = load_json(path)
     if not isinstance(d, dict) or "base" not in d:
-        raise ValueError(f"{path}: a GPU preset must be a JSON object with a 'base' GPU name (one of {HARDWARE_NAMES})")
+        raise ValueError(
+            f"{path}: a GPU preset must be a JSON object with a 'base' GPU name (one of {HARDWARE_NAMES})"
+        )
     base = str(d["base"]).lower()
     if base not in GPUS:
         raise ValueError(f"{path}: unknown base GPU {base!r}; use one of {HARDWARE_NAMES}")
-    allowed = {"flops_fp8", "flops_bf16", "hbm_bandwidth", "hbm_bytes", "eta_compute", "eta_memory",
-               "gemm_overhead", "eta_attention", "name"}
+    allowed = {
+        "flops_fp8",
+        "flops_bf16",
+        "hbm_bandwidth",
+        "hbm_bytes",
+        "eta_compute",
+        "eta_memory",
+        "gemm_overhead",
+        "eta_attention",
+        "name",
+    }
     over = {k: d[k] for k in allowed if k in d}
     extra = set(d) - allowed - {"base", "provenance", "source"}
     if extra:
         raise ValueError(f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: {sorted(allowed)}")
-    return replace(GPUS[base], **over, source=str(d.get("source", f"fitted preset {path}")),
-                   provenance=dict(d.get("provenance", {})))
+    return replace(
+        GPUS[base],
+        **over,
+        source=str(d.get("source", f"fitted preset {path}")),
+        provenance=dict(d.get("provenance", {})),
+    )
 
 
-def cluster_preset(hardware: str = "h200", intra: str | None = None, inter: str | None = None,
-                   gpus_per_node: int = 8) -> ClusterSpec:
+def cluster_preset(
+    hardware: str = "h200", intra: str | None = None, inter: str | None = None, gpus_per_node: int = 8
+) -> ClusterSpec:
     """A cluster from preset names: ``hardware`` a GPU name or a preset JSON path; ``intra`` a link
     name (default: the GPU's NVLink), ``inter`` a link name (default ``rdma``)."""
     hw = str(hardware)

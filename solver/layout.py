@@ -19,8 +19,9 @@ Zipf load (exponent :data:`SYNTHETIC_ZIPF`, one seeded permutation per layer).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -75,8 +76,10 @@ class LayoutCandidate:
         return self.ep_size // self.attn_tp
 
     def label(self, E: int) -> str:
-        return (f"EP{self.ep_size} ({self.num_nodes}n) DP{self.attn_dp}xTP{self.attn_tp} "
-                f"R{self.num_redundant} ({(E + self.num_redundant) // self.ep_size}/gpu)")
+        return (
+            f"EP{self.ep_size} ({self.num_nodes}n) DP{self.attn_dp}xTP{self.attn_tp} "
+            f"R{self.num_redundant} ({(E + self.num_redundant) // self.ep_size}/gpu)"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -99,21 +102,40 @@ class LayoutResult:
     def to_dict(self, E: int) -> dict:
         c, m = self.candidate, self.memory
         d = {
-            "layout": c.label(E), "ep_size": c.ep_size, "num_nodes": c.num_nodes, "attn_dp": c.attn_dp,
-            "attn_tp": c.attn_tp, "num_redundant": c.num_redundant, "slots_per_gpu": (E + c.num_redundant) // c.ep_size,
-            "instances": c.instances, "feasible": self.feasible, "reason": self.reason,
-            "weights_gb": (m.non_expert + m.expert) / 1e9, "redundant_gb": m.redundant / 1e9,
-            "kv_free_gb": m.kv_free / 1e9, "kv_needed_gb": m.kv_needed / 1e9, "max_batch_per_rank": m.max_batch_per_rank,
+            "layout": c.label(E),
+            "ep_size": c.ep_size,
+            "num_nodes": c.num_nodes,
+            "attn_dp": c.attn_dp,
+            "attn_tp": c.attn_tp,
+            "num_redundant": c.num_redundant,
+            "slots_per_gpu": (E + c.num_redundant) // c.ep_size,
+            "instances": c.instances,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "weights_gb": (m.non_expert + m.expert) / 1e9,
+            "redundant_gb": m.redundant / 1e9,
+            "kv_free_gb": m.kv_free / 1e9,
+            "kv_needed_gb": m.kv_needed / 1e9,
+            "max_batch_per_rank": m.max_batch_per_rank,
         }
         if self.cost:
             lc = self.cost.layer
-            d.update({
-                "step_time_ms": self.cost.step_time * 1e3, "tokens_per_s_per_gpu": self.cost.tokens_per_s_per_gpu,
-                "par": self.par, "two_batch_overlap": lc.overlap_used, "bottleneck": self.cost.bottleneck,
-                "layer_us": {k: getattr(lc, k) * 1e6 for k in ("attention", "shared", "dispatch", "compute", "combine", "used")},
-                "tokens_per_expert": lc.tokens_per_expert, "memory_bound_experts": lc.memory_bound,
-                "solver_status": self.solver_status,
-            })
+            d.update(
+                {
+                    "step_time_ms": self.cost.step_time * 1e3,
+                    "tokens_per_s_per_gpu": self.cost.tokens_per_s_per_gpu,
+                    "par": self.par,
+                    "two_batch_overlap": lc.overlap_used,
+                    "bottleneck": self.cost.bottleneck,
+                    "layer_us": {
+                        k: getattr(lc, k) * 1e6
+                        for k in ("attention", "shared", "dispatch", "compute", "combine", "used")
+                    },
+                    "tokens_per_expert": lc.tokens_per_expert,
+                    "memory_bound_experts": lc.memory_bound,
+                    "solver_status": self.solver_status,
+                }
+            )
         return d
 
 
@@ -142,17 +164,25 @@ class LayoutPlan:
     def to_dict(self) -> dict:
         E = self.model.num_logical_experts
         return {
-            "model": self.model.name, "hardware": self.cluster.name, "phase": self.options.phase,
-            "batch_per_rank": self.options.batch_per_rank, "context_len": self.options.context_len,
-            "total_gpus": self.total_gpus, "workload": self.workload, "more_gpus_help": self.more_gpus_help,
-            "notes": list(self.notes), "results": [r.to_dict(E) for r in self.results],
+            "model": self.model.name,
+            "hardware": self.cluster.name,
+            "phase": self.options.phase,
+            "batch_per_rank": self.options.batch_per_rank,
+            "context_len": self.options.context_len,
+            "total_gpus": self.total_gpus,
+            "workload": self.workload,
+            "more_gpus_help": self.more_gpus_help,
+            "notes": list(self.notes),
+            "results": [r.to_dict(E) for r in self.results],
         }
 
 
 # ---------------------------------------------------------------------------------------------
 # Workload skew
 # ---------------------------------------------------------------------------------------------
-def synthetic_load(num_layers: int, num_experts: int, zipf: float = SYNTHETIC_ZIPF, seed: int = 0) -> np.ndarray:
+def synthetic_load(
+    num_layers: int, num_experts: int, zipf: float = SYNTHETIC_ZIPF, seed: int = 0
+) -> np.ndarray:
     """SYNTHETIC per-expert load ``[L, E]``: ``1/rank^zipf`` permuted per layer (seeded)."""
     rng = np.random.default_rng(seed)
     base = 1.0 / np.arange(1, num_experts + 1) ** zipf
@@ -180,8 +210,10 @@ def workload_load(model: ModelSpec, trace=None, seed: int = 0) -> tuple[np.ndarr
     for l in range(L):
         curve = np.sort(rows[l])[::-1]
         out[l] = np.interp(q, qt, curve)[rng.permutation(E)]
-    return out, (f"skew of trace {trace.name!r} ({Et} experts) resampled to {E} experts "
-                 f"(identities are synthetic; counts of {Lt} layers tiled over {L})")
+    return out, (
+        f"skew of trace {trace.name!r} ({Et} experts) resampled to {E} experts "
+        f"(identities are synthetic; counts of {Lt} layers tiled over {L})"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,9 +240,15 @@ def enumerate_candidates(
     """
     E = model.num_logical_experts
     total = num_nodes * gpus_per_node
-    sizes = [(g, 1) for g in _divisors(gpus_per_node)] + [(n * gpus_per_node, n) for n in _divisors(num_nodes) if n > 1]
+    sizes = [(g, 1) for g in _divisors(gpus_per_node)] + [
+        (n * gpus_per_node, n) for n in _divisors(num_nodes) if n > 1
+    ]
     if attn_tp is None:
-        attn_tp = (1,) if model.attention == "mla" else tuple(sorted({1, gpus_per_node} if model.num_kv_heads % gpus_per_node == 0 else {1}))
+        attn_tp = (
+            (1,)
+            if model.attention == "mla"
+            else tuple(sorted({1, gpus_per_node} if model.num_kv_heads % gpus_per_node == 0 else {1}))
+        )
     out = []
     for G, N in sizes:
         r0 = (-E) % G
@@ -227,10 +265,14 @@ def enumerate_candidates(
     return out
 
 
-def _place(model: ModelSpec, load: np.ndarray, cand: LayoutCandidate, solver: str, seed: int, time_limit: float):
+def _place(
+    model: ModelSpec, load: np.ndarray, cand: LayoutCandidate, solver: str, seed: int, time_limit: float
+):
     from placement.topology import Topology
 
-    topo = Topology.from_redundant(model.num_logical_experts, cand.num_redundant, cand.ep_size, cand.num_nodes)
+    topo = Topology.from_redundant(
+        model.num_logical_experts, cand.num_redundant, cand.ep_size, cand.num_nodes
+    )
     groups = model.num_groups
     if solver == "greedy":
         from solver.greedy import greedy_placement
@@ -240,8 +282,15 @@ def _place(model: ModelSpec, load: np.ndarray, cand: LayoutCandidate, solver: st
     from solver.api import solve
 
     try:
-        pl, rep = solve(solver, topology=topo, load=load, num_groups=groups, layer_ids=model.moe_layer_ids,
-                        time_limit=time_limit, seed=seed)
+        pl, rep = solve(
+            solver,
+            topology=topo,
+            load=load,
+            num_groups=groups,
+            layer_ids=model.moe_layer_ids,
+            time_limit=time_limit,
+            seed=seed,
+        )
         return pl, rep.status
     except ImportError as exc:  # the exact solver module is another issue; fall back loudly
         log.warning("solver %s unavailable (%s); using greedy", solver, exc)
@@ -267,7 +316,9 @@ def evaluate_candidate(
     from placement.metrics import balance_stats, expected_gpu_load
 
     opts = replace(options, attn_tp=cand.attn_tp)
-    mem = memory_per_gpu(model, cluster.gpu, cand.ep_size, model.num_logical_experts + cand.num_redundant, opts)
+    mem = memory_per_gpu(
+        model, cluster.gpu, cand.ep_size, model.num_logical_experts + cand.num_redundant, opts
+    )
     if not mem.fits:
         return LayoutResult(cand, mem, False, mem.explain())
     status = "given"
@@ -283,7 +334,13 @@ def evaluate_candidate(
             cost = step_cost(model, cluster, sub, wl, opts)
         except ValueError as exc:  # trace shorter than one step: fall back to its counts
             log.info("trace workload unavailable (%s); using the analytic expectation", exc)
-            cost = step_cost(model, cluster, placement, analytic_workload(placement, load, model.top_k, opts.batch_per_rank, mode), opts)
+            cost = step_cost(
+                model,
+                cluster,
+                placement,
+                analytic_workload(placement, load, model.top_k, opts.batch_per_rank, mode),
+                opts,
+            )
     else:
         wl = analytic_workload(placement, load, model.top_k, opts.batch_per_rank, mode)
         cost = step_cost(model, cluster, placement, wl, opts)
@@ -324,7 +381,9 @@ def plan_layout(
         load, how = workload_load(model, trace, seed)
     load = np.asarray(load, dtype=np.float64)
     if load.shape != (model.num_moe_layers, model.num_logical_experts):
-        raise ValueError(f"load must be [{model.num_moe_layers}, {model.num_logical_experts}] (MoE layers x experts), got {load.shape}")
+        raise ValueError(
+            f"load must be [{model.num_moe_layers}, {model.num_logical_experts}] (MoE layers x experts), got {load.shape}"
+        )
     cands = enumerate_candidates(model, num_nodes, m, max_redundant, extra_slots, attn_tp)
     if not cands:
         raise ValueError(
@@ -335,7 +394,9 @@ def plan_layout(
     results = []
     for c in cands:
         key = (c.ep_size, c.num_nodes, c.num_redundant)
-        r = evaluate_candidate(model, cluster, c, options, load, trace, solver, seed, time_limit, cache.get(key))
+        r = evaluate_candidate(
+            model, cluster, c, options, load, trace, solver, seed, time_limit, cache.get(key)
+        )
         if r.feasible and key not in cache:
             cache[key] = r.placement
         results.append(r)
@@ -352,8 +413,10 @@ def _notes(model, ok, bad, total, options) -> tuple[list[str], bool]:
     notes: list[str] = []
     if not ok:
         worst = bad[0].reason if bad else ""
-        notes.append(f"no layout fits in memory on {total} GPUs ({worst}); use more GPUs, fewer redundant slots, "
-                     f"a smaller batch or a shorter context")
+        notes.append(
+            f"no layout fits in memory on {total} GPUs ({worst}); use more GPUs, fewer redundant slots, "
+            f"a smaller batch or a shorter context"
+        )
         return notes, False
     best = ok[0]
     by_size: dict[int, LayoutResult] = {}
@@ -385,15 +448,25 @@ def _notes(model, ok, bad, total, options) -> tuple[list[str], bool]:
         if len(sizes) > 1:
             prev = by_size[sizes[-2]]
             gain = best.tokens_per_s_per_gpu / prev.tokens_per_s_per_gpu - 1
-            notes.append(f"spanning all {total} GPUs gives {gain:+.0%} throughput per GPU over {sizes[-2]} GPUs per instance")
+            notes.append(
+                f"spanning all {total} GPUs gives {gain:+.0%} throughput per GPU over {sizes[-2]} GPUs per instance"
+            )
     lc = best.cost.layer
     if lc.memory_bound:
-        notes.append(f"expert GEMMs are memory-bound at {lc.tokens_per_expert:.0f} tokens per expert per step: weight reads "
-                     f"dominate, so extra replicas of an expert cost a full weight read each")
-    notes.append(f"two-batch overlap {'pays' if lc.overlap_used else 'does not pay'} for the best layout "
-                 f"({lc.overlapped * 1e6:.0f} us vs {lc.no_overlap * 1e6:.0f} us per MoE layer)")
-    rejected = [r for r in bad if r.candidate.ep_size == best.candidate.ep_size] or [
-        r for r in bad if r.candidate.ep_size == max(x.candidate.ep_size for x in bad)] if bad else []
+        notes.append(
+            f"expert GEMMs are memory-bound at {lc.tokens_per_expert:.0f} tokens per expert per step: weight reads "
+            f"dominate, so extra replicas of an expert cost a full weight read each"
+        )
+    notes.append(
+        f"two-batch overlap {'pays' if lc.overlap_used else 'does not pay'} for the best layout "
+        f"({lc.overlapped * 1e6:.0f} us vs {lc.no_overlap * 1e6:.0f} us per MoE layer)"
+    )
+    rejected = (
+        [r for r in bad if r.candidate.ep_size == best.candidate.ep_size]
+        or [r for r in bad if r.candidate.ep_size == max(x.candidate.ep_size for x in bad)]
+        if bad
+        else []
+    )
     if rejected:
         r = min(rejected, key=lambda r: r.candidate.num_redundant)
         notes.append(f"rejected for memory: {r.candidate.label(E)}: {r.reason}")
@@ -423,33 +496,71 @@ def compare_phases(
     plans = dict(plans or {})
     for name, opts in (("decode", decode), ("prefill", prefill)):
         if name not in plans:
-            plans[name] = plan_layout(model, cluster, num_nodes, opts, trace=trace, solver=solver,
-                                      max_redundant=max_redundant, seed=seed, placements=cache)
+            plans[name] = plan_layout(
+                model,
+                cluster,
+                num_nodes,
+                opts,
+                trace=trace,
+                solver=solver,
+                max_redundant=max_redundant,
+                seed=seed,
+                placements=cache,
+            )
     bd, bp = plans["decode"].best, plans["prefill"].best
     if bd is None or bp is None:
-        return {"plans": plans, "separate_wins": False, "message": "a phase has no feasible layout; no comparison"}
-    pd_on_prefill = evaluate_candidate(model, cluster, bd.candidate, prefill, load, trace, solver, seed, placement=bd.placement)
-    pp_on_decode = evaluate_candidate(model, cluster, bp.candidate, decode, load, trace, solver, seed, placement=bp.placement)
+        return {
+            "plans": plans,
+            "separate_wins": False,
+            "message": "a phase has no feasible layout; no comparison",
+        }
+    pd_on_prefill = evaluate_candidate(
+        model, cluster, bd.candidate, prefill, load, trace, solver, seed, placement=bd.placement
+    )
+    pp_on_decode = evaluate_candidate(
+        model, cluster, bp.candidate, decode, load, trace, solver, seed, placement=bp.placement
+    )
     E = model.num_logical_experts
     if bd.candidate == bp.candidate:
         msg = f"one layout serves both phases best: {bd.candidate.label(E)}"
         return {"plans": plans, "separate_wins": False, "message": msg}
-    loss_prefill = 1 - pd_on_prefill.tokens_per_s_per_gpu / bp.tokens_per_s_per_gpu if pd_on_prefill.feasible else 1.0
-    loss_decode = 1 - pp_on_decode.tokens_per_s_per_gpu / bd.tokens_per_s_per_gpu if pp_on_decode.feasible else 1.0
+    loss_prefill = (
+        1 - pd_on_prefill.tokens_per_s_per_gpu / bp.tokens_per_s_per_gpu if pd_on_prefill.feasible else 1.0
+    )
+    loss_decode = (
+        1 - pp_on_decode.tokens_per_s_per_gpu / bd.tokens_per_s_per_gpu if pp_on_decode.feasible else 1.0
+    )
     # a single layout for both phases is the better of the two bests; separate pools win when even it loses
     wins = min(loss_prefill, loss_decode) > TIE
     msg = (
         f"{'SEPARATE PREFILL AND DECODE LAYOUTS WIN' if wins else 'ONE LAYOUT SERVES BOTH PHASES (separate pools gain at most ' + format(min(loss_prefill, loss_decode), '.0%') + ')'}: "
         f"decode best {bd.candidate.label(E)}, prefill best {bp.candidate.label(E)}; the decode layout "
-        + (f"loses {loss_prefill:.0%} on prefill" if pd_on_prefill.feasible else f"cannot run prefill ({pd_on_prefill.reason})")
+        + (
+            f"loses {loss_prefill:.0%} on prefill"
+            if pd_on_prefill.feasible
+            else f"cannot run prefill ({pd_on_prefill.reason})"
+        )
         + ", the prefill layout "
-        + (f"loses {loss_decode:.0%} on decode" if pp_on_decode.feasible else f"cannot run decode ({pp_on_decode.reason})")
+        + (
+            f"loses {loss_decode:.0%} on decode"
+            if pp_on_decode.feasible
+            else f"cannot run decode ({pp_on_decode.reason})"
+        )
     )
-    return {"plans": plans, "separate_wins": wins, "message": msg, "loss_prefill": loss_prefill, "loss_decode": loss_decode,
-            "decode_on_prefill": pd_on_prefill, "prefill_on_decode": pp_on_decode}
+    return {
+        "plans": plans,
+        "separate_wins": wins,
+        "message": msg,
+        "loss_prefill": loss_prefill,
+        "loss_decode": loss_decode,
+        "decode_on_prefill": pd_on_prefill,
+        "prefill_on_decode": pp_on_decode,
+    }
 
 
-def launch_flags(result: LayoutResult, model: ModelSpec, placement_files: dict[str, str], gpus_per_node: int) -> dict[str, Any]:
+def launch_flags(
+    result: LayoutResult, model: ModelSpec, placement_files: dict[str, str], gpus_per_node: int
+) -> dict[str, Any]:
     """Engine launch flags for one layout (``docs/formats.md``, "Launch flags").
 
     Args:
@@ -459,10 +570,19 @@ def launch_flags(result: LayoutResult, model: ModelSpec, placement_files: dict[s
     R = c.num_redundant
     tbo = bool(result.cost and result.cost.layer.overlap_used)
     sglang = [
-        "--tp-size", str(c.ep_size), "--dp-size", str(c.attn_dp), "--enable-dp-attention",
-        "--moe-a2a-backend", "deepep", "--ep-num-redundant-experts", str(R),
-        "--init-expert-location", placement_files.get("sglang", "expert_location.json"),
-        "--ep-dispatch-algorithm", "static",
+        "--tp-size",
+        str(c.ep_size),
+        "--dp-size",
+        str(c.attn_dp),
+        "--enable-dp-attention",
+        "--moe-a2a-backend",
+        "deepep",
+        "--ep-num-redundant-experts",
+        str(R),
+        "--init-expert-location",
+        placement_files.get("sglang", "expert_location.json"),
+        "--ep-dispatch-algorithm",
+        "static",
     ]
     if c.num_nodes > 1:
         sglang += ["--nnodes", str(c.num_nodes)]
@@ -471,15 +591,24 @@ def launch_flags(result: LayoutResult, model: ModelSpec, placement_files: dict[s
     eplb = {"window_size": 1000, "step_interval": 3000, "num_redundant_experts": R, "log_balancedness": True}
     import json
 
-    vllm = ["--data-parallel-size", str(c.attn_dp), "--enable-expert-parallel", "--enable-eplb",
-            "--eplb-config", json.dumps(eplb, separators=(",", ":"))]
+    vllm = [
+        "--data-parallel-size",
+        str(c.attn_dp),
+        "--enable-expert-parallel",
+        "--enable-eplb",
+        "--eplb-config",
+        json.dumps(eplb, separators=(",", ":")),
+    ]
     if c.attn_tp > 1:
         vllm += ["--tensor-parallel-size", str(c.attn_tp)]
     trt = {
         "tensor_parallel_size": c.ep_size,
         "moe_expert_parallel_size": c.ep_size,
         "enable_attention_dp": c.attn_tp == 1,
-        "moe_config": {"backend": "WideEP", "load_balancer": placement_files.get("trtllm", "moe_load_balancer.yaml")},
+        "moe_config": {
+            "backend": "WideEP",
+            "load_balancer": placement_files.get("trtllm", "moe_load_balancer.yaml"),
+        },
     }
     return {
         "sglang": sglang,
@@ -490,4 +619,3 @@ def launch_flags(result: LayoutResult, model: ModelSpec, placement_files: dict[s
             f"{c.instances} instance(s) of {c.ep_size} GPU(s) fill the cluster",
         ],
     }
-

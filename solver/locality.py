@@ -51,7 +51,14 @@ from solver.locality_partition import (
 )
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["DEFAULT_SLACKS", "coactivation_graph", "default_everywhere", "pack_node_gpus", "pareto", "solve_locality"]
+__all__ = [
+    "DEFAULT_SLACKS",
+    "coactivation_graph",
+    "default_everywhere",
+    "pack_node_gpus",
+    "pareto",
+    "solve_locality",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +110,11 @@ def locality_replica_counts(
     out = np.empty_like(cg)
     for l in range(L):
         peak = float((w[l] / cg[l]).max())
-        c = np.ones(E, dtype=np.int64) if peak <= 0 else np.clip(np.ceil(w[l] / (peak * (1.0 + headroom)) - 1e-9), 1, max_replicas).astype(np.int64)
+        c = (
+            np.ones(E, dtype=np.int64)
+            if peak <= 0
+            else np.clip(np.ceil(w[l] / (peak * (1.0 + headroom)) - 1e-9), 1, max_replicas).astype(np.int64)
+        )
         left = num_slots - int(c.sum())
         for e in np.argsort(-w[l], kind="stable"):
             need = max(0, min(num_nodes, max_replicas) - int(c[e]))
@@ -136,7 +147,12 @@ def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.nda
 
 
 def pack_node_gpus(
-    experts: np.ndarray, loads: np.ndarray, num_gpus: int, max_rounds: int = 200, time_limit: float = 0.0, seed: int = 0
+    experts: np.ndarray,
+    loads: np.ndarray,
+    num_gpus: int,
+    max_rounds: int = 200,
+    time_limit: float = 0.0,
+    seed: int = 0,
 ) -> np.ndarray:
     """Pack one node's replicas onto its GPUs: exactly ``len/num_gpus`` each, distinct experts per GPU.
 
@@ -160,8 +176,10 @@ def pack_node_gpus(
         bad = np.flatnonzero(hi - lo > 1e-9 * np.maximum(np.abs(hi), 1.0))
         if bad.size:
             e = int(bad[0])
-            raise ValueError(f"replicas of expert {e} carry unequal loads ({lo[e]:g} to {hi[e]:g}); a node splits "
-                             f"an expert's load evenly over its replicas: pass load / replicas for each")
+            raise ValueError(
+                f"replicas of expert {e} carry unequal loads ({lo[e]:g} to {hi[e]:g}); a node splits "
+                f"an expert's load evenly over its replicas: pass load / replicas for each"
+            )
     pack, _ = balanced_packing(loads[None, :], num_gpus, item_key=experts[None, :])
     gpu = _swap_improve(experts, loads, pack[0].copy(), num_gpus, max_rounds)
     if time_limit > 0 and loads.size > num_gpus:
@@ -217,7 +235,9 @@ def _swap_improve(experts, loads, gpu, num_gpus, max_rounds):
     return gpu
 
 
-def _layer_row(prob: LayerProblem, reps: np.ndarray, topology: Topology, time_limit: float = 0.0, seed: int = 0) -> np.ndarray:
+def _layer_row(
+    prob: LayerProblem, reps: np.ndarray, topology: Topology, time_limit: float = 0.0, seed: int = 0
+) -> np.ndarray:
     """int64 ``[P]`` physical-to-logical row from a node layout ``reps [E, N]``."""
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     row = np.empty(topology.num_physical_experts, dtype=np.int64)
@@ -227,11 +247,13 @@ def _layer_row(prob: LayerProblem, reps: np.ndarray, topology: Topology, time_li
         for gl in range(m):
             ex = np.sort(experts[gpu == gl])  # S experts of this GPU
             g = n * m + gl
-            row[g * S:(g + 1) * S] = ex
+            row[g * S : (g + 1) * S] = ex
     return row
 
 
-def _validate(trace: RoutingTrace, topology: Topology, balance_slack: float, policy: str, num_redundant) -> None:
+def _validate(
+    trace: RoutingTrace, topology: Topology, balance_slack: float, policy: str, num_redundant
+) -> None:
     if not isinstance(trace, RoutingTrace) or not trace.has_tokens:
         raise ValueError("the locality solver needs a per-token RoutingTrace (topk_ids), not counts only")
     E, P, G = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size
@@ -247,7 +269,9 @@ def _validate(trace: RoutingTrace, topology: Topology, balance_slack: float, pol
             f"build the topology with Topology.from_redundant({E}, {num_redundant}, ep_size, num_nodes)"
         )
     if not (0.0 <= balance_slack <= 10.0) or not np.isfinite(balance_slack):
-        raise ValueError(f"balance_slack must be in [0, 10] (0.02 = node loads within 2% of the mean), got {balance_slack}")
+        raise ValueError(
+            f"balance_slack must be in [0, 10] (0.02 = node loads within 2% of the mean), got {balance_slack}"
+        )
     if policy not in ("local", "even"):
         raise ValueError(f"policy must be 'local' or 'even', got {policy!r}")
 
@@ -372,16 +396,36 @@ def solve_locality(
     if method not in ("replicated", "grouped"):
         raise ValueError(f"method must be 'replicated' or 'grouped', got {method!r}")
     if work_limit is not None and not (method == "replicated" and policy == "local"):
-        raise ValueError(f"work_limit applies to method='replicated' with policy='local' only (got method={method!r}, "
-                         f"policy={policy!r}); use time_limit")
+        raise ValueError(
+            f"work_limit applies to method='replicated' with policy='local' only (got method={method!r}, "
+            f"policy={policy!r}); use time_limit"
+        )
     if method == "replicated" and policy == "local":
-        return _solve_replicated(trace, topology, balance_slack=balance_slack, time_limit=time_limit, seed=seed,
-                                 num_everywhere=num_everywhere, num_windows=num_windows,
-                                 window_slack=window_slack, gpu_slack=gpu_slack, hidden_size=hidden_size, t0=t0,
-                                 single_margin=single_margin,
-                                 source_model=source_model, work_limit=work_limit, share_margin=share_margin,
-                                 drift_z=drift_z, share_overload=share_overload)
-    E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
+        return _solve_replicated(
+            trace,
+            topology,
+            balance_slack=balance_slack,
+            time_limit=time_limit,
+            seed=seed,
+            num_everywhere=num_everywhere,
+            num_windows=num_windows,
+            window_slack=window_slack,
+            gpu_slack=gpu_slack,
+            hidden_size=hidden_size,
+            t0=t0,
+            single_margin=single_margin,
+            source_model=source_model,
+            work_limit=work_limit,
+            share_margin=share_margin,
+            drift_z=drift_z,
+            share_overload=share_overload,
+        )
+    E, P, G, N = (
+        trace.num_logical_experts,
+        topology.num_physical_experts,
+        topology.ep_size,
+        topology.num_nodes,
+    )
     m, S = topology.gpus_per_node, topology.slots_per_gpu
     L = trace.num_layers
     src, how = source_ranks(trace, G)
@@ -433,7 +477,9 @@ def solve_locality(
         rows[l] = _layer_row(prob, reps, topology, 0.2 * per_layer_t if refine else 0.0, seed + l)
         g_reps = np.zeros((E, N), dtype=np.int64)
         np.add.at(g_reps, (greedy.physical_to_logical_map[l], topology.node_of_slot), 1)
-        g_prob = LayerProblem(ids, src_node, c, src_count, greedy.logical_replica_count[l], N, P // N, m, policy)
+        g_prob = LayerProblem(
+            ids, src_node, c, src_count, greedy.logical_replica_count[l], N, P // N, m, policy
+        )
         g_obj = float(expected_remote_nodes(g_prob, g_reps).mean()) if ids.size else 0.0
         mean = prob.mean_node_load
         reports.append(
@@ -471,7 +517,10 @@ def solve_locality(
     placement = Placement(
         rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name}
     )
-    notes = [f"source ranks: {how}", "objective = fitted expected remote nodes per token (local policy model)"]
+    notes = [
+        f"source ranks: {how}",
+        "objective = fitted expected remote nodes per token (local policy model)",
+    ]
     missed = [r.layer_id for r in reports if not r.extra["node_load_cap_met"]]
     if missed:
         notes.append(f"node-load cap (1+{balance_slack}) not met in layers {missed}: best effort")
@@ -494,8 +543,15 @@ def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
     return (np.arange(T) * W // max(T, 1)).astype(np.int64)
 
 
-def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int,
-                       margin: float = 0.25, share_excess: float = 0.0, share_overload: float = np.inf) -> int:
+def default_everywhere(
+    load: np.ndarray,
+    num_slots: int,
+    num_nodes: int,
+    gpus_per_node: int,
+    margin: float = 0.25,
+    share_excess: float = 0.0,
+    share_overload: float = np.inf,
+) -> int:
     """Default number of everywhere experts of one layer: the most the spare slots can pay for.
 
     Each everywhere expert costs ``N - 1`` slots. The spare slots ``R = P - E`` must also pay for splitting
@@ -521,7 +577,9 @@ def default_everywhere(load: np.ndarray, num_slots: int, num_nodes: int, gpus_pe
     best = 0
     for h in range(0, min(R // (N - 1), E) + 1):
         splits = np.maximum(np.ceil(w[order[h:]] / g - 1e-9) - 1, 0).sum()
-        if (N - 1) * h + splits + margin * G <= R and max(float(share_excess), 0.0) * top[h] <= share_overload + 1e-12:
+        if (N - 1) * h + splits + margin * G <= R and max(float(share_excess), 0.0) * top[
+            h
+        ] <= share_overload + 1e-12:
             best = h
     return best
 
@@ -565,7 +623,9 @@ def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndar
 
 def _share_excess(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> float:
     """The busiest node's token share over the mean, minus 1, under source ranks ``src`` int64 ``[T]``."""
-    return float(_node_shares(src, gpus_per_node, num_nodes).max() * int(num_nodes) - 1.0) if src.size else 0.0
+    return (
+        float(_node_shares(src, gpus_per_node, num_nodes).max() * int(num_nodes) - 1.0) if src.size else 0.0
+    )
 
 
 def _dealt_prompt_ranks(num_prompts: int, ep_size: int, rng: np.random.Generator) -> np.ndarray:
@@ -575,8 +635,15 @@ def _dealt_prompt_ranks(num_prompts: int, ep_size: int, rng: np.random.Generator
     return rank
 
 
-def _expected_share_excess(trace: RoutingTrace, src: np.ndarray, how: str, gpus_per_node: int, num_nodes: int,
-                           seed: int = 0, draws: int = 64) -> float:
+def _expected_share_excess(
+    trace: RoutingTrace,
+    src: np.ndarray,
+    how: str,
+    gpus_per_node: int,
+    num_nodes: int,
+    seed: int = 0,
+    draws: int = 64,
+) -> float:
     """The busiest node's token share over the mean, minus 1, that unseen traffic should be expected to give.
 
     Prompts dealt round-robin (``how == "round-robin by prompt"``): the mean over ``draws`` random orders of
@@ -599,8 +666,9 @@ def _expected_share_excess(trace: RoutingTrace, src: np.ndarray, how: str, gpus_
     return out / int(draws)
 
 
-def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
-                 gpus_per_node: int = 1) -> tuple[np.ndarray, str]:
+def _fit_sources(
+    src: np.ndarray, how: str, source_model: str, ep_size: int, gpus_per_node: int = 1
+) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.
 
     ``"auto"``: the trace's own ranks when it has them; when they were made up by dealing prompts
@@ -615,19 +683,42 @@ def _fit_sources(src: np.ndarray, how: str, source_model: str, ep_size: int,
     if source_model == "trace" or (source_model == "auto" and how in ("trace", "round-robin by token")):
         return src, how
     share = _node_shares(src, gpus_per_node, int(ep_size) // int(gpus_per_node))
-    return (np.arange(src.size, dtype=np.int64) % int(ep_size),
-            f"{how} (node token shares {share.min():.0%}-{share.max():.0%}); fitted with tokens round-robin "
-            f"(equal shares)")
+    return (
+        np.arange(src.size, dtype=np.int64) % int(ep_size),
+        f"{how} (node token shares {share.min():.0%}-{share.max():.0%}); fitted with tokens round-robin "
+        f"(equal shares)",
+    )
 
 
-def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_everywhere, num_windows,
-                      window_slack, gpu_slack, hidden_size, t0, single_margin,
-                      source_model, work_limit=None, share_margin=None, drift_z=1.0,
-                      share_overload=0.08) -> tuple[Placement, SolveReport]:
+def _solve_replicated(
+    trace,
+    topology,
+    *,
+    balance_slack,
+    time_limit,
+    seed,
+    num_everywhere,
+    num_windows,
+    window_slack,
+    gpu_slack,
+    hidden_size,
+    t0,
+    single_margin,
+    source_model,
+    work_limit=None,
+    share_margin=None,
+    drift_z=1.0,
+    share_overload=0.08,
+) -> tuple[Placement, SolveReport]:
     """``method="replicated"`` of :func:`solve_locality` (policy ``local``)."""
     from solver.locality_replicated import remote_nodes_fit, solve_replicated_layer
 
-    E, P, G, N = trace.num_logical_experts, topology.num_physical_experts, topology.ep_size, topology.num_nodes
+    E, P, G, N = (
+        trace.num_logical_experts,
+        topology.num_physical_experts,
+        topology.ep_size,
+        topology.num_nodes,
+    )
     m, L = topology.gpus_per_node, trace.num_layers
     if not (0.0 <= window_slack <= 10.0):
         raise ValueError(f"window_slack must be in [0, 10], got {window_slack}")
@@ -636,24 +727,34 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     if int(num_windows) < 1:
         raise ValueError(f"num_windows must be >= 1, got {num_windows}")
     if work_limit is not None and int(work_limit) < 1:
-        raise ValueError(f"work_limit must be >= 1 search steps (or None to use time_limit), got {work_limit}")
+        raise ValueError(
+            f"work_limit must be >= 1 search steps (or None to use time_limit), got {work_limit}"
+        )
     h_max = (P - E) // (N - 1) if N > 1 else E
     if num_everywhere is not None:
         h = int(num_everywhere)
         if h < 0 or h > h_max:
-            raise ValueError(f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)")
+            raise ValueError(
+                f"num_everywhere={h} must be in [0, {h_max}] ({P - E} redundant slots, {N} nodes)"
+            )
     if not (0.0 <= float(share_overload) <= 10.0):
-        raise ValueError(f"share_overload must be in [0, 10] (0.08: the busiest node's extra token share times the "
-                         f"everywhere experts' load share at most 8%), got {share_overload}")
+        raise ValueError(
+            f"share_overload must be in [0, 10] (0.08: the busiest node's extra token share times the "
+            f"everywhere experts' load share at most 8%), got {share_overload}"
+        )
     src, how = source_ranks(trace, G)
     if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
         share_margin = _share_excess(src, m, N)
     elif not (0.0 <= float(share_margin) <= 10.0):
-        raise ValueError(f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
-                         f"got {share_margin}")
+        raise ValueError(
+            f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
+            f"got {share_margin}"
+        )
     if not (0.0 <= float(drift_z) <= 10.0):
-        raise ValueError(f"drift_z must be in [0, 10] (1 = pair single-node experts at their fitted load plus one "
-                         f"expected drift), got {drift_z}")
+        raise ValueError(
+            f"drift_z must be in [0, 10] (1 = pair single-node experts at their fitted load plus one "
+            f"expected drift), got {drift_z}"
+        )
     src_scoring, how_scoring = src, how
     src, how = _fit_sources(src, how, source_model, G, m)
     src_node = src // m
@@ -673,11 +774,19 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
     # expected share excess of unseen traffic: only the default everywhere count needs it
-    share_excess = None if num_everywhere is not None else _expected_share_excess(trace, src_scoring, how_scoring,
-                                                                                  m, N, seed)
-    hs = [int(num_everywhere) if num_everywhere is not None else
-          default_everywhere(load[l], P, N, m, share_excess=share_excess, share_overload=float(share_overload))
-          for l in range(L)]
+    share_excess = (
+        None
+        if num_everywhere is not None
+        else _expected_share_excess(trace, src_scoring, how_scoring, m, N, seed)
+    )
+    hs = [
+        int(num_everywhere)
+        if num_everywhere is not None
+        else default_everywhere(
+            load[l], P, N, m, share_excess=share_excess, share_overload=float(share_overload)
+        )
+        for l in range(L)
+    ]
     # expected load drift of every expert (used by the two-slot pairing, which runs on one view only)
     pairs = topology.slots_per_gpu == 2 and W == 1
     drift = _load_drift(trace, seed) * float(drift_z) if drift_z and pairs else None  # [L, E]
@@ -690,9 +799,22 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
             wl = int(work_limit) / max(L, 1)
             b_part, b_pack, b_rep = (Budget(0.0, max(int(round(f * wl)), 1)) for f in (0.6, 0.2 / N, 0.2))
         row, info = solve_replicated_layer(
-            ids, src_node, win, W, E, topology, hs[l], balance_slack, b_part, seed=seed + l,
-            window_slack=window_slack, pack_time=b_pack, gpu_cap=g_peak[l] * (1.0 + gpu_slack),
-            repair_time=b_rep, single_margin=single_margin, share_margin=share_margin,
+            ids,
+            src_node,
+            win,
+            W,
+            E,
+            topology,
+            hs[l],
+            balance_slack,
+            b_part,
+            seed=seed + l,
+            window_slack=window_slack,
+            pack_time=b_pack,
+            gpu_cap=g_peak[l] * (1.0 + gpu_slack),
+            repair_time=b_rep,
+            single_margin=single_margin,
+            share_margin=share_margin,
             drift=None if drift is None else drift[l],
         )
         rows[l] = row
@@ -701,37 +823,65 @@ def _solve_replicated(trace, topology, *, balance_slack, time_limit, seed, num_e
         every = on_node.all(axis=1)
         node_of = on_node.argmax(axis=1)
         obj = float(remote_nodes_fit(node_of, every, ids, src_node, N).mean()) if ids.size else 0.0
-        reports.append(LayerReport(
-            layer_id=trace.layer_ids[l], status="heuristic", objective=obj, bound=0.0,
-            wall_time_s=time.perf_counter() - tl, baseline_objective=None,
-            mean_load=float(load[l].sum() / G), extra=info,
-        ))
-    params = {"balance_slack": balance_slack, "policy": "local", "time_limit": time_limit, "seed": seed,
-              "work_limit": work_limit, "share_margin": round(float(share_margin), 4), "drift_z": float(drift_z),
-              "share_overload": float(share_overload), "share_excess": None if share_excess is None else round(share_excess, 4),
-              "method": "replicated",
-              "num_everywhere": hs[0] if num_everywhere is not None else
-              f"auto ({min(hs)}-{max(hs)}, mean {np.mean(hs):.1f})",
-              "num_windows": W, "window_slack": window_slack,
-              "gpu_slack": gpu_slack, "single_margin": single_margin,
-              "source_model": source_model, "hidden_size": hidden_size, "source_ranks": how}
-    placement = Placement(rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name})
+        reports.append(
+            LayerReport(
+                layer_id=trace.layer_ids[l],
+                status="heuristic",
+                objective=obj,
+                bound=0.0,
+                wall_time_s=time.perf_counter() - tl,
+                baseline_objective=None,
+                mean_load=float(load[l].sum() / G),
+                extra=info,
+            )
+        )
+    params = {
+        "balance_slack": balance_slack,
+        "policy": "local",
+        "time_limit": time_limit,
+        "seed": seed,
+        "work_limit": work_limit,
+        "share_margin": round(float(share_margin), 4),
+        "drift_z": float(drift_z),
+        "share_overload": float(share_overload),
+        "share_excess": None if share_excess is None else round(share_excess, 4),
+        "method": "replicated",
+        "num_everywhere": hs[0]
+        if num_everywhere is not None
+        else f"auto ({min(hs)}-{max(hs)}, mean {np.mean(hs):.1f})",
+        "num_windows": W,
+        "window_slack": window_slack,
+        "gpu_slack": gpu_slack,
+        "single_margin": single_margin,
+        "source_model": source_model,
+        "hidden_size": hidden_size,
+        "source_ranks": how,
+    }
+    placement = Placement(
+        rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name}
+    )
     g_comm = communication(greedy, trace, "local", src=src, hidden_size=hidden_size)
     comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)
     h_txt = str(hs[0]) if len(set(hs)) == 1 else f"{min(hs)}-{max(hs)} (per layer)"
-    fitted = (f"method replicated: {h_txt} experts on every node; fitted remote_nodes_per_token "
-              f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}")
+    fitted = (
+        f"method replicated: {h_txt} experts on every node; fitted remote_nodes_per_token "
+        f"{comm['remote_nodes_per_token']:.3f} vs greedy {g_comm['remote_nodes_per_token']:.3f}"
+    )
     notes = [f"source ranks: {how}", fitted]
     if hidden_size is not None:
         notes.append(f"fitted bytes_per_token={comm['bytes_per_token']:.0f} (hidden_size={hidden_size})")
     over = [r.layer_id for r in reports if r.extra.get("excess_end", 0.0) > 1e-9]
     if over:
-        notes.append(f"GPU peak above (1+{gpu_slack}) x greedy's on some fit view in layers {over}: best effort")
+        notes.append(
+            f"GPU peak above (1+{gpu_slack}) x greedy's on some fit view in layers {over}: best effort"
+        )
     report = SolveReport("locality", tuple(reports), time.perf_counter() - t0, params, tuple(notes))
     return placement, report
 
 
-def _score(placement: Placement, held: RoutingTrace, policy: str, step_tokens: int, hidden_size: int | None) -> dict:
+def _score(
+    placement: Placement, held: RoutingTrace, policy: str, step_tokens: int, hidden_size: int | None
+) -> dict:
     bal = balance_stats(trace_gpu_load(placement, held, policy))
     comm = communication(placement, held, policy, hidden_size=hidden_size)
     sp = step_par(placement, held, step_tokens, policy)
@@ -780,7 +930,10 @@ def pareto(
         greedy over ``K`` random re-orderings of the held-out prompts before dealing them (which ranks
         the long requests land on moves held-out PAR by a percent or two at 8 nodes).
     """
-    if fit_trace.num_logical_experts != held_trace.num_logical_experts or fit_trace.layer_ids != held_trace.layer_ids:
+    if (
+        fit_trace.num_logical_experts != held_trace.num_logical_experts
+        or fit_trace.layer_ids != held_trace.layer_ids
+    ):
         raise ValueError("fit and held-out traces must have the same experts and layers")
     if int(redeal) < 0:
         raise ValueError(f"redeal must be >= 0 re-dealings, got {redeal}")
@@ -793,22 +946,51 @@ def pareto(
     rows.append({"placement": "greedy", "slack": None, **base, "solve_s": g_s})
     placements.append(greedy)
     if policy != "even":
-        rows.append({"placement": "greedy", "slack": None, **_score(greedy, held_trace, "even", step_tokens, hidden_size),
-                     "solve_s": g_s})
+        rows.append(
+            {
+                "placement": "greedy",
+                "slack": None,
+                **_score(greedy, held_trace, "even", step_tokens, hidden_size),
+                "solve_s": g_s,
+            }
+        )
         placements.append(greedy)
-    triv = Placement.trivial(fit_trace.num_layers, fit_trace.num_logical_experts, topology, fit_trace.layer_ids)
-    rows.append({"placement": "trivial", "slack": None, **_score(triv, held_trace, policy, step_tokens, hidden_size),
-                 "solve_s": 0.0})
+    triv = Placement.trivial(
+        fit_trace.num_layers, fit_trace.num_logical_experts, topology, fit_trace.layer_ids
+    )
+    rows.append(
+        {
+            "placement": "trivial",
+            "slack": None,
+            **_score(triv, held_trace, policy, step_tokens, hidden_size),
+            "solve_s": 0.0,
+        }
+    )
     placements.append(triv)
-    for var in (variants or [{}]):
+    for var in variants or [{}]:
         opts = {**dict(options or {}), **dict(var)}
         label = " ".join(f"{k}={v}" for k, v in var.items())
         for s in slacks:
-            pl, rep = solve_locality(fit_trace, topology, balance_slack=float(s), policy=policy,
-                                     time_limit=time_limit, seed=seed, refine=refine, **opts)
-            rows.append({"placement": "locality", "slack": float(s), "variant": label,
-                         **_score(pl, held_trace, policy, step_tokens, hidden_size), "solve_s": rep.wall_time_s,
-                         "num_everywhere": rep.params.get("num_everywhere")})
+            pl, rep = solve_locality(
+                fit_trace,
+                topology,
+                balance_slack=float(s),
+                policy=policy,
+                time_limit=time_limit,
+                seed=seed,
+                refine=refine,
+                **opts,
+            )
+            rows.append(
+                {
+                    "placement": "locality",
+                    "slack": float(s),
+                    "variant": label,
+                    **_score(pl, held_trace, policy, step_tokens, hidden_size),
+                    "solve_s": rep.wall_time_s,
+                    "num_everywhere": rep.params.get("num_everywhere"),
+                }
+            )
             placements.append(pl)
     if redeal and held_trace.source_rank is None and held_trace.seq_offsets is not None:
         rng = np.random.default_rng(seed)
@@ -817,8 +999,12 @@ def pareto(
         ratios = np.zeros((len(rows), int(redeal)))
         for k in range(int(redeal)):
             src = np.repeat(_dealt_prompt_ranks(lengths.size, G, rng), lengths)
-            par_k = np.array([balance_stats(trace_gpu_load(p, held_trace, r["policy"], src=src))["par"]
-                              for r, p in zip(rows, placements)])
+            par_k = np.array(
+                [
+                    balance_stats(trace_gpu_load(p, held_trace, r["policy"], src=src))["par"]
+                    for r, p in zip(rows, placements)
+                ]
+            )
             ratios[:, k] = par_k / par_k[0] if par_k[0] > 0 else 1.0  # row 0: greedy under ``policy``
         for r, x in zip(rows, ratios):
             r["par_vs_greedy_redealt"] = float(x.mean())
@@ -826,6 +1012,8 @@ def pareto(
     for r in rows:
         r["par_vs_greedy"] = r["par"] / base["par"] if base["par"] > 0 else 1.0
         r["nodes_vs_greedy"] = (
-            r["remote_nodes_per_token"] / base["remote_nodes_per_token"] if base["remote_nodes_per_token"] > 0 else 1.0
+            r["remote_nodes_per_token"] / base["remote_nodes_per_token"]
+            if base["remote_nodes_per_token"] > 0
+            else 1.0
         )
     return rows

@@ -109,7 +109,9 @@ def _pick_probs(prob: LayerProblem, reps: np.ndarray) -> np.ndarray:
     return reps / prob.count[:, None].astype(np.float64)
 
 
-def expected_remote_nodes(prob: LayerProblem, reps: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
+def expected_remote_nodes(
+    prob: LayerProblem, reps: np.ndarray, tokens: np.ndarray | None = None
+) -> np.ndarray:
     """Expected distinct remote nodes per token ``[T']`` (``tokens``: row indices, default all)."""
     ids = prob.ids if tokens is None else prob.ids[tokens]  # [T', k]
     src = prob.src_node if tokens is None else prob.src_node[tokens]  # [T']
@@ -250,7 +252,7 @@ def size_classes(prob: LayerProblem, num_classes: int, caps: np.ndarray) -> tupl
         units = np.repeat(order, k[order])
         bounds = np.linspace(0, units.size, C + 1).round().astype(int)
         for j in range(C):
-            for e in units[bounds[j]:bounds[j + 1]]:
+            for e in units[bounds[j] : bounds[j + 1]]:
                 if cls[e] < 0:
                     cls[e] = j
     members = np.array([int(k[cls == j].sum()) for j in range(C)])
@@ -264,7 +266,9 @@ def reps_from_member(prob: LayerProblem, member: np.ndarray, extra: np.ndarray) 
     return member.astype(np.int64) + extra
 
 
-def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0, num_classes: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def agglomerate(
+    prob: LayerProblem, load_cap: float, seed: int = 0, num_classes: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
     """Stage 1: greedy agglomeration on the co-activation graph, then balance-repair swaps.
 
     Returns:
@@ -289,7 +293,11 @@ def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0, num_classes:
     g.add_nodes_from(range(E))
     iu, ju = np.nonzero(np.triu(W, 1))
     g.add_weighted_edges_from((int(i), int(j), float(W[i, j])) for i, j in zip(iu, ju))
-    comms = nx.community.louvain_communities(g, weight="weight", seed=seed) if g.number_of_edges() else [set(range(E))]
+    comms = (
+        nx.community.louvain_communities(g, weight="weight", seed=seed)
+        if g.number_of_edges()
+        else [set(range(E))]
+    )
     comms = sorted(comms, key=lambda c: (-sum(prob.load[list(c)]), min(c)))
     rank = {e: r for r, c in enumerate(comms) for e in c}
     # Experts on several nodes first (they need distinct nodes), then by community and load.
@@ -335,13 +343,17 @@ def agglomerate(prob: LayerProblem, load_cap: float, seed: int = 0, num_classes:
     return member, extra
 
 
-def _repair_balance(prob: LayerProblem, member: np.ndarray, a: np.ndarray, load_cap: float, cls: np.ndarray) -> np.ndarray:
+def _repair_balance(
+    prob: LayerProblem, member: np.ndarray, a: np.ndarray, load_cap: float, cls: np.ndarray
+) -> np.ndarray:
     """Swap memberships between the heaviest node and others until loads fit ``load_cap`` (best effort)."""
     member = member.copy()
     W = pair_weights(prob)
     movable = prob.homes < prob.num_nodes
     for same_class in (True, False):  # keep the size mix if possible, else any swap
-        member = _repair_pass(prob, member, a, load_cap, cls if same_class else np.zeros_like(cls), W, movable)
+        member = _repair_pass(
+            prob, member, a, load_cap, cls if same_class else np.zeros_like(cls), W, movable
+        )
     return member
 
 
@@ -362,8 +374,10 @@ def _repair_pass(prob, member, a, load_cap, cls, W, movable):
                     peak = max(new_hi, new_lo)
                     if d <= 0 or peak >= load[hi]:
                         continue
-                    aff = (W[e] @ member[:, lo] - W[e, f]) + (W[f] @ member[:, hi] - W[f, e]) - (
-                        W[e] @ member[:, hi] + W[f] @ member[:, lo]
+                    aff = (
+                        (W[e] @ member[:, lo] - W[e, f])
+                        + (W[f] @ member[:, hi] - W[f, e])
+                        - (W[e] @ member[:, hi] + W[f] @ member[:, lo])
                     )
                     key = (max(peak, load_cap), -aff)
                     if best is None or key < best[0]:
@@ -523,7 +537,9 @@ def swap_search(
             for a_n in np.flatnonzero(reps[e] > 0):
                 best = None
                 for b_n in np.flatnonzero(reps[e] == 0):
-                    for f in movable[(reps[movable, b_n] > 0) & (reps[movable, a_n] == 0) & (cls[movable] == cls[e])]:
+                    for f in movable[
+                        (reps[movable, b_n] > 0) & (reps[movable, a_n] == 0) & (cls[movable] == cls[e])
+                    ]:
                         new = reps.copy()
                         new[e, a_n] -= 1
                         new[e, b_n] += 1

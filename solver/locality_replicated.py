@@ -55,7 +55,9 @@ __all__ = [
 ]
 
 
-def replicated_counts(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int, num_everywhere: int):
+def replicated_counts(
+    load: np.ndarray, num_slots: int, num_nodes: int, gpus_per_node: int, num_everywhere: int
+):
     """Everywhere set and per-expert replica counts of one layer.
 
     Args:
@@ -79,14 +81,18 @@ def replicated_counts(load: np.ndarray, num_slots: int, num_nodes: int, gpus_per
         score = np.where(~every & (r < m), w / r, -np.inf)
         if not np.isfinite(score.max()):
             # no single-node expert can take one more (all at m): widen an everywhere expert on a node
-            raise ValueError(f"{spare} spare slots left with every single-node expert at {m} replicas; "
-                             f"raise num_everywhere")
+            raise ValueError(
+                f"{spare} spare slots left with every single-node expert at {m} replicas; "
+                f"raise num_everywhere"
+            )
         r[int(score.argmax())] += 1
         spare -= 1
     return every, r
 
 
-def window_node_loads(node_of: np.ndarray, win_load: np.ndarray, win_src: np.ndarray, every: np.ndarray) -> np.ndarray:
+def window_node_loads(
+    node_of: np.ndarray, win_load: np.ndarray, win_src: np.ndarray, every: np.ndarray
+) -> np.ndarray:
     """Node loads per window ``[W, N]`` under ``local``.
 
     Args:
@@ -102,7 +108,9 @@ def window_node_loads(node_of: np.ndarray, win_load: np.ndarray, win_src: np.nda
     return out + win_load @ onehot
 
 
-def remote_nodes_fit(node_of: np.ndarray, every: np.ndarray, ids: np.ndarray, src_node: np.ndarray, num_nodes: int):
+def remote_nodes_fit(
+    node_of: np.ndarray, every: np.ndarray, ids: np.ndarray, src_node: np.ndarray, num_nodes: int
+):
     """Remote nodes of each token ``[T]`` (float64): distinct nodes other than its own among its picks."""
     valid = ids >= 0
     e = np.where(valid, ids, 0)
@@ -123,8 +131,9 @@ class _NodeReach:
     ``pt, pe, pf``: every pair of single-node picks of one token (token, expert, expert).
     """
 
-    def __init__(self, ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, node_of: np.ndarray,
-                 num_nodes: int):
+    def __init__(
+        self, ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, node_of: np.ndarray, num_nodes: int
+    ):
         T, k = ids.shape
         self.E, self.N = every.size, int(num_nodes)
         valid = ids >= 0
@@ -152,8 +161,10 @@ class _NodeReach:
 
     def reach(self) -> tuple[np.ndarray, np.ndarray]:
         """``(z0, z1)`` float32 ``[T, N]``: remote node not reached / reached by exactly one pick."""
-        return (((self.cnt == 0) * self.notsrc).astype(np.float32),
-                ((self.cnt == 1) * self.notsrc).astype(np.float32))
+        return (
+            ((self.cnt == 0) * self.notsrc).astype(np.float32),
+            ((self.cnt == 1) * self.notsrc).astype(np.float32),
+        )
 
     def deltas(self, node_of: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Remote-node changes (token counts) under the current ``cnt``.
@@ -167,7 +178,9 @@ class _NodeReach:
         a_all = np.maximum(node_of, 0)
         move = self.X.T @ z0 - (self.X.T @ z1)[np.arange(self.E), a_all][:, None]
         w = z1[self.pt, a_all[self.pe]] + z1[self.pt, a_all[self.pf]]
-        kp = np.bincount(self.pe * self.E + self.pf, weights=w, minlength=self.E * self.E).reshape(self.E, self.E)
+        kp = np.bincount(self.pe * self.E + self.pf, weights=w, minlength=self.E * self.E).reshape(
+            self.E, self.E
+        )
         return move, kp + kp.T, z1
 
     def remote(self) -> float:
@@ -222,7 +235,9 @@ def partition_nodes(
     single = np.flatnonzero(~every)
     cap_slots = slots_per_node - int(every.sum())
     if int(r[single].sum()) > cap_slots * N:
-        raise ValueError(f"single-node replicas {int(r[single].sum())} exceed {cap_slots} free slots x {N} nodes")
+        raise ValueError(
+            f"single-node replicas {int(r[single].sum())} exceed {cap_slots} free slots x {N} nodes"
+        )
     if single_margin is not None:  # keep spare slots on every node for splitting its heavy experts
         cap_slots = min(cap_slots, -(-int(r[single].sum()) // N) + int(single_margin))
     T = ids.shape[0]
@@ -243,7 +258,9 @@ def partition_nodes(
     wts = np.concatenate([[1.0], np.full(win_load.shape[0], float(window_weight))])  # [W+1]
     base = (ws * every[None, None, :]).sum(axis=2)  # [W+1, N]
     ws_ = slack if window_slack is None else float(window_slack)
-    lim = (1.0 + np.concatenate([[slack], np.full(win_load.shape[0], ws_)]))[:, None] * wmean[:, None]  # [W+1, 1]
+    lim = (1.0 + np.concatenate([[slack], np.full(win_load.shape[0], ws_)]))[:, None] * wmean[
+        :, None
+    ]  # [W+1, 1]
 
     def viol(nl):
         return float((wts[:, None] * np.maximum(nl - lim, 0.0) / wmean[:, None]).sum())
@@ -265,10 +282,10 @@ def partition_nodes(
     if init is not None:  # a given start (e.g. a perturbed earlier result): same slot accounting
         node_of[single] = np.asarray(init, dtype=np.int64)[single]
         used, nl = rebuild(node_of)
-    for e in ([] if init is not None else single[np.argsort(-wl[0, single], kind="stable")]):
+    for e in [] if init is not None else single[np.argsort(-wl[0, single], kind="stable")]:
         room = used + r[e] <= cap_slots
         aff = np.array([coact[e, node_of == n].sum() for n in range(N)])
-        after = nl + wl[:, e:e + 1]  # [W+1, N] if e went to each node
+        after = nl + wl[:, e : e + 1]  # [W+1, N] if e went to each node
         over = ((after - lim) > 0).any(axis=0)
         pool = room & ~over
         if not pool.any():
@@ -304,7 +321,7 @@ def partition_nodes(
             if es.size == 0:
                 continue
             a = node_of[es]
-            dv = contrib(nl[:, a] - wl[:, es]) + contrib(nl[:, b:b + 1] + wl[:, es]) - c_now[a] - c_now[b]
+            dv = contrib(nl[:, a] - wl[:, es]) + contrib(nl[:, b : b + 1] + wl[:, es]) - c_now[a] - c_now[b]
             key = np.where(dv <= 1e-12, dv * 1e6 + move[es, b] * scale, np.inf)
             i = int(key.argmin())
             if key[i] < best[0]:
@@ -318,10 +335,16 @@ def partition_nodes(
                 if fb.size == 0:
                     continue
                 dl = wl[:, fb][:, None, :] - wl[:, ea][:, :, None]  # [V, na, nb] load change of node a
-                dv = (contrib(nl[:, a][:, None, None] + dl) + contrib(nl[:, b][:, None, None] - dl)
-                      - c_now[a] - c_now[b])
+                dv = (
+                    contrib(nl[:, a][:, None, None] + dl)
+                    + contrib(nl[:, b][:, None, None] - dl)
+                    - c_now[a]
+                    - c_now[b]
+                )
                 d = move[ea, b][:, None] + move[fb, a][None, :] + kp[np.ix_(ea, fb)]
-                key = np.where((dv <= 1e-12) & (r[ea][:, None] == r[fb][None, :]), dv * 1e6 + d * scale, np.inf)
+                key = np.where(
+                    (dv <= 1e-12) & (r[ea][:, None] == r[fb][None, :]), dv * 1e6 + d * scale, np.inf
+                )
                 i, j = np.unravel_index(int(key.argmin()), key.shape)
                 if key[i, j] < best[0]:
                     best = (float(key[i, j]), ("swap", int(ea[i]), int(fb[j]), b))
@@ -384,15 +407,26 @@ def partition_nodes(
             used, nl = rebuild(node_of)
             v_cur = viol(nl)
             recount()
-    info = {"rounds": rounds, "swaps": swaps, "violation": v_cur, "kicks": kicks, "kicks_kept": kept,
-            "node_load_ratio_fit": float(nl[0].max() / wmean[0]),
-            "node_load_ratio_windows": float((nl[1:].max(axis=1) / wmean[1:]).max()) if nl.shape[0] > 1 else 1.0}
+    info = {
+        "rounds": rounds,
+        "swaps": swaps,
+        "violation": v_cur,
+        "kicks": kicks,
+        "kicks_kept": kept,
+        "node_load_ratio_fit": float(nl[0].max() / wmean[0]),
+        "node_load_ratio_windows": float((nl[1:].max(axis=1) / wmean[1:]).max()) if nl.shape[0] > 1 else 1.0,
+    }
     return node_of, info
 
 
-
-def everywhere_trades(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, node_of: np.ndarray,
-                      num_nodes: int, max_single_load: float = np.inf) -> list[tuple[float, int, int]]:
+def everywhere_trades(
+    ids: np.ndarray,
+    src_node: np.ndarray,
+    every: np.ndarray,
+    node_of: np.ndarray,
+    num_nodes: int,
+    max_single_load: float = np.inf,
+) -> list[tuple[float, int, int]]:
     """Candidate role trades ``(gain, x, e)``, best first: everywhere expert ``x`` becomes a single-node
     expert on the node of single-node expert ``e``, which becomes everywhere.
 
@@ -422,8 +456,15 @@ def everywhere_trades(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, 
     return sorted(out, reverse=True)
 
 
-def choose_everywhere(ids: np.ndarray, src_node: np.ndarray, every: np.ndarray, part: dict, time_limit: float | Budget,
-                      tries: int = 5, max_single_load: float = np.inf) -> tuple[np.ndarray, np.ndarray, dict]:
+def choose_everywhere(
+    ids: np.ndarray,
+    src_node: np.ndarray,
+    every: np.ndarray,
+    part: dict,
+    time_limit: float | Budget,
+    tries: int = 5,
+    max_single_load: float = np.inf,
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Node partition with the everywhere set chosen by the remote nodes it saves, not by load alone.
 
     Start: :func:`partition_nodes` with ``every`` (normally the hottest ``h``) for 40% of the time. Then,
@@ -532,7 +573,12 @@ def solve_replicated_layer(
     from solver.locality import pack_node_gpus
 
     E, W = int(num_experts), int(num_windows)
-    N, m, S, P = topology.num_nodes, topology.gpus_per_node, topology.slots_per_gpu, topology.num_physical_experts
+    N, m, S, P = (
+        topology.num_nodes,
+        topology.gpus_per_node,
+        topology.slots_per_gpu,
+        topology.num_physical_experts,
+    )
     valid = ids >= 0
     e_v = ids[valid]
     t_v = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)[valid]
@@ -541,9 +587,17 @@ def solve_replicated_layer(
     win_load = win_src.sum(axis=1)  # [W, E]
     load = win_load.sum(axis=0)  # [E]
     every, _ = replicated_counts(load, P, N, m, num_everywhere)
-    part = {"win_load": win_load, "win_src": win_src, "num_nodes": N, "slots_per_node": P // N, "slack": slack,
-            "seed": seed, "window_weight": window_weight, "window_slack": window_slack,
-            "single_margin": single_margin}
+    part = {
+        "win_load": win_load,
+        "win_src": win_src,
+        "num_nodes": N,
+        "slots_per_node": P // N,
+        "slack": slack,
+        "seed": seed,
+        "window_weight": window_weight,
+        "window_slack": window_slack,
+        "single_margin": single_margin,
+    }
     if role_swaps and 0 < int(every.sum()) < E:
         # any expert may leave the everywhere set: a hot expert that fires inside one cluster is split on
         # its node like any other heavy single-node expert
@@ -564,12 +618,18 @@ def solve_replicated_layer(
             score = np.where(rr < m, base[0] / rr, -np.inf)
             rr[int(score.argmax())] += 1
         items = np.repeat(np.arange(on_n.size), rr).astype(np.int64)
-        gpu = pack_node_gpus(items, np.repeat(base[0] / rr, rr), m,
-                             time_limit=0.0 if exact_pack else as_budget(pack_time).seconds,
-                             seed=seed)
+        gpu = pack_node_gpus(
+            items,
+            np.repeat(base[0] / rr, rr),
+            m,
+            time_limit=0.0 if exact_pack else as_budget(pack_time).seconds,
+            seed=seed,
+        )
         slot_expert = np.stack([np.sort(items[gpu == gl]) for gl in range(m)])  # [m, S] local indices
         exhaustive = False
-        if S == 2 and base.shape[0] == 1 and on_n.size <= 2 * m <= on_n.size * min(3, m):  # 2 slots/GPU: pairs
+        if (
+            S == 2 and base.shape[0] == 1 and on_n.size <= 2 * m <= on_n.size * min(3, m)
+        ):  # 2 slots/GPU: pairs
             seen = base[0] * np.where(every[on_n], 1.0 + float(share_margin), 1.0)
             if drift is not None:
                 seen = seen + np.where(every[on_n], 0.0, drift[on_n])
@@ -580,15 +640,27 @@ def solve_replicated_layer(
         if exhaustive:
             statuses.append("pairs")
         elif exact_pack:
-            rr, slot_expert, st = pack_node_exact(base, m, S, pack_time, seed=seed + n, hint=(rr, slot_expert))
+            rr, slot_expert, st = pack_node_exact(
+                base, m, S, pack_time, seed=seed + n, hint=(rr, slot_expert)
+            )
             statuses.append(st)
         for gl in range(m):
             g = n * m + gl
-            row[g * S:(g + 1) * S] = np.sort(on_n[slot_expert[gl]])
+            row[g * S : (g + 1) * S] = np.sort(on_n[slot_expert[gl]])
     info["pack_status"] = statuses
     if gpu_cap is not None:
-        row, rinfo = gpu_repair(row, every, views_load, views_src, ids, src_node, topology,
-                                np.asarray(gpu_cap, dtype=np.float64), repair_time, seed=seed)
+        row, rinfo = gpu_repair(
+            row,
+            every,
+            views_load,
+            views_src,
+            ids,
+            src_node,
+            topology,
+            np.asarray(gpu_cap, dtype=np.float64),
+            repair_time,
+            seed=seed,
+        )
         info.update(rinfo)
     info["num_everywhere"] = int(every.sum())
     return row, info
@@ -625,7 +697,12 @@ def gpu_repair(
         ``(row int64 [P], info)``.
     """
     rng = np.random.default_rng(seed)
-    N, m, S, P = topology.num_nodes, topology.gpus_per_node, topology.slots_per_gpu, topology.num_physical_experts
+    N, m, S, P = (
+        topology.num_nodes,
+        topology.gpus_per_node,
+        topology.slots_per_gpu,
+        topology.num_physical_experts,
+    )
     G = N * m
     load = np.atleast_2d(load)
     src_tot = src_tot if src_tot.ndim == 3 else src_tot[None]
@@ -674,7 +751,9 @@ def gpu_repair(
         top = np.take_along_axis(gl, order, axis=1)
         peak = np.full(d.shape, -np.inf)
         for j in reversed(range(order.shape[1])):  # heaviest GPU other than gp and gq
-            ok = (order[:, j][:, None, None] != gp[None, :, None]) & (order[:, j][:, None, None] != gq[None, None, :])
+            ok = (order[:, j][:, None, None] != gp[None, :, None]) & (
+                order[:, j][:, None, None] != gq[None, None, :]
+            )
             peak = np.where(ok, top[:, j][:, None, None], peak)
         rest = np.where(np.isfinite(peak), peak, 0.0)
         new_peak = np.maximum(rest, np.maximum(gl[:, gp][:, :, None] - d, gl[:, gq][:, None, :] + d))
@@ -685,7 +764,9 @@ def gpu_repair(
         has[slot_gpu, row] = True
         single_rep = ~every & (rn.sum(axis=0) == 1)  # [E] movable across nodes
         ok = (gq[None, :] != gp[:, None]) & (x_p != y_q) & (ex_pq < cur - 1e-12)
-        ok &= np.where(cross, single_rep[x_p] & single_rep[y_q], ~has[gq[None, :], x_p] & ~has[gp[:, None], y_q])
+        ok &= np.where(
+            cross, single_rep[x_p] & single_rep[y_q], ~has[gq[None, :], x_p] & ~has[gp[:, None], y_q]
+        )
         if ok.any():
             cost_pq = np.zeros(ok.shape)
             if (ok & cross).any():
@@ -702,7 +783,7 @@ def gpu_repair(
             on_n = np.flatnonzero(rn[n] > 0)
             for q in slots_n[rn[n, row[slots_n]] >= 2]:
                 hq = slot_gpu[q]
-                here = row[hq * S:(hq + 1) * S]
+                here = row[hq * S : (hq + 1) * S]
                 for y in on_n:
                     if np.any(here == y):
                         continue
@@ -714,7 +795,7 @@ def gpu_repair(
                     e_n[q - n * m * S] = y
                     sl_n = basev[:, n, e_n] / rn2[e_n][None, :]  # [V, m*S]
                     gl2 = gl.copy()
-                    gl2[:, n * m:(n + 1) * m] = sl_n.reshape(sl_n.shape[0], m, S).sum(axis=2)
+                    gl2[:, n * m : (n + 1) * m] = sl_n.reshape(sl_n.shape[0], m, S).sum(axis=2)
                     ex = excess(gl2)
                     if ex >= cur - 1e-12:
                         continue
@@ -751,12 +832,18 @@ def gpu_repair(
         steps += 1
         cost_sum += cost
     for g in range(G):  # canonical rows: each GPU's slots sorted
-        row[g * S:(g + 1) * S] = np.sort(row[g * S:(g + 1) * S])
-    return row, {"repair_steps": steps, "repair_remote_cost": cost_sum, "excess_start": start, "excess_end": cur}
+        row[g * S : (g + 1) * S] = np.sort(row[g * S : (g + 1) * S])
+    return row, {
+        "repair_steps": steps,
+        "repair_remote_cost": cost_sum,
+        "excess_start": start,
+        "excess_end": cur,
+    }
 
 
-def pair_pack(load: np.ndarray, num_gpus: int, max_split: int = 3,
-              max_enumerate: int = 20000) -> tuple[np.ndarray, np.ndarray, float, bool]:
+def pair_pack(
+    load: np.ndarray, num_gpus: int, max_split: int = 3, max_enumerate: int = 20000
+) -> tuple[np.ndarray, np.ndarray, float, bool]:
     """Split and pack one node with two slots per GPU: replica counts, then pairs (fast, one load view).
 
     For fixed replica counts the pairing that minimises the heaviest pair puts the ``i``-th heaviest
@@ -872,8 +959,15 @@ def pack_node_exact(
         raise ValueError(f"{n} experts do not fit in {G} GPUs x {S} slots")
     if counts is not None:
         counts = np.asarray(counts, dtype=np.int64)
-        if counts.shape != (n,) or counts.min(initial=1) < 1 or counts.max(initial=1) > G or counts.sum() != G * S:
-            raise ValueError(f"counts must be {n} replica counts in [1, {G}] summing to {G * S} slots, got {counts.tolist()}")
+        if (
+            counts.shape != (n,)
+            or counts.min(initial=1) < 1
+            or counts.max(initial=1) > G
+            or counts.sum() != G * S
+        ):
+            raise ValueError(
+                f"counts must be {n} replica counts in [1, {G}] summing to {G * S} slots, got {counts.tolist()}"
+            )
         max_split = int(counts.max(initial=1))
     R = max(1, min(int(max_split), G))
     ref = np.maximum(base.sum(axis=1) / G, 1e-12)  # [V] mean GPU load per view
@@ -894,7 +988,9 @@ def pack_node_exact(
     scale = 10000
     z = model.new_int_var(0, 100 * scale, "z")
     for v in range(V):
-        coef = np.round(base[v][:, None] / (np.arange(1, R + 1)[None, :] * ref[v]) * scale).astype(np.int64)  # [n, R]
+        coef = np.round(base[v][:, None] / (np.arange(1, R + 1)[None, :] * ref[v]) * scale).astype(
+            np.int64
+        )  # [n, R]
         for g in range(G):
             model.add(sum(int(coef[i, j]) * x[i][j][g] for i in range(n) for j in range(R)) <= z)
     model.minimize(z)

@@ -74,13 +74,13 @@ def _fill_slots(x: np.ndarray, prev_row: np.ndarray, S: int) -> np.ndarray:
     E, G = x.shape
     out = np.empty_like(prev_row)
     for g in range(G):
-        old = prev_row[g * S:(g + 1) * S]  # [S]
+        old = prev_row[g * S : (g + 1) * S]  # [S]
         want = np.flatnonzero(x[:, g])
         keep = x[old, g]  # [S] slot keeps its expert
         new = np.setdiff1d(want, old[keep], assume_unique=True)
         seg = old.copy()
         seg[~keep] = new
-        out[g * S:(g + 1) * S] = seg
+        out[g * S : (g + 1) * S] = seg
     return out
 
 
@@ -93,10 +93,14 @@ def keep_slots(new: Placement, previous: Placement) -> Placement:
     _check_same_shape(new, previous)
     t = new.topology
     E, G, S = new.num_logical_experts, t.ep_size, t.slots_per_gpu
-    p2l = np.stack([
-        _fill_slots(_membership(new.physical_to_logical_map[l], E, G, S), previous.physical_to_logical_map[l], S)
-        for l in range(new.num_layers)
-    ])
+    p2l = np.stack(
+        [
+            _fill_slots(
+                _membership(new.physical_to_logical_map[l], E, G, S), previous.physical_to_logical_map[l], S
+            )
+            for l in range(new.num_layers)
+        ]
+    )
     return Placement(p2l, E, t, new.layer_ids, new.provenance)
 
 
@@ -156,7 +160,7 @@ def align_to_previous(new: Placement, previous: Placement) -> Placement:
         node_match: dict[tuple[int, int], np.ndarray] = {}
         for a in range(N):
             for b in range(N):
-                block = overlap[a * m:(a + 1) * m, b * m:(b + 1) * m]  # [m, m]
+                block = overlap[a * m : (a + 1) * m, b * m : (b + 1) * m]  # [m, m]
                 ri, ci = linear_sum_assignment(block, maximize=True)
                 node_score[a, b] = block[ri, ci].sum()
                 node_match[(a, b)] = ci  # new GPU a*m+ri[i] -> old GPU b*m+ci[i]; ri is arange
@@ -207,7 +211,9 @@ class _Layer:
             da = w[A] / (cnt[A] - 1) - u[A]  # [A] load rise on a's other GPUs
             ub = w / (cnt + 1)  # [E] b's per-replica load after gaining one
             db = u - ub  # [E] load drop on b's GPUs
-            base = load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]  # [A, E, G]
+            base = (
+                load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]
+            )  # [A, E, G]
             if G >= 2:
                 part = np.argpartition(-base, 1, axis=2)[:, :, :2]  # [A, E, 2] two largest
                 v = np.take_along_axis(base, part, axis=2)
@@ -216,11 +222,17 @@ class _Layer:
                 top_v = np.take_along_axis(v, order, axis=2)
             ai, h = np.nonzero(x[A])  # pairs: A-index, GPU holding it
             if ai.size:
-                excl = np.where(top_i[ai, :, 0] == h[:, None], top_v[ai, :, 1], top_v[ai, :, 0]) if G >= 2 else np.full((ai.size, E), -np.inf)
+                excl = (
+                    np.where(top_i[ai, :, 0] == h[:, None], top_v[ai, :, 1], top_v[ai, :, 0])
+                    if G >= 2
+                    else np.full((ai.size, E), -np.inf)
+                )
                 newh = load[h][:, None] - u[A[ai]][:, None] + ub[None, :]  # [pairs, E]
                 newpeak = np.maximum(excl, newh)
                 valid = ~x[:, h].T  # [pairs, E] b not on h (excludes b == a)
-                dm = (~prev[:, h].T).astype(np.int64) - (~prev[A[ai], h]).astype(np.int64)[:, None]  # [pairs, E]
+                dm = (~prev[:, h].T).astype(np.int64) - (~prev[A[ai], h]).astype(np.int64)[
+                    :, None
+                ]  # [pairs, E]
                 cands.append(("replace", newpeak, valid, dm, (ai, h)))
 
         # -- swap: expert a on the hottest GPU g1 <-> expert b on GPU g2 --------------------------
@@ -241,8 +253,12 @@ class _Layer:
                     other = np.full((1, b_e.size), -np.inf)
                 newpeak = np.maximum(np.maximum(new1, new2), other)
                 valid = ~x[a_list][:, b_g]  # [S, B] a not on g2
-                dm = ((~prev[b_e, g1]).astype(np.int64)[None, :] + (~prev[a_list][:, b_g]).astype(np.int64)
-                      - (~prev[a_list, g1]).astype(np.int64)[:, None] - (~prev[b_e, b_g]).astype(np.int64)[None, :])
+                dm = (
+                    (~prev[b_e, g1]).astype(np.int64)[None, :]
+                    + (~prev[a_list][:, b_g]).astype(np.int64)
+                    - (~prev[a_list, g1]).astype(np.int64)[:, None]
+                    - (~prev[b_e, b_g]).astype(np.int64)[None, :]
+                )
                 cands.append(("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1)))
 
         best = None
@@ -278,7 +294,9 @@ class _Layer:
         self._refresh()
 
 
-def _incremental(states: list[_Layer], move_cost: float, max_moves: float, deadline: float, max_iters: int) -> tuple[int, bool]:
+def _incremental(
+    states: list[_Layer], move_cost: float, max_moves: float, deadline: float, max_iters: int
+) -> tuple[int, bool]:
     """Run the global best-efficiency-first search in place. Returns (iterations, hit_deadline)."""
     budget = max_moves
     heap: list = []
@@ -334,7 +352,9 @@ def _exact_layer(w, prev_x, hint_x, S, move_cost, budget, time_limit, seed, max_
     # Variables: x[e, g] replica of e on g; z[e, c] e has c replicas; t[e, g, c] = x AND z.
     x = {(e, g): model.new_bool_var(f"x{e}_{g}") for e in range(E) for g in range(G)}
     z = {(e, c): model.new_bool_var(f"z{e}_{c}") for e in range(E) for c in allowed[e]}
-    t = {(e, g, c): model.new_bool_var(f"t{e}_{g}_{c}") for e in range(E) for g in range(G) for c in allowed[e]}
+    t = {
+        (e, g, c): model.new_bool_var(f"t{e}_{g}_{c}") for e in range(E) for g in range(G) for c in allowed[e]
+    }
     peak = model.new_int_var(0, int(sum(max(q[e, c] for c in allowed[e]) for e in range(E))), "peak")
     # One replica count per expert, matching its replicas.
     for e in range(E):
@@ -374,7 +394,11 @@ def _exact_layer(w, prev_x, hint_x, S, move_cost, budget, time_limit, seed, max_
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, "time_limit" if code == cp_model.UNKNOWN else "infeasible", None, note
     out = np.array([[bool(solver.value(x[e, g])) for g in range(G)] for e in range(E)])
-    status = "optimal" if code == cp_model.OPTIMAL and not restricted else ("feasible" if code == cp_model.OPTIMAL else "time_limit")
+    status = (
+        "optimal"
+        if code == cp_model.OPTIMAL and not restricted
+        else ("feasible" if code == cp_model.OPTIMAL else "time_limit")
+    )
     bound = None if restricted else solver.best_objective_bound / scale
     return out, status, bound, note
 
@@ -429,17 +453,23 @@ def solve_migration(
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
-    if max_moves is not None and (isinstance(max_moves, bool) or int(max_moves) != max_moves or max_moves < 0):
+    if max_moves is not None and (
+        isinstance(max_moves, bool) or int(max_moves) != max_moves or max_moves < 0
+    ):
         raise ValueError(f"max_moves must be a non-negative integer (total over layers), got {max_moves!r}")
     mc = 0.0 if move_cost is None else float(move_cost)
     if not np.isfinite(mc) or mc < 0:
         raise ValueError(f"move_cost must be finite and >= 0 (load units per moved slot), got {move_cost!r}")
     if not drift_guard >= 1.0:
-        raise ValueError(f"drift_guard must be >= 1 (a multiple of the full re-solve's gap), got {drift_guard!r}")
+        raise ValueError(
+            f"drift_guard must be >= 1 (a multiple of the full re-solve's gap), got {drift_guard!r}"
+        )
     if time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
     if previous.allow_colocated_replicas:
-        raise ValueError("previous placement co-locates replicas of one expert; migrate from a valid placement")
+        raise ValueError(
+            "previous placement co-locates replicas of one expert; migrate from a valid placement"
+        )
     ids = tuple(layer_ids) if layer_ids is not None else previous.layer_ids
     if len(ids) != L:
         raise ValueError(f"layer_ids has {len(ids)} entries for {L} layers")
@@ -479,8 +509,12 @@ def solve_migration(
         if spent + extra_moves <= budget:
             fallback[l] = True
             spent += extra_moves
-    x_final = [full_x if fallback[l] else st.x for l, (st, full_x) in enumerate(
-        zip(states, (_membership(full.physical_to_logical_map[l], E, G, S) for l in range(L))))]
+    x_final = [
+        full_x if fallback[l] else st.x
+        for l, (st, full_x) in enumerate(
+            zip(states, (_membership(full.physical_to_logical_map[l], E, G, S) for l in range(L)))
+        )
+    ]
     if fallback.any():
         notes.append(f"drift guard: {int(fallback.sum())} layer(s) took the full re-solve")
 
@@ -506,11 +540,15 @@ def solve_migration(
             statuses[l] = status
             if bnd is not None:
                 bounds[l] = max(bounds[l], bnd)
-            if _objective_x(w[l], xe, states[l].prev, mc) < _objective_x(w[l], x_final[l], states[l].prev, mc):
+            if _objective_x(w[l], xe, states[l].prev, mc) < _objective_x(
+                w[l], x_final[l], states[l].prev, mc
+            ):
                 x_final[l] = xe
         if no_solution:
-            notes.append(f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
-                         f"their incremental result was kept (status heuristic)")
+            notes.append(
+                f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
+                f"their incremental result was kept (status heuristic)"
+            )
 
     # 4) Never worse than staying put; keep slots of unchanged experts.
     rows, layers = [], []
@@ -523,25 +561,27 @@ def solve_migration(
         rows.append(_fill_slots(x_final[l], prev_map[l], S))
         peak_l = _peak_x(w[l], x_final[l])
         moved_l = moved_pairs_x(prev_x, x_final[l])
-        layers.append(LayerReport(
-            layer_id=ids[l],
-            status=statuses[l],
-            objective=float(obj),
-            bound=float(min(bounds[l], obj)),
-            wall_time_s=0.0,
-            baseline_objective=float(prev_peak[l]),
-            mean_load=float(w[l].sum() / G),
-            extra={
-                "moved_slots": int(moved_l),
-                "peak": float(peak_l),
-                "previous_peak": float(prev_peak[l]),
-                "full_resolve_peak": float(full_peak[l]),
-                "full_resolve_moved_slots": int(full_moved[l]),
-                "drift_fallback": bool(fallback[l]),
-                "replace_moves": states[l].moves["replace"],
-                "swap_moves": states[l].moves["swap"],
-            },
-        ))
+        layers.append(
+            LayerReport(
+                layer_id=ids[l],
+                status=statuses[l],
+                objective=float(obj),
+                bound=float(min(bounds[l], obj)),
+                wall_time_s=0.0,
+                baseline_objective=float(prev_peak[l]),
+                mean_load=float(w[l].sum() / G),
+                extra={
+                    "moved_slots": int(moved_l),
+                    "peak": float(peak_l),
+                    "previous_peak": float(prev_peak[l]),
+                    "full_resolve_peak": float(full_peak[l]),
+                    "full_resolve_moved_slots": int(full_moved[l]),
+                    "drift_fallback": bool(fallback[l]),
+                    "replace_moves": states[l].moves["replace"],
+                    "swap_moves": states[l].moves["swap"],
+                },
+            )
+        )
     params = {
         "method": "incremental" if method == "auto" else method,
         "max_moves": max_moves,
@@ -553,7 +593,12 @@ def solve_migration(
     }
     placement = Placement(np.stack(rows), E, topo, ids, {"solver": "migration", **params})
     wall = time.perf_counter() - t0
-    log.debug("migration: %d moved slots over %d layers in %.3fs", sum(lr.extra["moved_slots"] for lr in layers), L, wall)
+    log.debug(
+        "migration: %d moved slots over %d layers in %.3fs",
+        sum(lr.extra["moved_slots"] for lr in layers),
+        L,
+        wall,
+    )
     return placement, SolveReport("migration", tuple(layers), wall, params, tuple(notes))
 
 

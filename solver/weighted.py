@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -174,7 +174,10 @@ def _flexible_counts(w: np.ndarray, G: int, S: int) -> list[int]:
 
 
 def weighted_layer(
-    w: np.ndarray, topology: Topology, windows: np.ndarray | None = None, candidates: Sequence[np.ndarray] = ()
+    w: np.ndarray,
+    topology: Topology,
+    windows: np.ndarray | None = None,
+    candidates: Sequence[np.ndarray] = (),
 ) -> tuple[np.ndarray, np.ndarray, float, dict]:
     """Best placement of one layer for weighted dispatch.
 
@@ -279,7 +282,13 @@ def solve_weighted(
         gq, _ = weighted_shares(g_row, w if win is None else win, topology)
         g_w = float((w[g_row] * gq).reshape(G, S).sum(axis=1).max())
         if time.perf_counter() - t0 > time_limit:
-            row, q, peak, info, status = g_row, gq, g_w, {"method": "greedy", "note": "time limit reached before this layer"}, "greedy_fallback"
+            row, q, peak, info, status = (
+                g_row,
+                gq,
+                g_w,
+                {"method": "greedy", "note": "time limit reached before this layer"},
+                "greedy_fallback",
+            )
         else:
             cands = [g_row] + ([hint.physical_to_logical_map[l]] if hint is not None else [])
             row, q, peak, info = weighted_layer(w, topology, win, cands)
@@ -298,9 +307,19 @@ def solve_weighted(
                 wall_time_s=time.perf_counter() - tl,
                 baseline_objective=g_even,
                 mean_load=float(w.sum() / G),
-                extra={"even_objective": even, "greedy_weighted_objective": g_w, "replica_shares": q.tolist(), **info},
+                extra={
+                    "even_objective": even,
+                    "greedy_weighted_objective": g_w,
+                    "replica_shares": q.tolist(),
+                    **info,
+                },
             )
         )
     pl = Placement(np.stack(rows), E, topology, tuple(layer_ids or ()), {"solver": "weighted"})
-    rep = SolveReport("weighted", tuple(layers), time.perf_counter() - t0, {"seed": seed, "time_limit": time_limit, "weighted": True})
+    rep = SolveReport(
+        "weighted",
+        tuple(layers),
+        time.perf_counter() - t0,
+        {"seed": seed, "time_limit": time_limit, "weighted": True},
+    )
     return pl, np.stack(shares), rep

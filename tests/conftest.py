@@ -16,10 +16,15 @@ try:  # derandomised, bounded hypothesis profile for CI
     from hypothesis import HealthCheck, settings
 
     settings.register_profile(
-        "ci", derandomize=True, max_examples=60, deadline=None,
+        "ci",
+        derandomize=True,
+        max_examples=60,
+        deadline=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     )
-    settings.register_profile("dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile(
+        "dev", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover
     pass

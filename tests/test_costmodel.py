@@ -155,7 +155,14 @@ def test_too_many_redundant_slots_rejected_with_numbers():
 # deepseek-ai/DeepEP, README.md (V1; now docs/legacy.md), "Low-latency kernels with pure RDMA":
 # H800 + CX7 400 Gb/s, 128 tokens per batch, hidden 7168, top-8, FP8 dispatch, BF16 combine.
 # (EP, dispatch us, combine us)
-DEEPEP_LOW_LATENCY = [(8, 77, 114), (16, 118, 195), (32, 155, 273), (64, 173, 314), (128, 192, 369), (256, 194, 360)]
+DEEPEP_LOW_LATENCY = [
+    (8, 77, 114),
+    (16, 118, 195),
+    (32, 155, 273),
+    (64, 173, 314),
+    (128, 192, 369),
+    (256, 194, 360),
+]
 
 
 @pytest.mark.parametrize("ep,dispatch_us,combine_us", DEEPEP_LOW_LATENCY)
@@ -200,9 +207,16 @@ def test_deepep_normal_bandwidth_within_25_percent(ep, tokens, disp_gbs, comb_gb
 # deepseek-ai/DeepGEMM, README.md (2025 version, "Performance", H800, NVCC 12.8):
 # grouped FP8 GEMMs, (groups, M per group, N, K, TFLOPS).
 DEEPGEMM_GROUPED = [
-    (4, 8192, 4096, 7168, 1297), (4, 8192, 7168, 2048, 1099), (8, 4096, 4096, 7168, 1288), (8, 4096, 7168, 2048, 1093),
-    (1, 1024, 4096, 7168, 1233), (1, 1024, 7168, 2048, 925), (2, 512, 4096, 7168, 1040), (2, 512, 7168, 2048, 916),
-    (4, 256, 4096, 7168, 932), (4, 256, 7168, 2048, 815),
+    (4, 8192, 4096, 7168, 1297),
+    (4, 8192, 7168, 2048, 1099),
+    (8, 4096, 4096, 7168, 1288),
+    (8, 4096, 7168, 2048, 1093),
+    (1, 1024, 4096, 7168, 1233),
+    (1, 1024, 7168, 2048, 925),
+    (2, 512, 4096, 7168, 1040),
+    (2, 512, 7168, 2048, 916),
+    (4, 256, 4096, 7168, 932),
+    (4, 256, 7168, 2048, 815),
 ]
 
 
@@ -220,35 +234,89 @@ def test_deepgemm_grouped_gemm_within_25_percent(groups, m, n, k, tflops):
 # ---------------------------------------------------------------------------------------------
 HF_CONFIGS = {
     "deepseek-v3": {
-        "model_type": "deepseek_v3", "hidden_size": 7168, "moe_intermediate_size": 2048, "intermediate_size": 18432,
-        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "num_hidden_layers": 61,
-        "first_k_dense_replace": 3, "moe_layer_freq": 1, "num_attention_heads": 128, "num_key_value_heads": 128,
-        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-        "vocab_size": 129280, "n_group": 8, "topk_group": 4, "torch_dtype": "bfloat16",
+        "model_type": "deepseek_v3",
+        "hidden_size": 7168,
+        "moe_intermediate_size": 2048,
+        "intermediate_size": 18432,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 61,
+        "first_k_dense_replace": 3,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 128,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "vocab_size": 129280,
+        "n_group": 8,
+        "topk_group": 4,
+        "torch_dtype": "bfloat16",
         "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
     },
     "deepseek-v2-lite": {
-        "model_type": "deepseek_v2", "hidden_size": 2048, "moe_intermediate_size": 1408, "intermediate_size": 10944,
-        "n_routed_experts": 64, "n_shared_experts": 2, "num_experts_per_tok": 6, "num_hidden_layers": 27,
-        "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-        "vocab_size": 102400, "torch_dtype": "bfloat16",
+        "model_type": "deepseek_v2",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "intermediate_size": 10944,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "num_hidden_layers": 27,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "vocab_size": 102400,
+        "torch_dtype": "bfloat16",
     },
     "mixtral-8x7b": {
-        "model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336, "num_local_experts": 8,
-        "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 32000, "torch_dtype": "bfloat16",
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "torch_dtype": "bfloat16",
     },
     "qwen3-30b-a3b": {
-        "model_type": "qwen3_moe", "hidden_size": 2048, "moe_intermediate_size": 768, "intermediate_size": 6144,
-        "num_experts": 128, "num_experts_per_tok": 8, "num_hidden_layers": 48, "decoder_sparse_step": 1,
-        "mlp_only_layers": [], "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "vocab_size": 151936, "torch_dtype": "bfloat16",
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "intermediate_size": 6144,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "torch_dtype": "bfloat16",
     },
     "olmoe-1b-7b": {
-        "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024, "num_experts": 64,
-        "num_experts_per_tok": 8, "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "vocab_size": 50304, "torch_dtype": "bfloat16",
+        "model_type": "olmoe",
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 50304,
+        "torch_dtype": "bfloat16",
     },
 }
 
@@ -260,18 +328,41 @@ def test_hf_config_matches_builtin_description(name, tmp_path):
     p.write_text(json.dumps(HF_CONFIGS[name]))
     got = load_model(p.parent)
     ref = load_model(name)
-    for f in ("hidden_size", "moe_intermediate_size", "num_logical_experts", "top_k", "num_layers", "moe_layer_ids",
-              "shared_intermediate_size", "weight_bytes", "attention", "kv_lora_rank", "num_kv_heads", "head_dim"):
+    for f in (
+        "hidden_size",
+        "moe_intermediate_size",
+        "num_logical_experts",
+        "top_k",
+        "num_layers",
+        "moe_layer_ids",
+        "shared_intermediate_size",
+        "weight_bytes",
+        "attention",
+        "kv_lora_rank",
+        "num_kv_heads",
+        "head_dim",
+    ):
         assert getattr(got, f) == getattr(ref, f), (name, f, getattr(got, f), getattr(ref, f))
     assert got.expert_bytes == ref.expert_bytes
     assert got.kv_bytes_per_token == ref.kv_bytes_per_token
 
 
 def test_hf_config_qwen2_moe_shared_expert_and_sparse_step():
-    cfg = {"model_type": "qwen2_moe", "hidden_size": 2048, "moe_intermediate_size": 1408, "intermediate_size": 5632,
-           "num_experts": 60, "num_experts_per_tok": 4, "num_hidden_layers": 24, "decoder_sparse_step": 2,
-           "mlp_only_layers": [3], "shared_expert_intermediate_size": 5632, "num_attention_heads": 16,
-           "num_key_value_heads": 16, "vocab_size": 151936}
+    cfg = {
+        "model_type": "qwen2_moe",
+        "hidden_size": 2048,
+        "moe_intermediate_size": 1408,
+        "intermediate_size": 5632,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": 24,
+        "decoder_sparse_step": 2,
+        "mlp_only_layers": [3],
+        "shared_expert_intermediate_size": 5632,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "vocab_size": 151936,
+    }
     m = model_from_hf_config(cfg)
     assert m.moe_layer_ids == tuple(i for i in range(24) if (i + 1) % 2 == 0 and i != 3)
     assert m.shared_intermediate_size == 5632 and m.num_logical_experts == 60

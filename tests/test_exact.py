@@ -185,7 +185,9 @@ def _weighted_gpu(row, q, w, topo):
 def test_weighted_placement_valid_and_not_worse_than_even():
     rng = np.random.default_rng(11)
     E, G = 24, 8
-    w = np.round((np.arange(1, E + 1) ** -1.2)[None, :] * rng.uniform(0.5, 1.5, size=(3, E)) * 1e4) + 1  # [3, E]
+    w = (
+        np.round((np.arange(1, E + 1) ** -1.2)[None, :] * rng.uniform(0.5, 1.5, size=(3, E)) * 1e4) + 1
+    )  # [3, E]
     topo = Topology(G, 32, 2)  # P = 32 >= E + G - 1 = 31
     g_pl, _ = greedy_placement(w, topo, policy="global")
     pl, rep = solve_exact(w, topo, weighted=True, time_limit=10.0)
@@ -308,7 +310,9 @@ def test_validation_guard_reports_and_falls_back_to_greedy():
         assert peak <= float(_peak(g_pl, agg)[l]) + 1e-9  # still never worse than greedy on the fit
         if v["exact_lost"] and lr.status == "greedy_fallback":
             assert np.array_equal(pl.physical_to_logical_map[l], g_pl.physical_to_logical_map[l])
-            assert lr.extra["fitted_objective"] <= lr.objective + 1e-9  # what exact had reached is kept in extra
+            assert (
+                lr.extra["fitted_objective"] <= lr.objective + 1e-9
+            )  # what exact had reached is kept in extra
             fb += 1
         if not v["exact_lost"]:
             assert v["exact_peak"] <= v["greedy_peak"] * (1 + 1e-9)
@@ -338,7 +342,9 @@ def test_noise_gate_keeps_greedy_on_pure_noise():
     # default gate (bootstrap over windows) must return greedy's placement unchanged
     rng = np.random.default_rng(21)
     E, L, W = 64, 3, 30
-    wins = np.stack([rng.multinomial(4000, np.full(E, 1 / E), size=L) for _ in range(W)]).astype(float)  # [W, L, E]
+    wins = np.stack([rng.multinomial(4000, np.full(E, 1 / E), size=L) for _ in range(W)]).astype(
+        float
+    )  # [W, L, E]
     topo = Topology(8, 72, 1)
     g_pl, _ = greedy_placement(wins.sum(axis=0), topo, policy="global")
     pl, rep = solve_exact(wins, topo, time_limit=2.0, workers=1)
@@ -357,7 +363,9 @@ def test_noise_gate_takes_a_real_imbalance():
     # the FlashLB loads as 40 noisy windows: greedy's peak is far above the optimum, well beyond the
     # noise, so the gated layer must change and gain
     rng = np.random.default_rng(22)
-    wins = np.stack([rng.multinomial(2000, FLASHLB[0] / FLASHLB.sum()) for _ in range(40)])[:, None, :].astype(float)
+    wins = np.stack([rng.multinomial(2000, FLASHLB[0] / FLASHLB.sum()) for _ in range(40)])[
+        :, None, :
+    ].astype(float)
     topo = Topology(8, 16, 1)
     agg = wins.sum(axis=0)
     g_pl, _ = greedy_placement(agg, topo, policy="global")

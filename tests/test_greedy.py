@@ -6,14 +6,18 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from solver.greedy import balanced_packing, greedy_placement, replicate
 
 # DeepSeek EPLB README example: 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs.
-EPLB_WEIGHT = np.array([
-    [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
-    [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
-])
-EPLB_PHY2LOG = np.array([
-    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
-    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
-])
+EPLB_WEIGHT = np.array(
+    [
+        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+    ]
+)
+EPLB_PHY2LOG = np.array(
+    [
+        [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+        [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+    ]
+)
 
 
 def test_golden_eplb_readme_example_parity():

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from cli.main import main
 from placement import Placement, Topology
-from placement.cli import main
 from placement.metrics import balance_stats, communication, expected_gpu_load, trace_gpu_load
 from profiling.fileio import InputFileError, load_npz
 from profiling.readers import read_trace, write_trace
@@ -89,7 +90,9 @@ def test_metrics_invariant_to_gpu_permutation_within_nodes_and_expert_relabellin
 
 
 def test_communication_invariant_to_expert_relabelling():
-    tr = synthetic_trace(num_tokens=600, num_layers=2, num_logical_experts=16, top_k=3, num_prompts=12, seed=5)
+    tr = synthetic_trace(
+        num_tokens=600, num_layers=2, num_logical_experts=16, top_k=3, num_prompts=12, seed=5
+    )
     topo = Topology(4, 20, 2)
     pl, _ = greedy_placement(tr.counts(), topo)
     perm = np.random.default_rng(0).permutation(16)
@@ -137,7 +140,9 @@ def test_placement_construction_is_valid_or_clear_error(values, G, E):
 @pytest.fixture(scope="module")
 def good_npz(tmp_path_factory):
     p = tmp_path_factory.mktemp("npz") / "good.npz"
-    write_trace(synthetic_trace(num_tokens=300, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=6), p)
+    write_trace(
+        synthetic_trace(num_tokens=300, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=6), p
+    )
     return p
 
 
@@ -216,11 +221,11 @@ def test_write_killed_half_way_leaves_existing_file(tmp_path):
     target = tmp_path / "big.bin"
     target.write_bytes(b"old")
     script = (
-        "import sys, time; sys.path.insert(0, %r)\n"
+        f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
         "from profiling.fileio import atomic_write\n"
-        "with atomic_write(%r) as fh:\n"
+        f"with atomic_write({str(target)!r}) as fh:\n"
         "    fh.write(b'x' * 1000000); fh.flush(); print('writing', flush=True); time.sleep(60)\n"
-    ) % (str(ROOT), str(target))
+    )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "writing"
@@ -285,8 +290,13 @@ def test_cli_fuzz_bad_inputs(tmp_path, good_npz, capsys):
 def test_cli_subprocess_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"PK\x03\x04garbage")
-    r = subprocess.run([sys.executable, "-m", "placement", "inspect", str(bad)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "placement", "inspect", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
 
 
@@ -298,7 +308,9 @@ def test_stream_counts_equal_full_counts_with_bounded_chunks(tmp_path, compress)
     from profiling.fileio import atomic_save_npz, iter_npz_array_chunks
     from profiling.readers import stream_counts
 
-    tr = synthetic_trace(num_tokens=2500, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=20, seed=9)
+    tr = synthetic_trace(
+        num_tokens=2500, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=20, seed=9
+    )
     p = tmp_path / "t.npz"
     atomic_save_npz(p, compress=compress, topk_ids=np.asarray(tr.topk_ids))
     sizes = [c.shape[0] for c in iter_npz_array_chunks(p, "topk_ids", 300)]

@@ -17,20 +17,44 @@ E, K = 8, 2
 
 def _configs():
     common = dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
     return {
         "mixtral": lambda: transformers.MixtralConfig(**common, num_local_experts=E, num_experts_per_tok=K),
         "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-            **common, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=24, shared_expert_intermediate_size=24
+            **common,
+            num_experts=E,
+            num_experts_per_tok=K,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=24,
         ),
-        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=24),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+            **common, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=24
+        ),
         "olmoe": lambda: transformers.OlmoeConfig(**common, num_experts=E, num_experts_per_tok=K),
         "deepseek_v3": lambda: transformers.DeepseekV3Config(
-            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4}, moe_intermediate_size=24,
-            n_routed_experts=E, num_experts_per_tok=K, n_group=4, topk_group=2, first_k_dense_replace=1,
-            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_shared_experts=1,
+            **{**common, "num_hidden_layers": 3, "num_key_value_heads": 4},
+            moe_intermediate_size=24,
+            n_routed_experts=E,
+            num_experts_per_tok=K,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            n_shared_experts=1,
         ),
     }
 
@@ -57,11 +81,18 @@ def _ground_truth(model, run):
     block_inputs = {i: [] for i in range(len(specs))}
     handles = []
     for i, s in enumerate(specs):
+
         def pre_exp(_m, args, kwargs, i=i):
-            ids = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+            ids = [
+                a
+                for a in list(args) + list(kwargs.values())
+                if isinstance(a, torch.Tensor) and not a.is_floating_point()
+            ]
             dispatched[i].append(ids[0].detach().clone())
+
         def pre_block(_m, args, i=i):
             block_inputs[i].append(args[0].detach().clone())
+
         handles.append(s.block.experts.register_forward_pre_hook(pre_exp, with_kwargs=True))
         handles.append(s.block.register_forward_pre_hook(pre_block))
     try:
@@ -262,7 +293,7 @@ class _TinyExperts(torch.nn.Module):
     def forward(self, h, top_k_index, top_k_weights):
         out = torch.zeros_like(h)
         for j in range(top_k_index.shape[1]):
-            out = out + top_k_weights[:, j:j + 1] * torch.einsum("td,tde->te", h, self.w[top_k_index[:, j]])
+            out = out + top_k_weights[:, j : j + 1] * torch.einsum("td,tde->te", h, self.w[top_k_index[:, j]])
         return out
 
 
@@ -312,7 +343,9 @@ def test_adapter_on_any_module():
     def gate_ids(_mod, _inputs, output):  # the adapter sees the gate's logits and selects like the block
         return torch.topk(output.softmax(-1), 2, dim=-1).indices
 
-    rec = attach(m, mode="tokens", adapters={blk.gate: gate_ids for blk in m.layers}, num_logical_experts=6, top_k=2)
+    rec = attach(
+        m, mode="tokens", adapters={blk.gate: gate_ids for blk in m.layers}, num_logical_experts=6, top_k=2
+    )
     m(torch.randn(7, 16))
     rec.detach()
     tr = rec.to_trace()
@@ -334,7 +367,7 @@ def test_bad_arguments_name_the_fix(tmp_path):
 
 # ---- moe-placement profile ---------------------------------------------------------------------
 def _cli(argv):
-    from placement.cli import main
+    from cli.main import main
 
     return main(argv)
 
@@ -352,8 +385,23 @@ def test_profile_cli_records_the_models_own_routing(tmp_path, capsys):
     texts[0].write_text("Mixture of experts routes tokens. " * 2)  # 68 bytes
     texts[1].write_text("def f(x):\n    return x * 2\n" * 2)
     out = tmp_path / "trace.npz"
-    rc = _cli(["profile", "--model", str(folder), "--text", str(texts[0]), "--text", str(texts[1]),
-               "-o", str(out), "--seq-len", "40", "--max-tokens", "100"])
+    rc = _cli(
+        [
+            "profile",
+            "--model",
+            str(folder),
+            "--text",
+            str(texts[0]),
+            "--text",
+            str(texts[1]),
+            "-o",
+            str(out),
+            "--seq-len",
+            "40",
+            "--max-tokens",
+            "100",
+        ]
+    )
     assert rc == 0
     err = capsys.readouterr().err
     assert "byte-level fallback" in err and "random weights" not in err
@@ -385,8 +433,25 @@ def test_profile_cli_counts_mode_from_config_only(tmp_path, capsys):
     outs = []
     for n in range(2):
         out = tmp_path / f"c{n}.npz"
-        rc = _cli(["profile", "--model", str(tmp_path / "m" / "config.json"), "--text", str(text_a), "--text", str(text_b),
-                   "-o", str(out), "--mode", "counts", "--seq-len", "64", "--seed", "3"])
+        rc = _cli(
+            [
+                "profile",
+                "--model",
+                str(tmp_path / "m" / "config.json"),
+                "--text",
+                str(text_a),
+                "--text",
+                str(text_b),
+                "-o",
+                str(out),
+                "--mode",
+                "counts",
+                "--seq-len",
+                "64",
+                "--seed",
+                "3",
+            ]
+        )
         assert rc == 0
         outs.append(read_trace(out))
     assert "random weights" in capsys.readouterr().err
@@ -398,7 +463,17 @@ def test_profile_cli_counts_mode_from_config_only(tmp_path, capsys):
 
 
 def test_profile_cli_bad_input_is_one_line(tmp_path, capsys):
-    rc = _cli(["profile", "--model", str(tmp_path / "nope"), "--text", str(tmp_path / "x.txt"), "-o", str(tmp_path / "t.npz")])
+    rc = _cli(
+        [
+            "profile",
+            "--model",
+            str(tmp_path / "nope"),
+            "--text",
+            str(tmp_path / "x.txt"),
+            "-o",
+            str(tmp_path / "t.npz"),
+        ]
+    )
     assert rc == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -408,13 +483,17 @@ def test_profile_cli_uses_the_folders_tokenizer(tmp_path):
     folder = tmp_path / "tok-model"
     _configs()["olmoe"]().save_pretrained(folder)
     words = ["[UNK]", "experts", "route", "tokens", "to", "gpus"]
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]")
+    )
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(folder)
     text = tmp_path / "t.txt"
     text.write_text("experts route tokens to gpus " * 7)
     out = tmp_path / "t.npz"
-    assert _cli(["profile", "--model", str(folder), "--text", str(text), "-o", str(out), "--seq-len", "16"]) == 0
+    assert (
+        _cli(["profile", "--model", str(folder), "--text", str(text), "-o", str(out), "--seq-len", "16"]) == 0
+    )
     tr = read_trace(out)
     assert tr.metadata["tokenizer"] != "byte-fallback"
     assert tr.num_tokens == 35  # one token per word, not per byte

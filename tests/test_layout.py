@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from placement.cli import main
+from cli.main import main
 from solver.costmodel import CostOptions, load_model
 from solver.hardware import cluster_preset
 from solver.layout import compare_phases, enumerate_candidates, plan_layout, synthetic_load, workload_load
@@ -29,8 +29,21 @@ def test_cli_end_to_end_deepseek_v3_two_nodes(tmp_path, capsys):
     from placement.formats import read_placement
 
     out = tmp_path / "layout"
-    rc = main(["layout", "--model", "deepseek-v3", "--nodes", "2", "--gpus-per-node", "8", "--hardware", "h200",
-               "--output", str(out)])
+    rc = main(
+        [
+            "layout",
+            "--model",
+            "deepseek-v3",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "8",
+            "--hardware",
+            "h200",
+            "--output",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0
     assert "tok/s/GPU" in text and "rejected" in text and "weights do not fit" in text
@@ -67,7 +80,10 @@ def test_more_gpus_reported_not_helping_over_ethernet_with_tiny_batch():
     assert full and max(r.tokens_per_s_per_gpu for r in full) < plan.best.tokens_per_s_per_gpu
     # the same model and batch over RDMA is not worse spread over the nodes than over Ethernet
     rdma = plan_layout(olmoe, cluster_preset("h100"), 2, CostOptions(batch_per_rank=4, context_len=1024))
-    best16 = lambda p: max(r.tokens_per_s_per_gpu for r in p.feasible if r.candidate.ep_size == 16)
+
+    def best16(p):
+        return max(r.tokens_per_s_per_gpu for r in p.feasible if r.candidate.ep_size == 16)
+
     assert best16(rdma) > best16(plan)
 
 
@@ -87,8 +103,13 @@ def test_deepseek_v3_four_nodes_decode_uses_all_gpus_and_some_redundancy():
 
 def test_phase_comparison_reports_numbers():
     cl = cluster_preset("h200")
-    res = compare_phases(DSV3, cl, 2, CostOptions(phase="decode", batch_per_rank=64),
-                         CostOptions(phase="prefill", batch_per_rank=4096))
+    res = compare_phases(
+        DSV3,
+        cl,
+        2,
+        CostOptions(phase="decode", batch_per_rank=64),
+        CostOptions(phase="prefill", batch_per_rank=4096),
+    )
     assert "decode best" in res["message"] or "one layout serves both" in res["message"]
     assert isinstance(res["separate_wins"], bool)
 
@@ -96,8 +117,14 @@ def test_phase_comparison_reports_numbers():
 def test_trace_with_matching_experts_is_counted_token_by_token(deepseek_trace):
     lite = load_model("deepseek-v2-lite")
     tr = deepseek_trace.slice_tokens(0, min(deepseek_trace.num_tokens, 20000))
-    plan = plan_layout(lite, cluster_preset("h100"), 1, CostOptions(batch_per_rank=64, context_len=1024),
-                       trace=tr, extra_slots=(0, 1))
+    plan = plan_layout(
+        lite,
+        cluster_preset("h100"),
+        1,
+        CostOptions(batch_per_rank=64, context_len=1024),
+        trace=tr,
+        extra_slots=(0, 1),
+    )
     assert plan.best is not None
     assert "counted from" in plan.workload and "trace" in plan.workload
 
@@ -112,6 +139,9 @@ def test_trace_with_other_expert_count_transfers_skew():
     load, how = workload_load(DSV3, tr)
     assert load.shape == (58, 256) and "resampled" in how
     flat, _ = workload_load(DSV3, None)
-    skew = lambda w: float((w.max(axis=1) / w.mean(axis=1)).mean())
+
+    def skew(w):
+        return float((w.max(axis=1) / w.mean(axis=1)).mean())
+
     assert skew(load) > skew(synthetic_load(58, 256, zipf=0.0))
     assert np.isfinite(flat).all()

@@ -73,7 +73,9 @@ def test_local_policy_on_hand_computed_case():
     # the solver's expectation model agrees with the metric on this placement
     reps = np.array([[1, 1], [1, 0], [0, 1]])
     src_count = np.array([[1.0, 0, 1], [1, 1, 2]])
-    prob = LayerProblem(ids[:, 0, :], np.array([0, 1, 1]), np.zeros((3, 3)), src_count, np.array([2, 1, 1]), 2, 2, 1)
+    prob = LayerProblem(
+        ids[:, 0, :], np.array([0, 1, 1]), np.zeros((3, 3)), src_count, np.array([2, 1, 1]), 2, 2, 1
+    )
     assert expected_remote_nodes(prob, reps).mean() == pytest.approx(2 / 3)
 
 
@@ -176,15 +178,29 @@ def test_iterated_partition_never_worse_and_keeps_limits(deepseek_slice):
     out = {}
     for perturb in (False, True):
         # a step budget (the whole first descent fits in it): both runs make the same descent on any machine
-        node_of, info = partition_nodes(ids, src_node, every, r, load, src, N, P // N, slack, Budget(0.0, 60), seed=0,
-                                        sample=ids.shape[0],
-                                        single_margin=0, perturb=perturb)
+        node_of, info = partition_nodes(
+            ids,
+            src_node,
+            every,
+            r,
+            load,
+            src,
+            N,
+            P // N,
+            slack,
+            Budget(0.0, 60),
+            seed=0,
+            sample=ids.shape[0],
+            single_margin=0,
+            perturb=perturb,
+        )
         single = ~every
         assert np.all(node_of[every] == -1) and set(node_of[single].tolist()) <= set(range(N))
         per_node = np.bincount(node_of[single], minlength=N)
         assert per_node.max() <= -(-int(single.sum()) // N)  # single_margin=0: at most ceil(n / N) each
-        node_load = (src[0] * every[None, :]).sum(axis=1) + np.bincount(node_of[single], weights=load[0, single],
-                                                                         minlength=N)
+        node_load = (src[0] * every[None, :]).sum(axis=1) + np.bincount(
+            node_of[single], weights=load[0, single], minlength=N
+        )
         if info["violation"] == 0:
             assert node_load.max() <= (1 + slack) * node_load.mean() * (1 + 1e-9)
         out[perturb] = (info["violation"], remote_nodes_fit(node_of, every, ids, src_node, N).mean())
@@ -226,8 +242,8 @@ def _brute_pairs(w, G, cap):
                 return
             a = rest[0]
             for j in range(1, len(rest)):
-                if items[rest[j]] != items[a]:
-                    for m in match(rest[1:j] + rest[j + 1:]):
+                if items[rest[j]] != items[a]:  # noqa: B023 (called in this iteration)
+                    for m in match(rest[1:j] + rest[j + 1 :]):
                         yield [(a, rest[j])] + m
 
         for pairs in match(list(range(2 * G))):
@@ -280,12 +296,15 @@ def test_real_trace_cuts_remote_nodes_vs_greedy(deepseek_slice, deepseek_trace):
     for ep, nodes, red in ((32, 4, 32), (64, 8, 64)):
         topo = Topology.from_redundant(64, red, ep, nodes)
         # a work budget, not seconds: the same placement on a loaded CI machine as here
-        pl, rep = solve("locality", trace=fit, topology=topo, seed=0, options={"balance_slack": 0.02, "work_limit": 800})
+        pl, rep = solve(
+            "locality", trace=fit, topology=topo, seed=0, options={"balance_slack": 0.02, "work_limit": 800}
+        )
         g, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)
         out[ep] = (
             communication(pl, held, "local")["remote_nodes_per_token"]
             / communication(g, held, "local")["remote_nodes_per_token"],
-            balance_stats(trace_gpu_load(pl, held, "local"))["par"] / balance_stats(trace_gpu_load(g, held, "local"))["par"],
+            balance_stats(trace_gpu_load(pl, held, "local"))["par"]
+            / balance_stats(trace_gpu_load(g, held, "local"))["par"],
         )
         # on the fit trace, under the sources it fits with (tokens dealt round-robin), the repair holds every
         # layer's GPU peak to (1 + gpu_slack) x greedy's unless the report says best effort
@@ -340,8 +359,12 @@ def test_partition_descent_ends_at_a_local_optimum():
     E, N, T, k = 12, 3, 400, 3
     # tokens prefer one of three groups of experts, so moves and swaps matter
     grp = rng.integers(3, size=T)
-    ids = np.stack([rng.choice(np.arange(4) + 4 * g if rng.random() < 0.7 else np.arange(E), size=k, replace=False)
-                    for g in grp]).astype(np.int64)
+    ids = np.stack(
+        [
+            rng.choice(np.arange(4) + 4 * g if rng.random() < 0.7 else np.arange(E), size=k, replace=False)
+            for g in grp
+        ]
+    ).astype(np.int64)
     src_node = rng.integers(N, size=T).astype(np.int64)
     src = np.zeros((1, N, E))
     np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape), ids), 1.0)
@@ -350,8 +373,9 @@ def test_partition_descent_ends_at_a_local_optimum():
     every[int(load[0].argmax())] = True
     r = np.where(every, N, 1)
     slack, slots = 0.15, 5
-    node_of, info = partition_nodes(ids, src_node, every, r, load, src, N, slots, slack, 30.0, seed=0,
-                                    sample=T, perturb=False)
+    node_of, info = partition_nodes(
+        ids, src_node, every, r, load, src, N, slots, slack, 30.0, seed=0, sample=T, perturb=False
+    )
     assert info["violation"] == 0.0
     single = np.flatnonzero(~every)
     base = (src[0] * every[None, :]).sum(axis=1)
@@ -423,10 +447,19 @@ def test_choose_everywhere_never_worse_and_keeps_h(deepseek_slice):
     ok = ids >= 0
     np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape)[ok], ids[ok]), 1.0)
     every, _ = replicated_counts(src.sum(axis=1)[0], P, N, m, h)
-    part = {"win_load": src.sum(axis=1), "win_src": src, "num_nodes": N, "slots_per_node": P // N,
-            "slack": slack, "seed": 0, "single_margin": 0}
+    part = {
+        "win_load": src.sum(axis=1),
+        "win_src": src,
+        "num_nodes": N,
+        "slots_per_node": P // N,
+        "slack": slack,
+        "seed": 0,
+        "single_margin": 0,
+    }
     # step budgets: choose_everywhere's start (40% of 100 steps) is exactly this 40-step partition
-    node0, info0 = partition_nodes(ids, src_node, every, np.where(every, N, 1), time_limit=Budget(0.0, 40), **part)
+    node0, info0 = partition_nodes(
+        ids, src_node, every, np.where(every, N, 1), time_limit=Budget(0.0, 40), **part
+    )
     rn0 = remote_nodes_fit(node0, every, ids, src_node, N).mean()
     ev, node_of, info = choose_everywhere(ids, src_node, every, part, Budget(0.0, 100))
     assert int(ev.sum()) == h and np.all(node_of[ev] == -1) and set(node_of[~ev].tolist()) <= set(range(N))
@@ -446,8 +479,9 @@ def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deep
     ids = fit.topk_ids[:, 0, :].astype(np.int64)
     src_node = (np.arange(ids.shape[0]) % 32) // m
     win = np.zeros(ids.shape[0], dtype=np.int64)
-    row, _ = solve_replicated_layer(ids, src_node, win, 1, E, topo, 8, 0.02, 1.0, seed=0, pack_time=0.05,
-                                    role_swaps=False)
+    row, _ = solve_replicated_layer(
+        ids, src_node, win, 1, E, topo, 8, 0.02, 1.0, seed=0, pack_time=0.05, role_swaps=False
+    )
     on_node = np.zeros((E, N), dtype=bool)
     on_node[row, topo.node_of_slot] = True
     every = on_node.all(axis=1)
@@ -460,8 +494,9 @@ def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deep
     np.add.at(rn, (topo.node_of_slot, row), 1)
     per = np.where(every[None, :], src[0], load)[topo.node_of_slot, row] / rn[topo.node_of_slot, row]
     peak = np.bincount(topo.gpu_of_slot, weights=per, minlength=32).max()
-    row2, info = gpu_repair(row, every, load, src, ids, src_node, topo, np.array([0.97 * peak]), 20.0, seed=0,
-                            sample=ids.shape[0])
+    row2, info = gpu_repair(
+        row, every, load, src, ids, src_node, topo, np.array([0.97 * peak]), 20.0, seed=0, sample=ids.shape[0]
+    )
     assert info["repair_steps"] > 0 and info["excess_end"] < info["excess_start"]
     assert sorted(set(row2.tolist())) == list(range(E))
     assert all(len(set(g)) == topo.slots_per_gpu for g in row2.reshape(32, topo.slots_per_gpu))
@@ -493,7 +528,9 @@ def test_default_everywhere_caps_the_share_overload():
     load = np.array([4.0, 3.0, 2.0, 1.0])  # load shares of the h hottest: 0, .4, .7, .9, 1
     # 2 nodes x 2 GPUs x 4 slots, 12 spare: the slots alone pay for all 4
     assert default_everywhere(load, 16, 2, 2) == 4
-    assert default_everywhere(load, 16, 2, 2, share_excess=0.0, share_overload=0.0) == 4  # equal shares: no cap
+    assert (
+        default_everywhere(load, 16, 2, 2, share_excess=0.0, share_overload=0.0) == 4
+    )  # equal shares: no cap
     # the busiest node holds 1.5x the mean tokens: it gets 0.5 x the everywhere share on top of its own
     assert default_everywhere(load, 16, 2, 2, share_excess=0.5, share_overload=0.2) == 1  # 0.5 x .4 = .2
     assert default_everywhere(load, 16, 2, 2, share_excess=0.5, share_overload=0.35) == 2  # 0.5 x .7 = .35
@@ -521,32 +558,44 @@ def test_expected_share_excess_follows_how_prompts_can_be_dealt():
     big = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.array([0, 80, *range(85, 161, 5)]))
     assert excess(big) >= 2 * (80 + 7 * 5) / 160 - 1 - 1e-12
     # 8 long then 8 short prompts: the trace's own round-robin dealing happens to be even, random ones are not
-    lucky = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.r_[np.arange(0, 121, 15), 125:161:5])
+    lucky = RoutingTrace(
+        num_logical_experts=4, topk_ids=ids, seq_offsets=np.r_[np.arange(0, 121, 15), 125:161:5]
+    )
     src, _ = source_ranks(lucky, 8)
     assert np.bincount(src // 4, minlength=2).tolist() == [80, 80]
     assert excess(lucky) > 0.05
     # the trace's own ranks: their realized shares (node 0 holds 3/4 of the tokens: 2 x 3/4 - 1)
-    own = RoutingTrace(num_logical_experts=4, topk_ids=ids, source_rank=np.r_[np.zeros(120, int), np.full(40, 5)])
+    own = RoutingTrace(
+        num_logical_experts=4, topk_ids=ids, source_rank=np.r_[np.zeros(120, int), np.full(40, 5)]
+    )
     assert excess(own) == pytest.approx(0.5)
     # tokens dealt round-robin (no prompts, no ranks): equal shares
     assert excess(RoutingTrace(num_logical_experts=4, topk_ids=ids)) == pytest.approx(0.0)
 
 
-def _routed_slot_loads(row: np.ndarray, num_experts: int, ids: np.ndarray, src: np.ndarray, topo: Topology) -> np.ndarray:
+def _routed_slot_loads(
+    row: np.ndarray, num_experts: int, ids: np.ndarray, src: np.ndarray, topo: Topology
+) -> np.ndarray:
     """float64 ``[G, S]``: tokens per slot of one layer's ``row [P]`` as the runtime routes ``ids [T, k]``
     from ranks ``src [T]`` under `local`."""
     from placement.metrics import route_tokens
 
     slots = route_tokens(Placement(row[None, :], num_experts, topo, [0]), ids[:, None, :], src, "local")
-    return np.bincount(slots[slots >= 0], minlength=row.size).astype(np.float64).reshape(-1, topo.slots_per_gpu)
+    return (
+        np.bincount(slots[slots >= 0], minlength=row.size).astype(np.float64).reshape(-1, topo.slots_per_gpu)
+    )
 
 
 def _pairing_layer(fit: RoutingTrace):
     """ep64 on 8 nodes with two slots per GPU (the pairing path) and the fit trace's first layer:
     ``(topology, ids int64 [T, k], source ranks int64 [T] dealt by token, one window int64 [T])``."""
     ids = fit.topk_ids[:, 0, :].astype(np.int64)
-    return (Topology.from_redundant(64, 64, 64, 8), ids, np.arange(ids.shape[0]) % 64,
-            np.zeros(ids.shape[0], dtype=np.int64))
+    return (
+        Topology.from_redundant(64, 64, 64, 8),
+        ids,
+        np.arange(ids.shape[0]) % 64,
+        np.zeros(ids.shape[0], dtype=np.int64),
+    )
 
 
 def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice):
@@ -556,8 +605,20 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
     N, m, E, S = 8, 8, 64, 2
     partner, peak = {}, {}
     for margin in (0.0, 1.0):
-        row, info = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0,
-                                           role_swaps=False, share_margin=margin)
+        row, info = solve_replicated_layer(
+            ids,
+            src // m,
+            win,
+            1,
+            E,
+            topo,
+            3,
+            0.02,
+            Budget(0.0, 60),
+            seed=0,
+            role_swaps=False,
+            share_margin=margin,
+        )
         assert info["pack_status"] == ["pairs"] * N  # every split scored (exhaustive)
         on_node = np.zeros((E, N), dtype=bool)
         on_node[row, topo.node_of_slot] = True
@@ -565,7 +626,9 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
         gpu = _routed_slot_loads(row, E, ids, src, topo)  # [G, S] as the runtime routes the fit tokens
         ev_slot = every[row].reshape(-1, S)
         # load of the other expert on every GPU that holds an everywhere replica
-        partner[margin] = float(np.mean([gpu[g][~ev_slot[g]].sum() for g in range(gpu.shape[0]) if ev_slot[g].any()]))
+        partner[margin] = float(
+            np.mean([gpu[g][~ev_slot[g]].sum() for g in range(gpu.shape[0]) if ev_slot[g].any()])
+        )
         peak[margin] = gpu.sum(axis=1).max()
     assert partner[1.0] < partner[0.0]
     # the exhaustive pairing at margin 0 is optimal on the fitted loads: the margin can only cost fitted peak
@@ -582,8 +645,9 @@ def test_hot_everywhere_experts_can_be_traded_for_hubs(deepseek_slice):
     load = np.bincount(ids[ids >= 0], minlength=64).astype(np.float64)
     start, _ = replicated_counts(load, 128, 8, 8, 3)
     assert (load[start] > load.sum() / 64).all()
-    row, info = solve_replicated_layer(ids, src // 8, np.zeros(ids.shape[0], dtype=np.int64), 1, 64, topo, 3, 0.02,
-                                       Budget(0.0, 60), seed=0)
+    row, info = solve_replicated_layer(
+        ids, src // 8, np.zeros(ids.shape[0], dtype=np.int64), 1, 64, topo, 3, 0.02, Budget(0.0, 60), seed=0
+    )
     on_node = np.zeros((64, 8), dtype=bool)
     on_node[row, topo.node_of_slot] = True
     every = on_node.all(axis=1)
@@ -624,15 +688,18 @@ def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
     N, m, E, S = 8, 8, 64, 2
     load = np.bincount(ids[ids >= 0], minlength=E).astype(np.float64)
     kw = dict(role_swaps=False, share_margin=0.0)
-    row0, info0 = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, **kw)
+    row0, info0 = solve_replicated_layer(
+        ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, **kw
+    )
     assert info0["pack_status"] == ["pairs"] * N
     # the heaviest single-replica expert: declare its load uncertain
     reps = np.bincount(row0, minlength=E)
     x = int(next(e for e in np.argsort(-load) if reps[e] == 1))
     drift = np.zeros(E)
     drift[x] = 0.5 * load[x]
-    row1, _ = solve_replicated_layer(ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0,
-                                     drift=drift, **kw)
+    row1, _ = solve_replicated_layer(
+        ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, drift=drift, **kw
+    )
     reps1 = np.bincount(row1, minlength=E)
     gpu_of = np.arange(row0.size) // S
     # GPU loads as the runtime routes the fit tokens under `local`
@@ -648,19 +715,33 @@ def test_pareto_table_has_baselines_and_redealt_ratios():
     from profiling.synthetic import synthetic_trace
     from solver.locality import pareto
 
-    t = synthetic_trace(num_tokens=6000, num_layers=2, num_logical_experts=16, top_k=4, num_prompts=120,
-                        num_clusters=2, affinity=20.0, skew=0.5, seed=2)
+    t = synthetic_trace(
+        num_tokens=6000,
+        num_layers=2,
+        num_logical_experts=16,
+        top_k=4,
+        num_prompts=120,
+        num_clusters=2,
+        affinity=20.0,
+        skew=0.5,
+        seed=2,
+    )
     fit, held = t.split(0.5)
     topo = Topology.from_redundant(16, 8, 8, 2)
     rows = pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 100}, redeal=3)
     kinds = [(r["placement"], r["policy"]) for r in rows]
-    assert kinds[:3] == [("greedy", "local"), ("greedy", "even"), ("trivial", "local")] and kinds[3][0] == "locality"
+    assert (
+        kinds[:3] == [("greedy", "local"), ("greedy", "even"), ("trivial", "local")]
+        and kinds[3][0] == "locality"
+    )
     assert rows[0]["par_vs_greedy"] == 1.0 and rows[0]["par_vs_greedy_redealt"] == pytest.approx(1.0)
     for r in rows:
         assert r["par_vs_greedy_redealt"] <= r["par_vs_greedy_redealt_max"] + 1e-12
     # the re-dealt ratio is a different measurement from the scored dealing's
     assert rows[3]["par_vs_greedy_redealt"] != pytest.approx(rows[3]["par_vs_greedy"], abs=1e-9)
-    assert "par_vs_greedy_redealt" not in pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 50})[0]
+    assert (
+        "par_vs_greedy_redealt" not in pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 50})[0]
+    )
     with pytest.raises(ValueError, match="redeal"):
         pareto(fit, held, topo, slacks=[0.02], redeal=-1)
 
@@ -676,7 +757,9 @@ def test_pack_node_gpus_cpsat_reaches_the_optimum_and_rejects_unequal_replicas()
         np.bincount(np.array(a), weights=loads, minlength=3).max()
         for a in itertools.product(range(3), repeat=9)
         if np.bincount(np.array(a), minlength=3).tolist() == [3, 3, 3]
-        and a[2] != a[3] and a[4] != a[5] and a[6] != a[7]
+        and a[2] != a[3]
+        and a[4] != a[5]
+        and a[6] != a[7]
     )
     start = pack_node_gpus(experts, loads, 3)  # no CP-SAT
     assert np.bincount(start, weights=loads, minlength=3).max() > best + 1e-9

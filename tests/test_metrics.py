@@ -72,7 +72,9 @@ def test_remote_nodes_and_gpus_per_token_hand_computed():
 
 
 def test_padding_ids_are_ignored():
-    tr = RoutingTrace(num_logical_experts=6, topk_ids=np.array([[[0, -1]], [[-1, -1]]]), source_rank=np.array([0, 0]))
+    tr = RoutingTrace(
+        num_logical_experts=6, topk_ids=np.array([[[0, -1]], [[-1, -1]]]), source_rank=np.array([0, 0])
+    )
     slots = route_tokens(PL, tr.topk_ids, tr.source_rank, "local")
     assert slots[0, 0].tolist() == [0, -1] and slots[1, 0].tolist() == [-1, -1]
     c = communication(PL, tr, "local")
@@ -115,7 +117,9 @@ def test_lower_bound_is_max_of_mean_and_hot_share():
 
 
 def test_source_ranks_fallbacks():
-    tr = RoutingTrace(num_logical_experts=2, topk_ids=np.zeros((5, 1, 1), int), seq_offsets=np.array([0, 2, 5]))
+    tr = RoutingTrace(
+        num_logical_experts=2, topk_ids=np.zeros((5, 1, 1), int), seq_offsets=np.array([0, 2, 5])
+    )
     src, how = source_ranks(tr, 4)
     assert how == "round-robin by prompt" and src.tolist() == [0, 0, 1, 1, 1]
     tr2 = RoutingTrace(num_logical_experts=2, topk_ids=np.zeros((5, 1, 1), int))

@@ -43,13 +43,33 @@ def _story(rank, world_size, a, b, ids_all):
     layer = EPMoELayer(a, 0, weights, policy="local")
     log = {"start": _step(layer, ids_all, weights, rank, 1)}
     res = layer.apply_placement(b, timeout=10.0)
-    log["commit"] = (res, layer.placement == b, _step(layer, ids_all, weights, rank, 2), live_staging_buffers())
+    log["commit"] = (
+        res,
+        layer.placement == b,
+        _step(layer, ids_all, weights, rank, 2),
+        live_staging_buffers(),
+    )
     res = layer.apply_placement(a, timeout=3.0, fault=FaultSpec(rank=1, mode="raise"))
-    log["raise"] = (res, layer.placement == b, _step(layer, ids_all, weights, rank, 3), live_staging_buffers())
+    log["raise"] = (
+        res,
+        layer.placement == b,
+        _step(layer, ids_all, weights, rank, 3),
+        live_staging_buffers(),
+    )
     res = layer.apply_placement(a, timeout=2.0, fault=FaultSpec(rank=3, mode="stall", stall_s=3.0))
-    log["stall"] = (res, layer.placement == b, _step(layer, ids_all, weights, rank, 4), live_staging_buffers())
+    log["stall"] = (
+        res,
+        layer.placement == b,
+        _step(layer, ids_all, weights, rank, 4),
+        live_staging_buffers(),
+    )
     res = layer.apply_placement(a, timeout=10.0)
-    log["retry"] = (res, layer.placement == a, _step(layer, ids_all, weights, rank, 5), live_staging_buffers())
+    log["retry"] = (
+        res,
+        layer.placement == a,
+        _step(layer, ids_all, weights, rank, 5),
+        live_staging_buffers(),
+    )
     return log
 
 
@@ -66,7 +86,11 @@ def test_plan_moves_only_changed_slots_from_old_holders(deepseek_trace):
     moves = plan_migration(a, b)
     assert len(moves) == moved_slots(a, b) > 0
     for m in moves:
-        assert a.physical_to_logical_map[m.layer, m.src_slot] == m.expert == b.physical_to_logical_map[m.layer, m.slot]
+        assert (
+            a.physical_to_logical_map[m.layer, m.src_slot]
+            == m.expert
+            == b.physical_to_logical_map[m.layer, m.slot]
+        )
         assert a.physical_to_logical_map[m.layer, m.slot] != m.expert
         old_gpus = topo.gpu_of_slot[a.physical_to_logical_map[m.layer] == m.expert]
         if m.dst_rank in old_gpus:  # a copy on the same rank is always preferred
@@ -87,7 +111,7 @@ def test_migration_commit_abort_and_retry_on_four_ranks(deepseek_trace):
     assert planned > 8
     moves = plan_migration(a, b)
     assert any(m.src_rank == 1 and m.dst_rank != 1 for m in moves)  # the faulty rank really sends
-    ids_all = np.asarray(tr.topk_ids[50000:50000 + 4 * T_RANK, 0, :], dtype=np.int64)  # [64, 6]
+    ids_all = np.asarray(tr.topk_ids[50000 : 50000 + 4 * T_RANK, 0, :], dtype=np.int64)  # [64, 6]
     logs = launch(_story, 4, args=(a, b, ids_all), timeout=120)
     pa, pb = _predicted(a, ids_all), _predicted(b, ids_all)
     assert not np.array_equal(pa, pb)

@@ -48,7 +48,9 @@ def test_never_worse_than_zero_moves(seed, move_cost):
 def test_huge_move_cost_moves_nothing():
     topo, prev, w = _setup(3)
     new, _ = solve_migration(w, prev, move_cost=1e12)
-    assert new == prev.with_provenance() or np.array_equal(new.physical_to_logical_map, prev.physical_to_logical_map)
+    assert new == prev.with_provenance() or np.array_equal(
+        new.physical_to_logical_map, prev.physical_to_logical_map
+    )
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 10])
@@ -92,7 +94,7 @@ def test_valid_and_unchanged_experts_keep_their_slots(method):
     S = topo.slots_per_gpu
     for l in range(p.shape[0]):
         for g in range(topo.ep_size):
-            old_set = set(p[l, g * S:(g + 1) * S].tolist())
+            old_set = set(p[l, g * S : (g + 1) * S].tolist())
             for s in range(g * S, (g + 1) * S):
                 if n[l, s] in old_set:
                     assert p[l, s] == n[l, s]  # an expert that stays on GPU g stays in its slot
@@ -124,14 +126,18 @@ def test_align_preserves_loads_and_reduces_moves():
     prev, _ = greedy_placement(w_old, topo)
     new, _ = greedy_placement(w_new, topo)
     al = align_to_previous(new, prev)
-    assert np.allclose(np.sort(expected_gpu_load(al, w_new), axis=1), np.sort(expected_gpu_load(new, w_new), axis=1))
+    assert np.allclose(
+        np.sort(expected_gpu_load(al, w_new), axis=1), np.sort(expected_gpu_load(new, w_new), axis=1)
+    )
     assert moved_slots(prev, al) <= moved_slots(prev, new)
     assert moved_slots(prev, al) == int(moved_pairs(prev, al).sum())
     # GPU contents are kept whole: every new GPU's expert set appears in the aligned placement
     S = topo.slots_per_gpu
     for l in range(3):
-        sets_new = sorted(tuple(sorted(new.physical_to_logical_map[l, g * S:(g + 1) * S])) for g in range(8))
-        sets_al = sorted(tuple(sorted(al.physical_to_logical_map[l, g * S:(g + 1) * S])) for g in range(8))
+        sets_new = sorted(
+            tuple(sorted(new.physical_to_logical_map[l, g * S : (g + 1) * S])) for g in range(8)
+        )
+        sets_al = sorted(tuple(sorted(al.physical_to_logical_map[l, g * S : (g + 1) * S])) for g in range(8))
         assert sets_new == sets_al
     # aligning a placement to itself after a GPU relabelling restores it: zero moves
     perm = prev.physical_to_logical_map.reshape(3, 8, S)[:, [1, 0, 2, 3, 5, 4, 7, 6]].reshape(3, -1)
@@ -156,7 +162,9 @@ def test_solver_api_dispatch():
     from solver.api import solve
 
     topo, prev, w = _setup(1)
-    new, rep = solve("migration", topology=topo, load=w, previous=prev, time_limit=2.0, options={"max_moves": 4})
+    new, rep = solve(
+        "migration", topology=topo, load=w, previous=prev, time_limit=2.0, options={"max_moves": 4}
+    )
     assert rep.solver == "migration" and moved_slots(prev, new) <= 4
 
 

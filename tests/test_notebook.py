@@ -30,7 +30,9 @@ def test_expert_skew_notebook_runs_and_draws(monkeypatch, traces_dir):
 
     monkeypatch.setenv("MOE_TRACES_DIR", str(trace.parents[1]))
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    NotebookClient(
+        nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+    ).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if o.output_type == "display_data" and "image/png" in o.get("data", {})]

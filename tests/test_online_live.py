@@ -49,8 +49,15 @@ def _serve(rank, world_size, p2l, ids_steps):
     if rank == 0:
         from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
 
-        cfg = RebalancerConfig(window_size=16, step_interval=10**6, trigger="gain", check_interval=4,
-                               horizon_steps=3000, link="nvlink", num_redundant_experts=RED)
+        cfg = RebalancerConfig(
+            window_size=16,
+            step_interval=10**6,
+            trigger="gain",
+            check_interval=4,
+            horizon_steps=3000,
+            link="nvlink",
+            num_redundant_experts=RED,
+        )
         reb = Rebalancer(placement, cfg, expert_bytes=44e6)
     errs, migrations, solve_threads = [], [], []
     lo, hi = rank * T_RANK, (rank + 1) * T_RANK
@@ -80,7 +87,9 @@ def _serve(rank, world_size, p2l, ids_steps):
             ok = all(r.committed for r in results)
             migrations.append((step, ok, sum(r.moved_slots for r in results)))
             if reb is not None and not ok:  # keep the rebalancer in sync with what the runtime serves
-                reb.set_placement(Placement(np.stack([ly.placement.physical_to_logical_map[0] for ly in layers]), E, topo))
+                reb.set_placement(
+                    Placement(np.stack([ly.placement.physical_to_logical_map[0] for ly in layers]), E, topo)
+                )
     final = np.stack([ly.placement.physical_to_logical_map[0] for ly in layers])
     if reb is not None:
         reb.close()

@@ -24,7 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def small_trace():
-    return synthetic_trace(num_tokens=3000, num_layers=4, num_logical_experts=16, top_k=2, num_prompts=30, seed=1)
+    return synthetic_trace(
+        num_tokens=3000, num_layers=4, num_logical_experts=16, top_k=2, num_prompts=30, seed=1
+    )
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -35,8 +37,14 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 def test_module_imports_without_matplotlib_loaded():
     code = "import sys, profiling.plots; print('matplotlib' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
     assert out.stdout.strip() == "False"
 
 
@@ -49,7 +57,9 @@ def test_each_figure_renders(small_trace, tmp_path):
         "heat_ids": plots.load_heatmap(load, sort=False),
         "lorenz": plots.lorenz_plot(load, small_trace.layer_ids),
         "drift": plots.drift_plot(stats.window_drift(wl), small_trace.layer_ids),
-        "co": plots.coactivation_heatmap(stats.coactivation_lift(co, small_trace.num_tokens), order=np.argsort(-load[0])),
+        "co": plots.coactivation_heatmap(
+            stats.coactivation_lift(co, small_trace.num_tokens), order=np.argsort(-load[0])
+        ),
         "co_counts": plots.coactivation_heatmap(co, log_scale=False, label="pairs"),
         "bars": plots.gpu_load_bars(np.array([[3.0, 1.0], [2.0, 2.0]]), np.array([[2.0, 2.0], [2.0, 2.0]])),
         "bars1": plots.gpu_load_bars([5.0, 1.0, 3.0], [3.0, 3.0, 3.0]),
@@ -84,7 +94,13 @@ def test_inspect_plots_token_trace_with_placement(small_trace, tmp_path):
     pl, _ = greedy_placement(small_trace.counts(), topo, layer_ids=small_trace.layer_ids)
     out = tmp_path / "plots"
     paths = plots.inspect_plots(small_trace, out, placement=pl)
-    assert [p.name for p in paths] == ["load_heatmap.png", "lorenz.png", "drift.png", "coactivation.png", "gpu_load.png"]
+    assert [p.name for p in paths] == [
+        "load_heatmap.png",
+        "lorenz.png",
+        "drift.png",
+        "coactivation.png",
+        "gpu_load.png",
+    ]
     for p in paths:
         assert p.parent == out and _png_size(p)[0] > 200
 
@@ -92,7 +108,9 @@ def test_inspect_plots_token_trace_with_placement(small_trace, tmp_path):
 def test_inspect_plots_counts_trace_with_domains(tmp_path):
     rng = np.random.default_rng(0)
     wc = rng.integers(0, 100, (3, 2, 8))
-    tr = RoutingTrace(num_logical_experts=8, window_counts=wc, window_labels=("arxiv", "github", "c4"), layer_ids=(0, 7))
+    tr = RoutingTrace(
+        num_logical_experts=8, window_counts=wc, window_labels=("arxiv", "github", "c4"), layer_ids=(0, 7)
+    )
     names = [p.name for p in plots.inspect_plots(tr, tmp_path)]
     assert names == ["load_heatmap.png", "lorenz.png", "drift.png", "domain_distance.png"]
     one = RoutingTrace(num_logical_experts=8, window_counts=wc[:1])
@@ -101,6 +119,8 @@ def test_inspect_plots_counts_trace_with_domains(tmp_path):
 
 def test_inspect_plots_real_olmoe(olmoe_trace, tmp_path):
     topo = Topology.from_redundant(olmoe_trace.num_logical_experts, 0, 8)
-    pl = Placement.trivial(olmoe_trace.num_layers, olmoe_trace.num_logical_experts, topo, layer_ids=olmoe_trace.layer_ids)
+    pl = Placement.trivial(
+        olmoe_trace.num_layers, olmoe_trace.num_logical_experts, topo, layer_ids=olmoe_trace.layer_ids
+    )
     paths = plots.inspect_plots(olmoe_trace, tmp_path, placement=pl)
     assert {"domain_distance.png", "gpu_load.png"} <= {p.name for p in paths}

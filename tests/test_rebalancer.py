@@ -28,7 +28,9 @@ def _popularity(seed: int) -> np.ndarray:
 
 def _steps(pop: np.ndarray, n: int, assignments: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    return np.stack([np.stack([rng.multinomial(assignments, pop[l]) for l in range(L)]) for _ in range(n)])  # [n, L, E]
+    return np.stack(
+        [np.stack([rng.multinomial(assignments, pop[l]) for l in range(L)]) for _ in range(n)]
+    )  # [n, L, E]
 
 
 def _placement_for(pop):
@@ -41,7 +43,7 @@ def test_interval_trigger_solves_every_n_steps():
     start = _placement_for(_popularity(1))  # fitted on other traffic
     cfg = RebalancerConfig(window_size=10, step_interval=10, always_apply=True)
     with Rebalancer(start, cfg) as reb:
-        for i, c in enumerate(_steps(pop, 25, 2000, 0)):
+        for _i, c in enumerate(_steps(pop, 25, 2000, 0)):
             reb.observe(c)
             if reb.pending:
                 reb.wait()
@@ -54,8 +56,9 @@ def test_interval_trigger_solves_every_n_steps():
 def test_gain_trigger_ignores_noise_below_the_cost():
     pop = _popularity(2)
     start = _placement_for(pop)  # fitted on this very traffic: only sampling noise remains
-    cfg = RebalancerConfig(window_size=20, step_interval=10**6, trigger="gain", check_interval=5, link="rdma",
-                           horizon_steps=20)
+    cfg = RebalancerConfig(
+        window_size=20, step_interval=10**6, trigger="gain", check_interval=5, link="rdma", horizon_steps=20
+    )
     with Rebalancer(start, cfg, expert_bytes=44e6) as reb:
         for c in _steps(pop, 120, 4000, 1):
             reb.observe(c)
@@ -69,8 +72,14 @@ def test_gain_trigger_fires_on_drift_and_applies_through_callback():
     pop_a, pop_b = _popularity(3), _popularity(3)[:, ::-1].copy()  # a domain switch: hot set reversed
     start = _placement_for(pop_a)
     applied = []
-    cfg = RebalancerConfig(window_size=20, step_interval=10**6, trigger="gain", check_interval=5, link="nvlink",
-                           horizon_steps=3000)
+    cfg = RebalancerConfig(
+        window_size=20,
+        step_interval=10**6,
+        trigger="gain",
+        check_interval=5,
+        link="nvlink",
+        horizon_steps=3000,
+    )
     with Rebalancer(start, cfg, expert_bytes=44e6, apply=applied.append) as reb:
         for c in _steps(pop_a, 40, 4000, 2):
             reb.observe(c)
@@ -122,7 +131,9 @@ def test_migration_time_follows_the_cost_model():
     t = migration_time(start.physical_to_logical_map, p2l, G, 44e6, bw, alpha)
     assert t == pytest.approx(44e6 / bw + alpha)  # parallel over GPUs: one expert per GPU
     assert migration_time(p2l, p2l, G, 44e6, bw, alpha) == 0.0
-    assert 0.9e-3 < 44e6 / LINKS["rdma"][0] < 1.2e-3 and 0.1e-3 < 44e6 / LINKS["nvlink"][0] < 0.2e-3  # costmodel.md
+    assert (
+        0.9e-3 < 44e6 / LINKS["rdma"][0] < 1.2e-3 and 0.1e-3 < 44e6 / LINKS["nvlink"][0] < 0.2e-3
+    )  # costmodel.md
 
 
 def test_config_and_input_errors():
@@ -146,10 +157,14 @@ def test_log_balancedness(caplog):
 
 
 def test_import_is_light():
-    code = ("import sys, runtime_hooks.rebalancer, runtime_hooks.replay; "
-            "bad = [m for m in ('torch', 'ortools', 'networkx', 'solver.migration') if m in sys.modules]; "
-            "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""})
+    code = (
+        "import sys, runtime_hooks.rebalancer, runtime_hooks.replay; "
+        "bad = [m for m in ('torch', 'ortools', 'networkx', 'solver.migration') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": ""}
+    )
 
 
 def test_replay_domain_switch_policies():
@@ -157,14 +172,23 @@ def test_replay_domain_switch_policies():
     from runtime_hooks.replay import domain_stream, replay
 
     pops = {"a": _popularity(7), "b": _popularity(8), "c": _popularity(9)}
-    tr = RoutingTrace(num_logical_experts=E, window_counts=np.stack([pops[k] * 1e5 for k in "abc"]),
-                      window_labels=tuple("abc"))
+    tr = RoutingTrace(
+        num_logical_experts=E,
+        window_counts=np.stack([pops[k] * 1e5 for k in "abc"]),
+        window_labels=tuple("abc"),
+    )
     stream = domain_stream(tr, ["a", "b", "c"], steps_per_domain=40, tokens_per_step=256, top_k=2, seed=0)
     assert "SAMPLED" in stream.note and stream.steps.shape == (120, L, E)
     topo = Topology.from_redundant(E, RED, G)
     budget = 4
-    cfg = RebalancerConfig(window_size=20, step_interval=20, max_moves=budget, horizon_steps=3000,
-                           hidden_size=2048, expert_intermediate_size=1024)
+    cfg = RebalancerConfig(
+        window_size=20,
+        step_interval=20,
+        max_moves=budget,
+        horizon_steps=3000,
+        hidden_size=2048,
+        expert_intermediate_size=1024,
+    )
     res = replay(stream, topo, cfg, window_steps=20, expert_bytes=12.6e6)
     s = res.summary
     assert set(s) == {"migration", "greedy", "greedy+align", "static"}

@@ -49,7 +49,9 @@ def _placements(trace, ep_size: int, num_nodes: int = 2, redundant: int = 16):
         return out
     from solver.api import solve
 
-    out["exact"] = solve("cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=1.0, seed=0)[0]
+    out["exact"] = solve(
+        "cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=1.0, seed=0
+    )[0]
     return out
 
 
@@ -61,7 +63,7 @@ def _random_placement(rng, L, E, topo):
         while True:
             extra = rng.choice(E, topo.num_physical_experts - E, replace=True)
             ids = rng.permutation(np.concatenate([np.arange(E), extra]))
-            if all(len(set(ids[g * S:(g + 1) * S])) == S for g in range(G)):
+            if all(len(set(ids[g * S : (g + 1) * S])) == S for g in range(G)):
                 rows.append(ids)
                 break
     return Placement(np.array(rows), E, topo)
@@ -83,7 +85,9 @@ def test_route_slots_equals_route_tokens(ds2, policy):
             want = route_tokens(pl, ids, src, policy, token_index=tok)  # [T, L, k]
             for l in range(pl.num_layers):
                 tab = build_routing_tables(pl, l)
-                got = route_slots(tab, torch.as_tensor(ids[:, l]), torch.as_tensor(tok), torch.as_tensor(src), policy)
+                got = route_slots(
+                    tab, torch.as_tensor(ids[:, l]), torch.as_tensor(tok), torch.as_tensor(src), policy
+                )
                 np.testing.assert_array_equal(got.numpy(), want[:, l])
 
 
@@ -119,8 +123,18 @@ def _check_world(ds2, G, tokens_per_rank):
     specs, names = [], []
     for name, pl in _placements(ds2, G).items():
         for policy in ("even", "local"):
-            specs.append(ValidationSpec.from_trace(pl, ds2, tokens_per_rank=tokens_per_rank, offset=20000,
-                                                   policy=policy, hidden=16, ffn=8, seed=G))
+            specs.append(
+                ValidationSpec.from_trace(
+                    pl,
+                    ds2,
+                    tokens_per_rank=tokens_per_rank,
+                    offset=20000,
+                    policy=policy,
+                    hidden=16,
+                    ffn=8,
+                    seed=G,
+                )
+            )
             names.append(f"{name}/{policy}")
     results = launch(_validate_many, G, args=(specs,), timeout=90)
     for i, (spec, name) in enumerate(zip(specs, names)):
@@ -131,7 +145,10 @@ def _check_world(ds2, G, tokens_per_rank):
         assert not rep.checksum_mismatches, f"{name}: {rep.checksum_mismatches[:3]}"
         assert rep.ok
     # placements really differ in per-rank load, so equality above is not vacuous
-    peaks = {n: collect_report(s, [r[i] for r in results]).measured.max() for i, (s, n) in enumerate(zip(specs, names))}
+    peaks = {
+        n: collect_report(s, [r[i] for r in results]).measured.max()
+        for i, (s, n) in enumerate(zip(specs, names))
+    }
     assert len(set(peaks.values())) > 1
 
 
@@ -184,23 +201,50 @@ def test_launcher_results_errors_timeouts_and_no_orphans():
 
 # ---- moe-placement validate ------------------------------------------------------------------------
 def test_cli_validate_end_to_end(tmp_path, ds2, capsys):
-    from placement.cli import main
+    from cli.main import main
     from placement.formats import write_placement
     from profiling.readers import write_trace
 
     pl = _placements(ds2, 4)["greedy"]
     write_placement(pl, tmp_path / "p.json", "native")
     write_trace(ds2.slice_tokens(30000, 30400), tmp_path / "t.npz")
-    rc = main(["validate", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz"), "--ranks", "4",
-               "--policy", "local", "--tokens-per-rank", "16", "--layers", "1", "--hidden", "16"])
+    rc = main(
+        [
+            "validate",
+            str(tmp_path / "p.json"),
+            "--trace",
+            str(tmp_path / "t.npz"),
+            "--ranks",
+            "4",
+            "--policy",
+            "local",
+            "--tokens-per-rank",
+            "16",
+            "--layers",
+            "1",
+            "--hidden",
+            "16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS" in out and "[ok]" in out and f"layer {ds2.layer_ids[1]} (row 1)" in out
     # bad input: exit 2 with one line naming the numbers
     assert main(["validate", str(tmp_path / "p.json"), "--ranks", "8"]) == 2
     assert "ep_size 4" in capsys.readouterr().err
-    assert main(["validate", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz"), "--tokens-per-rank",
-                 "500"]) == 2
+    assert (
+        main(
+            [
+                "validate",
+                str(tmp_path / "p.json"),
+                "--trace",
+                str(tmp_path / "t.npz"),
+                "--tokens-per-rank",
+                "500",
+            ]
+        )
+        == 2
+    )
     assert main(["validate", str(tmp_path / "p.json"), "--layers", "7"]) == 2
 
 
@@ -211,7 +255,9 @@ def test_validation_report_flags_mismatches():
     assert good.ok
     assert not ValidationReport(np.array([[3, 4]]), np.array([[4, 3]]), 1e-7, (1e-7,), (), 1e-4, "even").ok
     assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 1e-2, (1e-2,), (), 1e-4, "even").ok
-    assert not ValidationReport(np.array([[3, 4]]), np.array([[3, 4]]), 0.0, (0.0,), ("slot 3",), 1e-4, "even").ok
+    assert not ValidationReport(
+        np.array([[3, 4]]), np.array([[3, 4]]), 0.0, (0.0,), ("slot 3",), 1e-4, "even"
+    ).ok
 
 
 def _edge_rank(rank, world_size, pl):
@@ -222,7 +268,9 @@ def _edge_rank(rank, world_size, pl):
     T = 0 if rank == 0 else 3  # rank 0 has no tokens at all
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(T, 16, generator=g)
-    ids = torch.full((T, 2), -1) if rank == 1 else torch.randint(0, 8, (T, 2), generator=g)  # rank 1: no picks
+    ids = (
+        torch.full((T, 2), -1) if rank == 1 else torch.randint(0, 8, (T, 2), generator=g)
+    )  # rank 1: no picks
     wts = torch.rand(T, 2, generator=g)
     y = layer(x, ids, wts, torch.arange(T) + 10 * rank)
     err = float((y - reference_moe(x, ids, wts, w)).abs().max()) if T else 0.0

@@ -62,11 +62,14 @@ def test_topn_overlap():
 
 
 def test_window_drift_and_persistence_on_hand_made_windows():
-    w = np.array([
-        [[4, 3, 2, 1]],
-        [[4, 3, 2, 1]],
-        [[1, 2, 3, 4]],
-    ], dtype=float)  # [W=3, L=1, E=4]
+    w = np.array(
+        [
+            [[4, 3, 2, 1]],
+            [[4, 3, 2, 1]],
+            [[1, 2, 3, 4]],
+        ],
+        dtype=float,
+    )  # [W=3, L=1, E=4]
     d = stats.window_drift(w, top_n=2)
     assert set(d) == {"tv", "spearman", "topn_overlap"} and d["tv"].shape == (2, 1)
     np.testing.assert_allclose(d["tv"][:, 0], [0.0, 0.4])

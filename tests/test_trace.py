@@ -9,7 +9,9 @@ from profiling.trace import RoutingTrace, token_counts
 
 def _small():
     ids = np.array([[[0, 1]], [[1, 2]], [[2, -1]], [[0, 2]], [[3, 0]]])
-    return RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.array([0, 2, 3, 5]), layer_ids=(5,))
+    return RoutingTrace(
+        num_logical_experts=4, topk_ids=ids, seq_offsets=np.array([0, 2, 3, 5]), layer_ids=(5,)
+    )
 
 
 def test_counts_mask_padding():
@@ -43,9 +45,15 @@ def test_counts_only_windows():
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        (dict(num_logical_experts=4, topk_ids=np.array([[[4]]])), r"ids in \[4, 4\] but must be in \[-1, 3\]"),
+        (
+            dict(num_logical_experts=4, topk_ids=np.array([[[4]]])),
+            r"ids in \[4, 4\] but must be in \[-1, 3\]",
+        ),
         (dict(num_logical_experts=4, topk_ids=np.array([[[-2]]])), "must be in"),
-        (dict(num_logical_experts=4, topk_ids=np.zeros((2, 1, 1), int), seq_offsets=np.array([0, 1])), "end at the token count 2"),
+        (
+            dict(num_logical_experts=4, topk_ids=np.zeros((2, 1, 1), int), seq_offsets=np.array([0, 1])),
+            "end at the token count 2",
+        ),
         (dict(num_logical_experts=4, window_counts=np.ones((1, 2, 3))), r"must be \[windows, layers, 4\]"),
         (dict(num_logical_experts=4, window_counts=-np.ones((1, 1, 4))), ">= 0"),
         (dict(num_logical_experts=4), "needs topk_ids"),
@@ -58,7 +66,9 @@ def test_trace_validation(kwargs, fragment):
 
 
 def test_native_round_trip(tmp_path):
-    tr = synthetic_trace(num_tokens=500, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=10, seed=4)
+    tr = synthetic_trace(
+        num_tokens=500, num_layers=3, num_logical_experts=16, top_k=2, num_prompts=10, seed=4
+    )
     write_trace(tr, tmp_path / "t.npz")
     back = read_trace(tmp_path / "t.npz")
     np.testing.assert_array_equal(back.topk_ids, tr.topk_ids)
@@ -85,7 +95,9 @@ def test_skew_metrics_hand_cases():
     assert normalized_entropy(np.array([1.0, 1.0])) == pytest.approx(1.0)
     assert normalized_entropy(np.array([0.0, 3.0])) == pytest.approx(0.0)
     row = skew_table(np.array([[0.0, 2.0, 6.0, 0.0]]))[0]
-    assert row["max_over_mean"] == pytest.approx(3.0) and row["idle_experts"] == 2 and row["hottest_expert"] == 2
+    assert (
+        row["max_over_mean"] == pytest.approx(3.0) and row["idle_experts"] == 2 and row["hottest_expert"] == 2
+    )
 
 
 def test_read_every_shared_trace(traces_dir):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from placement.cli_common import CliError, echo, progress, warn
+from cli.common import CliError, echo, progress, warn
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -26,16 +26,34 @@ def add_parser(subparsers) -> None:
         help="run a HF MoE model on text files and record its routing trace",
         description=__doc__.splitlines()[0] if __doc__ else None,
     )
-    p.add_argument("--model", required=True, help="HF model folder (config.json, optional *.safetensors, tokenizer) or a config.json")
-    p.add_argument("--text", action="append", required=True, metavar="FILE", help="UTF-8 text file (repeatable; one count window per file)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF model folder (config.json, optional *.safetensors, tokenizer) or a config.json",
+    )
+    p.add_argument(
+        "--text",
+        action="append",
+        required=True,
+        metavar="FILE",
+        help="UTF-8 text file (repeatable; one count window per file)",
+    )
     p.add_argument("-o", "--output", required=True, help="trace file to write (.npz, native format)")
-    p.add_argument("--mode", choices=("counts", "tokens"), default="tokens",
-                   help="tokens: per-token ids (co-activation, drift); counts: per-layer counts per text file")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens (all files together)")
+    p.add_argument(
+        "--mode",
+        choices=("counts", "tokens"),
+        default="tokens",
+        help="tokens: per-token ids (co-activation, drift); counts: per-layer counts per text file",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="stop after this many tokens (all files together)"
+    )
     p.add_argument("--seq-len", type=int, default=512, help="tokens per forward pass (default 512)")
     p.add_argument("--seed", type=int, default=0, help="seed for random weights when the folder has none")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    p.add_argument("--stream-dir", help="tokens mode: stream chunks to this folder (bounded memory on long runs)")
+    p.add_argument(
+        "--stream-dir", help="tokens mode: stream chunks to this folder (bounded memory on long runs)"
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.set_defaults(func=run)
 
@@ -60,11 +78,15 @@ def _load_model(folder: Path, cfg_path: Path, seed: int, device: str):
 
     raw = load_json(cfg_path)
     if not isinstance(raw, dict) or "model_type" not in raw:
-        raise CliError(f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained")
+        raise CliError(
+            f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained"
+        )
     try:
         config = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as exc:
-        raise CliError(f"{cfg_path}: model_type {raw.get('model_type')!r} is unknown to transformers {transformers.__version__} ({exc})") from None
+        raise CliError(
+            f"{cfg_path}: model_type {raw.get('model_type')!r} is unknown to transformers {transformers.__version__} ({exc})"
+        ) from None
     has_weights = cfg_path.name == "config.json" and any(folder.glob("*.safetensors"))
     if has_weights:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), config=config)
@@ -112,21 +134,27 @@ def run(args) -> int:
     try:
         import torch
     except ImportError as exc:
-        raise CliError(f"profile needs torch and transformers (pip install torch transformers): {exc}") from None
+        raise CliError(
+            f"profile needs torch and transformers (pip install torch transformers): {exc}"
+        ) from None
 
     from profiling.hooks import attach
     from profiling.readers import write_trace
 
     folder, cfg_path = _model_folder(args.model)
     model, config, weights = _load_model(folder, cfg_path, args.seed, args.device)
-    vocab = int(getattr(getattr(config, "text_config", None) or config, "vocab_size"))
+    vocab = int((getattr(config, "text_config", None) or config).vocab_size)
     encode, tok_name = _tokenizer(folder, cfg_path)
     if encode is None:
-        warn(f"{folder} has no tokenizer: using the byte-level fallback (token id = byte % {vocab}); "
-             "routing on real text needs the model's tokenizer files in the folder")
+        warn(
+            f"{folder} has no tokenizer: using the byte-level fallback (token id = byte % {vocab}); "
+            "routing on real text needs the model's tokenizer files in the folder"
+        )
     if weights == "random":
-        warn(f"{folder} has no *.safetensors weights: the model has random weights (seed {args.seed}); "
-             "the trace shows the pipeline, not the real model's routing")
+        warn(
+            f"{folder} has no *.safetensors weights: the model has random weights (seed {args.seed}); "
+            "the trace shows the pipeline, not the real model's routing"
+        )
 
     # tokenise: per file, then cut into sequences of seq_len
     budget = args.max_tokens
@@ -134,19 +162,27 @@ def run(args) -> int:
     for fi, t in enumerate(texts):
         if budget is not None and budget <= 0:
             break
-        ids = byte_token_ids(t.read_bytes(), vocab) if encode is None else np.asarray(
-            encode(t.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
+        ids = (
+            byte_token_ids(t.read_bytes(), vocab)
+            if encode is None
+            else np.asarray(encode(t.read_text(encoding="utf-8", errors="replace")), dtype=np.int64)
+        )
         if budget is not None:
             ids = ids[:budget]
             budget -= ids.size
         for a in range(0, ids.size, args.seq_len):
-            seqs.append((fi, ids[a:a + args.seq_len]))
+            seqs.append((fi, ids[a : a + args.seq_len]))
     total = sum(s.size for _, s in seqs)
     if total == 0:
         raise CliError(f"the text files {[str(t) for t in texts]} hold no tokens")
 
-    rec = attach(model, mode=args.mode, capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
-                 stream_dir=stream_dir, chunk_tokens=2 * args.seq_len if stream_dir is not None else None)
+    rec = attach(
+        model,
+        mode=args.mode,
+        capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
+        stream_dir=stream_dir,
+        chunk_tokens=2 * args.seq_len if stream_dir is not None else None,
+    )
     file_tokens = [0] * len(texts)
     start = time.perf_counter()
     try:
@@ -168,25 +204,47 @@ def run(args) -> int:
     from profiling.trace import RoutingTrace
 
     meta = dict(trace.metadata) | {
-        "model": str(folder), "model_type": getattr(config, "model_type", None), "weights": weights,
-        "tokenizer": tok_name, "seed": args.seed, "seq_len": args.seq_len,
-        "text_files": [str(t) for t in texts], "file_tokens": file_tokens, "synthetic": weights == "random",
+        "model": str(folder),
+        "model_type": getattr(config, "model_type", None),
+        "weights": weights,
+        "tokenizer": tok_name,
+        "seed": args.seed,
+        "seq_len": args.seq_len,
+        "text_files": [str(t) for t in texts],
+        "file_tokens": file_tokens,
+        "synthetic": weights == "random",
     }
     trace = RoutingTrace(
-        num_logical_experts=trace.num_logical_experts, topk_ids=trace.topk_ids, layer_ids=trace.layer_ids,
-        seq_offsets=trace.seq_offsets, step_offsets=trace.step_offsets, window_counts=trace.window_counts,
-        window_labels=trace.window_labels, name=name, metadata=meta,
+        num_logical_experts=trace.num_logical_experts,
+        topk_ids=trace.topk_ids,
+        layer_ids=trace.layer_ids,
+        seq_offsets=trace.seq_offsets,
+        step_offsets=trace.step_offsets,
+        window_counts=trace.window_counts,
+        window_labels=trace.window_labels,
+        name=name,
+        metadata=meta,
     )
     write_trace(trace, out)
-    summary = {"output": str(out), "tokens": total, "layers": list(trace.layer_ids), "experts": trace.num_logical_experts,
-               "top_k": rec.top_k, "mode": args.mode, "weights": weights, "tokenizer": tok_name,
-               "forward_passes": len(seqs), "wall_s": round(wall, 3)}
+    summary = {
+        "output": str(out),
+        "tokens": total,
+        "layers": list(trace.layer_ids),
+        "experts": trace.num_logical_experts,
+        "top_k": rec.top_k,
+        "mode": args.mode,
+        "weights": weights,
+        "tokenizer": tok_name,
+        "forward_passes": len(seqs),
+        "wall_s": round(wall, 3),
+    }
     if args.json:
         echo(json.dumps(summary, indent=1))
     else:
-        echo(f"profiled {total} tokens in {len(seqs)} forward passes ({wall:.1f}s): {len(trace.layer_ids)} MoE layers "
-             f"{list(trace.layer_ids)}, {trace.num_logical_experts} experts, top-{rec.top_k}, {weights} weights, "
-             f"tokenizer {tok_name}")
+        echo(
+            f"profiled {total} tokens in {len(seqs)} forward passes ({wall:.1f}s): {len(trace.layer_ids)} MoE layers "
+            f"{list(trace.layer_ids)}, {trace.num_logical_experts} experts, top-{rec.top_k}, {weights} weights, "
+            f"tokenizer {tok_name}"
+        )
         echo(f"wrote {out}")
     return 0
-

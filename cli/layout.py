@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from placement.cli_common import CliError, echo, warn
+from cli.common import CliError, echo, warn
 
 __all__ = ["add_parser", "run"]
 
@@ -19,17 +19,41 @@ def add_parser(subparsers) -> None:
         description="Enumerate layouts that fit in memory, place experts for each, estimate step time, "
         "throughput per GPU and KV-cache room; print a ranked table and write the best placement and launch flags.",
     )
-    p.add_argument("--model", required=True, help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
-                   "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
+        "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder",
+    )
     p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)")
-    p.add_argument("--intra-link", default=None, help="intra-node link preset (default: the GPU's NVLink; or pcie5, pcie4)")
-    p.add_argument("--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)")
+    p.add_argument(
+        "--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)"
+    )
+    p.add_argument(
+        "--intra-link",
+        default=None,
+        help="intra-node link preset (default: the GPU's NVLink; or pcie5, pcie4)",
+    )
+    p.add_argument(
+        "--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)"
+    )
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
-    p.add_argument("--batch-per-rank", type=int, default=None, help="tokens per GPU per step (default 128 decode, 8192 prefill)")
-    p.add_argument("--context-len", type=int, default=4096, help="decode: cached tokens per sequence; prefill: prompt length")
-    p.add_argument("--trace", default=None, help="routing trace whose skew to use (default: synthetic Zipf skew)")
+    p.add_argument(
+        "--batch-per-rank",
+        type=int,
+        default=None,
+        help="tokens per GPU per step (default 128 decode, 8192 prefill)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=int,
+        default=4096,
+        help="decode: cached tokens per sequence; prefill: prompt length",
+    )
+    p.add_argument(
+        "--trace", default=None, help="routing trace whose skew to use (default: synthetic Zipf skew)"
+    )
     p.add_argument("--solver", choices=("greedy", "cpsat"), default="greedy")
     p.add_argument("--max-redundant", type=int, default=None, help="cap on redundant experts per layer")
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
@@ -45,14 +69,20 @@ def add_parser(subparsers) -> None:
 def _options(args, phase: str):
     from solver.costmodel import CostOptions
 
-    b = args.batch_per_rank if (args.batch_per_rank and phase == args.phase) else (128 if phase == "decode" else 8192)
+    b = (
+        args.batch_per_rank
+        if (args.batch_per_rank and phase == args.phase)
+        else (128 if phase == "decode" else 8192)
+    )
     return CostOptions(phase=phase, batch_per_rank=b, context_len=args.context_len, overlap=args.overlap)
 
 
 def _table(plan, top: int) -> list[str]:
     E = plan.model.num_logical_experts
-    head = (f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'PAR':>5} {'attn':>6} {'disp':>6} {'moe':>6} "
-            f"{'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck")
+    head = (
+        f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'PAR':>5} {'attn':>6} {'disp':>6} {'moe':>6} "
+        f"{'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck"
+    )
     lines = [head, "-" * len(head)]
     ok = plan.feasible
     for i, r in enumerate(ok[:top]):
@@ -82,15 +112,21 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
     pl = best.placement.with_provenance(
-        solver=best.solver_status or "greedy", layout=best.candidate.label(model.num_logical_experts),
-        model=model.name, hardware=plan.cluster.name, phase=plan.options.phase, workload=plan.workload,
+        solver=best.solver_status or "greedy",
+        layout=best.candidate.label(model.num_logical_experts),
+        model=model.name,
+        hardware=plan.cluster.name,
+        phase=plan.options.phase,
+        workload=plan.workload,
     )
     files += write_placement(pl, out / "placement.json", "native")
     sg = out / "sglang_expert_location.json"
     files += write_placement(pl, sg, "sglang", num_hidden_layers=model.num_layers)
     trt = out / "moe_load_balancer.yaml"
     files += write_placement(pl, trt, "trtllm")
-    flags = launch_flags(best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node)
+    flags = launch_flags(
+        best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node
+    )
     import yaml
 
     trt_opts = out / "trtllm_extra_llm_api_options.yaml"
@@ -106,8 +142,7 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
         "# vLLM",
         "vllm serve <MODEL> " + " ".join(_q(a) for a in flags["vllm"]),
         "",
-        "# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {0} --ep_size {0} --extra_llm_api_options {1}".format(
-            best.candidate.ep_size, trt_opts.name),
+        f"# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {best.candidate.ep_size} --ep_size {best.candidate.ep_size} --extra_llm_api_options {trt_opts.name}",
     ] + [f"# note: {n}" for n in flags["notes"]]
     lf = out / "launch_flags.sh"
     atomic_write_text(lf, "\n".join(text) + "\n")
@@ -148,18 +183,38 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"trace {p} does not exist")
         trace = read_trace(p)
         if trace.num_logical_experts != model.num_logical_experts:
-            warn(f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "
-                 f"only the trace's skew is used (expert identities are synthetic)")
+            warn(
+                f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "
+                f"only the trace's skew is used (expert identities are synthetic)"
+            )
     opts = _options(args, args.phase)
-    plan = plan_layout(model, cluster, args.nodes, opts, trace=trace, solver=args.solver,
-                       max_redundant=args.max_redundant, seed=args.seed, time_limit=args.time_limit)
+    plan = plan_layout(
+        model,
+        cluster,
+        args.nodes,
+        opts,
+        trace=trace,
+        solver=args.solver,
+        max_redundant=args.max_redundant,
+        seed=args.seed,
+        time_limit=args.time_limit,
+    )
     compare = None
     if not args.no_phase_compare and plan.best is not None:
         other = "prefill" if args.phase == "decode" else "decode"
         o = _options(args, other)
-        compare = compare_phases(model, cluster, args.nodes, opts if args.phase == "decode" else o,
-                                 o if args.phase == "decode" else opts, trace=trace, solver=args.solver,
-                                 max_redundant=args.max_redundant, seed=args.seed, plans={args.phase: plan})
+        compare = compare_phases(
+            model,
+            cluster,
+            args.nodes,
+            opts if args.phase == "decode" else o,
+            o if args.phase == "decode" else opts,
+            trace=trace,
+            solver=args.solver,
+            max_redundant=args.max_redundant,
+            seed=args.seed,
+            plans={args.phase: plan},
+        )
     files = []
     if args.output and plan.best is not None:
         files = _write_outputs(Path(args.output), plan, model, compare)
@@ -172,10 +227,14 @@ def run(args: argparse.Namespace) -> int:
         echo(json.dumps(d, indent=1))
         return 0 if plan.best is not None else 1
     o = plan.options
-    echo(f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.batch_per_rank} tokens/GPU/step, "
-         f"context {o.context_len}")
+    echo(
+        f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.batch_per_rank} tokens/GPU/step, "
+        f"context {o.context_len}"
+    )
     echo(f"workload: {plan.workload}")
-    echo("times per MoE layer in us; throughput = batch / step time per GPU (cost model estimates, not measurements)")
+    echo(
+        "times per MoE layer in us; throughput = batch / step time per GPU (cost model estimates, not measurements)"
+    )
     for line in _table(plan, args.top):
         echo(line)
     for n in plan.notes:

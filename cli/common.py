@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Iterable, Iterator, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
 
 T = TypeVar("T")
 
@@ -23,7 +24,9 @@ def warn(msg: str) -> None:
     print(f"moe-placement: warning: {msg}", file=sys.stderr)
 
 
-def progress(items: Iterable[T], total: int | None = None, desc: str = "", min_seconds: float = 2.0) -> Iterator[T]:
+def progress(
+    items: Iterable[T], total: int | None = None, desc: str = "", min_seconds: float = 2.0
+) -> Iterator[T]:
     """A text progress bar on stderr, shown only once the loop has run ``min_seconds`` and stderr is a tty
     (or when MOE_PLACEMENT_PROGRESS=1)."""
     import os
@@ -44,7 +47,9 @@ def progress(items: Iterable[T], total: int | None = None, desc: str = "", min_s
             if total:
                 width = 30
                 fill = int(width * done / total)
-                sys.stderr.write(f"\r{desc} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {time.perf_counter() - start:.0f}s")
+                sys.stderr.write(
+                    f"\r{desc} [{'#' * fill}{'.' * (width - fill)}] {done}/{total} {time.perf_counter() - start:.0f}s"
+                )
             else:
                 sys.stderr.write(f"\r{desc} {done} {time.perf_counter() - start:.0f}s")
             sys.stderr.flush()
@@ -75,7 +80,9 @@ class elapsed_bar:
             if self.limit:
                 width = 30
                 fill = min(width, int(width * t / self.limit))
-                sys.stderr.write(f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {t:.0f}/{self.limit:.0f}s")
+                sys.stderr.write(
+                    f"\r{self.desc} [{'#' * fill}{'.' * (width - fill)}] {t:.0f}/{self.limit:.0f}s"
+                )
             else:
                 sys.stderr.write(f"\r{self.desc} {t:.0f}s")
             sys.stderr.flush()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from placement.cli_common import CliError, echo
+from cli.common import CliError, echo
 
 __all__ = ["add_parser", "run"]
 
@@ -26,8 +26,12 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("placement", help="placement file (any format placement.formats reads)")
     p.add_argument("--trace", help="per-token routing trace to replay (default: a synthetic trace)")
-    p.add_argument("--ranks", type=int, help="ranks to launch; must equal the placement's ep_size (default: it)")
-    p.add_argument("--policy", choices=("even", "local"), default="even", help="replica selection (default even)")
+    p.add_argument(
+        "--ranks", type=int, help="ranks to launch; must equal the placement's ep_size (default: it)"
+    )
+    p.add_argument(
+        "--policy", choices=("even", "local"), default="even", help="replica selection (default even)"
+    )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
     p.add_argument("--offset", type=int, default=0, help="first replayed token of the trace (default 0)")
     p.add_argument("--layers", type=int, nargs="+", help="placement rows to validate (0-based; default all)")
@@ -59,9 +63,16 @@ def _load_trace(args, placement):
 
         E = placement.num_logical_experts
         n = placement.topology.ep_size * args.tokens_per_rank + args.offset
-        return synthetic_trace(num_tokens=max(n, 16), num_layers=placement.num_layers, num_logical_experts=E,
-                               top_k=min(6, E - 1), num_prompts=max(1, min(16, n)), num_clusters=min(8, E),
-                               seed=args.seed, layer_ids=placement.layer_ids)
+        return synthetic_trace(
+            num_tokens=max(n, 16),
+            num_layers=placement.num_layers,
+            num_logical_experts=E,
+            top_k=min(6, E - 1),
+            num_prompts=max(1, min(16, n)),
+            num_clusters=min(8, E),
+            seed=args.seed,
+            layer_ids=placement.layer_ids,
+        )
     from pathlib import Path
 
     from profiling.readers import read_trace
@@ -93,7 +104,9 @@ def run(args) -> int:
     placement = _load_placement(args)
     G = placement.topology.ep_size
     if args.ranks is not None and args.ranks != G:
-        raise CliError(f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}")
+        raise CliError(
+            f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}"
+        )
     if args.tokens_per_rank < 1 or args.hidden < 1 or args.offset < 0:
         raise CliError("--tokens-per-rank and --hidden must be >= 1 and --offset >= 0")
     trace = _load_trace(args, placement)
@@ -107,27 +120,40 @@ def run(args) -> int:
 
         if torch.cuda.device_count() < 1:
             raise CliError("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
-    spec = ValidationSpec.from_trace(placement, trace, tokens_per_rank=args.tokens_per_rank, offset=args.offset,
-                                     policy=args.policy, hidden=args.hidden, ffn=max(1, args.hidden // 2),
-                                     seed=args.seed)
+    spec = ValidationSpec.from_trace(
+        placement,
+        trace,
+        tokens_per_rank=args.tokens_per_rank,
+        offset=args.offset,
+        policy=args.policy,
+        hidden=args.hidden,
+        ffn=max(1, args.hidden // 2),
+        seed=args.seed,
+    )
     source = args.trace or "synthetic trace"
-    echo(f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), policy {args.policy}, "
-         f"{args.tokens_per_rank} tokens/rank from {source} (offset {args.offset})")
+    echo(
+        f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), policy {args.policy}, "
+        f"{args.tokens_per_rank} tokens/rank from {source} (offset {args.offset})"
+    )
     t0 = time.perf_counter()
     rep = validate_placement(spec, backend=args.backend, timeout=args.timeout)
     wall = time.perf_counter() - t0
     for i, lid in enumerate(rep.layer_ids):
         pred, meas = rep.predicted[i], rep.measured[i]
         status = "ok" if (pred == meas).all() else "MISMATCH"
-        echo(f"layer {lid} (row {rows[i]}): tokens per rank predicted/measured "
-             + " ".join(f"{int(p)}/{int(m)}" for p, m in zip(pred, meas))
-             + f"  [{status}]  max |y - ref| {rep.max_abs_error_per_layer[i]:.2e}")
+        echo(
+            f"layer {lid} (row {rows[i]}): tokens per rank predicted/measured "
+            + " ".join(f"{int(p)}/{int(m)}" for p, m in zip(pred, meas))
+            + f"  [{status}]  max |y - ref| {rep.max_abs_error_per_layer[i]:.2e}"
+        )
     for line in rep.checksum_mismatches[:10]:
         echo(f"checksum mismatch: {line}")
     verdict = "PASS" if rep.ok else "FAIL"
-    echo(f"{verdict}: per-rank tokens {'equal' if rep.tokens_match else 'DIFFER from'} the prediction; "
-         f"max output error {rep.max_abs_error:.2e} (tolerance {rep.atol:.0e}); "
-         f"{len(rep.checksum_mismatches)} checksum mismatch(es); {wall:.1f} s")
+    echo(
+        f"{verdict}: per-rank tokens {'equal' if rep.tokens_match else 'DIFFER from'} the prediction; "
+        f"max output error {rep.max_abs_error:.2e} (tolerance {rep.atol:.0e}); "
+        f"{len(rep.checksum_mismatches)} checksum mismatch(es); {wall:.1f} s"
+    )
     return 0 if rep.ok else 1
 
 

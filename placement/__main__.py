@@ -1,7 +1,0 @@
-"""``python -m placement`` runs the moe-placement CLI."""
-
-import sys
-
-from placement.cli import main
-
-sys.exit(main())
