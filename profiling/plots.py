@@ -1,5 +1,8 @@
 """Figures of expert skew, drift, co-activation and GPU balance (viz extra: matplotlib).
 
+Figures drawn from arrays and traces only; the figures that need a placement's metrics live in
+:mod:`placement.plots` (profiling imports nothing from placement).
+
 matplotlib is imported inside the functions, and only its object-oriented API is used (``Figure``
 objects rendered by the Agg canvas, no pyplot state), so this module imports without matplotlib and
 works in scripts, servers and notebooks alike. Every function returns a ``matplotlib.figure.Figure``;
@@ -32,6 +35,7 @@ __all__ = [
     "save_figure",
     "to_png",
     "inspect_plots",
+    "trace_plots",
 ]
 
 log = logging.getLogger(__name__)
@@ -298,20 +302,29 @@ def domain_distance_plot(
     return fig
 
 
-def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> list[Path]:
+def inspect_plots(trace: RoutingTrace, out_dir: str | Path) -> list[Path]:
     """Write the standard figure set of a trace to ``out_dir`` (created if missing); returns the paths.
+
+    The figures of :func:`trace_plots`. The per-GPU load of a placement (``gpu_load.png``) needs
+    placement metrics: :func:`placement.plots.inspect_plots` writes this set plus that figure.
+    """
+    written = trace_plots(trace, out_dir)
+    log.info("wrote %d plots to %s", len(written), Path(out_dir))
+    return written
+
+
+def trace_plots(trace: RoutingTrace, out_dir: str | Path) -> list[Path]:
+    """Write the trace's figures to ``out_dir`` (created if missing), without logging; returns the paths.
 
     Always: ``load_heatmap.png``, ``lorenz.png``. With two or more windows (prompts, steps or count rows;
     per-token traces are cut into up to 8 groups): ``drift.png``; labelled count windows (domains,
     subjects; at most 12) also get ``domain_distance.png``. Per-token traces: ``coactivation.png``
-    (lift, the most skewed layer, experts hottest first). With ``placement`` (a
-    :class:`placement.model.Placement` matching the trace): ``gpu_load.png``, per-GPU load of the
-    trivial placement vs ``placement`` under the even policy.
+    (lift, the most skewed layer, experts hottest first).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
-    load = trace.counts()
+    load = trace.counts()  # [L, E]
     ids = trace.layer_ids
     name = trace.name or "trace"
     written.append(
@@ -321,14 +334,7 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> l
         )
     )
     written.append(save_figure(lorenz_plot(load, ids, title=f"{name}: Lorenz curves"), out / "lorenz.png"))
-    wins = trace.natural_windows()
-    if trace.has_tokens:
-        n = min(8, len(wins)) if len(wins) >= 2 else (8 if trace.num_tokens >= 16 else 0)
-        wl = stats.window_loads(trace, n) if n >= 2 else None
-    else:
-        wl = trace.window_load() if len(wins) >= 2 else None
-        if wl is not None and wl.shape[0] > 12:  # many small windows (questions, steps): 8 consecutive groups
-            wl = np.stack([g.sum(axis=0) for g in np.array_split(wl, 8)])
+    wl = _drift_windows(trace)  # [W, L, E] or None
     if wl is not None and wl.shape[0] >= 2:
         written.append(
             save_figure(
@@ -344,37 +350,37 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path, placement=None) -> l
             )
         )
     if trace.has_tokens:
-        from profiling.skew import gini
-
-        row = int(np.argmax(gini(load)))
-        sub = trace.slice_tokens(0, min(trace.num_tokens, 50_000))
-        co = stats.coactivation(sub, layers=[row])
-        lift = stats.coactivation_lift(co, sub.num_tokens)[0]
-        order = stats.hotness(load[row])[1]
-        written.append(
-            save_figure(
-                coactivation_heatmap(
-                    lift, order=order, title=f"{name}: co-activation lift, layer {ids[row]} (hottest first)"
-                ),
-                out / "coactivation.png",
-            )
-        )
-    if placement is not None:
-        from placement.metrics import expected_gpu_load
-        from placement.model import Placement
-
-        base = Placement.trivial(load.shape[0], trace.num_logical_experts, placement.topology, layer_ids=ids)
-        written.append(
-            save_figure(
-                gpu_load_bars(
-                    expected_gpu_load(base, load),
-                    expected_gpu_load(placement, load),
-                    labels=("trivial", "placement"),
-                    layer_ids=ids,
-                    title=f"{name}: per-GPU load",
-                ),
-                out / "gpu_load.png",
-            )
-        )
-    log.info("wrote %d plots to %s", len(written), out)
+        written.append(save_figure(_coactivation_figure(trace, load, name), out / "coactivation.png"))
     return written
+
+
+def _drift_windows(trace: RoutingTrace) -> np.ndarray | None:
+    """Window loads ``[W, L, E]`` to draw drift over, or None with fewer than two windows.
+
+    Per-token traces: up to 8 groups of the natural windows (8 token blocks when there is one
+    window and at least 16 tokens). Counts: the count rows, in 8 consecutive groups when over 12.
+    """
+    wins = trace.natural_windows()
+    if trace.has_tokens:
+        n = min(8, len(wins)) if len(wins) >= 2 else (8 if trace.num_tokens >= 16 else 0)
+        return stats.window_loads(trace, n) if n >= 2 else None
+    wl = trace.window_load() if len(wins) >= 2 else None
+    if wl is not None and wl.shape[0] > 12:  # many small windows (questions, steps): 8 consecutive groups
+        wl = np.stack([g.sum(axis=0) for g in np.array_split(wl, 8)])
+    return wl
+
+
+def _coactivation_figure(trace: RoutingTrace, load: np.ndarray, name: str):
+    """Co-activation lift ``[E, E]`` of the most skewed layer (by Gini of ``load`` ``[L, E]``) over the
+    first 50,000 tokens, experts hottest first."""
+    from profiling.skew import gini
+
+    ids = trace.layer_ids
+    row = int(np.argmax(gini(load)))
+    sub = trace.slice_tokens(0, min(trace.num_tokens, 50_000))
+    co = stats.coactivation(sub, layers=[row])
+    lift = stats.coactivation_lift(co, sub.num_tokens)[0]
+    order = stats.hotness(load[row])[1]
+    return coactivation_heatmap(
+        lift, order=order, title=f"{name}: co-activation lift, layer {ids[row]} (hottest first)"
+    )

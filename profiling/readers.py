@@ -105,152 +105,192 @@ def read_trace(
 
 
 def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
-    name = p.stem
+    """Dispatch on the layout the keys show: native, per-token, per-domain counts or counts."""
     if "schema" in arrays:
-        schema = _str_scalar(arrays, "schema")
-        if schema != TRACE_SCHEMA:
-            raise InputFileError(f"{p}: schema {schema!r} is not {TRACE_SCHEMA!r}")
-        version = _int_scalar(arrays, "schema_version", p) if "schema_version" in arrays else 0
-        if version > TRACE_SCHEMA_VERSION:
-            raise InputFileError(
-                f"{p}: trace schema version {version} is newer than this reader ({TRACE_SCHEMA_VERSION}); upgrade moe-placement"
-            )
-        meta = {}
-        if "metadata_json" in arrays:
-            try:
-                meta = json.loads(_str_scalar(arrays, "metadata_json", "{}"))
-            except json.JSONDecodeError as exc:
-                raise InputFileError(f"{p}: field 'metadata_json' is not valid JSON ({exc.msg})") from None
-            if not isinstance(meta, dict):
-                raise InputFileError(f"{p}: field 'metadata_json' must hold a JSON object")
-        if "num_logical_experts" not in arrays:
-            raise InputFileError(f"{p}: native trace lacks field 'num_logical_experts'")
-        return RoutingTrace(
-            num_logical_experts=_int_scalar(arrays, "num_logical_experts", p),
-            topk_ids=arrays.get("topk_ids"),
-            layer_ids=tuple(int(x) for x in arrays["layer_ids"]) if "layer_ids" in arrays else (),
-            source_rank=arrays.get("source_rank"),
-            seq_offsets=arrays.get("seq_offsets"),
-            step_offsets=arrays.get("step_offsets"),
-            window_counts=arrays.get("window_counts"),
-            window_labels=tuple(str(x) for x in arrays["window_labels"]) if "window_labels" in arrays else (),
-            name=_str_scalar(arrays, "name", name),
-            metadata=meta,
-        )
-
+        return _native_trace(arrays, p)
     layer_ids = (
         tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
     )
-
     if "topk_ids" in arrays:
-        ids = np.asarray(arrays["topk_ids"])
-        if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
-            raise InputFileError(
-                f"{p}: field 'topk_ids' must be integer [tokens, layers, top_k], got {ids.dtype} {ids.shape}"
-            )
-        if ids.ndim == 2:
-            ids = ids[:, None, :]
-        T = ids.shape[0]
-        E = num_logical_experts
-        counts_field = (
-            "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
-        )
-        if E is None and counts_field is not None:
-            E = int(np.asarray(arrays[counts_field]).shape[-1])
-        if E is None:
-            E = int(ids.max()) + 1 if ids.size else 1
-        ids = ids.astype(np.int32)
-        meta = {"source_file": str(p)}
-        seq = arrays.get("seq_offsets")
-        step = None
-        source = arrays.get("source_rank")
-        keep = None
-        if "segment" in arrays:
-            seg = np.asarray(arrays["segment"]).astype(np.int64)
-            if seg.shape != (T,):
-                raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
-            segs = (
-                tuple(keep_segments)
-                if keep_segments is not None
-                else ((2, 3) if "counts_real" in arrays else None)
-            )
-            if segs is not None:
-                keep = np.isin(seg, segs)
-                meta["kept_segments"] = list(segs)
-                meta["dropped_rows"] = int((~keep).sum())
-        if "batch_id" in arrays:
-            b = np.asarray(arrays["batch_id"]).astype(np.int64)
-            if b.shape != (T,):
-                raise InputFileError(f"{p}: field 'batch_id' has shape {b.shape}, expected ({T},)")
-            bk = b if keep is None else b[keep]
-            change = np.flatnonzero(np.diff(bk) != 0) + 1
-            step = np.concatenate([[0], change, [bk.size]]).astype(np.int64)
-        if keep is not None:
-            ids = ids[keep]
-            if source is not None:
-                source = np.asarray(source)[keep]
-            if seq is not None:
-                raise InputFileError(
-                    f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries"
-                )
-        if seq is not None:
-            seq = np.asarray(seq).astype(np.int64)
-            if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
-                seq = np.concatenate([seq, [ids.shape[0]]])
-        return RoutingTrace(
-            num_logical_experts=E,
-            topk_ids=ids,
-            layer_ids=layer_ids,
-            source_rank=source,
-            seq_offsets=seq,
-            step_offsets=step,
-            name=name,
-            metadata=meta,
-        )
-
+        return _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids)
     domain_keys = sorted(k for k in arrays if k.startswith(counts_key + "__"))
     if domain_keys:
-        avail = [k.split("__", 1)[1] for k in domain_keys]
-        chosen = list(domains) if domains else avail
-        missing = [d for d in chosen if d not in avail]
-        if missing:
-            raise InputFileError(f"{p}: no domain(s) {missing}; available: {avail}")
-        stack = np.stack([np.asarray(arrays[f"{counts_key}__{d}"]) for d in chosen])  # [W, L, E]
-        if stack.ndim != 3:
-            raise InputFileError(f"{p}: per-domain counts must be [layers, experts], got {stack.shape[1:]}")
-        return RoutingTrace(
-            num_logical_experts=num_logical_experts or stack.shape[2],
-            window_counts=stack,
-            window_labels=tuple(chosen),
-            layer_ids=layer_ids,
-            name=name,
-            metadata={"source_file": str(p), "windows": "domains"},
-        )
-
+        return _domain_trace(arrays, p, num_logical_experts, domains, counts_key, domain_keys, layer_ids)
     if "counts" in arrays:
-        c = np.asarray(arrays["counts"])
-        if c.ndim not in (2, 3) or c.dtype.kind not in "iuf":
-            raise InputFileError(
-                f"{p}: field 'counts' must be numeric [layers, experts] or [windows, layers, experts], got {c.dtype} {c.shape}"
-            )
-        labels: tuple[str, ...] = ()
-        if c.ndim == 3 and "subject_index" in arrays and "subjects" in arrays:
-            subj = np.asarray(arrays["subjects"]).astype(str)
-            si = np.asarray(arrays["subject_index"]).astype(np.int64)
-            if si.shape != (c.shape[0],) or (si.size and (si.min() < 0 or si.max() >= subj.size)):
-                raise InputFileError(f"{p}: 'subject_index' does not match 'counts' rows or 'subjects'")
-            labels = tuple(subj[si])
-        return RoutingTrace(
-            num_logical_experts=num_logical_experts or c.shape[-1],
-            window_counts=c,
-            window_labels=labels,
-            layer_ids=layer_ids,
-            name=name,
-            metadata={"source_file": str(p)},
-        )
+        return _counts_trace(arrays, p, num_logical_experts, layer_ids)
     raise InputFileError(
         f"{p}: not a routing trace: no 'topk_ids', 'counts', '{counts_key}__<domain>' or native 'schema' field "
         f"(fields present: {sorted(arrays)[:8]})"
+    )
+
+
+def _native_metadata(arrays, p) -> dict:
+    """Check ``schema`` / ``schema_version`` and parse ``metadata_json`` (a JSON object, default ``{}``)."""
+    schema = _str_scalar(arrays, "schema")
+    if schema != TRACE_SCHEMA:
+        raise InputFileError(f"{p}: schema {schema!r} is not {TRACE_SCHEMA!r}")
+    version = _int_scalar(arrays, "schema_version", p) if "schema_version" in arrays else 0
+    if version > TRACE_SCHEMA_VERSION:
+        raise InputFileError(
+            f"{p}: trace schema version {version} is newer than this reader ({TRACE_SCHEMA_VERSION}); upgrade moe-placement"
+        )
+    meta = {}
+    if "metadata_json" in arrays:
+        try:
+            meta = json.loads(_str_scalar(arrays, "metadata_json", "{}"))
+        except json.JSONDecodeError as exc:
+            raise InputFileError(f"{p}: field 'metadata_json' is not valid JSON ({exc.msg})") from None
+        if not isinstance(meta, dict):
+            raise InputFileError(f"{p}: field 'metadata_json' must hold a JSON object")
+    return meta
+
+
+def _native_trace(arrays, p) -> RoutingTrace:
+    """The native layout written by :func:`write_trace`: every field as stored."""
+    meta = _native_metadata(arrays, p)
+    if "num_logical_experts" not in arrays:
+        raise InputFileError(f"{p}: native trace lacks field 'num_logical_experts'")
+    return RoutingTrace(
+        num_logical_experts=_int_scalar(arrays, "num_logical_experts", p),
+        topk_ids=arrays.get("topk_ids"),
+        layer_ids=tuple(int(x) for x in arrays["layer_ids"]) if "layer_ids" in arrays else (),
+        source_rank=arrays.get("source_rank"),
+        seq_offsets=arrays.get("seq_offsets"),
+        step_offsets=arrays.get("step_offsets"),
+        window_counts=arrays.get("window_counts"),
+        window_labels=tuple(str(x) for x in arrays["window_labels"]) if "window_labels" in arrays else (),
+        name=_str_scalar(arrays, "name", p.stem),
+        metadata=meta,
+    )
+
+
+def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
+    """``topk_ids`` as int32 ``[T, L, k]`` (``[T, k]`` gets L = 1) and ``E``.
+
+    ``E``: ``num_logical_experts``, else the last axis of ``counts_real`` / ``counts``, else max id + 1.
+    """
+    ids = np.asarray(arrays["topk_ids"])
+    if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
+        raise InputFileError(
+            f"{p}: field 'topk_ids' must be integer [tokens, layers, top_k], got {ids.dtype} {ids.shape}"
+        )
+    if ids.ndim == 2:
+        ids = ids[:, None, :]
+    E = num_logical_experts
+    counts_field = "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
+    if E is None and counts_field is not None:
+        E = int(np.asarray(arrays[counts_field]).shape[-1])
+    if E is None:
+        E = int(ids.max()) + 1 if ids.size else 1
+    return ids.astype(np.int32), E
+
+
+def _segment_keep(arrays, p, T: int, keep_segments, meta: dict) -> np.ndarray | None:
+    """Rows to keep by ``segment`` ``[T]``: bool ``[T]``, or None to keep all (notes the drop in ``meta``)."""
+    if "segment" not in arrays:
+        return None
+    seg = np.asarray(arrays["segment"]).astype(np.int64)
+    if seg.shape != (T,):
+        raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
+    segs = (
+        tuple(keep_segments) if keep_segments is not None else ((2, 3) if "counts_real" in arrays else None)
+    )
+    if segs is None:
+        return None
+    keep = np.isin(seg, segs)
+    meta["kept_segments"] = list(segs)
+    meta["dropped_rows"] = int((~keep).sum())
+    return keep
+
+
+def _batch_steps(arrays, p, T: int, keep: np.ndarray | None) -> np.ndarray | None:
+    """Step offsets int64 ``[S + 1]`` where ``batch_id`` ``[T]`` changes (over the kept rows), or None."""
+    if "batch_id" not in arrays:
+        return None
+    b = np.asarray(arrays["batch_id"]).astype(np.int64)
+    if b.shape != (T,):
+        raise InputFileError(f"{p}: field 'batch_id' has shape {b.shape}, expected ({T},)")
+    bk = b if keep is None else b[keep]
+    change = np.flatnonzero(np.diff(bk) != 0) + 1
+    return np.concatenate([[0], change, [bk.size]]).astype(np.int64)
+
+
+def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> RoutingTrace:
+    """Per-token layout: ``topk_ids [T, L, k]``, start-up segments dropped, optional offsets and ranks."""
+    ids, E = _token_ids(arrays, p, num_logical_experts)  # [T, L, k] int32
+    T = ids.shape[0]
+    meta = {"source_file": str(p)}
+    seq = arrays.get("seq_offsets")
+    source = arrays.get("source_rank")
+    keep = _segment_keep(arrays, p, T, keep_segments, meta)  # [T] bool or None
+    step = _batch_steps(arrays, p, T, keep)
+    if keep is not None:
+        ids = ids[keep]
+        if source is not None:
+            source = np.asarray(source)[keep]
+        if seq is not None:
+            raise InputFileError(
+                f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries"
+            )
+    if seq is not None:
+        seq = np.asarray(seq).astype(np.int64)
+        if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
+            seq = np.concatenate([seq, [ids.shape[0]]])
+    return RoutingTrace(
+        num_logical_experts=E,
+        topk_ids=ids,
+        layer_ids=layer_ids,
+        source_rank=source,
+        seq_offsets=seq,
+        step_offsets=step,
+        name=p.stem,
+        metadata=meta,
+    )
+
+
+def _domain_trace(
+    arrays, p, num_logical_experts, domains, counts_key, domain_keys, layer_ids
+) -> RoutingTrace:
+    """Per-domain counts ``<counts_key>__<domain> [L, E]``: one window per chosen domain."""
+    avail = [k.split("__", 1)[1] for k in domain_keys]
+    chosen = list(domains) if domains else avail
+    missing = [d for d in chosen if d not in avail]
+    if missing:
+        raise InputFileError(f"{p}: no domain(s) {missing}; available: {avail}")
+    stack = np.stack([np.asarray(arrays[f"{counts_key}__{d}"]) for d in chosen])  # [W, L, E]
+    if stack.ndim != 3:
+        raise InputFileError(f"{p}: per-domain counts must be [layers, experts], got {stack.shape[1:]}")
+    return RoutingTrace(
+        num_logical_experts=num_logical_experts or stack.shape[2],
+        window_counts=stack,
+        window_labels=tuple(chosen),
+        layer_ids=layer_ids,
+        name=p.stem,
+        metadata={"source_file": str(p), "windows": "domains"},
+    )
+
+
+def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
+    """Counts only: ``counts [L, E]`` or ``[W, L, E]``, windows labelled by ``subjects[subject_index]``."""
+    c = np.asarray(arrays["counts"])
+    if c.ndim not in (2, 3) or c.dtype.kind not in "iuf":
+        raise InputFileError(
+            f"{p}: field 'counts' must be numeric [layers, experts] or [windows, layers, experts], got {c.dtype} {c.shape}"
+        )
+    labels: tuple[str, ...] = ()
+    if c.ndim == 3 and "subject_index" in arrays and "subjects" in arrays:
+        subj = np.asarray(arrays["subjects"]).astype(str)
+        si = np.asarray(arrays["subject_index"]).astype(np.int64)
+        if si.shape != (c.shape[0],) or (si.size and (si.min() < 0 or si.max() >= subj.size)):
+            raise InputFileError(f"{p}: 'subject_index' does not match 'counts' rows or 'subjects'")
+        labels = tuple(subj[si])
+    return RoutingTrace(
+        num_logical_experts=num_logical_experts or c.shape[-1],
+        window_counts=c,
+        window_labels=labels,
+        layer_ids=layer_ids,
+        name=p.stem,
+        metadata={"source_file": str(p)},
     )
 
 

@@ -11,6 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
+from placement import plots as placement_plots  # noqa: E402
 from placement.model import Placement  # noqa: E402
 from placement.topology import Topology  # noqa: E402
 from profiling import plots, stats  # noqa: E402
@@ -36,7 +37,7 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_module_imports_without_matplotlib_loaded():
-    code = "import sys, profiling.plots; print('matplotlib' in sys.modules)"
+    code = "import sys, profiling.plots, placement.plots; print('matplotlib' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
@@ -93,7 +94,7 @@ def test_inspect_plots_token_trace_with_placement(small_trace, tmp_path):
     topo = Topology.from_redundant(16, 4, 4, 2)
     pl, _ = greedy_placement(small_trace.counts(), topo, layer_ids=small_trace.layer_ids)
     out = tmp_path / "plots"
-    paths = plots.inspect_plots(small_trace, out, placement=pl)
+    paths = placement_plots.inspect_plots(small_trace, out, placement=pl)
     assert [p.name for p in paths] == [
         "load_heatmap.png",
         "lorenz.png",
@@ -122,5 +123,5 @@ def test_inspect_plots_real_olmoe(olmoe_trace, tmp_path):
     pl = Placement.trivial(
         olmoe_trace.num_layers, olmoe_trace.num_logical_experts, topo, layer_ids=olmoe_trace.layer_ids
     )
-    paths = plots.inspect_plots(olmoe_trace, tmp_path, placement=pl)
+    paths = placement_plots.inspect_plots(olmoe_trace, tmp_path, placement=pl)
     assert {"domain_distance.png", "gpu_load.png"} <= {p.name for p in paths}
