@@ -594,43 +594,11 @@ def attach(
     device = _model_device(model)
     config = getattr(model, "config", None)
     text_cfg = getattr(config, "text_config", None) or config
-    hooks: list[tuple[nn.Module, str, Callable]] = []
     if adapters:
-        names = {m: n for n, m in model.named_modules()}
-        ids_: list[int] = []
-        for i, (mod, fn) in enumerate(adapters.items()):
-            if not callable(fn):
-                raise ValueError(f"adapter for {type(mod).__name__} is not callable")
-            ids_.append(_layer_id_of(names.get(mod, ""), i))
-            hooks.append((mod, "adapter", fn))
-        E = num_logical_experts or _cfg_get(text_cfg, "num_local_experts", "num_experts", "n_routed_experts")
-        k = top_k or _cfg_get(text_cfg, "num_experts_per_tok", "top_k")
-        if E is None or k is None:
-            raise ValueError(
-                "adapters need num_logical_experts= and top_k= (the model config does not say them)"
-            )
+        hooks, ids_, E, k = _adapter_hooks(model, adapters, text_cfg, num_logical_experts, top_k)
     else:
-        specs = find_moe_layers(model)
-        if not specs:
-            raise ValueError(
-                f"found no MoE block in {type(model).__name__} (a module with 'experts' and a 'gate'/'router'); "
-                "pass adapters={module: fn(module, inputs, output) -> topk_ids}"
-            )
-        Es = {s.num_experts for s in specs}
-        if len(Es) > 1:
-            raise ValueError(
-                f"MoE blocks disagree on the expert count {sorted(Es)}; record them with separate adapters"
-            )
-        E = num_logical_experts or Es.pop()
-        k = top_k or max(s.top_k for s in specs)
-        ids_ = [s.layer_id for s in specs]
-        hooks = [(s.hook_module, s.where, None) for s in specs]
-    if layer_ids is not None:
-        if len(layer_ids) != len(ids_):
-            raise ValueError(f"layer_ids has {len(layer_ids)} entries for {len(ids_)} hooked modules")
-        ids_ = [int(x) for x in layer_ids]
-    if len(set(ids_)) != len(ids_):
-        ids_ = list(range(len(ids_)))  # module paths without distinct layer numbers: number in order
+        hooks, ids_, E, k = _walked_hooks(model, num_logical_experts, top_k)
+    ids_ = _final_layer_ids(ids_, layer_ids)
     rec = RoutingRecorder(
         ids_,
         int(E),
@@ -642,6 +610,63 @@ def attach(
         stream_dir=stream_dir,
         chunk_tokens=chunk_tokens,
     )
+    _register_hooks(model, rec, hooks)
+    log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, mode)
+    return rec
+
+
+_Hook = tuple[nn.Module, str, Callable | None]  # (module, "output" | "inputs" | "adapter", adapter fn)
+
+
+def _adapter_hooks(model: nn.Module, adapters, text_cfg, num_logical_experts, top_k):
+    """Hooks for user adapters: ``(hooks, layer ids, E, k)``; E and k from the arguments or the config."""
+    names = {m: n for n, m in model.named_modules()}
+    hooks: list[_Hook] = []
+    ids_: list[int] = []
+    for i, (mod, fn) in enumerate(adapters.items()):
+        if not callable(fn):
+            raise ValueError(f"adapter for {type(mod).__name__} is not callable")
+        ids_.append(_layer_id_of(names.get(mod, ""), i))
+        hooks.append((mod, "adapter", fn))
+    E = num_logical_experts or _cfg_get(text_cfg, "num_local_experts", "num_experts", "n_routed_experts")
+    k = top_k or _cfg_get(text_cfg, "num_experts_per_tok", "top_k")
+    if E is None or k is None:
+        raise ValueError("adapters need num_logical_experts= and top_k= (the model config does not say them)")
+    return hooks, ids_, E, k
+
+
+def _walked_hooks(model: nn.Module, num_logical_experts, top_k):
+    """Hooks for the MoE blocks :func:`find_moe_layers` finds: ``(hooks, layer ids, E, k)``."""
+    specs = find_moe_layers(model)
+    if not specs:
+        raise ValueError(
+            f"found no MoE block in {type(model).__name__} (a module with 'experts' and a 'gate'/'router'); "
+            "pass adapters={module: fn(module, inputs, output) -> topk_ids}"
+        )
+    Es = {s.num_experts for s in specs}
+    if len(Es) > 1:
+        raise ValueError(
+            f"MoE blocks disagree on the expert count {sorted(Es)}; record them with separate adapters"
+        )
+    E = num_logical_experts or Es.pop()
+    k = top_k or max(s.top_k for s in specs)
+    hooks: list[_Hook] = [(s.hook_module, s.where, None) for s in specs]
+    return hooks, [s.layer_id for s in specs], E, k
+
+
+def _final_layer_ids(ids_: list[int], layer_ids: Sequence[int] | None) -> list[int]:
+    """The given ``layer_ids`` (one per hooked module), else the ids found, numbered in order if they repeat."""
+    if layer_ids is not None:
+        if len(layer_ids) != len(ids_):
+            raise ValueError(f"layer_ids has {len(layer_ids)} entries for {len(ids_)} hooked modules")
+        ids_ = [int(x) for x in layer_ids]
+    if len(set(ids_)) != len(ids_):
+        ids_ = list(range(len(ids_)))  # module paths without distinct layer numbers: number in order
+    return ids_
+
+
+def _register_hooks(model: nn.Module, rec: RoutingRecorder, hooks: list[_Hook]) -> None:
+    """One forward (pre-)hook per MoE module recording its row, plus the model-level step hooks."""
     for row, (mod, where, fn) in enumerate(hooks):
         if where == "output":
 
@@ -665,5 +690,3 @@ def attach(
         model.register_forward_pre_hook(lambda _m, a, kw: rec._note_forward(a, kw), with_kwargs=True)
     )
     rec._handles.append(model.register_forward_hook(lambda *_: rec._after_forward()))
-    log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, mode)
-    return rec

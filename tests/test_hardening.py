@@ -291,7 +291,7 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"PK\x03\x04garbage")
     r = subprocess.run(
-        [sys.executable, "-m", "placement", "inspect", str(bad)],
+        [sys.executable, "-m", "cli", "inspect", str(bad)],
         capture_output=True,
         text=True,
         cwd=ROOT,
