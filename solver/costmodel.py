@@ -31,20 +31,29 @@ Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-
   it does not pay: at tiny batches each half re-reads every expert's weights).
 - memory per GPU: non-expert weights + ``slots_per_gpu x W x L_moe`` (every redundant slot costs one
   expert's weights in every MoE layer) + a runtime reserve; the rest is KV cache.
+
+Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in :mod:`solver.modelspec`,
+per-step workloads (:class:`Workload`, :func:`analytic_workload`, :func:`trace_workload`) in
+:mod:`solver.workload`; both are re-exported here, so ``from solver.costmodel import X`` keeps working.
+This module holds the options, the primitive timings, memory and the step time.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from solver.hardware import ClusterSpec, GpuSpec
+from solver.modelspec import BUILTIN_MODELS, ModelSpec, load_model, model_from_hf_config
+from solver.workload import Workload, analytic_workload, trace_workload
+
+if TYPE_CHECKING:
+    from placement.model import Placement
 
 __all__ = [
     "ModelSpec",
@@ -65,282 +74,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_MODELS_DIR = Path(__file__).with_name("models")
-BUILTIN_MODELS = {
-    "deepseek-v3": "deepseek_v3.json",
-    "deepseek-r1": "deepseek_v3.json",
-    "deepseek-v2-lite": "deepseek_v2_lite.json",
-    "mixtral-8x7b": "mixtral_8x7b.json",
-    "qwen3-30b-a3b": "qwen3_30b_a3b.json",
-    "olmoe-1b-7b": "olmoe_1b_7b.json",
-    "olmoe": "olmoe_1b_7b.json",
-}
-
-
-# ---------------------------------------------------------------------------------------------
-# Model description
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the cost model needs to know about an MoE model.
-
-    Attributes:
-        hidden_size: ``d``; moe_intermediate_size: ``f`` of one routed expert (GLU, 3 matrices).
-        num_logical_experts: routed experts ``E``; top_k: ``k``.
-        num_layers: all decoder layers; moe_layer_ids: the real indices of the MoE layers.
-        shared_intermediate_size: total intermediate size of the shared expert(s) (0 = none).
-        dense_intermediate_size: ``f`` of the dense MLP in non-MoE layers.
-        weight_bytes: bytes per weight of the linear layers (1 FP8, 2 BF16).
-        attention: ``"mla"`` (DeepSeek multi-head latent attention) or ``"gqa"``.
-        kv_cache_bytes: bytes per cached element (2 = BF16 cache).
-        num_groups / topk_group: group-limited routing (DeepSeek), None if absent.
-    """
-
-    name: str
-    hidden_size: int
-    moe_intermediate_size: int
-    num_logical_experts: int
-    top_k: int
-    num_layers: int
-    moe_layer_ids: tuple[int, ...]
-    num_shared_experts: int = 0
-    shared_intermediate_size: int = 0
-    dense_intermediate_size: int = 0
-    weight_bytes: float = 2.0
-    attention: str = "gqa"
-    num_attention_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    kv_lora_rank: int = 0
-    q_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    qk_nope_head_dim: int = 0
-    v_head_dim: int = 0
-    vocab_size: int = 32000
-    kv_cache_bytes: float = 2.0
-    num_groups: int | None = None
-    topk_group: int | None = None
-    source: str = ""
-
-    def __post_init__(self) -> None:
-        ints = ("hidden_size", "moe_intermediate_size", "num_logical_experts", "top_k", "num_layers")
-        for k in ints:
-            v = getattr(self, k)
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"model {self.name!r}: {k} must be a positive integer, got {v!r}")
-        if self.top_k > self.num_logical_experts:
-            raise ValueError(
-                f"model {self.name!r}: top_k={self.top_k} exceeds {self.num_logical_experts} experts"
-            )
-        ids = tuple(int(i) for i in self.moe_layer_ids)
-        if not ids or min(ids) < 0 or max(ids) >= self.num_layers or len(set(ids)) != len(ids):
-            raise ValueError(
-                f"model {self.name!r}: moe_layer_ids must be distinct indices in [0, {self.num_layers}), got {self.moe_layer_ids}"
-            )
-        object.__setattr__(self, "moe_layer_ids", ids)
-        if self.attention not in ("mla", "gqa"):
-            raise ValueError(f"model {self.name!r}: attention must be 'mla' or 'gqa', got {self.attention!r}")
-        if self.attention == "mla" and not (self.kv_lora_rank and self.qk_rope_head_dim):
-            raise ValueError(f"model {self.name!r}: MLA needs kv_lora_rank and qk_rope_head_dim")
-
-    # ---- derived sizes (elements or bytes) ----
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layer_ids)
-
-    @property
-    def num_dense_layers(self) -> int:
-        return self.num_layers - self.num_moe_layers
-
-    @property
-    def expert_bytes(self) -> float:
-        """One routed expert's weights in one layer: ``3 d f b_w`` (DeepSeek-V3 FP8: 44,040,192 B)."""
-        return 3.0 * self.hidden_size * self.moe_intermediate_size * self.weight_bytes
-
-    @property
-    def attention_params(self) -> float:
-        """Linear-layer parameters of one attention block."""
-        d, H = self.hidden_size, self.num_attention_heads
-        if self.attention == "mla":
-            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
-            q = d * self.q_lora_rank + self.q_lora_rank * H * qk if self.q_lora_rank else d * H * qk
-            kv = d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank * H * (
-                self.qk_nope_head_dim + self.v_head_dim
-            )
-            return float(q + kv + H * self.v_head_dim * d)
-        hd = self.head_dim
-        return float(d * H * hd + 2 * d * self.num_kv_heads * hd + H * hd * d)
-
-    @property
-    def kv_bytes_per_token_layer(self) -> float:
-        """KV-cache bytes of one token in one layer (MLA: the latent plus the rope key)."""
-        if self.attention == "mla":
-            return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_cache_bytes
-        return 2.0 * self.num_kv_heads * self.head_dim * self.kv_cache_bytes
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return self.kv_bytes_per_token_layer * self.num_layers
-
-    @property
-    def dispatch_bytes_per_token(self) -> float:
-        """FP8 with 128-element scales (``d + d/128*4``) for FP8 models, else BF16 (``2d``)."""
-        d = self.hidden_size
-        return d + d / 128 * 4 if self.weight_bytes <= 1 else 2.0 * d
-
-    @property
-    def combine_bytes_per_token(self) -> float:
-        return 2.0 * self.hidden_size
-
-    def non_expert_bytes(self, attn_tp: int = 1) -> float:
-        """Weights every GPU holds besides routed experts (attention, dense MLPs and embeddings split over
-        ``attn_tp``; shared experts and routers replicated). Embeddings and LM head in BF16."""
-        d = self.hidden_size
-        attn = self.attention_params * self.num_layers * self.weight_bytes / attn_tp
-        dense = 3.0 * d * self.dense_intermediate_size * self.num_dense_layers * self.weight_bytes / attn_tp
-        shared = 3.0 * d * self.shared_intermediate_size * self.num_moe_layers * self.weight_bytes
-        router = d * self.num_logical_experts * self.num_moe_layers * 4.0
-        embed = 2.0 * self.vocab_size * d * 2.0 / attn_tp
-        return attn + dense + shared + router + embed
-
-    def to_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["moe_layer_ids"] = list(self.moe_layer_ids)
-        return out
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any], where: str = "model description") -> ModelSpec:
-        d = dict(d)
-        if "moe_layer_ids" not in d and "first_moe_layer" in d:
-            d["moe_layer_ids"] = list(range(int(d.pop("first_moe_layer")), int(d["num_layers"])))
-        d.pop("first_moe_layer", None)
-        d.pop("notes", None)
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        missing = [
-            k
-            for k in (
-                "name",
-                "hidden_size",
-                "moe_intermediate_size",
-                "num_logical_experts",
-                "top_k",
-                "num_layers",
-                "moe_layer_ids",
-            )
-            if k not in d
-        ]
-        if missing:
-            raise ValueError(f"{where}: missing keys {missing}")
-        d["moe_layer_ids"] = tuple(d["moe_layer_ids"])
-        return cls(**d)
-
-
-def _dtype_bytes(cfg: Mapping[str, Any]) -> float:
-    q = cfg.get("quantization_config") or {}
-    if isinstance(q, Mapping) and str(q.get("quant_method", "")).lower() == "fp8":
-        return 1.0
-    dt = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16").lower()
-    return 4.0 if "32" in dt else 1.0 if "8" in dt else 2.0
-
-
-def model_from_hf_config(cfg: Mapping[str, Any], name: str | None = None) -> ModelSpec:
-    """Map a HF ``config.json`` dict of a DeepSeek-V2/V3, Mixtral, Qwen2/3-MoE or OLMoE model.
-
-    Fields read: ``n_routed_experts | num_local_experts | num_experts``, ``moe_intermediate_size``
-    (else ``intermediate_size``), ``num_experts_per_tok``, ``first_k_dense_replace`` and
-    ``moe_layer_freq`` (DeepSeek), ``decoder_sparse_step`` and ``mlp_only_layers`` (Qwen),
-    ``n_shared_experts`` / ``shared_expert_intermediate_size``, MLA's ``kv_lora_rank``,
-    ``qk_rope_head_dim`` etc., ``quantization_config.quant_method == "fp8"`` for FP8 weights.
-    """
-    c = dict(cfg)
-    mt = str(c.get("model_type", "")).lower()
-    where = f"config.json ({mt or 'unknown model_type'})"
-
-    def need(*keys):
-        for k in keys:
-            if c.get(k) is not None:
-                return c[k]
-        raise ValueError(f"{where}: none of {keys} is present; is this an MoE model config?")
-
-    E = int(need("n_routed_experts", "num_local_experts", "num_experts"))
-    L = int(need("num_hidden_layers"))
-    d = int(need("hidden_size"))
-    k = int(need("num_experts_per_tok", "moe_topk", "top_k"))
-    dense_f = int(c.get("intermediate_size") or 0)
-    f = int(c.get("moe_intermediate_size") or dense_f)
-    if f <= 0:
-        raise ValueError(f"{where}: no moe_intermediate_size or intermediate_size")
-    if "first_k_dense_replace" in c or mt.startswith("deepseek"):
-        first = int(c.get("first_k_dense_replace") or 0)
-        freq = int(c.get("moe_layer_freq") or 1)
-        moe = [i for i in range(L) if i >= first and i % freq == 0]
-    elif "decoder_sparse_step" in c or "mlp_only_layers" in c:
-        step = int(c.get("decoder_sparse_step") or 1)
-        only = set(int(i) for i in (c.get("mlp_only_layers") or []))
-        moe = [i for i in range(L) if i not in only and (i + 1) % step == 0]
-    else:
-        moe = list(range(L))
-    n_shared = int(c.get("n_shared_experts") or 0)
-    shared_f = n_shared * f
-    if c.get("shared_expert_intermediate_size"):
-        shared_f = int(c["shared_expert_intermediate_size"])
-        n_shared = max(n_shared, 1)
-    H = int(c.get("num_attention_heads") or 32)
-    mla = bool(c.get("kv_lora_rank"))
-    head_dim = int(c.get("head_dim") or (c.get("v_head_dim") if mla else 0) or (d // H))
-    return ModelSpec(
-        name=name or str(c.get("_name_or_path") or mt or "hf-model"),
-        hidden_size=d,
-        moe_intermediate_size=f,
-        num_logical_experts=E,
-        top_k=k,
-        num_layers=L,
-        moe_layer_ids=tuple(moe),
-        num_shared_experts=n_shared,
-        shared_intermediate_size=shared_f,
-        dense_intermediate_size=dense_f if len(moe) < L else 0,
-        weight_bytes=_dtype_bytes(c),
-        attention="mla" if mla else "gqa",
-        num_attention_heads=H,
-        num_kv_heads=int(c.get("num_key_value_heads") or H),
-        head_dim=head_dim,
-        kv_lora_rank=int(c.get("kv_lora_rank") or 0),
-        q_lora_rank=int(c.get("q_lora_rank") or 0),
-        qk_rope_head_dim=int(c.get("qk_rope_head_dim") or 0),
-        qk_nope_head_dim=int(c.get("qk_nope_head_dim") or 0),
-        v_head_dim=int(c.get("v_head_dim") or 0),
-        vocab_size=int(c.get("vocab_size") or 32000),
-        num_groups=int(c["n_group"]) if c.get("n_group") else None,
-        topk_group=int(c["topk_group"]) if c.get("topk_group") else None,
-        source=f"HF config.json, model_type={mt}",
-    )
-
-
-def load_model(name_or_path: str | Path) -> ModelSpec:
-    """A built-in model (``deepseek-v3``, ``deepseek-r1``, ``deepseek-v2-lite``, ``mixtral-8x7b``,
-    ``qwen3-30b-a3b``, ``olmoe-1b-7b``), a model-description JSON, or a HF ``config.json`` (or a
-    folder holding one)."""
-    from profiling.fileio import load_json
-
-    key = str(name_or_path).lower()
-    if key in BUILTIN_MODELS:
-        return ModelSpec.from_dict(load_json(_MODELS_DIR / BUILTIN_MODELS[key]), where=BUILTIN_MODELS[key])
-    p = Path(name_or_path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise ValueError(
-            f"unknown model {name_or_path!r}: not a built-in ({sorted(BUILTIN_MODELS)}) and no such file"
-        )
-    d = load_json(p)
-    if not isinstance(d, dict):
-        raise ValueError(f"{p}: expected a JSON object")
-    if "moe_layer_ids" in d or "first_moe_layer" in d:
-        return ModelSpec.from_dict(d, where=str(p))
-    return model_from_hf_config(d, name=p.parent.name if p.name == "config.json" else p.stem)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,7 +127,9 @@ class CostOptions:
         return "low_latency" if self.phase == "decode" else "normal"
 
 
-def gemm_time(gpu: GpuSpec, flops, bytes_moved, weight_bytes: float = 1.0):
+def gemm_time(
+    gpu: GpuSpec, flops: ArrayLike, bytes_moved: ArrayLike, weight_bytes: float = 1.0
+) -> np.ndarray:
     """``max(F / (P eta_c), M / (BW eta_m)) + t0`` (seconds); ``flops``/``bytes_moved`` broadcast."""
     P = gpu.peak_flops(weight_bytes) * gpu.eta_compute
     BW = gpu.hbm_bandwidth * gpu.eta_memory
@@ -404,7 +139,9 @@ def gemm_time(gpu: GpuSpec, flops, bytes_moved, weight_bytes: float = 1.0):
     )
 
 
-def a2a_time(cluster: ClusterSpec, nvl_bytes, rdma_bytes, num_nodes: int, ep_size: int):
+def a2a_time(
+    cluster: ClusterSpec, nvl_bytes: ArrayLike, rdma_bytes: ArrayLike, num_nodes: int, ep_size: int
+) -> np.ndarray:
     """``alpha + max(NVLink_bytes / B_nvl, RDMA_bytes / B_rdma)`` per GPU; 0 when ``ep_size == 1``.
 
     ``alpha`` is the inter-node latency when the EP group spans nodes, else the intra-node one.
@@ -416,188 +153,6 @@ def a2a_time(cluster: ClusterSpec, nvl_bytes, rdma_bytes, num_nodes: int, ep_siz
         np.asarray(nvl_bytes, float) / cluster.intra.bandwidth,
         np.asarray(rdma_bytes, float) / cluster.inter.bandwidth,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Workload: per-slot tokens and per-GPU traffic of one step
-# ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class Workload:
-    """What one step asks of each GPU, per MoE layer (``S`` sampled steps; analytic: ``S = 1``).
-
-    Attributes:
-        slot_tokens: float64 ``[S, L, P]`` token-expert pairs per physical slot (expectations or counts).
-        nvl_bytes / rdma_bytes: float64 ``[S, L, G]`` payload units per GPU for one all-to-all, the max of
-            sent and received (multiply by dispatch or combine bytes per token).
-        exact: True when counted from a token trace (then ``slot_tokens`` are integers).
-        how: a sentence saying where the numbers come from.
-    """
-
-    slot_tokens: np.ndarray
-    nvl_units: np.ndarray
-    rdma_units: np.ndarray
-    slots_per_gpu: int
-    exact: bool
-    how: str
-
-    def gpu_tokens(self, scale: float = 1.0) -> np.ndarray:
-        """``[S, L, G]`` token-expert pairs per GPU (``scale`` = fraction of the batch, 0.5 for a TBO half)."""
-        S, L, P = self.slot_tokens.shape
-        return self.slot_tokens.reshape(S, L, P // self.slots_per_gpu, self.slots_per_gpu).sum(axis=3) * scale
-
-    def active_experts(self, scale: float = 1.0) -> np.ndarray:
-        """``[S, L, G]`` expected slots with at least one token in a batch of ``scale`` x the step.
-
-        Analytic: Poisson, ``1 - exp(-lambda scale)``; counted: each of ``n`` tokens kept with
-        probability ``scale``, ``1 - (1 - scale)^n``.
-        """
-        n = self.slot_tokens
-        if self.exact:
-            act = 1.0 - np.power(1.0 - min(scale, 1.0), n)
-        else:
-            act = 1.0 - np.exp(-n * scale)
-        S, L, P = n.shape
-        return act.reshape(S, L, P // self.slots_per_gpu, self.slots_per_gpu).sum(axis=3)
-
-
-def _normalized(load: np.ndarray, k: int) -> np.ndarray:
-    """Pick probabilities ``[L, E]`` summing to 1 per layer, capped at ``1/k`` (picks are distinct)."""
-    w = np.asarray(load, dtype=np.float64)
-    s = w.sum(axis=1, keepdims=True)
-    p = np.where(s > 0, w / np.where(s > 0, s, 1), 1.0 / w.shape[1])
-    for _ in range(8):  # water-fill the cap
-        over = p > 1.0 / k
-        if not over.any():
-            break
-        excess = (p - 1.0 / k).clip(min=0).sum(axis=1, keepdims=True)
-        p = np.minimum(p, 1.0 / k)
-        free = np.where(p < 1.0 / k, p, 0)
-        p = p + excess * free / np.maximum(free.sum(axis=1, keepdims=True), 1e-300)
-    return p
-
-
-def analytic_workload(placement, load: np.ndarray, top_k: int, batch_per_rank: int, mode: str) -> Workload:
-    """Expected workload of one step from per-expert loads (picks assumed independent).
-
-    Args:
-        placement: :class:`placement.model.Placement` with ``G`` ranks over ``N`` nodes.
-        load: ``[L, E]`` relative load per logical expert (any scale; the skew is what matters).
-        top_k: ``k``; batch_per_rank: ``b`` tokens per rank; mode: ``normal`` or ``low_latency``.
-    """
-    from placement.metrics import expected_gpu_load
-
-    t = placement.topology
-    G, N, m, k, b = t.ep_size, t.num_nodes, t.gpus_per_node, int(top_k), float(batch_per_rank)
-    p = _normalized(load, k)  # [L, E]
-    picks = b * G * k
-    cnt = placement.logical_replica_count  # [L, E]
-    p2l = placement.physical_to_logical_map  # [L, P]
-    slot = np.take_along_axis(p / cnt, p2l, axis=1) * picks  # [L, P] expected pairs per slot
-    gpu_pairs = expected_gpu_load(placement, p * picks)  # [L, G]
-    pi_g = gpu_pairs / picks  # [L, G] probability that one pick lands on GPU g
-    node = t.node_of_gpu
-    pi_n = np.zeros((pi_g.shape[0], N))
-    np.add.at(pi_n.T, node, pi_g.T)  # [L, N]
-    same_node = pi_n[:, node]  # [L, G] mass on the GPU's own node
-    if G == 1:
-        zero = np.zeros_like(pi_g)
-        nvl, rdma = zero, zero
-    elif mode == "low_latency":
-        # one copy per (token, pick); off-node copies over RDMA, on-node (other GPU) over NVLink
-        rdma_send = b * k * (1.0 - same_node)
-        nvl_send = b * k * (same_node - pi_g)
-        rdma_recv = (G - m) * b * k * pi_g
-        nvl_recv = (m - 1) * b * k * pi_g
-        nvl, rdma = np.maximum(nvl_send, nvl_recv), np.maximum(rdma_send, rdma_recv)
-    elif mode == "normal":
-        hit_n = 1.0 - np.power(1.0 - np.clip(pi_n, 0, 1), k)  # [L, N] a token needs node n
-        hit_g = 1.0 - np.power(1.0 - np.clip(pi_g, 0, 1), k)  # [L, G] a token needs GPU g
-        rdma_send = b * (hit_n.sum(axis=1, keepdims=True) - hit_n[:, node])
-        rdma_recv = (G - m) * b * hit_n[:, node] / m  # landing spread over the node's GPUs
-        nvl_recv = G * b * hit_g * (m - 1) / m  # forwarded inside the node (1/m lands directly)
-        node_mean = np.zeros_like(pi_n)
-        np.add.at(node_mean.T, node, nvl_recv.T)
-        nvl_send = node_mean[:, node] / m
-        nvl, rdma = np.maximum(nvl_send, nvl_recv), np.maximum(rdma_send, rdma_recv)
-    else:
-        raise ValueError(f"a2a mode must be 'normal' or 'low_latency', got {mode!r}")
-    how = f"analytic expectation from per-expert loads ({mode}: independent picks, even replica split)"
-    return Workload(slot[None], np.asarray(nvl)[None], np.asarray(rdma)[None], t.slots_per_gpu, False, how)
-
-
-def trace_workload(
-    placement, trace, batch_per_rank: int, mode: str, max_steps: int = 4, policy: str = "even"
-) -> Workload:
-    """Workload counted token by token from a per-token trace.
-
-    Step ``s`` holds ``b x G`` consecutive tokens, token ``t`` of a step on rank ``t // b`` (as
-    :func:`placement.metrics.step_par`); replicas are chosen by :func:`placement.metrics.route_tokens`.
-    Up to ``max_steps`` steps, evenly spread over the trace.
-    """
-    from placement.metrics import route_tokens
-
-    if not trace.has_tokens:
-        raise ValueError("trace_workload needs a per-token trace (topk_ids); this one has counts only")
-    t = placement.topology
-    G, P, m = t.ep_size, t.num_physical_experts, t.gpus_per_node
-    b = int(batch_per_rank)
-    per_step = b * G
-    total = trace.num_tokens // per_step
-    if total < 1:
-        raise ValueError(
-            f"the trace has {trace.num_tokens} tokens, fewer than one step of {b} tokens x {G} ranks = {per_step}; "
-            f"use a smaller --batch-per-rank or a longer trace"
-        )
-    starts = np.unique(np.linspace(0, total - 1, num=min(max_steps, total)).astype(int)) * per_step
-    L = placement.num_layers
-    slot_tokens = np.zeros((len(starts), L, P))
-    nvl = np.zeros((len(starts), L, G))
-    rdma = np.zeros((len(starts), L, G))
-    src = np.arange(per_step) // b  # [T'] rank of each token in a step
-    src_node = src // m
-    for i, s0 in enumerate(starts):
-        ids = np.asarray(trace.topk_ids[s0 : s0 + per_step])  # [T', L, k]
-        slots = route_tokens(
-            placement, ids, src, policy, token_index=np.arange(s0, s0 + per_step)
-        )  # [T', L, k]
-        valid = slots >= 0
-        gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T', L, k]
-        nd = np.where(valid, gpu // m, -1)
-        for l in range(L):
-            sl = slots[:, l][valid[:, l]]
-            slot_tokens[i, l] = np.bincount(sl, minlength=P)
-            g = gpu[:, l]  # [T', k]
-            n = nd[:, l]
-            v = valid[:, l]
-            off_node = v & (n != src_node[:, None])
-            on_node = v & (n == src_node[:, None]) & (g != src[:, None])
-            if mode == "low_latency":
-                rs = np.bincount(src, weights=off_node.sum(axis=1), minlength=G)
-                ns = np.bincount(src, weights=on_node.sum(axis=1), minlength=G)
-                rr = np.bincount(g[off_node], minlength=G)
-                nr = np.bincount(g[on_node], minlength=G)
-            else:
-                # distinct remote nodes per token (RDMA), distinct GPUs per token (NVLink fan-out)
-                key_n = np.where(off_node, n, -1)
-                key_n = np.sort(key_n, axis=1)
-                first_n = (key_n >= 0) & np.concatenate(
-                    [np.ones((key_n.shape[0], 1), bool), key_n[:, 1:] != key_n[:, :-1]], axis=1
-                )
-                rs = np.bincount(src, weights=first_n.sum(axis=1), minlength=G)
-                tok_n = np.repeat(np.arange(key_n.shape[0]), key_n.shape[1]).reshape(key_n.shape)
-                landing = key_n * m + (src[tok_n] % m)  # lands on the same-index GPU of the remote node
-                rr = np.bincount(landing[first_n], minlength=G)
-                key_g = np.where(v & (g != src[:, None]), g, -1)
-                key_g = np.sort(key_g, axis=1)
-                first_g = (key_g >= 0) & np.concatenate(
-                    [np.ones((key_g.shape[0], 1), bool), key_g[:, 1:] != key_g[:, :-1]], axis=1
-                )
-                nr = np.bincount(key_g[first_g], minlength=G).astype(float) * (m - 1) / m
-                ns = np.full(G, nr.mean())
-            rdma[i, l] = np.maximum(rs, rr)
-            nvl[i, l] = np.maximum(ns, nr)
-    how = f"counted from {len(starts)} step(s) of the trace {trace.name!r} via route_tokens ({mode}, policy {policy})"
-    return Workload(slot_tokens, nvl, rdma, t.slots_per_gpu, True, how)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -780,9 +335,12 @@ class StepCost:
 
 
 def step_cost(
-    model: ModelSpec, cluster: ClusterSpec, placement, workload: Workload, options: CostOptions
+    model: ModelSpec, cluster: ClusterSpec, placement: Placement, workload: Workload, options: CostOptions
 ) -> StepCost:
     """Step time of one attention-DP rank (all ranks run in lockstep through the all-to-alls).
+
+    Steps: per-layer parts at the full batch and at a TBO half -> overlap choice -> MoE, dense and
+    LM-head times -> mean layer breakdown and bottleneck.
 
     Args:
         placement: the :class:`Placement` the workload was computed for (its topology gives G and N).
@@ -790,30 +348,66 @@ def step_cost(
     """
     t = placement.topology
     G, N = t.ep_size, t.num_nodes
-    gpu = cluster.gpu
     b = float(options.batch_per_rank)
-    shared_f = model.shared_intermediate_size
-
-    def parts(scale):
-        bb = b * scale
-        attn = _attention_time(model, cluster, bb, options)
-        shared = _mlp_time(model, gpu, bb, shared_f)
-        disp, comp, comb, comp_mean, amax, n = _moe_parts(model, cluster, workload, scale, N, G)
-        return attn, shared, disp, comp, comb, comp_mean, amax, n
-
-    attn, shared, disp, comp, comb, comp_mean, amax, n = parts(1.0)
-    no = attn + shared + disp + comp + comb  # [S, L]
-    a2, s2, d2, c2, k2, _, _, _ = parts(0.5)
-    tbo = 2.0 * np.maximum(a2 + s2 + c2, d2 + k2)
-    if options.overlap == "off":
-        used, on = no, False
-    elif options.overlap == "on":
-        used, on = tbo, True
-    else:
-        on = bool(tbo.mean() < no.mean())
-        used = tbo if on else no
+    full = _layer_parts(model, cluster, workload, options, b, 1.0, N, G)
+    no = full.attn + full.shared + full.disp + full.comp + full.comb  # [S, L]
+    half = _layer_parts(model, cluster, workload, options, b, 0.5, N, G)
+    tbo = 2.0 * np.maximum(half.attn + half.shared + half.comp, half.disp + half.comb)
+    used, on = _choose_overlap(no, tbo, options.overlap)
     # The workload has L rows; the model may have more MoE layers (a trace of some layers): scale the mean.
     moe_time = float(used.mean() * model.num_moe_layers)
+    dense_time, lm = _dense_and_head_time(model, cluster, b, options)
+    step = moe_time + dense_time + lm
+    layer = _layer_cost(model, cluster.gpu, full, no, tbo, used, on)
+    return StepCost(step, b / step, layer, moe_time, float(dense_time), lm, _bottleneck(layer), workload.how)
+
+
+class _Parts(NamedTuple):
+    """Per-layer times ``[S, L]`` (attention and shared expert: scalars), plus ``n [S, L, G]``."""
+
+    attn: float
+    shared: float
+    disp: np.ndarray
+    comp: np.ndarray
+    comb: np.ndarray
+    comp_mean: np.ndarray
+    amax: np.ndarray
+    n: np.ndarray
+
+
+def _layer_parts(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    workload: Workload,
+    options: CostOptions,
+    b: float,
+    scale: float,
+    num_nodes: int,
+    ep_size: int,
+) -> _Parts:
+    """One MoE layer's parts for ``b x scale`` tokens per rank (``scale`` 0.5: a TBO micro-batch)."""
+    bb = b * scale
+    attn = _attention_time(model, cluster, bb, options)
+    shared = _mlp_time(model, cluster.gpu, bb, model.shared_intermediate_size)
+    disp, comp, comb, comp_mean, amax, n = _moe_parts(model, cluster, workload, scale, num_nodes, ep_size)
+    return _Parts(attn, shared, disp, comp, comb, comp_mean, amax, n)
+
+
+def _choose_overlap(no: np.ndarray, tbo: np.ndarray, overlap: str) -> tuple[np.ndarray, bool]:
+    """``(used [S, L], overlap used)``: ``auto`` keeps the faster of no overlap and TBO on the mean."""
+    if overlap == "off":
+        return no, False
+    if overlap == "on":
+        return tbo, True
+    on = bool(tbo.mean() < no.mean())
+    return (tbo if on else no), on
+
+
+def _dense_and_head_time(
+    model: ModelSpec, cluster: ClusterSpec, b: float, options: CostOptions
+) -> tuple[float, float]:
+    """``(dense layers, LM head)`` seconds of one step (the LM head sees one token per prompt in prefill)."""
+    gpu = cluster.gpu
     dense_attn = _attention_time(model, cluster, b, options)
     dense_time = model.num_dense_layers * (
         dense_attn + _mlp_time(model, gpu, b, model.dense_intermediate_size, options.attn_tp)
@@ -827,35 +421,50 @@ def step_cost(
             2.0,
         )
     )
-    step = moe_time + dense_time + lm
-    tokens_per_expert = float(n.sum(axis=2).mean() / max(model.num_logical_experts, 1))
+    return dense_time, lm
+
+
+def _layer_cost(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    full: _Parts,
+    no: np.ndarray,
+    tbo: np.ndarray,
+    used: np.ndarray,
+    on: bool,
+) -> LayerCost:
+    """Means over layers and sampled steps of the ``[S, L]`` parts."""
+    tokens_per_expert = float(full.n.sum(axis=2).mean() / max(model.num_logical_experts, 1))
     knee = gpu.knee_tokens_per_expert(model.weight_bytes)
-    layer = LayerCost(
-        attention=float(np.mean(attn)),
-        shared=float(np.mean(shared)),
-        dispatch=float(disp.mean()),
-        compute=float(comp.mean()),
-        combine=float(comb.mean()),
+    return LayerCost(
+        attention=float(np.mean(full.attn)),
+        shared=float(np.mean(full.shared)),
+        dispatch=float(full.disp.mean()),
+        compute=float(full.comp.mean()),
+        combine=float(full.comb.mean()),
         no_overlap=float(no.mean()),
         overlapped=float(tbo.mean()),
         used=float(used.mean()),
         overlap_used=on,
-        compute_mean=float(comp_mean.mean()),
-        active_experts_max=float(amax.mean()),
+        compute_mean=float(full.comp_mean.mean()),
+        active_experts_max=float(full.amax.mean()),
         tokens_per_expert=tokens_per_expert,
         memory_bound=bool(tokens_per_expert < knee),
     )
+
+
+def _bottleneck(layer: LayerCost) -> str:
+    """``communication``, ``attention`` or ``experts``: the largest share of a layer."""
     comm = layer.dispatch + layer.combine
     compute = layer.attention + layer.shared + layer.compute
-    bottleneck = (
+    return (
         "communication"
         if comm > compute
         else ("attention" if layer.attention > layer.compute + layer.shared else "experts")
     )
-    return StepCost(step, b / step, layer, moe_time, float(dense_time), lm, bottleneck, workload.how)
 
 
-def with_overrides(spec, **kw):
+def with_overrides(spec: Any, **kw: Any) -> Any:
     """``dataclasses.replace`` that names the valid fields on a typo."""
     names = {f.name for f in fields(spec)}
     bad = set(kw) - names

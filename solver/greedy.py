@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from placement.topology import Topology
 from solver.report import LayerReport, SolveReport
+
+if TYPE_CHECKING:
+    from solver.problem import Problem
 
 __all__ = [
     "GreedyOptions",
@@ -41,7 +44,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def replicate(weight: np.ndarray, num_slots: int, max_replicas: int | None = None):
+def replicate(
+    weight: np.ndarray, num_slots: int, max_replicas: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Hand out ``num_slots`` replicas, one at a time, to the expert with the highest load per replica.
 
     Args:
@@ -86,7 +91,7 @@ def balanced_packing(
     weight: np.ndarray,
     num_packs: int,
     item_key: np.ndarray | None = None,
-):
+) -> tuple[np.ndarray, np.ndarray]:
     """Pack ``n`` weighted items into ``num_packs`` packs of exactly ``n / num_packs`` items each.
 
     Items go in order of decreasing weight to the lightest pack with room. With ``item_key`` (e.g. the
@@ -226,7 +231,7 @@ def greedy_placement(
     parity: bool = False,
     layer_ids: Sequence[int] | None = None,
 ) -> tuple[Placement, SolveReport]:
-    """The greedy baseline.
+    """The greedy baseline: check the load -> choose the policy and place -> report peak vs bound.
 
     Args:
         load: ``[L, E]`` tokens per logical expert (any non-negative numbers).
@@ -240,13 +245,31 @@ def greedy_placement(
         (Placement, SolveReport) with the policy used in ``params["policy"]``.
     """
     t0 = time.perf_counter()
+    w = _checked_load(load, topology, parity)
+    used, phy2log, notes = _place_by_policy(w, topology, num_groups, policy, parity)
+    placement = Placement(
+        phy2log,
+        w.shape[1],
+        topology,
+        tuple(layer_ids or ()),
+        {"solver": "greedy", "policy": used, "parity": parity, "num_groups": num_groups},
+        allow_colocated_replicas=parity,
+    )
+    wall = time.perf_counter() - t0
+    report = _greedy_report(placement, w, wall, used, parity, num_groups, notes)
+    log.debug("greedy: policy=%s %d layers in %.3fs", used, w.shape[0], wall)
+    return placement, report
+
+
+def _checked_load(load: np.ndarray, topology: Topology, parity: bool) -> np.ndarray:
+    """``load`` as float64 ``[L, E]``, or a ValueError naming what does not fit the topology."""
     w = np.asarray(load, dtype=np.float64)
     if w.ndim != 2:
         raise ValueError(f"load must be [num_layers, num_logical_experts], got shape {w.shape}")
     if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
-    L, E = w.shape
-    P, G, N = topology.num_physical_experts, topology.ep_size, topology.num_nodes
+    E = w.shape[1]
+    P, G = topology.num_physical_experts, topology.ep_size
     if E > P:
         raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
     if not parity and topology.slots_per_gpu > E:
@@ -254,8 +277,17 @@ def greedy_placement(
             f"{topology.slots_per_gpu} slots per GPU exceed the {E} experts: some GPU would need two replicas "
             f"of one expert; use at most {E * G - E} redundant experts"
         )
+    return w
+
+
+def _place_by_policy(
+    w: np.ndarray, topology: Topology, groups: int | None, policy: str, parity: bool
+) -> tuple[str, np.ndarray, list[str]]:
+    """``(policy used, phy2log int64 [L, P], notes)``: hierarchical when asked for or when ``auto`` finds
+    the groups dividing over the nodes, else global (one group on one node)."""
+    E = w.shape[1]
+    P, G, N = topology.num_physical_experts, topology.ep_size, topology.num_nodes
     notes: list[str] = []
-    groups = num_groups
     if policy == "hierarchical" or (policy == "auto" and groups and groups % N == 0 and E % groups == 0):
         if not groups or E % groups or groups % N:
             raise ValueError(
@@ -266,28 +298,28 @@ def greedy_placement(
             raise ValueError(
                 f"{P // N} slots per node exceed what {E // N} experts x {topology.gpus_per_node} GPUs can hold"
             )
-        used = "hierarchical"
-        phy2log = _hierarchical(w, P, groups, N, G, parity)
-    elif policy in ("auto", "global"):
-        used = "global"
+        return "hierarchical", _hierarchical(w, P, groups, N, G, parity), notes
+    if policy in ("auto", "global"):
         if policy == "auto" and groups:
             notes.append(f"num_groups={groups} does not divide over num_nodes={N}: global policy used")
-        phy2log = _hierarchical(w, P, 1, 1, G, parity)
-    else:
-        raise ValueError(f"unknown greedy policy {policy!r}; use auto, hierarchical or global")
+        return "global", _hierarchical(w, P, 1, 1, G, parity), notes
+    raise ValueError(f"unknown greedy policy {policy!r}; use auto, hierarchical or global")
 
-    placement = Placement(
-        phy2log,
-        E,
-        topology,
-        tuple(layer_ids or ()),
-        {"solver": "greedy", "policy": used, "parity": parity, "num_groups": groups},
-        allow_colocated_replicas=parity,
-    )
-    wall = time.perf_counter() - t0
-    peak = expected_gpu_load(placement, w).max(axis=1)
-    bound = peak_lower_bound(w, G, P)
-    mean = w.sum(axis=1) / G
+
+def _greedy_report(
+    placement: Placement,
+    w: np.ndarray,
+    wall: float,
+    used: str,
+    parity: bool,
+    groups: int | None,
+    notes: list[str],
+) -> SolveReport:
+    """Per layer: peak GPU load ``[L]`` (even split over replicas) against the closed-form bound."""
+    G, P = placement.topology.ep_size, placement.topology.num_physical_experts
+    peak = expected_gpu_load(placement, w).max(axis=1)  # [L]
+    bound = peak_lower_bound(w, G, P)  # [L]
+    mean = w.sum(axis=1) / G  # [L]
     layers = tuple(
         LayerReport(
             layer_id=placement.layer_ids[l],
@@ -296,17 +328,15 @@ def greedy_placement(
             bound=float(bound[l]),
             mean_load=float(mean[l]),
         )
-        for l in range(L)
+        for l in range(w.shape[0])
     )
-    report = SolveReport(
+    return SolveReport(
         solver="greedy",
         layers=layers,
         wall_time_s=wall,
         params={"policy": used, "parity": parity, "num_groups": groups},
         notes=tuple(notes),
     )
-    log.debug("greedy: policy=%s %d layers in %.3fs", used, L, wall)
-    return placement, report
 
 
 @dataclass(frozen=True)
@@ -318,7 +348,7 @@ class GreedyOptions:
     parity: bool = False
 
 
-def run_greedy(problem, options: GreedyOptions) -> tuple[Placement, SolveReport]:
+def run_greedy(problem: Problem, options: GreedyOptions) -> tuple[Placement, SolveReport]:
     """The registry's entry (:mod:`solver.api`): :func:`greedy_placement` on ``problem.load``."""
     return greedy_placement(
         problem.load,

@@ -285,7 +285,7 @@ def cluster_preset(
     else:
         raise ValueError(f"unknown hardware {hardware!r}; use one of {HARDWARE_NAMES} or a preset .json file")
 
-    def link(name, default):
+    def link(name: str | None, default: LinkSpec) -> LinkSpec:
         if name is None:
             return default
         if name.lower() not in LINKS:

@@ -487,26 +487,16 @@ def compare_phases(
 ) -> dict:
     """Best layout of each phase, each evaluated on the other phase.
 
+    Steps: plan each phase -> evaluate each best layout on the other phase -> losses -> message.
+
     Returns a dict with both plans, the cross-evaluated throughputs, ``separate_wins`` (True when
     either phase's best layout, used for both phases, loses more than :data:`TIE` on the other) and a
     ``message``.
     """
     load, _ = workload_load(model, trace, seed)
-    cache: dict = {}
-    plans = dict(plans or {})
-    for name, opts in (("decode", decode), ("prefill", prefill)):
-        if name not in plans:
-            plans[name] = plan_layout(
-                model,
-                cluster,
-                num_nodes,
-                opts,
-                trace=trace,
-                solver=solver,
-                max_redundant=max_redundant,
-                seed=seed,
-                placements=cache,
-            )
+    plans = _phase_plans(
+        model, cluster, num_nodes, decode, prefill, trace, solver, max_redundant, seed, plans
+    )
     bd, bp = plans["decode"].best, plans["prefill"].best
     if bd is None or bp is None:
         return {
@@ -524,15 +514,70 @@ def compare_phases(
     if bd.candidate == bp.candidate:
         msg = f"one layout serves both phases best: {bd.candidate.label(E)}"
         return {"plans": plans, "separate_wins": False, "message": msg}
-    loss_prefill = (
-        1 - pd_on_prefill.tokens_per_s_per_gpu / bp.tokens_per_s_per_gpu if pd_on_prefill.feasible else 1.0
-    )
-    loss_decode = (
-        1 - pp_on_decode.tokens_per_s_per_gpu / bd.tokens_per_s_per_gpu if pp_on_decode.feasible else 1.0
-    )
+    loss_prefill = _cross_loss(pd_on_prefill, bp)
+    loss_decode = _cross_loss(pp_on_decode, bd)
     # a single layout for both phases is the better of the two bests; separate pools win when even it loses
     wins = min(loss_prefill, loss_decode) > TIE
-    msg = (
+    return {
+        "plans": plans,
+        "separate_wins": wins,
+        "message": _phase_message(wins, loss_prefill, loss_decode, bd, bp, pd_on_prefill, pp_on_decode, E),
+        "loss_prefill": loss_prefill,
+        "loss_decode": loss_decode,
+        "decode_on_prefill": pd_on_prefill,
+        "prefill_on_decode": pp_on_decode,
+    }
+
+
+def _phase_plans(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    num_nodes: int,
+    decode: CostOptions,
+    prefill: CostOptions,
+    trace,
+    solver: str,
+    max_redundant: int | None,
+    seed: int,
+    plans: dict | None,
+) -> dict:
+    """``{"decode": LayoutPlan, "prefill": LayoutPlan}``: the given plans, the missing ones planned
+    (sharing one placement cache)."""
+    plans = dict(plans or {})
+    cache: dict = {}
+    for name, opts in (("decode", decode), ("prefill", prefill)):
+        if name not in plans:
+            plans[name] = plan_layout(
+                model,
+                cluster,
+                num_nodes,
+                opts,
+                trace=trace,
+                solver=solver,
+                max_redundant=max_redundant,
+                seed=seed,
+                placements=cache,
+            )
+    return plans
+
+
+def _cross_loss(on_other: LayoutResult, best_other: LayoutResult) -> float:
+    """Throughput a phase loses running the other phase's best layout (1.0 when it cannot run it)."""
+    return 1 - on_other.tokens_per_s_per_gpu / best_other.tokens_per_s_per_gpu if on_other.feasible else 1.0
+
+
+def _phase_message(
+    wins: bool,
+    loss_prefill: float,
+    loss_decode: float,
+    bd: LayoutResult,
+    bp: LayoutResult,
+    pd_on_prefill: LayoutResult,
+    pp_on_decode: LayoutResult,
+    E: int,
+) -> str:
+    """The verdict of :func:`compare_phases` in one sentence."""
+    return (
         f"{'SEPARATE PREFILL AND DECODE LAYOUTS WIN' if wins else 'ONE LAYOUT SERVES BOTH PHASES (separate pools gain at most ' + format(min(loss_prefill, loss_decode), '.0%') + ')'}: "
         f"decode best {bd.candidate.label(E)}, prefill best {bp.candidate.label(E)}; the decode layout "
         + (
@@ -547,15 +592,6 @@ def compare_phases(
             else f"cannot run decode ({pp_on_decode.reason})"
         )
     )
-    return {
-        "plans": plans,
-        "separate_wins": wins,
-        "message": msg,
-        "loss_prefill": loss_prefill,
-        "loss_decode": loss_decode,
-        "decode_on_prefill": pd_on_prefill,
-        "prefill_on_decode": pp_on_decode,
-    }
 
 
 def launch_flags(

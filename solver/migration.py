@@ -33,6 +33,11 @@ Two methods:
 
 ``max_moves`` is a TOTAL over all layers. No method returns a placement worse than keeping the
 previous one (zero moves) on the objective.
+
+Layout: slot bookkeeping (:func:`keep_slots`, :func:`moved_pairs`, :func:`align_to_previous`) lives in
+:mod:`solver.migration_slots` and is re-exported here; the per-layer CP-SAT model is
+:mod:`solver.migration_cpsat`. :func:`solve_migration` (keywords) and :func:`run_migration` (the
+registry's ``(Problem, MigrationOptions)``) both run one pipeline, :func:`_migrate`.
 """
 
 from __future__ import annotations
@@ -41,139 +46,35 @@ import heapq
 import logging
 import time
 from collections.abc import Sequence
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
+from solver.greedy import greedy_placement
+from solver.migration_cpsat import exact_layer as _exact_layer
+from solver.migration_slots import align_to_previous, keep_slots, moved_pairs
+from solver.migration_slots import fill_slots as _fill_slots
+from solver.migration_slots import membership as _membership
 from solver.report import LayerReport, SolveReport
 
-__all__ = ["align_to_previous", "keep_slots", "moved_pairs", "solve_migration"]
+if TYPE_CHECKING:
+    from solver.problem import Problem
+
+__all__ = [
+    "MigrationOptions",
+    "align_to_previous",
+    "keep_slots",
+    "moved_pairs",
+    "run_migration",
+    "solve_migration",
+]
 
 log = logging.getLogger(__name__)
 
 METHODS = ("auto", "exact", "incremental")
-
-
-# ---------------------------------------------------------------------------------------------
-# Slot bookkeeping
-# ---------------------------------------------------------------------------------------------
-def _membership(row: np.ndarray, E: int, G: int, S: int) -> np.ndarray:
-    """bool ``[E, G]``: expert ``e`` has a replica on GPU ``g`` (row is one layer's ``[P]`` map)."""
-    x = np.zeros((E, G), dtype=bool)
-    x[row, np.arange(row.size) // S] = True
-    return x
-
-
-def _fill_slots(x: np.ndarray, prev_row: np.ndarray, S: int) -> np.ndarray:
-    """A ``[P]`` map holding the pairs of ``x [E, G]``, with every expert kept on a GPU in its old slot.
-
-    Experts new on a GPU take that GPU's freed slots in ascending expert order.
-    """
-    E, G = x.shape
-    out = np.empty_like(prev_row)
-    for g in range(G):
-        old = prev_row[g * S : (g + 1) * S]  # [S]
-        want = np.flatnonzero(x[:, g])
-        keep = x[old, g]  # [S] slot keeps its expert
-        new = np.setdiff1d(want, old[keep], assume_unique=True)
-        seg = old.copy()
-        seg[~keep] = new
-        out[g * S : (g + 1) * S] = seg
-    return out
-
-
-def keep_slots(new: Placement, previous: Placement) -> Placement:
-    """Permute slots within each GPU of ``new`` so experts that stay on a GPU keep their slot.
-
-    GPU contents (and so all loads) are unchanged; ``moved_slots(previous, result)`` becomes the
-    number of (GPU, expert) pairs of ``new`` that ``previous`` lacks.
-    """
-    _check_same_shape(new, previous)
-    t = new.topology
-    E, G, S = new.num_logical_experts, t.ep_size, t.slots_per_gpu
-    p2l = np.stack(
-        [
-            _fill_slots(
-                _membership(new.physical_to_logical_map[l], E, G, S), previous.physical_to_logical_map[l], S
-            )
-            for l in range(new.num_layers)
-        ]
-    )
-    return Placement(p2l, E, t, new.layer_ids, new.provenance)
-
-
-def moved_pairs(previous: Placement, new: Placement) -> np.ndarray:
-    """int64 ``[L]``: (GPU, expert) pairs of ``new`` absent from ``previous`` (the least moved slots
-    any slot order within GPUs can reach)."""
-    _check_same_shape(new, previous)
-    t = new.topology
-    E, G, S = new.num_logical_experts, t.ep_size, t.slots_per_gpu
-    out = np.zeros(new.num_layers, dtype=np.int64)
-    for l in range(new.num_layers):
-        a = _membership(previous.physical_to_logical_map[l], E, G, S)
-        b = _membership(new.physical_to_logical_map[l], E, G, S)
-        out[l] = int((b & ~a).sum())
-    return out
-
-
-def _check_same_shape(new: Placement, previous: Placement) -> None:
-    if new.topology != previous.topology or new.num_logical_experts != previous.num_logical_experts:
-        raise ValueError(
-            f"placements differ: {new.num_logical_experts} vs {previous.num_logical_experts} logical experts, "
-            f"topology {new.topology} vs {previous.topology}; align needs the same experts and topology"
-        )
-    if new.num_layers != previous.num_layers:
-        raise ValueError(
-            f"placements have {new.num_layers} vs {previous.num_layers} layers; select matching layers first"
-        )
-
-
-def align_to_previous(new: Placement, previous: Placement) -> Placement:
-    """Relabel GPUs within nodes (and nodes) and slots within GPUs to minimise moved slots.
-
-    Loads do not change: each GPU's set of experts is kept whole and only renamed, so the multiset of
-    per-GPU loads (and every balance metric) is the same. Node relabelling and GPU relabelling inside
-    nodes are both linear assignments (scipy ``linear_sum_assignment``) maximising kept pairs; slots
-    inside a GPU then follow :func:`keep_slots`.
-
-    Args:
-        new: the placement to relabel (e.g. a greedy solve from scratch).
-        previous: the placement now in service (same topology, experts and layer count).
-
-    Returns:
-        A placement with the same per-GPU expert sets as ``new`` up to GPU renaming.
-    """
-    from scipy.optimize import linear_sum_assignment
-
-    _check_same_shape(new, previous)
-    t = new.topology
-    E, G, S, N, m = new.num_logical_experts, t.ep_size, t.slots_per_gpu, t.num_nodes, t.gpus_per_node
-    rows = []
-    for l in range(new.num_layers):
-        xn = _membership(new.physical_to_logical_map[l], E, G, S)  # [E, G]
-        xp = _membership(previous.physical_to_logical_map[l], E, G, S)
-        overlap = xn.T.astype(np.int64) @ xp.astype(np.int64)  # [G new, G old] kept pairs
-        # Best GPU matching for every (new node, old node) pair, then the node matching.
-        node_score = np.zeros((N, N))
-        node_match: dict[tuple[int, int], np.ndarray] = {}
-        for a in range(N):
-            for b in range(N):
-                block = overlap[a * m : (a + 1) * m, b * m : (b + 1) * m]  # [m, m]
-                ri, ci = linear_sum_assignment(block, maximize=True)
-                node_score[a, b] = block[ri, ci].sum()
-                node_match[(a, b)] = ci  # new GPU a*m+ri[i] -> old GPU b*m+ci[i]; ri is arange
-        na, nb = linear_sum_assignment(node_score, maximize=True)
-        new_to_old = np.empty(G, dtype=np.int64)
-        for a, b in zip(na, nb):
-            new_to_old[a * m + np.arange(m)] = b * m + node_match[(a, b)]
-        x_relabelled = np.zeros_like(xn)
-        x_relabelled[:, new_to_old] = xn
-        rows.append(_fill_slots(x_relabelled, previous.physical_to_logical_map[l], S))
-    prov = dict(new.provenance)
-    prov["aligned_to_previous"] = True
-    return Placement(np.stack(rows), E, t, new.layer_ids, prov)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +92,7 @@ class _Layer:
         self.moved = 0
         self.moves = {"replace": 0, "swap": 0}
         self._refresh()
+        self.prev_peak = self.peak  # the previous placement's peak
         self.tol = 1e-12 * (float(w.sum()) + 1.0)
 
     def _refresh(self) -> None:
@@ -199,68 +101,13 @@ class _Layer:
         self.peak = float(self.load.max())
 
     def best_move(self, move_cost: float, budget_left: float):
-        """Best (efficiency, net, gain, dmoved, move) or None. ``efficiency = net / max(dmoved, 1)``."""
-        w, x, cnt, load, prev = self.w, self.x, self.cnt, self.load, self.prev
-        E, G = x.shape
-        u = w / cnt  # [E]
-        cands = []
+        """Best (efficiency, net, gain, dmoved, move) or None. ``efficiency = net / max(dmoved, 1)``.
 
-        # -- replace: on GPU h, expert a (cnt >= 2) -> expert b (not on h) ------------------------
-        A = np.flatnonzero(cnt >= 2)
-        if A.size:
-            da = w[A] / (cnt[A] - 1) - u[A]  # [A] load rise on a's other GPUs
-            ub = w / (cnt + 1)  # [E] b's per-replica load after gaining one
-            db = u - ub  # [E] load drop on b's GPUs
-            base = (
-                load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]
-            )  # [A, E, G]
-            if G >= 2:
-                part = np.argpartition(-base, 1, axis=2)[:, :, :2]  # [A, E, 2] two largest
-                v = np.take_along_axis(base, part, axis=2)
-                order = np.argsort(-v, axis=2)
-                top_i = np.take_along_axis(part, order, axis=2)  # [A, E, 2]
-                top_v = np.take_along_axis(v, order, axis=2)
-            ai, h = np.nonzero(x[A])  # pairs: A-index, GPU holding it
-            if ai.size:
-                excl = (
-                    np.where(top_i[ai, :, 0] == h[:, None], top_v[ai, :, 1], top_v[ai, :, 0])
-                    if G >= 2
-                    else np.full((ai.size, E), -np.inf)
-                )
-                newh = load[h][:, None] - u[A[ai]][:, None] + ub[None, :]  # [pairs, E]
-                newpeak = np.maximum(excl, newh)
-                valid = ~x[:, h].T  # [pairs, E] b not on h (excludes b == a)
-                dm = (~prev[:, h].T).astype(np.int64) - (~prev[A[ai], h]).astype(np.int64)[
-                    :, None
-                ]  # [pairs, E]
-                cands.append(("replace", newpeak, valid, dm, (ai, h)))
-
-        # -- swap: expert a on the hottest GPU g1 <-> expert b on GPU g2 --------------------------
-        g1 = int(np.argmax(load))
-        if G >= 2:
-            ords = np.argsort(-load, kind="stable")
-            a_list = np.flatnonzero(x[:, g1])  # [S]
-            b_e, b_g = np.nonzero(x)  # all pairs
-            keep = (b_g != g1) & ~x[b_e, g1]
-            b_e, b_g = b_e[keep], b_g[keep]
-            if a_list.size and b_e.size:
-                new1 = load[g1] - u[a_list][:, None] + u[b_e][None, :]  # [S, B]
-                new2 = load[b_g][None, :] + u[a_list][:, None] - u[b_e][None, :]
-                if G >= 3:
-                    second, third = ords[1], ords[2]
-                    other = np.where(b_g == second, load[third], load[second])[None, :]
-                else:
-                    other = np.full((1, b_e.size), -np.inf)
-                newpeak = np.maximum(np.maximum(new1, new2), other)
-                valid = ~x[a_list][:, b_g]  # [S, B] a not on g2
-                dm = (
-                    (~prev[b_e, g1]).astype(np.int64)[None, :]
-                    + (~prev[a_list][:, b_g]).astype(np.int64)
-                    - (~prev[a_list, g1]).astype(np.int64)[:, None]
-                    - (~prev[b_e, b_g]).astype(np.int64)[None, :]
-                )
-                cands.append(("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1)))
-
+        Candidates: every replace, then every swap off the hottest GPU; on equal efficiency the first
+        (replace before swap) wins.
+        """
+        u = self.w / self.cnt  # [E]
+        cands = self._replace_candidates(u) + self._swap_candidates(u)
         best = None
         for kind, newpeak, valid, dm, idx in cands:
             gain = self.peak - newpeak
@@ -274,6 +121,78 @@ class _Layer:
             if best is None or cand[0] > best[0]:
                 best = cand
         return best
+
+    def _replace_candidates(self, u: np.ndarray) -> list[tuple]:
+        """Replace: on GPU h, expert a (cnt >= 2) -> expert b (not on h).
+
+        Returns ``[("replace", newpeak, valid, dm, (ai, h))]`` with ``[pairs, E]`` arrays (pairs: the
+        (A-index, GPU) pairs holding an expert with >= 2 replicas), or ``[]``.
+        """
+        w, x, cnt, load, prev = self.w, self.x, self.cnt, self.load, self.prev
+        E, G = x.shape
+        A = np.flatnonzero(cnt >= 2)
+        if not A.size:
+            return []
+        da = w[A] / (cnt[A] - 1) - u[A]  # [A] load rise on a's other GPUs
+        ub = w / (cnt + 1)  # [E] b's per-replica load after gaining one
+        db = u - ub  # [E] load drop on b's GPUs
+        base = (
+            load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]
+        )  # [A, E, G]
+        if G >= 2:
+            part = np.argpartition(-base, 1, axis=2)[:, :, :2]  # [A, E, 2] two largest
+            v = np.take_along_axis(base, part, axis=2)
+            order = np.argsort(-v, axis=2)
+            top_i = np.take_along_axis(part, order, axis=2)  # [A, E, 2]
+            top_v = np.take_along_axis(v, order, axis=2)
+        ai, h = np.nonzero(x[A])  # pairs: A-index, GPU holding it
+        if not ai.size:
+            return []
+        excl = (
+            np.where(top_i[ai, :, 0] == h[:, None], top_v[ai, :, 1], top_v[ai, :, 0])
+            if G >= 2
+            else np.full((ai.size, E), -np.inf)
+        )
+        newh = load[h][:, None] - u[A[ai]][:, None] + ub[None, :]  # [pairs, E]
+        newpeak = np.maximum(excl, newh)
+        valid = ~x[:, h].T  # [pairs, E] b not on h (excludes b == a)
+        dm = (~prev[:, h].T).astype(np.int64) - (~prev[A[ai], h]).astype(np.int64)[:, None]  # [pairs, E]
+        return [("replace", newpeak, valid, dm, (ai, h))]
+
+    def _swap_candidates(self, u: np.ndarray) -> list[tuple]:
+        """Swap: expert a on the hottest GPU g1 <-> expert b on GPU g2.
+
+        Returns ``[("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1))]`` with ``[S, B]`` arrays (B: the
+        (expert, GPU) pairs off g1 whose expert g1 lacks), or ``[]``.
+        """
+        x, load, prev = self.x, self.load, self.prev
+        G = x.shape[1]
+        g1 = int(np.argmax(load))
+        if G < 2:
+            return []
+        ords = np.argsort(-load, kind="stable")
+        a_list = np.flatnonzero(x[:, g1])  # [S]
+        b_e, b_g = np.nonzero(x)  # all pairs
+        keep = (b_g != g1) & ~x[b_e, g1]
+        b_e, b_g = b_e[keep], b_g[keep]
+        if not (a_list.size and b_e.size):
+            return []
+        new1 = load[g1] - u[a_list][:, None] + u[b_e][None, :]  # [S, B]
+        new2 = load[b_g][None, :] + u[a_list][:, None] - u[b_e][None, :]
+        if G >= 3:
+            second, third = ords[1], ords[2]
+            other = np.where(b_g == second, load[third], load[second])[None, :]
+        else:
+            other = np.full((1, b_e.size), -np.inf)
+        newpeak = np.maximum(np.maximum(new1, new2), other)
+        valid = ~x[a_list][:, b_g]  # [S, B] a not on g2
+        dm = (
+            (~prev[b_e, g1]).astype(np.int64)[None, :]
+            + (~prev[a_list][:, b_g]).astype(np.int64)
+            - (~prev[a_list, g1]).astype(np.int64)[:, None]
+            - (~prev[b_e, b_g]).astype(np.int64)[None, :]
+        )
+        return [("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1))]
 
     def apply(self, move, dm: int) -> None:
         kind, idx, i, j = move
@@ -325,87 +244,35 @@ def _incremental(
 
 
 # ---------------------------------------------------------------------------------------------
-# Exact (CP-SAT)
+# Entry points
 # ---------------------------------------------------------------------------------------------
-def _exact_layer(w, prev_x, hint_x, S, move_cost, budget, time_limit, seed, max_bool_vars=20000):
-    """CP-SAT on one layer. Returns (x [E, G] or None, status, bound_on_objective or None, note)."""
-    from ortools.sat.python import cp_model
+@dataclass(frozen=True)
+class MigrationOptions:
+    """How the migration-aware re-placement searches (every keyword of :func:`solve_migration`
+    except the load, the previous placement and the layer ids, with the same defaults).
 
-    E, G = prev_x.shape
-    P = G * S
-    cmax = max(1, min(G, 1 + P - E))
-    hint_cnt = hint_x.sum(axis=1)
-    prev_cnt = prev_x.sum(axis=1)
-    restricted = E * G * cmax > max_bool_vars
-    allowed = []
-    for e in range(E):
-        if restricted:
-            cs = set(range(max(1, hint_cnt[e] - 2), min(cmax, hint_cnt[e] + 2) + 1)) | {int(prev_cnt[e])}
-        else:
-            cs = set(range(1, cmax + 1))
-        allowed.append(sorted(cs))
-    scale = 1e6 / max(float(w.max()), 1e-12)
-    q = {(e, c): int(round(w[e] / c * scale)) for e in range(E) for c in allowed[e]}
-    mcq = int(round(move_cost * scale))
+    Attributes:
+        max_moves: total moved slots allowed over all layers (None: no budget).
+        move_cost: objective cost of one moved slot, in load units (None means 0).
+        time_limit: seconds for the whole solve (exact: split over layers).
+        seed: CP-SAT seed (the incremental search is deterministic).
+        method: ``incremental`` (also ``auto``) or ``exact`` (CP-SAT seeded with the incremental result).
+        drift_guard: multiple of the full re-solve's gap past which a layer takes the full re-solve.
+    """
 
-    model = cp_model.CpModel()
-    # Variables: x[e, g] replica of e on g; z[e, c] e has c replicas; t[e, g, c] = x AND z.
-    x = {(e, g): model.new_bool_var(f"x{e}_{g}") for e in range(E) for g in range(G)}
-    z = {(e, c): model.new_bool_var(f"z{e}_{c}") for e in range(E) for c in allowed[e]}
-    t = {
-        (e, g, c): model.new_bool_var(f"t{e}_{g}_{c}") for e in range(E) for g in range(G) for c in allowed[e]
-    }
-    peak = model.new_int_var(0, int(sum(max(q[e, c] for c in allowed[e]) for e in range(E))), "peak")
-    # One replica count per expert, matching its replicas.
-    for e in range(E):
-        model.add_exactly_one(z[e, c] for c in allowed[e])
-        model.add(sum(x[e, g] for g in range(G)) == sum(c * z[e, c] for c in allowed[e]))
-    # Every GPU holds exactly S distinct experts.
-    for g in range(G):
-        model.add(sum(x[e, g] for e in range(E)) == S)
-    # t[e, g, c] is x[e, g] with count c (exactly one c per held pair).
-    for e in range(E):
-        for g in range(G):
-            model.add(sum(t[e, g, c] for c in allowed[e]) == x[e, g])
-            for c in allowed[e]:
-                model.add_implication(t[e, g, c], z[e, c])
-    # Peak bounds every GPU's load.
-    for g in range(G):
-        model.add(sum(q[e, c] * t[e, g, c] for e in range(E) for c in allowed[e]) <= peak)
-    # Moved slots: pairs the previous placement lacks.
-    moved = sum(x[e, g] for e in range(E) for g in range(G) if not prev_x[e, g])
-    if budget is not None:
-        model.add(moved <= int(budget))
-    model.minimize(peak + mcq * moved)
-    # Hint: the incremental result.
-    for e in range(E):
-        for g in range(G):
-            model.add_hint(x[e, g], bool(hint_x[e, g]))
-        for c in allowed[e]:
-            model.add_hint(z[e, c], int(hint_cnt[e]) == c)
-            for g in range(G):
-                model.add_hint(t[e, g, c], bool(hint_x[e, g]) and int(hint_cnt[e]) == c)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
-    solver.parameters.num_workers = 1
-    solver.parameters.random_seed = int(seed)
-    code = solver.solve(model)
-    note = "replica counts restricted to +-2 around the hint" if restricted else ""
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None, "time_limit" if code == cp_model.UNKNOWN else "infeasible", None, note
-    out = np.array([[bool(solver.value(x[e, g])) for g in range(G)] for e in range(E)])
-    status = (
-        "optimal"
-        if code == cp_model.OPTIMAL and not restricted
-        else ("feasible" if code == cp_model.OPTIMAL else "time_limit")
-    )
-    bound = None if restricted else solver.best_objective_bound / scale
-    return out, status, bound, note
+    max_moves: int | None = None
+    move_cost: float | None = None
+    time_limit: float = 5.0
+    seed: int = 0
+    method: Literal["auto", "exact", "incremental"] = "auto"
+    drift_guard: float = 1.5
 
 
-# ---------------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------------
+def run_migration(problem: Problem, options: MigrationOptions) -> tuple[Placement, SolveReport]:
+    """The registry's entry (:mod:`solver.api`): re-place ``problem.load`` from ``problem.previous``."""
+    return _migrate(problem.load, problem.previous, options, problem.layer_id_list)
+
+
 def solve_migration(
     load: np.ndarray,
     previous: Placement,
@@ -439,7 +306,52 @@ def solve_migration(
         bound (or CP-SAT's bound), and ``extra`` holds ``moved_slots``, ``peak``, ``previous_peak``,
         ``full_resolve_peak``, ``full_resolve_moved_slots``, ``drift_fallback`` and move counts.
     """
+    options = MigrationOptions(max_moves, move_cost, time_limit, seed, method, drift_guard)
+    return _migrate(load, previous, options, layer_ids)
+
+
+def _migrate(
+    load: np.ndarray, previous: Placement, options: MigrationOptions, layer_ids: Sequence[int] | None
+) -> tuple[Placement, SolveReport]:
+    """The pipeline: validate -> incremental search -> drift guard -> exact refinement (``exact``)
+    -> never worse than staying put, slots kept -> report."""
     t0 = time.perf_counter()
+    w, mc, ids = _validated(load, previous, options, layer_ids)
+    L, E = w.shape
+    budget = float("inf") if options.max_moves is None else float(options.max_moves)
+
+    # 1) Incremental search over all layers (budget to the best gain per slot first).
+    states, notes = _incremental_pass(w, previous, mc, budget, options, t0)
+    # 2) Drift guard: compare with a full re-solve relabelled to the previous placement.
+    full = _full_resolve(w, previous, ids)
+    fallback = _drift_fallback(states, full, mc, budget, options.drift_guard)
+    x_final = [full.x[l] if fallback[l] else st.x for l, st in enumerate(states)]
+    if fallback.any():
+        notes.append(f"drift guard: {int(fallback.sum())} layer(s) took the full re-solve")
+    # 3) Exact refinement per layer (budget per layer = what the incremental pass spent there).
+    statuses = ["heuristic"] * L
+    bounds = full.lb.astype(float).copy()
+    if options.method == "exact":
+        statuses = _exact_refinement(w, states, x_final, bounds, notes, ids, mc, options, t0)
+    # 4) Never worse than staying put; keep slots of unchanged experts.
+    rows, layers = _final_layers(w, previous, states, x_final, statuses, bounds, full, fallback, mc, ids)
+
+    params = _params(options, mc)
+    placement = Placement(np.stack(rows), E, previous.topology, ids, {"solver": "migration", **params})
+    wall = time.perf_counter() - t0
+    log.debug(
+        "migration: %d moved slots over %d layers in %.3fs",
+        sum(lr.extra["moved_slots"] for lr in layers),
+        L,
+        wall,
+    )
+    return placement, SolveReport("migration", tuple(layers), wall, params, tuple(notes))
+
+
+def _validated(
+    load: np.ndarray, previous: Placement, options: MigrationOptions, layer_ids: Sequence[int] | None
+) -> tuple[np.ndarray, float, tuple[int, ...]]:
+    """``(w float64 [L, E], move cost, layer ids)``, or a ValueError naming the bad input and a fix."""
     if not isinstance(previous, Placement):
         raise ValueError(f"previous must be a Placement, got {type(previous).__name__}")
     w = np.asarray(load, dtype=np.float64)
@@ -451,8 +363,9 @@ def solve_migration(
         )
     if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; use one of {METHODS}")
+    if options.method not in METHODS:
+        raise ValueError(f"unknown method {options.method!r}; use one of {METHODS}")
+    max_moves, move_cost = options.max_moves, options.move_cost
     if max_moves is not None and (
         isinstance(max_moves, bool) or int(max_moves) != max_moves or max_moves < 0
     ):
@@ -460,12 +373,12 @@ def solve_migration(
     mc = 0.0 if move_cost is None else float(move_cost)
     if not np.isfinite(mc) or mc < 0:
         raise ValueError(f"move_cost must be finite and >= 0 (load units per moved slot), got {move_cost!r}")
-    if not drift_guard >= 1.0:
+    if not options.drift_guard >= 1.0:
         raise ValueError(
-            f"drift_guard must be >= 1 (a multiple of the full re-solve's gap), got {drift_guard!r}"
+            f"drift_guard must be >= 1 (a multiple of the full re-solve's gap), got {options.drift_guard!r}"
         )
-    if time_limit <= 0:
-        raise ValueError(f"time_limit must be > 0 seconds, got {time_limit}")
+    if options.time_limit <= 0:
+        raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
     if previous.allow_colocated_replicas:
         raise ValueError(
             "previous placement co-locates replicas of one expert; migrate from a valid placement"
@@ -473,94 +386,154 @@ def solve_migration(
     ids = tuple(layer_ids) if layer_ids is not None else previous.layer_ids
     if len(ids) != L:
         raise ValueError(f"layer_ids has {len(ids)} entries for {L} layers")
-    topo = previous.topology
-    G, S, P = topo.ep_size, topo.slots_per_gpu, topo.num_physical_experts
-    budget = float("inf") if max_moves is None else float(max_moves)
-    prev_map = previous.physical_to_logical_map
+    return w, mc, ids
 
-    # 1) Incremental search over all layers (budget to the best gain per slot first).
+
+def _incremental_pass(
+    w: np.ndarray, previous: Placement, mc: float, budget: float, options: MigrationOptions, t0: float
+) -> tuple[list[_Layer], list[str]]:
+    """One :class:`_Layer` per row of ``w [L, E]``, searched in place until no move pays, the budget is
+    spent or the search's share of the time limit (0.6 before an exact pass, else 0.9) runs out."""
+    topo = previous.topology
+    L, E = w.shape
+    G, S, P = topo.ep_size, topo.slots_per_gpu, topo.num_physical_experts
+    prev_map = previous.physical_to_logical_map  # [L, P]
     states = [_Layer(w[l], prev_map[l], E, G, S) for l in range(L)]
-    prev_peak = np.array([st.peak for st in states])
-    inc_share = 0.6 if method == "exact" else 0.9
-    iters, hit_deadline = _incremental(states, mc, budget, t0 + inc_share * time_limit, max_iters=8 * P * L)
+    inc_share = 0.6 if options.method == "exact" else 0.9
+    deadline = t0 + inc_share * options.time_limit
+    iters, hit_deadline = _incremental(states, mc, budget, deadline, max_iters=8 * P * L)
     notes: list[str] = []
     if hit_deadline:
         notes.append(f"incremental search stopped at the time limit after {iters} moves")
+    return states, notes
 
-    # 2) Drift guard: compare with a full re-solve relabelled to the previous placement.
-    from solver.greedy import greedy_placement
 
+@dataclass(frozen=True)
+class _FullResolve:
+    """A greedy solve from scratch relabelled to the previous placement, per layer.
+
+    Attributes:
+        x: L x bool ``[E, G]`` membership; peak: float64 ``[L]``; moved: int64 ``[L]`` moved slots
+        from the previous placement; lb: ``[L]`` closed-form peak lower bound.
+    """
+
+    x: list[np.ndarray]
+    peak: np.ndarray
+    moved: np.ndarray
+    lb: np.ndarray
+
+
+def _full_resolve(w: np.ndarray, previous: Placement, ids: tuple[int, ...]) -> _FullResolve:
+    """Greedy on ``w [L, E]``, then :func:`align_to_previous` so it moves as few slots as it can."""
+    topo = previous.topology
+    L, E = w.shape
+    G, S, P = topo.ep_size, topo.slots_per_gpu, topo.num_physical_experts
     full, _ = greedy_placement(w, topo, layer_ids=ids)
     full = align_to_previous(full, previous)
     full_peak = expected_gpu_load(full, w).max(axis=1)  # [L]
     full_moved = moved_pairs(previous, full)  # [L]
     lb = peak_lower_bound(w, G, P)  # [L]
+    x = [_membership(full.physical_to_logical_map[l], E, G, S) for l in range(L)]  # L x [E, G]
+    return _FullResolve(x, full_peak, full_moved, lb)
+
+
+def _drift_fallback(
+    states: list[_Layer], full: _FullResolve, mc: float, budget: float, drift_guard: float
+) -> np.ndarray:
+    """bool ``[L]``: layers that take the full re-solve (gap past ``drift_guard`` x the full re-solve's,
+    better on the objective, largest objective gain first while the move budget allows)."""
     spent = sum(st.moved for st in states)
-    fallback = np.zeros(L, dtype=bool)
+    fallback = np.zeros(len(states), dtype=bool)
     cand = []
     for l, st in enumerate(states):
-        denom = max(lb[l], 1e-12)
-        gap_inc, gap_full = st.peak / denom - 1.0, full_peak[l] / denom - 1.0
-        obj_inc, obj_full = st.peak + mc * st.moved, full_peak[l] + mc * full_moved[l]
+        denom = max(full.lb[l], 1e-12)
+        gap_inc, gap_full = st.peak / denom - 1.0, full.peak[l] / denom - 1.0
+        obj_inc, obj_full = st.peak + mc * st.moved, full.peak[l] + mc * full.moved[l]
         if gap_inc > drift_guard * gap_full + 1e-9 and obj_full < obj_inc - st.tol:
             cand.append((obj_inc - obj_full, l))
     for _, l in sorted(cand, reverse=True):
-        extra_moves = full_moved[l] - states[l].moved
+        extra_moves = full.moved[l] - states[l].moved
         if spent + extra_moves <= budget:
             fallback[l] = True
             spent += extra_moves
-    x_final = [
-        full_x if fallback[l] else st.x
-        for l, (st, full_x) in enumerate(
-            zip(states, (_membership(full.physical_to_logical_map[l], E, G, S) for l in range(L)))
-        )
-    ]
-    if fallback.any():
-        notes.append(f"drift guard: {int(fallback.sum())} layer(s) took the full re-solve")
+    return fallback
 
-    # 3) Exact refinement per layer (budget per layer = what the incremental pass spent there).
+
+def _exact_refinement(
+    w: np.ndarray,
+    states: list[_Layer],
+    x_final: list[np.ndarray],
+    bounds: np.ndarray,
+    notes: list[str],
+    ids: tuple[int, ...],
+    mc: float,
+    options: MigrationOptions,
+    t0: float,
+) -> list[str]:
+    """CP-SAT per layer in the time left, hinted with ``x_final``; returns the per-layer statuses.
+
+    Updates in place: ``x_final[l]`` (bool ``[E, G]``) when CP-SAT's result is better on the objective,
+    ``bounds [L]`` with CP-SAT's bound, and ``notes``.
+    """
+    L = w.shape[0]
     statuses = ["heuristic"] * L
-    bounds = lb.astype(float).copy()
     no_solution: list[int] = []
-    if method == "exact":
-        remaining = max(0.05, time_limit - (time.perf_counter() - t0))
-        for l in range(L):
-            per_layer_budget = None if max_moves is None else int(moved_pairs_x(states[l].prev, x_final[l]))
-            tl = remaining / (L - l) if l < L else remaining
-            ts = time.perf_counter()
-            xe, status, bnd, note = _exact_layer(
-                w[l], states[l].prev, x_final[l], S, mc, per_layer_budget, tl, seed + l
-            )
-            remaining = max(0.05, remaining - (time.perf_counter() - ts))
-            if note and note not in notes:
-                notes.append(note)
-            if xe is None:  # CP-SAT found nothing in its share of the time: the incremental result stays
-                no_solution.append(ids[l])
-                continue
-            statuses[l] = status
-            if bnd is not None:
-                bounds[l] = max(bounds[l], bnd)
-            if _objective_x(w[l], xe, states[l].prev, mc) < _objective_x(
-                w[l], x_final[l], states[l].prev, mc
-            ):
-                x_final[l] = xe
-        if no_solution:
-            notes.append(
-                f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
-                f"their incremental result was kept (status heuristic)"
-            )
-
-    # 4) Never worse than staying put; keep slots of unchanged experts.
-    rows, layers = [], []
+    remaining = max(0.05, options.time_limit - (time.perf_counter() - t0))
     for l in range(L):
-        prev_x = states[l].prev
+        per_layer_budget = (
+            None if options.max_moves is None else int(moved_pairs_x(states[l].prev, x_final[l]))
+        )
+        tl = remaining / (L - l) if l < L else remaining
+        ts = time.perf_counter()
+        xe, status, bnd, note = _exact_layer(
+            w[l], states[l].prev, x_final[l], states[l].S, mc, per_layer_budget, tl, options.seed + l
+        )
+        remaining = max(0.05, remaining - (time.perf_counter() - ts))
+        if note and note not in notes:
+            notes.append(note)
+        if xe is None:  # CP-SAT found nothing in its share of the time: the incremental result stays
+            no_solution.append(ids[l])
+            continue
+        statuses[l] = status
+        if bnd is not None:
+            bounds[l] = max(bounds[l], bnd)
+        if _objective_x(w[l], xe, states[l].prev, mc) < _objective_x(w[l], x_final[l], states[l].prev, mc):
+            x_final[l] = xe
+    if no_solution:
+        notes.append(
+            f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
+            f"their incremental result was kept (status heuristic)"
+        )
+    return statuses
+
+
+def _final_layers(
+    w: np.ndarray,
+    previous: Placement,
+    states: list[_Layer],
+    x_final: list[np.ndarray],
+    statuses: list[str],
+    bounds: np.ndarray,
+    full: _FullResolve,
+    fallback: np.ndarray,
+    mc: float,
+    ids: tuple[int, ...],
+) -> tuple[list[np.ndarray], list[LayerReport]]:
+    """``(rows: L x int64 [P] physical-to-logical maps, one LayerReport per layer)``.
+
+    A layer whose objective would exceed staying put keeps the previous placement (``x_final`` is
+    updated in place); every expert that stays on a GPU keeps its slot.
+    """
+    G, S = previous.topology.ep_size, previous.topology.slots_per_gpu
+    prev_map = previous.physical_to_logical_map  # [L, P]
+    rows, layers = [], []
+    for l, st in enumerate(states):
+        prev_x, prev_peak = st.prev, st.prev_peak
         obj = _objective_x(w[l], x_final[l], prev_x, mc)
-        if obj > prev_peak[l]:  # cannot happen by construction; kept as the contract's guard
+        if obj > prev_peak:  # cannot happen by construction; kept as the contract's guard
             x_final[l] = prev_x
-            obj = prev_peak[l]
+            obj = prev_peak
         rows.append(_fill_slots(x_final[l], prev_map[l], S))
-        peak_l = _peak_x(w[l], x_final[l])
-        moved_l = moved_pairs_x(prev_x, x_final[l])
         layers.append(
             LayerReport(
                 layer_id=ids[l],
@@ -568,41 +541,38 @@ def solve_migration(
                 objective=float(obj),
                 bound=float(min(bounds[l], obj)),
                 wall_time_s=0.0,
-                baseline_objective=float(prev_peak[l]),
+                baseline_objective=float(prev_peak),
                 mean_load=float(w[l].sum() / G),
                 extra={
-                    "moved_slots": int(moved_l),
-                    "peak": float(peak_l),
-                    "previous_peak": float(prev_peak[l]),
-                    "full_resolve_peak": float(full_peak[l]),
-                    "full_resolve_moved_slots": int(full_moved[l]),
+                    "moved_slots": int(moved_pairs_x(prev_x, x_final[l])),
+                    "peak": float(_peak_x(w[l], x_final[l])),
+                    "previous_peak": float(prev_peak),
+                    "full_resolve_peak": float(full.peak[l]),
+                    "full_resolve_moved_slots": int(full.moved[l]),
                     "drift_fallback": bool(fallback[l]),
-                    "replace_moves": states[l].moves["replace"],
-                    "swap_moves": states[l].moves["swap"],
+                    "replace_moves": st.moves["replace"],
+                    "swap_moves": st.moves["swap"],
                 },
             )
         )
-    params = {
-        "method": "incremental" if method == "auto" else method,
-        "max_moves": max_moves,
+    return rows, layers
+
+
+def _params(options: MigrationOptions, mc: float) -> dict[str, Any]:
+    """The report's and the placement provenance's parameters (``auto`` recorded as ``incremental``)."""
+    return {
+        "method": "incremental" if options.method == "auto" else options.method,
+        "max_moves": options.max_moves,
         "max_moves_scope": "total over layers",
         "move_cost": mc,
-        "time_limit": time_limit,
-        "seed": seed,
-        "drift_guard": drift_guard,
+        "time_limit": options.time_limit,
+        "seed": options.seed,
+        "drift_guard": options.drift_guard,
     }
-    placement = Placement(np.stack(rows), E, topo, ids, {"solver": "migration", **params})
-    wall = time.perf_counter() - t0
-    log.debug(
-        "migration: %d moved slots over %d layers in %.3fs",
-        sum(lr.extra["moved_slots"] for lr in layers),
-        L,
-        wall,
-    )
-    return placement, SolveReport("migration", tuple(layers), wall, params, tuple(notes))
 
 
 def moved_pairs_x(prev_x: np.ndarray, x: np.ndarray) -> int:
+    """Moved slots of one layer: pairs of ``x [E, G]`` that ``prev_x [E, G]`` lacks."""
     return int((x & ~prev_x).sum())
 
 
@@ -611,5 +581,5 @@ def _peak_x(w: np.ndarray, x: np.ndarray) -> float:
     return float((x * (w / cnt)[:, None]).sum(axis=0).max())
 
 
-def _objective_x(w, x, prev_x, mc) -> float:
+def _objective_x(w: np.ndarray, x: np.ndarray, prev_x: np.ndarray, mc: float) -> float:
     return _peak_x(w, x) + mc * moved_pairs_x(prev_x, x)

@@ -89,3 +89,19 @@ def test_bad_load_rejected(bad):
 def test_too_many_slots_per_gpu_rejected():
     with pytest.raises(ValueError, match="slots per GPU exceed the 4 experts"):
         greedy_placement(np.ones((1, 4)), Topology(2, 10, 1))
+
+
+def test_api_solve_matches_greedy_placement():
+    from solver.api import solve
+
+    w = np.random.default_rng(3).lognormal(0, 1.0, (3, 16)) * 100
+    topo = Topology.from_redundant(16, 8, 4, 2)
+    direct, drep = greedy_placement(w, topo, 4, policy="global", layer_ids=[5, 6, 7])
+    via, vrep = solve(
+        "greedy", topology=topo, load=w, num_groups=4, layer_ids=[5, 6, 7], options={"policy": "global"}
+    )
+    np.testing.assert_array_equal(via.physical_to_logical_map, direct.physical_to_logical_map)
+    assert via.layer_ids == direct.layer_ids and vrep.params == drep.params
+    np.testing.assert_array_equal(vrep.per_layer("objective"), drep.per_layer("objective"))
+    with pytest.raises(ValueError, match="bogus"):
+        solve("greedy", topology=topo, load=w, options={"bogus": 1})

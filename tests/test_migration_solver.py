@@ -177,3 +177,36 @@ def test_real_trace_small_budget_beats_staying(deepseek_trace):
     new, rep = solve_migration(b, prev, max_moves=12)
     assert moved_slots(prev, new) <= 12
     assert float(_peaks(new, b).sum()) <= float(_peaks(prev, b).sum())
+
+
+def test_solver_api_matches_solve_migration():
+    import inspect
+
+    from solver.api import solve
+    from solver.migration import MigrationOptions
+
+    topo, prev, w = _setup(2)
+    direct, drep = solve_migration(w, prev, max_moves=5, move_cost=2.0, time_limit=10.0)
+    via, vrep = solve(
+        "migration",
+        topology=topo,
+        load=w,
+        previous=prev,
+        time_limit=10.0,
+        options={"max_moves": 5, "move_cost": 2.0},
+    )
+    np.testing.assert_array_equal(via.physical_to_logical_map, direct.physical_to_logical_map)
+    assert [lr.objective for lr in vrep.layers] == [lr.objective for lr in drep.layers]
+    assert [lr.extra for lr in vrep.layers] == [lr.extra for lr in drep.layers]
+    assert vrep.params == drep.params and via.layer_ids == direct.layer_ids
+    # the options class holds every keyword of solve_migration but the data, with the same defaults
+    kw = {
+        n: p.default
+        for n, p in inspect.signature(solve_migration).parameters.items()
+        if p.kind is p.KEYWORD_ONLY and n != "layer_ids"
+    }
+    assert kw == {n: getattr(MigrationOptions(), n) for n in kw} and len(kw) == len(
+        MigrationOptions.__dataclass_fields__
+    )
+    with pytest.raises(ValueError, match="bogus"):
+        solve("migration", topology=topo, load=w, previous=prev, options={"bogus": 1})

@@ -1,0 +1,135 @@
+"""Slot bookkeeping between two placements of the same experts and topology.
+
+Shapes: L layers, E logical experts, P physical slots, G GPUs, S = P // G slots per GPU.
+
+A placement row is a ``[P]`` physical-to-logical map; its membership is bool ``[E, G]`` (expert ``e``
+has a replica on GPU ``g``). A weight copy is needed for each (GPU, expert) pair of the new placement
+that the previous one lacks: :func:`moved_pairs` counts them, :func:`keep_slots` keeps every expert that
+stays on a GPU in its slot (so ``placement.metrics.moved_slots`` equals that count), and
+:func:`align_to_previous` also renames GPUs and nodes to keep as many pairs as it can.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from placement.model import Placement
+
+__all__ = ["align_to_previous", "fill_slots", "keep_slots", "membership", "moved_pairs"]
+
+
+def membership(row: np.ndarray, E: int, G: int, S: int) -> np.ndarray:
+    """bool ``[E, G]``: expert ``e`` has a replica on GPU ``g`` (row is one layer's ``[P]`` map)."""
+    x = np.zeros((E, G), dtype=bool)
+    x[row, np.arange(row.size) // S] = True
+    return x
+
+
+def fill_slots(x: np.ndarray, prev_row: np.ndarray, S: int) -> np.ndarray:
+    """A ``[P]`` map holding the pairs of ``x [E, G]``, with every expert kept on a GPU in its old slot.
+
+    Experts new on a GPU take that GPU's freed slots in ascending expert order.
+    """
+    E, G = x.shape
+    out = np.empty_like(prev_row)
+    for g in range(G):
+        old = prev_row[g * S : (g + 1) * S]  # [S]
+        want = np.flatnonzero(x[:, g])
+        keep = x[old, g]  # [S] slot keeps its expert
+        new = np.setdiff1d(want, old[keep], assume_unique=True)
+        seg = old.copy()
+        seg[~keep] = new
+        out[g * S : (g + 1) * S] = seg
+    return out
+
+
+def keep_slots(new: Placement, previous: Placement) -> Placement:
+    """Permute slots within each GPU of ``new`` so experts that stay on a GPU keep their slot.
+
+    GPU contents (and so all loads) are unchanged; ``moved_slots(previous, result)`` becomes the
+    number of (GPU, expert) pairs of ``new`` that ``previous`` lacks.
+    """
+    _check_same_shape(new, previous)
+    t = new.topology
+    E, G, S = new.num_logical_experts, t.ep_size, t.slots_per_gpu
+    p2l = np.stack(
+        [
+            fill_slots(
+                membership(new.physical_to_logical_map[l], E, G, S), previous.physical_to_logical_map[l], S
+            )
+            for l in range(new.num_layers)
+        ]
+    )
+    return Placement(p2l, E, t, new.layer_ids, new.provenance)
+
+
+def moved_pairs(previous: Placement, new: Placement) -> np.ndarray:
+    """int64 ``[L]``: (GPU, expert) pairs of ``new`` absent from ``previous`` (the least moved slots
+    any slot order within GPUs can reach)."""
+    _check_same_shape(new, previous)
+    t = new.topology
+    E, G, S = new.num_logical_experts, t.ep_size, t.slots_per_gpu
+    out = np.zeros(new.num_layers, dtype=np.int64)
+    for l in range(new.num_layers):
+        a = membership(previous.physical_to_logical_map[l], E, G, S)
+        b = membership(new.physical_to_logical_map[l], E, G, S)
+        out[l] = int((b & ~a).sum())
+    return out
+
+
+def _check_same_shape(new: Placement, previous: Placement) -> None:
+    if new.topology != previous.topology or new.num_logical_experts != previous.num_logical_experts:
+        raise ValueError(
+            f"placements differ: {new.num_logical_experts} vs {previous.num_logical_experts} logical experts, "
+            f"topology {new.topology} vs {previous.topology}; align needs the same experts and topology"
+        )
+    if new.num_layers != previous.num_layers:
+        raise ValueError(
+            f"placements have {new.num_layers} vs {previous.num_layers} layers; select matching layers first"
+        )
+
+
+def align_to_previous(new: Placement, previous: Placement) -> Placement:
+    """Relabel GPUs within nodes (and nodes) and slots within GPUs to minimise moved slots.
+
+    Loads do not change: each GPU's set of experts is kept whole and only renamed, so the multiset of
+    per-GPU loads (and every balance metric) is the same. Node relabelling and GPU relabelling inside
+    nodes are both linear assignments (scipy ``linear_sum_assignment``) maximising kept pairs; slots
+    inside a GPU then follow :func:`keep_slots`.
+
+    Args:
+        new: the placement to relabel (e.g. a greedy solve from scratch).
+        previous: the placement now in service (same topology, experts and layer count).
+
+    Returns:
+        A placement with the same per-GPU expert sets as ``new`` up to GPU renaming.
+    """
+    from scipy.optimize import linear_sum_assignment
+
+    _check_same_shape(new, previous)
+    t = new.topology
+    E, G, S, N, m = new.num_logical_experts, t.ep_size, t.slots_per_gpu, t.num_nodes, t.gpus_per_node
+    rows = []
+    for l in range(new.num_layers):
+        xn = membership(new.physical_to_logical_map[l], E, G, S)  # [E, G]
+        xp = membership(previous.physical_to_logical_map[l], E, G, S)
+        overlap = xn.T.astype(np.int64) @ xp.astype(np.int64)  # [G new, G old] kept pairs
+        # Best GPU matching for every (new node, old node) pair, then the node matching.
+        node_score = np.zeros((N, N))
+        node_match: dict[tuple[int, int], np.ndarray] = {}
+        for a in range(N):
+            for b in range(N):
+                block = overlap[a * m : (a + 1) * m, b * m : (b + 1) * m]  # [m, m]
+                ri, ci = linear_sum_assignment(block, maximize=True)
+                node_score[a, b] = block[ri, ci].sum()
+                node_match[(a, b)] = ci  # new GPU a*m+ri[i] -> old GPU b*m+ci[i]; ri is arange
+        na, nb = linear_sum_assignment(node_score, maximize=True)
+        new_to_old = np.empty(G, dtype=np.int64)
+        for a, b in zip(na, nb):
+            new_to_old[a * m + np.arange(m)] = b * m + node_match[(a, b)]
+        x_relabelled = np.zeros_like(xn)
+        x_relabelled[:, new_to_old] = xn
+        rows.append(fill_slots(x_relabelled, previous.physical_to_logical_map[l], S))
+    prov = dict(new.provenance)
+    prov["aligned_to_previous"] = True
+    return Placement(np.stack(rows), E, t, new.layer_ids, prov)
