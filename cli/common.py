@@ -1,15 +1,40 @@
-"""Helpers shared by the CLI subcommand modules (printing lives only in the CLI layer)."""
+"""Helpers shared by the CLI subcommand modules (printing lives only in the CLI layer).
+
+Printing (:func:`echo`, :func:`warn`, :func:`format_table`, progress bars), the root parser every
+sub-command hangs from, and the checked readers for file arguments (a missing or unreadable file is a
+:class:`CliError`: one line on stderr, exit code 2).
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TypeVar
+
+import numpy as np
 
 T = TypeVar("T")
 
-__all__ = ["CliError", "progress", "echo", "warn"]
+__all__ = [
+    "FORMAT_NAMES",
+    "CliError",
+    "check_output",
+    "echo",
+    "elapsed_bar",
+    "format_table",
+    "open_load",
+    "open_placement",
+    "open_trace",
+    "progress",
+    "root_parser",
+    "warn",
+]
+
+# Placement file formats (placement.formats.FORMATS holds the same names; not imported to keep startup light).
+FORMAT_NAMES = ("native", "sglang", "trtllm", "vllm-ascend", "vllm")
 
 
 class CliError(ValueError):
@@ -100,3 +125,103 @@ class elapsed_bar:
             if self._shown:
                 sys.stderr.write("\n")
         return False
+
+
+# ---------------------------------------------------------------------------------------------
+# the root parser
+# ---------------------------------------------------------------------------------------------
+def root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """The ``moe-placement`` parser with ``--debug`` and no sub-commands yet: ``(parser, subparsers)``."""
+    ap = argparse.ArgumentParser(
+        prog="moe-placement",
+        description="Place the experts of a mixture-of-experts model on GPUs: inspect routing, solve, evaluate, "
+        "export engine files, validate on real ranks.",
+    )
+    ap.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    return ap, sub
+
+
+# ---------------------------------------------------------------------------------------------
+# output
+# ---------------------------------------------------------------------------------------------
+def format_table(rows: list[dict], cols: list[tuple[str, str, int]]) -> str:
+    """Render rows as a fixed-width table; cols are (key, header, decimals or -1 for text)."""
+    cells = []
+    for r in rows:
+        line = []
+        for key, _, nd in cols:
+            v = r.get(key, "")
+            if isinstance(v, float) and nd >= 0:
+                line.append(f"{v:.{nd}f}")
+            else:
+                line.append(str(v))
+        cells.append(line)
+    widths = [
+        max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, (_, h, _) in enumerate(cols)
+    ]
+    out = ["  ".join(h.rjust(w) for (_, h, _), w in zip(cols, widths))]
+    out += ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# file arguments
+# ---------------------------------------------------------------------------------------------
+def open_trace(path: str, domains=None):
+    """``--trace`` / a trace argument -> :class:`profiling.trace.RoutingTrace` (CliError when missing)."""
+    from profiling.readers import read_trace
+
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"trace {p} does not exist")
+    return read_trace(p, domains=domains)
+
+
+def open_load(path: str) -> np.ndarray:
+    """``--load`` -> float64 ``[layers, experts]`` (an .npy, an .npz's ``counts``, or ``[W, L, E]`` summed over W)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CliError(f"load file {p} does not exist")
+    try:
+        arr = np.load(p, allow_pickle=False)
+    except Exception as exc:  # numpy raises several types for corrupt files
+        raise CliError(f"{p}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
+    if hasattr(arr, "files"):  # an .npz: take 'counts' or the only array
+        keys = list(arr.files)
+        key = "counts" if "counts" in keys else (keys[0] if len(keys) == 1 else None)
+        if key is None:
+            raise CliError(
+                f"{p}: .npz with several arrays {keys}; expected a 'counts' array [layers, experts]"
+            )
+        arr = arr[key]
+    arr = np.asarray(arr)
+    if arr.ndim == 3:
+        arr = arr.sum(axis=0)
+    if arr.ndim != 2 or arr.dtype.kind not in "iuf":
+        raise CliError(f"{p}: load must be a numeric [layers, experts] array, got {arr.dtype} {arr.shape}")
+    if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
+        raise CliError(f"{p}: load must be finite and >= 0")
+    return arr.astype(np.float64)
+
+
+def open_placement(path: str, **kw):
+    """A placement file in any format :func:`placement.formats.read_placement` reads (CliError when missing)."""
+    from placement.formats import read_placement
+
+    p = Path(path)
+    if not p.exists():
+        raise CliError(f"placement file {p} does not exist")
+    return read_placement(p, **kw)
+
+
+def check_output(path: str | None) -> Path | None:
+    """An output file argument -> Path (None stays None); its folder must exist, it must not be a folder."""
+    if path is None:
+        return None
+    p = Path(path)
+    if p.exists() and p.is_dir():
+        raise CliError(f"output {p} is a folder; give a file path")
+    if not p.parent.exists():
+        raise CliError(f"output folder {p.parent} does not exist; create it first")
+    return p

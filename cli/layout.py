@@ -7,12 +7,12 @@ import argparse
 import json
 from pathlib import Path
 
-from cli.common import CliError, echo, warn
+from cli.common import CliError, echo, open_trace, warn
 
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "layout",
         help="choose attention-DP / EP size / redundant slots with a step-time and memory model",
@@ -162,10 +162,10 @@ def _q(a: str) -> str:
     return f"'{a}'" if any(ch in a for ch in ' {}"') else a
 
 
-def run(args: argparse.Namespace) -> int:
+def _read_inputs(args):
+    """Check the cluster flags -> (model, cluster, trace or None); a trace's expert count may differ."""
     from solver.costmodel import load_model
     from solver.hardware import cluster_preset
-    from solver.layout import compare_phases, plan_layout
 
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise CliError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
@@ -176,17 +176,19 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(exc)) from None
     trace = None
     if args.trace:
-        from profiling.readers import read_trace
-
-        p = Path(args.trace)
-        if not p.exists():
-            raise CliError(f"trace {p} does not exist")
-        trace = read_trace(p)
+        trace = open_trace(args.trace)
         if trace.num_logical_experts != model.num_logical_experts:
             warn(
                 f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "
                 f"only the trace's skew is used (expert identities are synthetic)"
             )
+    return model, cluster, trace
+
+
+def _plan(args, model, cluster, trace):
+    """The ranked layouts for ``--phase`` and, unless ``--no-phase-compare``, the other phase's verdict."""
+    from solver.layout import compare_phases, plan_layout
+
     opts = _options(args, args.phase)
     plan = plan_layout(
         model,
@@ -215,17 +217,11 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             plans={args.phase: plan},
         )
-    files = []
-    if args.output and plan.best is not None:
-        files = _write_outputs(Path(args.output), plan, model, compare)
-    if args.json:
-        d = plan.to_dict()
-        if compare is not None:
-            d["phase_comparison"] = compare["message"]
-            d["separate_prefill_decode"] = compare["separate_wins"]
-        d["files"] = [str(f) for f in files]
-        echo(json.dumps(d, indent=1))
-        return 0 if plan.best is not None else 1
+    return plan, compare
+
+
+def _print_plan(args, plan, model, cluster, compare, files) -> None:
+    """The ranked table with its header, the plan's notes, the phase verdict and the files written."""
     o = plan.options
     echo(
         f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.batch_per_rank} tokens/GPU/step, "
@@ -245,4 +241,22 @@ def run(args: argparse.Namespace) -> int:
         echo(f"wrote {', '.join(str(f) for f in files)}")
     elif args.output:
         warn("no layout fits: nothing written")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Steps: model, cluster and trace -> plan (and phase comparison) -> write the best -> print."""
+    model, cluster, trace = _read_inputs(args)
+    plan, compare = _plan(args, model, cluster, trace)
+    files = []
+    if args.output and plan.best is not None:
+        files = _write_outputs(Path(args.output), plan, model, compare)
+    if args.json:
+        d = plan.to_dict()
+        if compare is not None:
+            d["phase_comparison"] = compare["message"]
+            d["separate_prefill_decode"] = compare["separate_wins"]
+        d["files"] = [str(f) for f in files]
+        echo(json.dumps(d, indent=1))
+        return 0 if plan.best is not None else 1
+    _print_plan(args, plan, model, cluster, compare, files)
     return 0 if plan.best is not None else 1

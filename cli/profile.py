@@ -9,6 +9,7 @@ Each text file is cut into sequences of ``--seq-len`` tokens, one prefill forwar
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from cli.common import CliError, echo, progress, warn
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "profile",
         help="run a HF MoE model on text files and record its routing trace",
@@ -112,7 +113,11 @@ def byte_token_ids(data: bytes, vocab_size: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).astype(np.int64) % int(vocab_size)
 
 
-def run(args) -> int:
+def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
+    """Check the numeric flags and the paths -> (output, text files, stream folder or None).
+
+    Creates ``--stream-dir`` (it must hold no ``chunk_*.npz`` yet).
+    """
     if args.seq_len < 1:
         raise CliError(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.max_tokens is not None and args.max_tokens < 1:
@@ -131,16 +136,12 @@ def run(args) -> int:
         stream_dir.mkdir(parents=True, exist_ok=True)
         if any(stream_dir.glob("chunk_*.npz")):
             raise CliError(f"--stream-dir {stream_dir} already holds chunk_*.npz files; give an empty folder")
-    try:
-        import torch
-    except ImportError as exc:
-        raise CliError(
-            f"profile needs torch and transformers (pip install torch transformers): {exc}"
-        ) from None
+    return out, texts, stream_dir
 
-    from profiling.hooks import attach
-    from profiling.readers import write_trace
 
+def _open_model(args):
+    """The model, its config, ``pretrained``/``random`` weights, the vocabulary size, the encoder (None:
+    byte fallback) and the tokenizer's name; warns about the fallbacks."""
     folder, cfg_path = _model_folder(args.model)
     model, config, weights = _load_model(folder, cfg_path, args.seed, args.device)
     vocab = int((getattr(config, "text_config", None) or config).vocab_size)
@@ -155,9 +156,12 @@ def run(args) -> int:
             f"{folder} has no *.safetensors weights: the model has random weights (seed {args.seed}); "
             "the trace shows the pipeline, not the real model's routing"
         )
+    return folder, model, config, weights, vocab, encode, tok_name
 
-    # tokenise: per file, then cut into sequences of seq_len
-    budget = args.max_tokens
+
+def _sequences(texts: list[Path], encode, vocab: int, max_tokens: int | None, seq_len: int):
+    """Tokenise per file, then cut into sequences: ``[(file index, ids [<= seq_len] int64)]``."""
+    budget = max_tokens
     seqs: list[tuple[int, np.ndarray]] = []  # (file index, ids [S])
     for fi, t in enumerate(texts):
         if budget is not None and budget <= 0:
@@ -170,19 +174,18 @@ def run(args) -> int:
         if budget is not None:
             ids = ids[:budget]
             budget -= ids.size
-        for a in range(0, ids.size, args.seq_len):
-            seqs.append((fi, ids[a : a + args.seq_len]))
-    total = sum(s.size for _, s in seqs)
-    if total == 0:
-        raise CliError(f"the text files {[str(t) for t in texts]} hold no tokens")
+        for a in range(0, ids.size, seq_len):
+            seqs.append((fi, ids[a : a + seq_len]))
+    return seqs
 
-    rec = attach(
-        model,
-        mode=args.mode,
-        capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
-        stream_dir=stream_dir,
-        chunk_tokens=2 * args.seq_len if stream_dir is not None else None,
-    )
+
+def _forward_all(model, rec, seqs, texts: list[Path], args) -> tuple[list[int], float]:
+    """One prefill pass per sequence (a count window per text file in counts mode); detaches ``rec``.
+
+    Returns (tokens per text file, wall seconds).
+    """
+    import torch
+
     file_tokens = [0] * len(texts)
     start = time.perf_counter()
     try:
@@ -198,12 +201,67 @@ def run(args) -> int:
                 rec.mark_window(texts[prev].stem)
     finally:
         rec.detach()
-    wall = time.perf_counter() - start
-    name = f"{getattr(config, 'model_type', 'model')}-profile"
-    trace = rec.to_trace(name=name)
+    return file_tokens, time.perf_counter() - start
+
+
+def _with_metadata(trace, name: str, meta: dict):
+    """The recorded trace renamed, its metadata extended with ``meta``."""
     from profiling.trace import RoutingTrace
 
-    meta = dict(trace.metadata) | {
+    return RoutingTrace(
+        num_logical_experts=trace.num_logical_experts,
+        topk_ids=trace.topk_ids,
+        layer_ids=trace.layer_ids,
+        seq_offsets=trace.seq_offsets,
+        step_offsets=trace.step_offsets,
+        window_counts=trace.window_counts,
+        window_labels=trace.window_labels,
+        name=name,
+        metadata=dict(trace.metadata) | meta,
+    )
+
+
+def _print_summary(summary: dict, trace, wall: float, as_json: bool) -> None:
+    """The run's summary as JSON or as two lines (``wall``: unrounded seconds)."""
+    if as_json:
+        echo(json.dumps(summary, indent=1))
+        return
+    echo(
+        f"profiled {summary['tokens']} tokens in {summary['forward_passes']} forward passes ({wall:.1f}s): "
+        f"{len(trace.layer_ids)} MoE layers {list(trace.layer_ids)}, {trace.num_logical_experts} experts, "
+        f"top-{summary['top_k']}, {summary['weights']} weights, tokenizer {summary['tokenizer']}"
+    )
+    echo(f"wrote {summary['output']}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Steps: check paths -> load model and tokenizer -> tokenise -> record routing -> write -> print."""
+    out, texts, stream_dir = _check_paths(args)
+    try:
+        import torch  # noqa: F401 - checked here so a missing torch is one clear line
+    except ImportError as exc:
+        raise CliError(
+            f"profile needs torch and transformers (pip install torch transformers): {exc}"
+        ) from None
+
+    from profiling.hooks import attach
+    from profiling.readers import write_trace
+
+    folder, model, config, weights, vocab, encode, tok_name = _open_model(args)
+    seqs = _sequences(texts, encode, vocab, args.max_tokens, args.seq_len)
+    total = sum(s.size for _, s in seqs)
+    if total == 0:
+        raise CliError(f"the text files {[str(t) for t in texts]} hold no tokens")
+    rec = attach(
+        model,
+        mode=args.mode,
+        capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
+        stream_dir=stream_dir,
+        chunk_tokens=2 * args.seq_len if stream_dir is not None else None,
+    )
+    file_tokens, wall = _forward_all(model, rec, seqs, texts, args)
+    name = f"{getattr(config, 'model_type', 'model')}-profile"
+    meta = {
         "model": str(folder),
         "model_type": getattr(config, "model_type", None),
         "weights": weights,
@@ -214,17 +272,7 @@ def run(args) -> int:
         "file_tokens": file_tokens,
         "synthetic": weights == "random",
     }
-    trace = RoutingTrace(
-        num_logical_experts=trace.num_logical_experts,
-        topk_ids=trace.topk_ids,
-        layer_ids=trace.layer_ids,
-        seq_offsets=trace.seq_offsets,
-        step_offsets=trace.step_offsets,
-        window_counts=trace.window_counts,
-        window_labels=trace.window_labels,
-        name=name,
-        metadata=meta,
-    )
+    trace = _with_metadata(rec.to_trace(name=name), name, meta)
     write_trace(trace, out)
     summary = {
         "output": str(out),
@@ -238,13 +286,5 @@ def run(args) -> int:
         "forward_passes": len(seqs),
         "wall_s": round(wall, 3),
     }
-    if args.json:
-        echo(json.dumps(summary, indent=1))
-    else:
-        echo(
-            f"profiled {total} tokens in {len(seqs)} forward passes ({wall:.1f}s): {len(trace.layer_ids)} MoE layers "
-            f"{list(trace.layer_ids)}, {trace.num_logical_experts} experts, top-{rec.top_k}, {weights} weights, "
-            f"tokenizer {tok_name}"
-        )
-        echo(f"wrote {out}")
+    _print_summary(summary, trace, wall, args.json)
     return 0

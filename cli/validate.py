@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from cli.common import CliError, echo
+from cli.common import CliError, echo, open_placement, open_trace
 
 __all__ = ["add_parser", "run"]
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "validate",
         help="run a placement on real torch.distributed ranks; compare outputs and per-rank tokens",
@@ -45,15 +46,9 @@ def add_parser(subparsers) -> None:
 
 
 def _load_placement(args):
-    from pathlib import Path
-
-    from placement.formats import read_placement
-
-    path = Path(args.placement)
-    if not path.exists():
-        raise CliError(f"placement file {path} does not exist")
+    """The placement argument, with ``--ep-size``/``--num-nodes`` for formats that do not store them."""
     kw = {k: v for k, v in (("ep_size", args.ep_size), ("num_nodes", args.num_nodes)) if v is not None}
-    return read_placement(path, **kw)
+    return open_placement(args.placement, **kw)
 
 
 def _load_trace(args, placement):
@@ -73,14 +68,8 @@ def _load_trace(args, placement):
             seed=args.seed,
             layer_ids=placement.layer_ids,
         )
-    from pathlib import Path
-
-    from profiling.readers import read_trace
-
     path = Path(args.trace)
-    if not path.exists():
-        raise CliError(f"trace {path} does not exist")
-    trace = read_trace(path)
+    trace = open_trace(args.trace)
     if not trace.has_tokens:
         raise CliError(f"trace {path} has counts only; validate replays per-token routing (topk_ids)")
     if trace.num_logical_experts != placement.num_logical_experts:
@@ -98,7 +87,7 @@ def _load_trace(args, placement):
     return trace
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     from runtime_hooks.validate import ValidationSpec, validate_placement
 
     placement = _load_placement(args)

@@ -114,6 +114,93 @@ def _worker(rank, world_size, backend, host, port, pg_timeout, fn, args, results
         _CURRENT_STORE = None
 
 
+def _check_launch(world_size: int, backend: str) -> None:
+    """Bad ``world_size`` or ``backend`` (or nccl without GPUs) -> ValueError naming the value."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    if backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("backend 'nccl' needs CUDA GPUs, none is visible; use --backend gloo")
+
+
+def _start_workers(
+    ctx, world_size: int, backend: str, host: str, port: int, pg_timeout: float, fn, args, results
+):
+    """Start one daemon process per rank (``OMP_NUM_THREADS=1`` in their environment on gloo)."""
+    procs = []
+    env_before = os.environ.get("OMP_NUM_THREADS")
+    if backend == "gloo":
+        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at spawn
+    try:
+        for r in range(world_size):
+            p = ctx.Process(
+                target=_worker,
+                args=(r, world_size, backend, host, port, pg_timeout, fn, tuple(args), results),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+    finally:
+        if backend == "gloo":
+            if env_before is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = env_before
+    return procs
+
+
+def _collect(procs, results, out: dict[int, Any], timeout: float, grace: float) -> tuple[int, str] | None:
+    """Fill ``out`` (rank -> result; None for a failed rank) from the queue until every rank reported,
+    ``timeout`` passed, or ``grace`` seconds after the first failure. Returns that failure (rank, text)."""
+    world_size = len(procs)
+    failure: tuple[int, str] | None = None
+    deadline = time.monotonic() + timeout
+    fail_deadline = float("inf")
+    dead_since: dict[int, float] = {}
+    while len(out) < world_size:
+        now = time.monotonic()
+        if now > deadline or now > fail_deadline:
+            break
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except _queue.Empty:
+            # A child that died without reporting (killed, segfault) is a failure too; its report
+            # may still be in the pipe, so give it a second before declaring it.
+            for r, p in enumerate(procs):
+                if r in out or p.exitcode is None:
+                    continue
+                first = dead_since.setdefault(r, now)
+                if failure is None and now - first > 1.0:
+                    failure = (r, f"process exited with code {p.exitcode} without reporting a result")
+                    fail_deadline = now + grace
+            continue
+        out[rank] = payload if ok else None
+        if not ok and failure is None:
+            failure = (rank, payload)
+            fail_deadline = time.monotonic() + grace
+    return failure
+
+
+def _reap(procs, results, wait: bool) -> None:
+    """Join every child (up to 5 s each when ``wait``), terminate then kill the rest; close the queue."""
+    for p in procs:
+        p.join(timeout=5.0 if wait else 0.0)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+    results.close()
+    results.join_thread()
+
+
 def launch(
     fn: Callable[..., Any],
     world_size: int,
@@ -144,15 +231,7 @@ def launch(
     """
     import torch.distributed as dist
 
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    if backend == "nccl":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ValueError("backend 'nccl' needs CUDA GPUs, none is visible; use --backend gloo")
+    _check_launch(world_size, backend)
     pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
     host = "127.0.0.1"
     store = dist.TCPStore(
@@ -160,65 +239,14 @@ def launch(
     )
     ctx = _context(start_method)
     results = ctx.Queue()
-    procs = []
-    env_before = os.environ.get("OMP_NUM_THREADS")
-    if backend == "gloo":
-        os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children at spawn
-    try:
-        for r in range(world_size):
-            p = ctx.Process(
-                target=_worker,
-                args=(r, world_size, backend, host, store.port, pg_timeout, fn, tuple(args), results),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-    finally:
-        if backend == "gloo":
-            if env_before is None:
-                os.environ.pop("OMP_NUM_THREADS", None)
-            else:
-                os.environ["OMP_NUM_THREADS"] = env_before
+    procs = _start_workers(ctx, world_size, backend, host, store.port, pg_timeout, fn, args, results)
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
-    deadline = time.monotonic() + timeout
-    fail_deadline = float("inf")
-    dead_since: dict[int, float] = {}
     try:
-        while len(out) < world_size:
-            now = time.monotonic()
-            if now > deadline or now > fail_deadline:
-                break
-            try:
-                rank, ok, payload = results.get(timeout=0.2)
-            except _queue.Empty:
-                # A child that died without reporting (killed, segfault) is a failure too; its report
-                # may still be in the pipe, so give it a second before declaring it.
-                for r, p in enumerate(procs):
-                    if r in out or p.exitcode is None:
-                        continue
-                    first = dead_since.setdefault(r, now)
-                    if failure is None and now - first > 1.0:
-                        failure = (r, f"process exited with code {p.exitcode} without reporting a result")
-                        fail_deadline = now + grace
-                continue
-            out[rank] = payload if ok else None
-            if not ok and failure is None:
-                failure = (rank, payload)
-                fail_deadline = time.monotonic() + grace
+        failure = _collect(procs, results, out, timeout, grace)
     finally:
-        for p in procs:
-            p.join(timeout=0.0 if failure or len(out) < world_size else 5.0)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        results.close()
-        results.join_thread()
+        # a failure (or an interrupted wait) leaves ranks unfinished: do not wait for them
+        _reap(procs, results, wait=not (failure or len(out) < world_size))
         del store
     if failure is not None:
         raise WorkerError(*failure)

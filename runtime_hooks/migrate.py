@@ -31,7 +31,7 @@ import datetime
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -159,12 +159,143 @@ def _decide(
     return decision == "commit", decision
 
 
+@dataclass
+class _Transfer:
+    """One attempt's transfer state, owned by :func:`apply_placement` so that it outlives failures.
+
+    ``staging``: local slot -> (w1 ``[2f, d]``, w2 ``[d, f]``) received weights; ``reqs``: posted
+    point-to-point requests; ``group``: the process group made for this attempt (None until made).
+    """
+
+    staging: dict[int, tuple] = field(default_factory=dict)
+    reqs: list = field(default_factory=list)
+    group: object = None
+
+
+def _expert_bytes(layer_obj) -> int:
+    """Bytes of one expert's weights (``slot_w1 [S, 2f, d]`` and ``slot_w2 [S, d, f]`` rows)."""
+    return int(
+        layer_obj.slot_w1[0].numel() * layer_obj.slot_w1.element_size()
+        + layer_obj.slot_w2[0].numel() * layer_obj.slot_w2.element_size()
+    )
+
+
+def _receive_ops(layer_obj, moves: list[SlotMove], group, staging: dict[int, tuple]) -> list:
+    """Staging buffers for every slot this rank receives (local copies done now); the irecv ops.
+
+    Tags: ``2 i`` for w1 and ``2 i + 1`` for w2 of ``moves[i]``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    me, S = layer_obj.rank, layer_obj.slots_per_gpu
+    ops = []
+    for i, m in enumerate(moves):
+        if m.dst_rank == me:
+            b1 = torch.empty_like(layer_obj.slot_w1[0])
+            b2 = torch.empty_like(layer_obj.slot_w2[0])
+            _LIVE_STAGING.add(b1)
+            _LIVE_STAGING.add(b2)
+            staging[m.slot - me * S] = (b1, b2)
+            if m.src_rank == me:  # local copy from the old slot
+                b1.copy_(layer_obj.slot_w1[m.src_slot - me * S])
+                b2.copy_(layer_obj.slot_w2[m.src_slot - me * S])
+            else:
+                ops.append(dist.P2POp(dist.irecv, b1, m.src_rank, group, tag=2 * i))
+                ops.append(dist.P2POp(dist.irecv, b2, m.src_rank, group, tag=2 * i + 1))
+    return ops
+
+
+def _send_ops(layer_obj, moves: list[SlotMove], group) -> list:
+    """The isend ops of this rank's old slots that move to other ranks (tags as in :func:`_receive_ops`)."""
+    import torch.distributed as dist
+
+    me, S = layer_obj.rank, layer_obj.slots_per_gpu
+    sends = []
+    for i, m in enumerate(moves):
+        if m.src_rank == me and m.dst_rank != me:
+            ls = m.src_slot - me * S
+            sends.append(dist.P2POp(dist.isend, layer_obj.slot_w1[ls], m.dst_rank, group, tag=2 * i))
+            sends.append(dist.P2POp(dist.isend, layer_obj.slot_w2[ls], m.dst_rank, group, tag=2 * i + 1))
+    return sends
+
+
+def _transfer(
+    layer_obj,
+    moves: list[SlotMove],
+    state: _Transfer,
+    timeout: float,
+    deadline: float,
+    fault: FaultSpec | None,
+) -> None:
+    """Move the weights into staging on a fresh group, waiting until ``deadline``; raises on any failure.
+
+    ``state`` collects the staging buffers, the requests and the group as they are made, so the caller
+    can decide and clean up after a failure.
+    """
+    import torch
+    import torch.distributed as dist
+
+    me = layer_obj.rank
+    state.group = group = dist.new_group(
+        ranks=list(range(layer_obj.world_size)),
+        backend=layer_obj.backend,
+        timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
+    )
+    if layer_obj.backend == "nccl":
+        # NCCL builds a communicator lazily; a first batch_isend_irecv that some ranks skip (no moves)
+        # is undefined, so initialise it with one collective every rank joins.
+        dist.all_reduce(torch.zeros(1, device=layer_obj.device), group=group)
+    if fault is not None and fault.rank == me and fault.mode == "stall":
+        time.sleep(fault.stall_s)
+    my_sends = [m for m in moves if m.src_rank == me and m.dst_rank != me]
+    ops = _receive_ops(layer_obj, moves, group, state.staging)
+    sends = _send_ops(layer_obj, moves, group)
+    if fault is not None and fault.rank == me and fault.mode == "raise":
+        half = sends[: 2 * ((len(my_sends) + 1) // 2)]
+        if half:
+            state.reqs.extend(dist.batch_isend_irecv(half))
+        raise RuntimeError(
+            f"injected fault on rank {me} after posting {len(half) // 2} of {len(my_sends)} sends"
+        )
+    ops.extend(sends)
+    if ops:
+        state.reqs.extend(dist.batch_isend_irecv(ops))
+    for r in state.reqs:
+        r.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    if layer_obj.device.type == "cuda":
+        torch.cuda.synchronize(layer_obj.device)
+
+
+def _finish(layer_obj, new1: Placement, state: _Transfer, commit: bool, prefix: str) -> None:
+    """Commit: copy staging into the slots and switch routing to ``new1``. Always: drop the staging
+    buffers and requests, destroy the transfer group."""
+    import torch.distributed as dist
+
+    try:
+        if commit:
+            for ls, (b1, b2) in state.staging.items():  # between steps: swap in the new weights
+                layer_obj.slot_w1[ls].copy_(b1)
+                layer_obj.slot_w2[ls].copy_(b2)
+            layer_obj._set_placement(new1)
+    finally:
+        state.staging.clear()
+        state.reqs.clear()
+        if state.group is not None:
+            try:
+                dist.destroy_process_group(state.group)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("migration %s: destroying the transfer group failed: %s", prefix, exc)
+
+
 def apply_placement(
     layer_obj, new_placement: Placement, layer: int = 0, timeout: float = 10.0, fault: FaultSpec | None = None
 ) -> MigrationResult:
     """Collective: migrate ``layer_obj`` (an :class:`~runtime_hooks.ep_layer.EPMoELayer`) to row ``layer``
-    of ``new_placement``. Commits on every rank or on none; see the module docstring."""
-    import torch
+    of ``new_placement``. Commits on every rank or on none; see the module docstring.
+
+    Steps: plan -> transfer into staging -> decide through the store -> commit or abort, clean up.
+    """
     import torch.distributed as dist
 
     from runtime_hooks.launcher import current_store
@@ -172,12 +303,8 @@ def apply_placement(
     start = time.monotonic()
     deadline = start + float(timeout)
     new1 = new_placement.select_layers([layer])
-    old1 = layer_obj.placement
-    moves = plan_migration(old1, new1)
-    expert_bytes = int(
-        layer_obj.slot_w1[0].numel() * layer_obj.slot_w1.element_size()
-        + layer_obj.slot_w2[0].numel() * layer_obj.slot_w2.element_size()
-    )
+    moves = plan_migration(layer_obj.placement, new1)
+    expert_bytes = _expert_bytes(layer_obj)
     moved = len(moves)
     net = sum(1 for m in moves if m.src_rank != m.dst_rank) * expert_bytes
     if not moves:
@@ -186,60 +313,13 @@ def apply_placement(
     store = layer_obj.store or current_store()
     if store is None:
         store = dist.distributed_c10d._get_default_store()
-    me, G, S = layer_obj.rank, layer_obj.world_size, layer_obj.slots_per_gpu
+    me, G = layer_obj.rank, layer_obj.world_size
     layer_obj.migration_epoch += 1
     prefix = f"moe-migrate/{layer_obj.name}/{layer_obj.migration_epoch}"
-    staging: dict[int, tuple] = {}  # local slot -> (w1 [2f, d], w2 [d, f])
+    state = _Transfer()
     ok, reason = True, ""
-    group = None
-    reqs = []
     try:
-        group = dist.new_group(
-            ranks=list(range(G)),
-            backend=layer_obj.backend,
-            timeout=datetime.timedelta(seconds=max(timeout, 1.0)),
-        )
-        if layer_obj.backend == "nccl":
-            # NCCL builds a communicator lazily; a first batch_isend_irecv that some ranks skip (no moves)
-            # is undefined, so initialise it with one collective every rank joins.
-            dist.all_reduce(torch.zeros(1, device=layer_obj.device), group=group)
-        if fault is not None and fault.rank == me and fault.mode == "stall":
-            time.sleep(fault.stall_s)
-        ops = []
-        my_sends = [m for m in moves if m.src_rank == me and m.dst_rank != me]
-        for i, m in enumerate(moves):
-            if m.dst_rank == me:
-                b1 = torch.empty_like(layer_obj.slot_w1[0])
-                b2 = torch.empty_like(layer_obj.slot_w2[0])
-                _LIVE_STAGING.add(b1)
-                _LIVE_STAGING.add(b2)
-                staging[m.slot - me * S] = (b1, b2)
-                if m.src_rank == me:  # local copy from the old slot
-                    b1.copy_(layer_obj.slot_w1[m.src_slot - me * S])
-                    b2.copy_(layer_obj.slot_w2[m.src_slot - me * S])
-                else:
-                    ops.append(dist.P2POp(dist.irecv, b1, m.src_rank, group, tag=2 * i))
-                    ops.append(dist.P2POp(dist.irecv, b2, m.src_rank, group, tag=2 * i + 1))
-        sends = []
-        for i, m in enumerate(moves):
-            if m.src_rank == me and m.dst_rank != me:
-                ls = m.src_slot - me * S
-                sends.append(dist.P2POp(dist.isend, layer_obj.slot_w1[ls], m.dst_rank, group, tag=2 * i))
-                sends.append(dist.P2POp(dist.isend, layer_obj.slot_w2[ls], m.dst_rank, group, tag=2 * i + 1))
-        if fault is not None and fault.rank == me and fault.mode == "raise":
-            half = sends[: 2 * ((len(my_sends) + 1) // 2)]
-            if half:
-                reqs.extend(dist.batch_isend_irecv(half))
-            raise RuntimeError(
-                f"injected fault on rank {me} after posting {len(half) // 2} of {len(my_sends)} sends"
-            )
-        ops.extend(sends)
-        if ops:
-            reqs.extend(dist.batch_isend_irecv(ops))
-        for r in reqs:
-            r.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        if layer_obj.device.type == "cuda":
-            torch.cuda.synchronize(layer_obj.device)
+        _transfer(layer_obj, moves, state, timeout, deadline, fault)
     except Exception as exc:  # noqa: BLE001 - any failure here aborts the migration everywhere
         ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.warning("migration %s: rank %d failed during transfer: %s", prefix, me, reason)
@@ -247,21 +327,7 @@ def apply_placement(
         commit, decision = _decide(store, prefix, me, G, ok, reason, deadline)
     except Exception as exc:  # noqa: BLE001 - store unreachable: never commit alone
         commit, decision = False, f"abort: decision store failed on rank {me}: {exc}"
-    try:
-        if commit:
-            for ls, (b1, b2) in staging.items():  # between steps: swap in the new weights
-                layer_obj.slot_w1[ls].copy_(b1)
-                layer_obj.slot_w2[ls].copy_(b2)
-            layer_obj._set_placement(new1)
-    finally:
-        staging.clear()
-        reqs.clear()
-        ops = sends = None
-        if group is not None:
-            try:
-                dist.destroy_process_group(group)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("migration %s: destroying the transfer group failed: %s", prefix, exc)
+    _finish(layer_obj, new1, state, commit, prefix)
     wall = time.monotonic() - start
     if commit:
         return MigrationResult(moved, moved * expert_bytes, True, "committed", net, wall)

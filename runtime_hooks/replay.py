@@ -168,6 +168,135 @@ def _par_rows(gpu_load: np.ndarray) -> np.ndarray:
     return par.mean(axis=-1)
 
 
+def _window_load(steps: np.ndarray, k: int, window_steps: int) -> np.ndarray:
+    """Load of window ``k``: ``steps [N, L, E]`` -> ``[L, E]`` summed over its ``window_steps`` steps."""
+    return steps[k * window_steps : (k + 1) * window_steps].sum(axis=0)
+
+
+def _check_windows(N: int, window_steps: int, policies: Sequence[str]) -> int:
+    """The number of windows ``W`` (at least 3); ValueError on too few steps or unknown policies."""
+    W = N // window_steps
+    if W < 3:
+        raise ValueError(
+            f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)"
+        )
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {POLICIES}")
+    return W
+
+
+def _replace_all(
+    k: int, steps: np.ndarray, window_steps: int, cfg, reb, topology, layer_ids, policies, current
+):
+    """Each policy's placement for window ``k``, fitted on what was seen up to the end of window ``k-1``.
+
+    ``steps [N, L, E]``; the fit load is the rebalancer's sliding window (or the last ``cfg.window_size``
+    steps summed, ``[L, E]``). Returns policy -> placement.
+    """
+    from solver.greedy import greedy_placement
+    from solver.migration import align_to_previous
+
+    lo = max(0, k * window_steps - cfg.window_size)
+    fit = reb.window_load() if reb is not None else steps[lo : k * window_steps].sum(axis=0)  # [L, E]
+    new = {}
+    if "greedy" in policies or "greedy+align" in policies:
+        g, _ = greedy_placement(fit, topology, layer_ids=layer_ids)
+        if "greedy" in policies:
+            new["greedy"] = g
+        if "greedy+align" in policies:
+            new["greedy+align"] = align_to_previous(g, current["greedy+align"])
+    if "static" in policies:
+        new["static"] = current["static"]
+    if reb is not None:
+        reb.wait()  # the simulator waits; a server would poll() and keep serving
+        new["migration"] = reb.placement
+    return new
+
+
+def _score_window(
+    k: int,
+    stream: ReplayStream,
+    steps: np.ndarray,
+    window_steps: int,
+    new: dict,
+    current: dict,
+    policies,
+    G: int,
+    expert_bytes: float,
+    cfg,
+) -> list[dict]:
+    """One row per policy: window ``k``'s held-out PAR and step PAR under its new placement, and the cost
+    of moving there from ``current`` (which then becomes the new placement, in place)."""
+    from placement.metrics import expected_gpu_load, moved_slots
+    from runtime_hooks.rebalancer import migration_time
+
+    held = steps[k * window_steps : (k + 1) * window_steps]  # [w, L, E] held-out traffic
+    label = stream.labels[k * window_steps] if stream.labels else ""
+    rows = []
+    for p in policies:
+        pl = new[p]
+        gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
+        par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
+        spar = float(_par_rows(gl_steps).mean())
+        moved = moved_slots(current[p], pl)
+        t_move = migration_time(
+            current[p].physical_to_logical_map,
+            pl.physical_to_logical_map,
+            G,
+            expert_bytes,
+            cfg.bandwidth,
+            cfg.latency,
+        )
+        rows.append(
+            {
+                "window": k,
+                "policy": p,
+                "label": label,
+                "par": par,
+                "step_par": spar,
+                "moved_slots": moved,
+                "moved_bytes": moved * expert_bytes,
+                "migration_time_s": t_move,
+            }
+        )
+        current[p] = pl
+    return rows
+
+
+def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dict:
+    """Per policy: mean PAR and step PAR, total moves, bytes and time, mean moved fraction of ``P * L`` slots."""
+    summary = {}
+    for p in policies:
+        r = [x for x in rows if x["policy"] == p]
+        summary[p] = {
+            "mean_par": float(np.mean([x["par"] for x in r])),
+            "mean_step_par": float(np.mean([x["step_par"] for x in r])),
+            "moved_slots": int(sum(x["moved_slots"] for x in r)),
+            "moved_bytes": float(sum(x["moved_bytes"] for x in r)),
+            "migration_time_s": float(sum(x["migration_time_s"] for x in r)),
+            "moved_fraction": float(np.mean([x["moved_slots"] for x in r]) / (P * L)),
+        }
+    return summary
+
+
+def _params(
+    stream: ReplayStream, cfg, window_steps: int, W: int, G: int, P: int, expert_bytes: float
+) -> dict:
+    """What the replay ran with (``ReplayResult.params``)."""
+    return {
+        "window_steps": window_steps,
+        "windows_scored": W - 1,
+        "ep_size": G,
+        "num_physical_experts": P,
+        "expert_bytes": expert_bytes,
+        "note": stream.note,
+        "link": cfg.link,
+        "rebalancer_window_size": cfg.window_size,
+        "max_moves": cfg.max_moves,
+    }
+
+
 def replay(
     stream: ReplayStream,
     topology,
@@ -189,106 +318,37 @@ def replay(
 
     Returns:
         :class:`ReplayResult`.
-    """
-    from placement.metrics import expected_gpu_load, moved_slots
-    from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig, migration_time
-    from solver.greedy import greedy_placement
-    from solver.migration import align_to_previous
 
-    steps = np.asarray(stream.steps, dtype=np.float64)
+    Steps: initial greedy placement on window 0 -> per later window: re-place every policy, score it
+    on the window -> feed the window to the rebalancer -> summarise.
+    """
+    from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
+    from solver.greedy import greedy_placement
+
+    steps = np.asarray(stream.steps, dtype=np.float64)  # [N, L, E]
     N, L, E = steps.shape
-    W = N // window_steps
-    if W < 3:
-        raise ValueError(
-            f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)"
-        )
-    bad = [p for p in policies if p not in POLICIES]
-    if bad:
-        raise ValueError(f"unknown policies {bad}; choose from {POLICIES}")
+    W = _check_windows(N, window_steps, policies)
     cfg = config or RebalancerConfig(window_size=window_steps, step_interval=window_steps)
     cfg = replace(cfg, trigger="interval", step_interval=window_steps)
     G = topology.ep_size
     layer_ids = stream.layer_ids or tuple(range(L))
-
-    def wload(k):  # [L, E]
-        return steps[k * window_steps : (k + 1) * window_steps].sum(axis=0)
-
-    init, _ = greedy_placement(wload(0), topology, layer_ids=layer_ids)
+    init, _ = greedy_placement(_window_load(steps, 0, window_steps), topology, layer_ids=layer_ids)
     current = {p: init for p in policies}
     reb = Rebalancer(init, cfg, expert_bytes=expert_bytes) if "migration" in policies else None
     rows = []
     for k in range(W):
         if k > 0:
-            # Re-place before window k with what was seen up to the end of window k-1.
-            lo = max(0, k * window_steps - cfg.window_size)
-            fit = reb.window_load() if reb is not None else steps[lo : k * window_steps].sum(axis=0)  # [L, E]
-            new = {}
-            if "greedy" in policies or "greedy+align" in policies:
-                g, _ = greedy_placement(fit, topology, layer_ids=layer_ids)
-                if "greedy" in policies:
-                    new["greedy"] = g
-                if "greedy+align" in policies:
-                    new["greedy+align"] = align_to_previous(g, current["greedy+align"])
-            if "static" in policies:
-                new["static"] = current["static"]
-            if reb is not None:
-                reb.wait()  # the simulator waits; a server would poll() and keep serving
-                new["migration"] = reb.placement
-            held = steps[k * window_steps : (k + 1) * window_steps]  # [w, L, E] held-out traffic
-            label = stream.labels[k * window_steps] if stream.labels else ""
-            for p in policies:
-                pl = new[p]
-                gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
-                par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
-                spar = float(_par_rows(gl_steps).mean())
-                moved = moved_slots(current[p], pl)
-                t_move = migration_time(
-                    current[p].physical_to_logical_map,
-                    pl.physical_to_logical_map,
-                    G,
-                    expert_bytes,
-                    cfg.bandwidth,
-                    cfg.latency,
-                )
-                rows.append(
-                    {
-                        "window": k,
-                        "policy": p,
-                        "label": label,
-                        "par": par,
-                        "step_par": spar,
-                        "moved_slots": moved,
-                        "moved_bytes": moved * expert_bytes,
-                        "migration_time_s": t_move,
-                    }
-                )
-                current[p] = pl
+            new = _replace_all(k, steps, window_steps, cfg, reb, topology, layer_ids, policies, current)
+            rows += _score_window(
+                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg
+            )
         if reb is not None:
             for s in range(k * window_steps, (k + 1) * window_steps):
                 reb.observe(steps[s])
     if reb is not None:
         reb.close()
     P = topology.num_physical_experts
-    summary = {}
-    for p in policies:
-        r = [x for x in rows if x["policy"] == p]
-        summary[p] = {
-            "mean_par": float(np.mean([x["par"] for x in r])),
-            "mean_step_par": float(np.mean([x["step_par"] for x in r])),
-            "moved_slots": int(sum(x["moved_slots"] for x in r)),
-            "moved_bytes": float(sum(x["moved_bytes"] for x in r)),
-            "migration_time_s": float(sum(x["migration_time_s"] for x in r)),
-            "moved_fraction": float(np.mean([x["moved_slots"] for x in r]) / (P * L)),
-        }
-    params = {
-        "window_steps": window_steps,
-        "windows_scored": W - 1,
-        "ep_size": G,
-        "num_physical_experts": P,
-        "expert_bytes": expert_bytes,
-        "note": stream.note,
-        "link": cfg.link,
-        "rebalancer_window_size": cfg.window_size,
-        "max_moves": cfg.max_moves,
-    }
-    return ReplayResult(stream.name, tuple(rows), summary, params)
+    summary = _summarize(rows, policies, P, L)
+    return ReplayResult(
+        stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes)
+    )

@@ -1,0 +1,488 @@
+"""``moe-placement solve``: compute a placement, compare it with greedy (and trivial), write it.
+
+Steps of :func:`cmd_solve`: read the problem (trace or load, topology, the placement in service) ->
+greedy -> the named solver, gated against greedy -> balance rows (fitted and held-out PAR) ->
+write the placement and the report -> print (table or JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from cli.common import (
+    FORMAT_NAMES,
+    CliError,
+    check_output,
+    echo,
+    elapsed_bar,
+    format_table,
+    open_load,
+    open_placement,
+    open_trace,
+    warn,
+)
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from placement.model import Placement
+    from placement.topology import Topology
+    from profiling.trace import RoutingTrace
+    from solver.report import SolveReport
+
+__all__ = ["add_parser", "cmd_solve"]
+
+# (flag attribute, locality option) copied into the options when the flag is given
+_LOCALITY_FLAGS = (
+    ("everywhere", "num_everywhere"),
+    ("gpu_slack", "gpu_slack"),
+    ("source_model", "source_model"),
+    ("work_limit", "work_limit"),
+    ("share_margin", "share_margin"),
+    ("drift_z", "drift_z"),
+    ("share_overload", "share_overload"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+# ---------------------------------------------------------------------------------------------
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The ``solve`` sub-command: problem, solver, exact-model, locality, migration and output flags."""
+    p = sub.add_parser("solve", help="compute a placement")
+    _add_problem_args(p)
+    _add_exact_args(p)
+    _add_locality_args(p)
+    _add_migration_args(p)
+    _add_output_args(p)
+    p.set_defaults(func=cmd_solve)
+
+
+def _add_problem_args(p: argparse.ArgumentParser) -> None:
+    """What to place and on what: the load, the topology, the solver and its budget."""
+    p.add_argument("--trace", help="routing trace to fit on")
+    p.add_argument("--load", help=".npy load matrix [layers, experts] (instead of --trace)")
+    p.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs)")
+    p.add_argument("--num-nodes", type=int, default=1)
+    p.add_argument("--num-redundant", type=int, default=0, help="redundant slots per layer")
+    p.add_argument(
+        "--num-groups", type=int, help="expert groups (hierarchical greedy when they divide over nodes)"
+    )
+    p.add_argument("--solver", choices=("greedy", "cpsat", "milp", "locality"), default="greedy")
+    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole solve (all layers)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, help="solver worker threads")
+
+
+def _add_exact_args(p: argparse.ArgumentParser) -> None:
+    """cpsat / milp: objective, robust fit, weighted dispatch, node constraint."""
+    p.add_argument("--objective", choices=("tokens", "decode"), default="tokens")
+    p.add_argument("--robust", help="robust fit over windows: 'max' or a quantile like q90")
+    p.add_argument("--num-windows", type=int, default=4)
+    p.add_argument(
+        "--weighted", action="store_true", help="also choose per-replica token shares (weighted dispatch)"
+    )
+    p.add_argument(
+        "--node-constraint", action="store_true", help="keep expert groups on nodes inside the exact model"
+    )
+
+
+def _add_locality_args(p: argparse.ArgumentParser) -> None:
+    """locality: balance slack, everywhere experts, GPU slack, sources, work limit, pairing margins."""
+    p.add_argument(
+        "--balance-slack", type=float, default=0.02, help="locality: allowed node-load excess over the mean"
+    )
+    p.add_argument(
+        "--everywhere",
+        type=int,
+        metavar="H",
+        help="locality: the H hottest experts get a replica on every node (default: chosen from the slots)",
+    )
+    p.add_argument(
+        "--gpu-slack",
+        type=float,
+        metavar="X",
+        help="locality: GPU peaks at most (1 + X) x greedy's on the fit trace (default 0.05)",
+    )
+    p.add_argument(
+        "--source-model",
+        choices=("auto", "trace", "uniform"),
+        help="locality: attention-DP sources to fit with (auto: deal tokens round-robin when the trace "
+        "has no source ranks and its prompts were dealt)",
+    )
+    p.add_argument(
+        "--work-limit",
+        type=int,
+        metavar="STEPS",
+        help="locality: bound the search by counted steps instead of --time-limit, so the same seed "
+        "gives the same placement on any machine (a step is about 1-10 ms)",
+    )
+    p.add_argument(
+        "--share-margin",
+        type=float,
+        metavar="X",
+        help="locality, 2 slots per GPU: pair everywhere replicas as if (1 + X) x their fitted load "
+        "(default: the busiest node's token share in the fit trace over the mean, minus 1)",
+    )
+    p.add_argument(
+        "--drift-z",
+        type=float,
+        metavar="Z",
+        help="locality, 2 slots per GPU: pair single-node experts as if their fitted load plus Z x their "
+        "expected drift to unseen traffic (bootstrap over the fit prompts; default 1, 0: off)",
+    )
+    p.add_argument(
+        "--share-overload",
+        type=float,
+        metavar="X",
+        help="locality: the default --everywhere keeps (the busiest node's token share over the mean, "
+        "minus 1) x (the everywhere experts' load share) at most X (default 0.08)",
+    )
+    p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
+
+
+def _add_migration_args(p: argparse.ArgumentParser) -> None:
+    """Re-placing the placement in service with few moves."""
+    p.add_argument("--previous", help="current placement: re-place with few moves")
+    p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")
+    p.add_argument(
+        "--move-cost", type=float, help="with --previous: cost of one moved slot in tokens of peak load"
+    )
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """Held-out scoring, the placement file, the report, JSON output."""
+    p.add_argument(
+        "--fit-fraction",
+        type=float,
+        default=1.0,
+        help="fit on this leading fraction of the trace's windows and score the rest (held-out)",
+    )
+    p.add_argument(
+        "--policy", choices=("even", "local"), default="even", help="replica selection for held-out scoring"
+    )
+    p.add_argument("-o", "--output", help="placement file to write")
+    p.add_argument("--format", choices=FORMAT_NAMES, default="native")
+    p.add_argument("--report", help="write the solve report JSON here")
+    p.add_argument("--json", action="store_true")
+
+
+def _solver_options(args) -> dict:
+    opts: dict = {}
+    if args.solver in ("cpsat", "milp"):
+        if args.objective != "tokens":
+            opts["objective"] = args.objective
+        if args.robust:
+            opts["robust"] = args.robust
+            opts["num_windows"] = args.num_windows
+        if args.weighted:
+            opts["weighted"] = True
+        if args.node_constraint:
+            opts["node_constraint"] = True
+        if args.workers:
+            opts["workers"] = args.workers
+    if args.solver == "locality":
+        opts["balance_slack"] = args.balance_slack
+        if args.hidden_size:
+            opts["hidden_size"] = args.hidden_size
+        for flag, key in _LOCALITY_FLAGS:
+            if getattr(args, flag) is not None:
+                opts[key] = getattr(args, flag)
+    if args.previous:
+        if args.max_moves is not None:
+            opts["max_moves"] = args.max_moves
+        if args.move_cost is not None:
+            opts["move_cost"] = args.move_cost
+    return opts
+
+
+# ---------------------------------------------------------------------------------------------
+# the problem
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Problem:
+    """What ``solve`` places.
+
+    Attributes:
+        name: the solver to run (``migration`` when ``--previous`` is given).
+        load: float64 ``[L, E]`` token-expert assignments fitted on.
+        fit: the trace fitted on (None with ``--load``).
+        held: the held-out part of the trace (None unless ``--fit-fraction < 1``).
+        layer_ids: ``L`` model layer indices.
+        topo: the topology (``P = topo.num_physical_experts`` slots per layer).
+        previous: the placement in service, physical_to_logical_map ``[L, P]`` (or None).
+    """
+
+    name: str
+    load: np.ndarray
+    fit: RoutingTrace | None
+    held: RoutingTrace | None
+    layer_ids: tuple[int, ...]
+    topo: Topology
+    previous: Placement | None = None
+
+
+def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | None, tuple[int, ...]]:
+    """``--trace`` (split by ``--fit-fraction``) or ``--load`` -> (load [L, E] float64, fit, held, layer_ids)."""
+    if (args.trace is None) == (args.load is None):
+        raise CliError("give exactly one of --trace T or --load L.npy")
+    held = None
+    if args.trace:
+        trace = open_trace(args.trace)
+        fit = trace
+        if args.fit_fraction < 1.0:
+            fit, held = trace.split(args.fit_fraction)
+        return fit.counts().astype(np.float64), fit, held, trace.layer_ids
+    load = open_load(args.load)
+    return load, None, held, tuple(range(load.shape[0]))
+
+
+def _read_previous(args, L: int, topo: Topology) -> Placement | None:
+    """``--previous`` with its move budget, checked against the problem's shape ``[L, P]``."""
+    if args.previous:
+        previous = open_placement(args.previous, ep_size=args.ep_size, num_nodes=args.num_nodes)
+        if previous.physical_to_logical_map.shape != (L, topo.num_physical_experts):
+            raise CliError(
+                f"--previous has shape {previous.physical_to_logical_map.shape} but the problem is "
+                f"{L} layers x {topo.num_physical_experts} slots"
+            )
+        if args.max_moves is None and args.move_cost is None:
+            raise CliError("--previous needs --max-moves M or --move-cost C")
+        return previous
+    if args.max_moves is not None or args.move_cost is not None:
+        raise CliError("--max-moves/--move-cost need --previous OLD (the current placement)")
+    return None
+
+
+def _read_problem(args) -> _Problem:
+    """Load, topology and the placement in service, each checked (CliError names the bad flag)."""
+    from placement.topology import Topology
+
+    load, fit, held, layer_ids = _read_load(args)
+    L, E = load.shape
+    if args.num_redundant < 0:
+        raise CliError(f"--num-redundant must be >= 0, got {args.num_redundant}")
+    topo = Topology.from_redundant(E, args.num_redundant, args.ep_size, args.num_nodes)
+    if args.num_groups is not None and (args.num_groups < 1 or E % args.num_groups):
+        raise CliError(f"--num-groups {args.num_groups} must divide the {E} experts")
+    previous = _read_previous(args, L, topo)
+    name = "migration" if previous is not None else args.solver
+    return _Problem(name, load, fit, held, layer_ids, topo, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# solving
+# ---------------------------------------------------------------------------------------------
+def _solve_named(args, prob: _Problem, greedy: Placement, greedy_report: SolveReport):
+    """The named solver (greedy's own result for ``greedy``), never worse than greedy for cpsat/milp."""
+    from solver.api import solve
+
+    options = _solver_options(args)
+    name = prob.name
+    if name == "greedy":
+        return greedy, greedy_report
+    with elapsed_bar(f"{name}", args.time_limit):
+        placement, report = solve(
+            name,
+            topology=prob.topo,
+            load=prob.load,
+            trace=prob.fit,
+            num_groups=args.num_groups,
+            layer_ids=prob.layer_ids,
+            previous=prob.previous,
+            time_limit=args.time_limit,
+            seed=args.seed,
+            options=options,
+        )
+    if name in ("cpsat", "milp"):
+        placement = _gate_against_greedy(name, placement, greedy, prob.load, args.time_limit)
+    return placement, report
+
+
+def _gate_against_greedy(
+    name: str, placement: Placement, greedy: Placement, load: np.ndarray, time_limit: float
+) -> Placement:
+    """Never worse than greedy on the fitted objective (even split, ``load [L, E]``); fall back with a warning."""
+    from placement.metrics import expected_gpu_load
+
+    peak_new = expected_gpu_load(placement, load).max(axis=1).sum()
+    peak_greedy = expected_gpu_load(greedy, load).max(axis=1).sum()
+    if peak_new > peak_greedy * (1 + 1e-9):
+        warn(f"{name} found nothing better than greedy within {time_limit}s; writing the greedy placement")
+        return greedy.with_provenance(fallback_from=name)
+    return placement
+
+
+def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement) -> tuple[list[dict], bool]:
+    """Fitted (and held-out) PAR of trivial, greedy and the solver's placement; whether to show remote nodes."""
+    from placement.metrics import balance_stats, evaluate, expected_gpu_load
+    from placement.model import Placement
+
+    L, E = prob.load.shape
+    trivial = None
+    try:
+        trivial = Placement.trivial(L, E, prob.topo, prob.layer_ids)
+    except ValueError:
+        pass
+    rows = []
+    held = prob.held
+    # locality trades balance for fewer remote nodes: show both, scored with the policy asked for
+    comm_view = prob.name == "locality" and held is not None and held.has_tokens
+    candidates = {"trivial": trivial, "greedy": greedy, prob.name: placement}
+    for label, pl in candidates.items():
+        if pl is None:
+            continue
+        row = {"placement": label, "fit_par": balance_stats(expected_gpu_load(pl, prob.load))["par"]}
+        if held is not None:
+            ev = evaluate(pl, held, args.policy).to_dict()
+            row["heldout_par"] = ev["par"]
+            if comm_view and "remote_nodes_per_token" in ev:
+                row["heldout_remote_nodes"] = ev["remote_nodes_per_token"]
+        rows.append(row)
+    return rows, comm_view
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------------------------
+def _write_files(args, out: Path | None, prob: _Problem, placement: Placement, payload: dict) -> list[str]:
+    """The placement file (and weighted-dispatch weights), then the report JSON; the paths written."""
+    written = []
+    if out is not None:
+        from placement.formats import write_placement
+
+        written = [str(p) for p in write_placement(placement, out, args.format)]
+        if args.weighted and prob.name in ("cpsat", "milp"):
+            try:
+                from solver.exact import replica_weights, write_replica_weights
+
+                wpath = out.with_name(out.name + ".weights.json")
+                write_replica_weights(wpath, replica_weights(placement, prob.load), placement)
+                written.append(str(wpath))
+            except ImportError:
+                warn("weighted dispatch export is not available in this build")
+    if args.report:
+        from profiling.fileio import atomic_write_json
+
+        atomic_write_json(args.report, payload)
+        written.append(args.report)
+    return written
+
+
+# ---------------------------------------------------------------------------------------------
+# printing
+# ---------------------------------------------------------------------------------------------
+def _print_header(prob: _Problem, report: SolveReport, wall: float) -> None:
+    """The problem's size and the solver's notes (general ones, then at most 3 per-layer ones)."""
+    L, E = prob.load.shape
+    topo = prob.topo
+    echo(
+        f"{prob.name}: {L} layers x {E} experts -> {topo.num_physical_experts} slots on {topo.ep_size} GPUs "
+        f"({topo.num_nodes} node(s), {topo.slots_per_gpu} slots per GPU), {wall:.2f}s"
+    )
+    general = [n for n in report.notes if not n.startswith("layer ")]
+    per_layer = [n for n in report.notes if n.startswith("layer ")]
+    for n in general + per_layer[:3]:
+        echo(f"note: {n}")
+    if len(per_layer) > 3:
+        echo(f"note: ... {len(per_layer) - 3} more per-layer notes (see --json or --report)")
+
+
+def _print_balance(args, prob: _Problem, rows: list[dict], comm_view: bool) -> None:
+    """The balance table: fitted PAR, held-out PAR and remote nodes when scored."""
+    echo("balance (peak-to-average GPU load, mean over layers; 1.0 is perfect):")
+    cols = [("placement", "placement", -1), ("fit_par", "fitted PAR", 4)]
+    if prob.held is not None:
+        cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
+    if comm_view:
+        cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))
+    echo(format_table(rows, cols))
+    if prob.name == "locality" and prob.held is None:
+        echo(
+            "tip: --fit-fraction 0.5 --policy local scores held-out PAR and remote nodes per token side by side"
+        )
+
+
+def _print_per_layer(prob: _Problem, report: SolveReport, greedy_report: SolveReport) -> None:
+    """Per-layer peak load of greedy and the solver, bound, gap, status (and moves), then the overall line."""
+    name = prob.name
+    lrows = []
+    for g, lr in zip(greedy_report.layers, report.layers):
+        lrows.append(
+            {
+                "layer": lr.layer_id,
+                "greedy": g.objective,
+                "solver": lr.objective,
+                "bound": lr.bound,
+                "gap": lr.gap,
+                "status": lr.status,
+                **({"moved": lr.extra.get("moved_slots")} if prob.previous is not None else {}),
+            }
+        )
+    echo(f"per layer (peak GPU load in tokens; status of {name}):")
+    lcols = [
+        ("layer", "layer", -1),
+        ("greedy", "greedy", 1),
+        ("solver", name, 1),
+        ("bound", "bound", 1),
+        ("gap", "gap", 4),
+        ("status", "status", -1),
+    ]
+    if prob.previous is not None:
+        lcols.append(("moved", "moved", -1))
+    echo(format_table(lrows, lcols))
+    echo(
+        f"overall: status {report.status}, objective {report.objective:.1f} vs greedy {greedy_report.objective:.1f} "
+        f"({report.objective / max(greedy_report.objective, 1e-12):.4f}x), bound {report.bound:.1f}, gap {report.gap:.4f}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+# ---------------------------------------------------------------------------------------------
+def cmd_solve(args: argparse.Namespace) -> int:
+    """Steps: read the problem -> greedy -> named solver (gated) -> balance rows -> write -> print."""
+    from placement.metrics import moved_slots
+    from solver.api import solve
+
+    out = check_output(args.output)
+    prob = _read_problem(args)
+    t0 = time.perf_counter()
+    greedy, greedy_report = solve(
+        "greedy", topology=prob.topo, load=prob.load, num_groups=args.num_groups, layer_ids=prob.layer_ids
+    )
+    placement, report = _solve_named(args, prob, greedy, greedy_report)
+    wall = time.perf_counter() - t0
+    rows, comm_view = _balance_rows(args, prob, greedy, placement)
+    L, E = prob.load.shape
+    payload = {
+        "solver": prob.name,
+        "topology": prob.topo.to_dict(),
+        "num_logical_experts": E,
+        "layers": L,
+        "balance": rows,
+        "report": report.to_dict(),
+        "wall_time_s": wall,
+    }
+    if prob.previous is not None:
+        payload["moved_slots"] = moved_slots(prob.previous, placement)
+    written = _write_files(args, out, prob, placement, payload)
+    payload["written"] = written
+    if args.json:
+        echo(json.dumps(payload, indent=1, default=str))
+        return 0
+    _print_header(prob, report, wall)
+    _print_balance(args, prob, rows, comm_view)
+    if prob.name not in ("greedy", "locality"):
+        _print_per_layer(prob, report, greedy_report)
+    if prob.previous is not None:
+        echo(f"moved slots: {payload['moved_slots']} of {placement.physical_to_logical_map.size}")
+    for p in written:
+        echo(f"wrote {p}")
+    return 0
