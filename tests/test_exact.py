@@ -383,3 +383,41 @@ def test_noise_gate_takes_a_real_imbalance():
         solve_exact(wins, topo, time_limit=1.0, noise_gate="bogus")
     with pytest.raises(ValueError, match="5 windows"):
         solve_exact(agg, topo, time_limit=1.0, noise_gate="windows")
+
+
+def test_api_solve_matches_solve_exact():
+    from profiling.synthetic import synthetic_trace
+    from solver.api import solve
+
+    def same(a, b):
+        (pa, ra), (pb, rb) = a, b
+        np.testing.assert_array_equal(pa.physical_to_logical_map, pb.physical_to_logical_map)
+        assert pa.layer_ids == pb.layer_ids and ra.solver == rb.solver
+        assert [lr.status for lr in ra.layers] == [lr.status for lr in rb.layers]
+        np.testing.assert_array_equal(ra.per_layer("objective"), rb.per_layer("objective"))
+        wall = {"per_layer_limit_s"}  # derived from the wall clock
+        assert {k: v for k, v in ra.params.items() if k not in wall} == {
+            k: v for k, v in rb.params.items() if k not in wall
+        }
+
+    rng = np.random.default_rng(2)
+    w = np.round(rng.pareto(1.0, size=(2, 8)) * 80 + 1)
+    topo = Topology(4, 12, 2)
+    kw = dict(num_groups=4, layer_ids=[3, 7], time_limit=5.0, seed=1)
+    opts = {"node_constraint": True, "workers": 1}
+    same(solve("cpsat", topology=topo, load=w, **kw, options=opts), solve_exact(w, topo, **kw, **opts))
+    small = np.array([[60.0, 25.0, 9.0, 4.0, 2.0]])
+    topo3 = Topology(3, 6, 1)
+    same(
+        solve("milp", topology=topo3, load=small, time_limit=20.0, options={"workers": 1}),
+        solve_exact(small, topo3, backend="milp", time_limit=20.0, workers=1),
+    )
+    # a trace is passed on as a trace: the noise gate sees its windows
+    tr = synthetic_trace(
+        num_tokens=2000, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=20, seed=4
+    )
+    via = solve("cpsat", topology=Topology(4, 12, 1), trace=tr, time_limit=2.0, options={"workers": 1})
+    assert via[1].params["noise_gate"].startswith("windows")
+    same(via, solve_exact(tr, Topology(4, 12, 1), time_limit=2.0, workers=1))
+    with pytest.raises(ValueError, match="bogus"):
+        solve("cpsat", topology=topo, load=w, options={"bogus": 1})

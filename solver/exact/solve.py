@@ -1,0 +1,358 @@
+"""The exact solver's entry points: :func:`solve_exact` (keywords), :func:`run_exact` (the registry's).
+
+Pipeline: check the input -> one of (placement for weighted dispatch | noise gate over an inner solve |
+validation guard over inner solves | the plain solve). The plain solve: greedy start -> every layer
+(:func:`solver.exact.per_layer._solve_layer`, in parallel) -> placement and report.
+
+Shapes: ``L`` layers, ``E`` experts, ``G`` GPUs with ``S`` slots, ``P = G * S``, ``N`` nodes, ``W`` windows.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from placement.model import Placement
+from placement.topology import Topology
+from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
+from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
+from solver.exact.gate import _gate_noise_source, _noise_gate
+from solver.exact.guard import _validation_guard, _validation_split
+from solver.exact.options import ExactOptions
+from solver.exact.per_layer import _Setup, _solve_layer
+from solver.greedy import greedy_placement
+from solver.problem import Problem
+from solver.report import LayerReport, SolveReport
+from solver.weighted import solve_weighted
+
+__all__ = ["ExactOptions", "run_exact", "solve_exact"]
+
+
+def solve_exact(
+    load_or_trace: LoadOrTrace,
+    topology: Topology,
+    *,
+    backend: str = "cpsat",
+    num_groups: int | None = None,
+    node_constraint: bool = False,
+    objective: str = "tokens",
+    robust: str | None = None,
+    num_windows: int = 4,
+    weighted: bool | str = False,
+    layer_ids: Sequence[int] | None = None,
+    time_limit: float = 10.0,
+    seed: int = 0,
+    workers: int | None = None,
+    hint: Placement | None = None,
+    expert_bytes: float | None = None,
+    hardware: Any = None,
+    deterministic: bool = True,
+    batch_tokens_per_gpu: float | None = None,
+    local_search_iters: int | None = None,
+    validation: float | str | None = None,
+    noise_gate: str | None = "auto",
+    noise_k: float = 1.0,
+) -> tuple[Placement, SolveReport]:
+    """Joint replica counts and placement per layer, with proven bounds.
+
+    Args:
+        load_or_trace: ``[L, E]`` loads, ``[W, L, E]`` windows, or a :class:`RoutingTrace`.
+        topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
+        num_groups: expert groups (kept inside nodes with ``node_constraint``).
+        layer_ids: the model's layer index of each row (default: the trace's, else ``0..L-1``).
+        The other keywords are the fields of :class:`ExactOptions`, documented there.
+
+    Returns:
+        (Placement, SolveReport). Layer ``objective`` is the peak GPU load in tokens with even split on the
+        aggregate load; ``bound`` a proven lower bound on it; ``baseline_objective`` greedy's peak.
+        ``extra`` holds ``model_objective`` / ``model_baseline`` (the optimised objective: decode us, or
+        robust window PAR), ``counts_changed``, ``restricted``, ``replica_shares`` and ``weighted_objective``.
+    """
+    options = ExactOptions(
+        backend=backend,
+        node_constraint=node_constraint,
+        objective=objective,
+        robust=robust,
+        num_windows=num_windows,
+        weighted=weighted,
+        time_limit=time_limit,
+        seed=seed,
+        workers=workers,
+        hint=hint,
+        expert_bytes=expert_bytes,
+        hardware=hardware,
+        deterministic=deterministic,
+        batch_tokens_per_gpu=batch_tokens_per_gpu,
+        local_search_iters=local_search_iters,
+        validation=validation,
+        noise_gate=noise_gate,
+        noise_k=noise_k,
+    )
+    return _solve(load_or_trace, topology, options, num_groups, layer_ids)
+
+
+def run_exact(problem: Problem, options: ExactOptions) -> tuple[Placement, SolveReport]:
+    """The registry's entry (:mod:`solver.api`): the problem's trace when it has one (the noise gate
+    needs its windows), else its load."""
+    data = problem.trace if problem.trace is not None else problem.load
+    return _solve(data, problem.topology, options, problem.num_groups, problem.layer_id_list)
+
+
+def _solve(
+    load_or_trace: LoadOrTrace,
+    topology: Topology,
+    options: ExactOptions,
+    num_groups: int | None,
+    layer_ids: Sequence[int] | None,
+) -> tuple[Placement, SolveReport]:
+    """Check the input, then solve for weighted dispatch, through the noise gate or the validation
+    guard (each over inner plain solves), or plainly."""
+    t_start = time.perf_counter()
+    agg, wins, robust_m, top_k, layer_ids = _check_inputs(load_or_trace, topology, options, layer_ids)
+    if options.weighted is True:
+        return _solve_for_weighted_dispatch(agg, wins, topology, options, layer_ids)
+    inner = replace(options, validation=0, noise_gate=None)
+    guard = _validation_split(load_or_trace, options.validation, options.seed)
+    gate = (
+        None
+        if guard is not None
+        else _gate_noise_source(
+            load_or_trace,
+            options.noise_gate,
+            options.robust,
+            options.node_constraint,
+            options.objective,
+            options.weighted,
+        )
+    )
+    if gate is not None:
+        noise_k = options.noise_k
+        if not (np.isfinite(noise_k) and noise_k >= 0):
+            raise ValueError(f"noise_k must be a finite number >= 0 (sigmas per moved slot), got {noise_k!r}")
+        inner = replace(inner, time_limit=0.85 * options.time_limit)
+        pl, rep = _solve(load_or_trace, topology, inner, num_groups, layer_ids)
+        return _noise_gate(
+            load_or_trace, topology, pl, rep, gate, float(noise_k), options.seed, options.time_limit, t_start
+        )
+    if guard is not None:
+        return _validation_guard(
+            load_or_trace, topology, guard, inner, num_groups, layer_ids, t_start, _solve
+        )
+    return _solve_plain(agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start)
+
+
+def _check_inputs(
+    load_or_trace: LoadOrTrace, topology: Topology, options: ExactOptions, layer_ids: Sequence[int] | None
+) -> tuple[np.ndarray, np.ndarray, int, int | None, Sequence[int] | None]:
+    """Validate the options and the load; returns ``(agg [L, E], windows [W, L, E], robust_m, top_k,
+    layer_ids)`` (the trace's layer ids when none are given)."""
+    if options.backend not in ("cpsat", "milp"):
+        raise ValueError(f"unknown backend {options.backend!r}; use 'cpsat' or 'milp'")
+    if options.objective not in ("tokens", "decode"):
+        raise ValueError(f"unknown objective {options.objective!r}; use 'tokens' or 'decode'")
+    if not options.time_limit > 0:
+        raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
+    agg, wins, trace_layers, top_k = _as_windows(load_or_trace, options.robust, options.num_windows)
+    robust_m = _parse_robust(options.robust, wins.shape[0])
+    if not np.all(np.isfinite(wins)) or wins.min(initial=0) < 0:
+        raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    E = agg.shape[1]
+    G, P, S = topology.ep_size, topology.num_physical_experts, topology.slots_per_gpu
+    if layer_ids is None:
+        layer_ids = trace_layers
+    if E > P:
+        raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
+    if S > E:
+        raise ValueError(
+            f"{S} slots per GPU exceed the {E} experts; use at most {E * G - E} redundant experts"
+        )
+    if options.weighted not in (False, True, "shares"):
+        raise ValueError(f"weighted must be False, True or 'shares', got {options.weighted!r}")
+    return agg, wins, robust_m, top_k, layer_ids
+
+
+def _solve_for_weighted_dispatch(
+    agg: np.ndarray,
+    wins: np.ndarray,
+    topology: Topology,
+    options: ExactOptions,
+    layer_ids: Sequence[int] | None,
+) -> tuple[Placement, SolveReport]:
+    """``weighted=True``: the placement chosen for weighted dispatch (:func:`solver.weighted.solve_weighted`)."""
+    if options.node_constraint or options.objective != "tokens":
+        raise ValueError(
+            "weighted=True (placement for weighted dispatch) supports objective='tokens' without "
+            "node_constraint; use weighted='shares' for LP shares on the even-split optimum"
+        )
+    w_pl, _, w_rep = solve_weighted(
+        agg,
+        topology,
+        windows=wins if options.robust else None,
+        layer_ids=layer_ids,
+        hint=options.hint,
+        seed=options.seed,
+        time_limit=options.time_limit,
+    )
+    params = {
+        "backend": "weighted",
+        "seed": options.seed,
+        "time_limit": options.time_limit,
+        "weighted": True,
+        "robust": options.robust,
+    }
+    return w_pl.with_provenance(**params), replace(w_rep, params=params)
+
+
+def _solve_plain(
+    agg: np.ndarray,
+    wins: np.ndarray,
+    robust_m: int,
+    top_k: int | None,
+    topology: Topology,
+    options: ExactOptions,
+    num_groups: int | None,
+    layer_ids: Sequence[int] | None,
+    t_start: float,
+) -> tuple[Placement, SolveReport]:
+    """The plain solve: greedy start -> every layer (on ``workers`` threads) -> placement and report."""
+    L, E = agg.shape
+    G, P, N = topology.ep_size, topology.num_physical_experts, topology.num_nodes
+    decode = _decode_cost(options, top_k)
+    greedy_policy = _greedy_policy(options.node_constraint, num_groups, E, N)
+    g_pl, _ = greedy_placement(agg, topology, num_groups, policy=greedy_policy, layer_ids=layer_ids)
+    greedy_map = g_pl.physical_to_logical_map
+    hint_map = _hint_map(options.hint, greedy_map, E)
+    rmax = _max_replicas(E, G, P)
+    workers = _worker_count(options.workers, L)
+    setup = time.perf_counter() - t_start
+    ctx = _Setup(
+        options=options,
+        topology=topology,
+        agg=agg,
+        wnorm=_normalised_windows(wins, robust_m, G),
+        greedy_map=greedy_map,
+        hint_map=hint_map,
+        decode=decode,
+        rmax=rmax,
+        robust_m=robust_m,
+        group_of_expert=np.arange(E) // (E // num_groups) if options.node_constraint else None,
+        groups_per_node=(num_groups // N) if options.node_constraint else 0,
+        per_layer=max(0.05, (options.time_limit - setup) * workers / L * 0.85),
+        deadline=t_start + options.time_limit,
+        ls_iters=int(options.local_search_iters if options.local_search_iters is not None else 20 * G),
+        cb_agg=count_lower_bound(agg, G, P),
+        layer_ids=layer_ids,
+        notes=[],
+        lock=threading.Lock(),
+    )
+    if workers == 1:
+        results = [_solve_layer(ctx, l) for l in range(L)]
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as ex:
+            results = list(ex.map(lambda l: _solve_layer(ctx, l), range(L)))
+    return _plain_result(ctx, results, wins, workers, greedy_policy, num_groups, t_start)
+
+
+def _decode_cost(options: ExactOptions, top_k: int | None) -> DecodeCost | None:
+    """The decode cost model (``objective="decode"``) with the options' overrides, else None."""
+    decode = (
+        DecodeCost.build(options.expert_bytes, options.hardware, top_k)
+        if options.objective == "decode"
+        else None
+    )
+    if decode is not None and options.batch_tokens_per_gpu is not None:
+        decode = replace(decode, batch_tokens_per_gpu=float(options.batch_tokens_per_gpu))
+    return decode
+
+
+def _greedy_policy(node_constraint: bool, num_groups: int | None, E: int, N: int) -> str:
+    """Greedy's policy for the start: hierarchical under the node constraint (groups must divide)."""
+    if node_constraint:
+        if not num_groups or E % num_groups or num_groups % N:
+            raise ValueError(
+                f"node_constraint needs num_groups dividing the {E} experts and divisible by num_nodes={N}, got num_groups={num_groups}"
+            )
+        return "hierarchical"
+    return "global"
+
+
+def _hint_map(hint: Placement | None, greedy_map: np.ndarray, E: int) -> np.ndarray | None:
+    """The hint's map ``[L, P]`` (checked against greedy's shape), or None."""
+    if hint is None:
+        return None
+    if hint.physical_to_logical_map.shape != greedy_map.shape or hint.num_logical_experts != E:
+        raise ValueError(
+            f"hint placement has map shape {hint.physical_to_logical_map.shape}, expected {greedy_map.shape}"
+        )
+    return hint.physical_to_logical_map
+
+
+def _worker_count(workers: int | None, L: int) -> int:
+    """Threads for the layers: ``workers`` or the usable CPUs, at most one per layer."""
+    workers = int(
+        workers
+        or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    )
+    return max(1, min(workers, L))
+
+
+def _normalised_windows(wins: np.ndarray, robust_m: int, G: int) -> np.ndarray:
+    """``wins [W, L, E]`` normalised to mean 1 per GPU in every window (robust or several windows),
+    else as they are (plain tokens)."""
+    if robust_m > 1 or wins.shape[0] > 1:
+        means = wins.sum(axis=2) / G  # [W, L]
+        return wins / np.where(means > 0, means, 1.0)[:, :, None]
+    return wins
+
+
+def _plain_result(
+    ctx: _Setup,
+    results: list[tuple[np.ndarray, LayerReport]],
+    wins: np.ndarray,
+    workers: int,
+    greedy_policy: str,
+    num_groups: int | None,
+    t_start: float,
+) -> tuple[Placement, SolveReport]:
+    """The placement ``[L, P]`` of the layers' maps and the solve's report with its parameters."""
+    opt = ctx.options
+    phy2log = np.stack([r[0] for r in results])
+    params = {
+        "backend": opt.backend,
+        "seed": opt.seed,
+        "time_limit": opt.time_limit,
+        "objective": opt.objective,
+        "robust": opt.robust,
+        "num_windows": int(wins.shape[0]) if opt.robust else 1,
+        "weighted": opt.weighted,
+        "workers": workers,
+        "deterministic": opt.deterministic,
+        "node_constraint": opt.node_constraint,
+        "num_groups": num_groups,
+        "greedy_policy": greedy_policy,
+        "per_layer_limit_s": ctx.per_layer,
+    }
+    if ctx.decode is not None:
+        params["decode_cost"] = {k: getattr(ctx.decode, k) for k in ctx.decode.__dataclass_fields__}
+    placement = Placement(
+        phy2log,
+        ctx.agg.shape[1],
+        ctx.topology,
+        tuple(ctx.layer_ids or ()),
+        {"solver": opt.backend, **{k: v for k, v in params.items() if k != "decode_cost"}},
+    )
+    report = SolveReport(
+        solver=opt.backend,
+        layers=tuple(r[1] for r in results),
+        wall_time_s=time.perf_counter() - t_start,
+        params=params,
+        notes=tuple(sorted(ctx.notes)),
+    )
+    return placement, report
