@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from solver.locality_reach import token_sample
+
 log = logging.getLogger(__name__)
 
 __all__ = [
@@ -306,23 +308,7 @@ def agglomerate(
         for _ in range(int(k[e])):
             room = (used < caps) & ~member[e]
             if not room.any():
-                # Free a slot: move a membership of another expert f off a full node b (without e) to a node
-                # with room that lacks f.
-                has_room = np.flatnonzero(used < caps)
-                done = False
-                for b in np.flatnonzero(~member[e]):
-                    for f in np.flatnonzero(member[:, b] & (k < N) & (np.arange(E) != e)):
-                        dst = [a_ for a_ in has_room if not member[f, a_]]
-                        if dst:
-                            member[f, b], member[f, dst[0]] = False, True
-                            used[b] -= 1
-                            used[dst[0]] += 1
-                            load[b] -= a[f, b]
-                            load[dst[0]] += a[f, dst[0]]
-                            done = True
-                            break
-                    if done:
-                        break
+                _free_slot(e, member, used, load, a, caps, k)
                 room = (used < caps) & ~member[e]
                 if not room.any():
                     raise ValueError(f"cannot give expert {e} {k[e]} distinct nodes within the slot limits")
@@ -341,6 +327,35 @@ def agglomerate(
             class_used[cls[e], n] += 1
     member = _repair_balance(prob, member, a, load_cap, cls)
     return member, extra
+
+
+def _free_slot(
+    e: int,
+    member: np.ndarray,
+    used: np.ndarray,
+    load: np.ndarray,
+    a: np.ndarray,
+    caps: np.ndarray,
+    k: np.ndarray,
+) -> None:
+    """Free a slot for expert ``e``: move a membership of another expert ``f`` off a full node ``b``
+    (without ``e``) to a node with room that lacks ``f`` (the first such move; none if there is none).
+
+    Updates in place ``member`` bool ``[E, N]``, ``used`` int64 ``[N]`` and ``load`` float64 ``[N]``
+    (``a`` float64 ``[E, N]``: load of a membership; ``caps`` int64 ``[N]``; ``k`` int64 ``[E]`` homes).
+    """
+    E, N = member.shape
+    has_room = np.flatnonzero(used < caps)
+    for b in np.flatnonzero(~member[e]):
+        for f in np.flatnonzero(member[:, b] & (k < N) & (np.arange(E) != e)):
+            dst = [a_ for a_ in has_room if not member[f, a_]]
+            if dst:
+                member[f, b], member[f, dst[0]] = False, True
+                used[b] -= 1
+                used[dst[0]] += 1
+                load[b] -= a[f, b]
+                load[dst[0]] += a[f, dst[0]]
+                return
 
 
 def _repair_balance(
@@ -411,23 +426,32 @@ def refine_cpsat(
     """
     from ortools.sat.python import cp_model
 
-    E, N = prob.num_experts, prob.num_nodes
-    k = prob.homes
-    a = _membership_load(prob)
-    W = pair_weights(prob)
-    caps = member0.sum(axis=0)
-    movable = k < N
-    # data: integer scales (CP-SAT is integral)
-    lscale = 1e6 / max(load_cap, 1e-9)
-    a_int = np.round(a * lscale).astype(np.int64)
-    cap_int = int(np.floor(load_cap * lscale))
-    iu, ju = np.nonzero(np.triu(W, 1))
-    wts = W[iu, ju]
-    keep = np.argsort(-wts, kind="stable")[:max_edges]
-    iu, ju, wts = iu[keep], ju[keep], wts[keep]
-    wscale = 1e4 / max(float(wts.max()) if wts.size else 1.0, 1e-12)
-    w_int = np.round(wts * wscale).astype(np.int64)
+    model, x = _membership_model(prob, member0, load_cap, max_edges, num_classes)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
+    solver.parameters.random_seed = int(seed)
+    solver.parameters.num_workers = int(workers)
+    st = solver.solve(model)
+    name = solver.status_name(st).lower()
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return member0, name
+    member = np.zeros((prob.num_experts, prob.num_nodes), dtype=bool)
+    for (e, n), v in x.items():
+        member[e, n] = bool(solver.value(v))
+    if pair_objective(prob, member) + 1e-9 < pair_objective(prob, member0):
+        return member0, name
+    return member, name
 
+
+def _membership_model(
+    prob: LayerProblem, member0: np.ndarray, load_cap: float, max_edges: int, num_classes: int
+) -> tuple:
+    """:func:`refine_cpsat`'s model: ``(model, x)`` with ``x[e, n]`` (bool var, or the constant 1 for experts
+    on all nodes): expert ``e`` is on node ``n``. Hinted with ``member0`` bool ``[E, N]``."""
+    from ortools.sat.python import cp_model
+
+    E, N = prob.num_experts, prob.num_nodes
+    movable = prob.homes < N
     model = cp_model.CpModel()
     x = {}
     for e in range(E):
@@ -436,8 +460,28 @@ def refine_cpsat(
                 x[e, n] = model.new_bool_var(f"x_{e}_{n}")
             else:
                 x[e, n] = model.new_constant(1)
-    # each expert on exactly k_e nodes
+    _add_membership_limits(model, x, prob, member0, load_cap, num_classes)
+    _add_colocation_objective(model, x, prob, max_edges)
     for e in np.flatnonzero(movable):
+        for n in range(N):
+            model.add_hint(x[e, n], bool(member0[e, n]))
+    return model, x
+
+
+def _add_membership_limits(
+    model, x: dict, prob: LayerProblem, member0: np.ndarray, load_cap: float, num_classes: int
+) -> None:
+    """Each expert on exactly ``k_e`` nodes; ``member0``'s slots per node; the size-class mix; the node
+    load cap (linear model, in integers: ``1e6`` is the cap; a start above it sets each node's limit)."""
+    E, N = prob.num_experts, prob.num_nodes
+    k = prob.homes
+    a = _membership_load(prob)
+    caps = member0.sum(axis=0)
+    lscale = 1e6 / max(load_cap, 1e-9)
+    a_int = np.round(a * lscale).astype(np.int64)
+    cap_int = int(np.floor(load_cap * lscale))
+    # each expert on exactly k_e nodes
+    for e in np.flatnonzero(k < N):
         model.add(sum(x[e, n] for n in range(N)) == int(k[e]))
     # exact membership slots per node
     for n in range(N):
@@ -454,7 +498,19 @@ def refine_cpsat(
     for n in range(N):
         limit = cap_int if base_ok else max(cap_int, int(np.ceil((member0[:, n] * a[:, n]).sum() * lscale)))
         model.add(sum(int(a_int[e, n]) * x[e, n] for e in range(E)) <= limit)
-    # co-location indicators
+
+
+def _add_colocation_objective(model, x: dict, prob: LayerProblem, max_edges: int) -> None:
+    """Maximise the co-located weight of the ``max_edges`` heaviest pairs (an indicator per pair and node)
+    plus the source weights, in integers (``1e4`` is the heaviest pair)."""
+    N = prob.num_nodes
+    W = pair_weights(prob)
+    iu, ju = np.nonzero(np.triu(W, 1))
+    wts = W[iu, ju]
+    keep = np.argsort(-wts, kind="stable")[:max_edges]
+    iu, ju, wts = iu[keep], ju[keep], wts[keep]
+    wscale = 1e4 / max(float(wts.max()) if wts.size else 1.0, 1e-12)
+    w_int = np.round(wts * wscale).astype(np.int64)
     terms = []
     for i, j, wi in zip(iu, ju, w_int):
         if wi <= 0:
@@ -465,29 +521,12 @@ def refine_cpsat(
             model.add_implication(y, x[j, n])
             terms.append(int(wi) * y)
     sw = source_weights(prob)
-    for e in np.flatnonzero(movable):
+    for e in np.flatnonzero(prob.homes < N):
         for n in range(N):
             v = int(round(sw[e, n] * wscale))
             if v > 0:
                 terms.append(v * x[e, n])
     model.maximize(sum(terms))
-    for e in np.flatnonzero(movable):
-        for n in range(N):
-            model.add_hint(x[e, n], bool(member0[e, n]))
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
-    solver.parameters.random_seed = int(seed)
-    solver.parameters.num_workers = int(workers)
-    st = solver.solve(model)
-    name = solver.status_name(st).lower()
-    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return member0, name
-    member = np.zeros((E, N), dtype=bool)
-    for (e, n), v in x.items():
-        member[e, n] = bool(solver.value(v))
-    if pair_objective(prob, member) + 1e-9 < pair_objective(prob, member0):
-        return member0, name
-    return member, name
 
 
 def swap_search(
@@ -511,7 +550,7 @@ def swap_search(
     rng = np.random.default_rng(seed)
     T = prob.ids.shape[0]
     E, N = prob.num_experts, prob.num_nodes
-    toks = np.sort(rng.choice(T, size=min(sample, T), replace=False)) if T > sample else np.arange(T)
+    toks = token_sample(rng, T, sample)
     ids = prob.ids[toks]
     # tokens (sample positions) that pick each expert
     by_expert = [np.flatnonzero((ids == e).any(axis=1)) for e in range(E)]

@@ -337,6 +337,32 @@ def test_work_limit_gives_the_same_placement_twice(deepseek_slice):
         solve_locality(one, topo, work_limit=10, method="grouped")
 
 
+def test_api_solve_gives_the_direct_call_and_checks_options(deepseek_slice):
+    from solver.api import make_options
+    from solver.locality import LocalityOptions, run_locality
+    from solver.problem import Problem
+
+    fit, _ = deepseek_slice
+    topo = Topology.from_redundant(64, 16, 16, 2)
+    one = fit.select_layers([0])
+    direct, rd = solve_locality(one, topo, seed=1, work_limit=60, num_everywhere=4)
+    via, rv = solve(
+        "locality", trace=one, topology=topo, seed=1, options={"work_limit": 60, "num_everywhere": 4}
+    )
+    assert np.array_equal(direct.physical_to_logical_map, via.physical_to_logical_map)
+    assert rv.params == rd.params
+    assert make_options("locality", {"work_limit": 60}, seed=1, time_limit=5.0) == LocalityOptions(
+        time_limit=5.0, seed=1, work_limit=60
+    )
+    with pytest.raises(ValueError, match="takes no options"):
+        make_options("locality", {"num_everywere": 4})
+    # the problem's layer ids pick the layers
+    pl, _ = run_locality(
+        Problem.build(topo, trace=fit, layer_ids=[fit.layer_ids[1]]), LocalityOptions(work_limit=30)
+    )
+    assert pl.layer_ids == (fit.layer_ids[1],)
+
+
 def test_bad_input_is_a_clear_error(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 32, 32, 4)
