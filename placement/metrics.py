@@ -4,7 +4,8 @@ Shapes: L layers, E logical experts, P physical slots, G EP ranks (GPUs), N node
 
 Replica selection (how a token's choice of a logical expert becomes a physical slot):
 
-- ``even``: an expert's tokens split evenly over its replicas (SGLang/vLLM static dispatch).
+- ``even``: an expert's tokens split evenly over its replicas (an ideal; vLLM's hash is close to it).
+- ``sglang-static``, ``sglang-dynamic``, ``vllm-hash``: the engines' own rules (:mod:`placement.dispatch`).
 - ``local``: a replica on the token's own GPU, else one on its own node, else any replica; where a
   tier holds several replicas the tokens spread evenly over them (round-robin), which is where a
   least-loaded choice settles for a static map and is reproducible rank by rank.
@@ -22,6 +23,7 @@ from typing import Literal
 
 import numpy as np
 
+from placement.dispatch import DISPATCH_MODELS, check_dispatch, rank_choices, route_layer
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 
@@ -45,13 +47,14 @@ __all__ = [
     "evaluate",
 ]
 
-Policy = Literal["even", "local"]
-POLICIES = ("even", "local")
+Policy = Literal["even", "local", "sglang-static", "sglang-dynamic", "vllm-hash"]
+POLICIES = tuple(DISPATCH_MODELS)
+ENGINE_RULES = ("sglang-static", "sglang-dynamic", "vllm-hash")  # scored through placement.dispatch
+DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch for vllm-hash when no step size is given
 
 
 def _check_policy(policy: str) -> None:
-    if policy not in POLICIES:
-        raise ValueError(f"unknown replica-selection policy {policy!r}; use one of {POLICIES}")
+    check_dispatch(policy)
 
 
 def _check_compatible(placement: Placement, num_layers: int, num_experts: int, what: str) -> None:
@@ -204,11 +207,15 @@ def _fractional_slot_load(
     policy: str,
     group: np.ndarray,
     num_groups: int,
+    batch_index: np.ndarray | None = None,
 ) -> np.ndarray:
     """Expected slot loads ``[num_groups, P]`` of one layer; ``group`` int64 ``[T]`` buckets tokens (steps).
 
-    Each pick puts weight ``1/c`` on each of the ``c`` replicas of its tier.
+    Each pick puts weight ``1/c`` on each of the ``c`` replicas of its tier; the engines' rules go
+    through :func:`_engine_slot_load` (``batch_index``: each token's row in its forward batch).
     """
+    if policy in ENGINE_RULES:
+        return _engine_slot_load(placement, layer, ids, src, policy, group, num_groups, batch_index)
     t = placement.topology
     E, P, N = placement.num_logical_experts, t.num_physical_experts, t.num_nodes
     tab = _LayerTables(placement, layer)
@@ -231,6 +238,40 @@ def _fractional_slot_load(
     return out
 
 
+def _engine_slot_load(placement, layer, ids, src, policy, group, num_groups, batch_index) -> np.ndarray:
+    """Slot loads ``[num_groups, P]`` of one layer under an engine's rule.
+
+    ``vllm-hash`` is routed token by token (``batch_index`` int64 ``[T]``); the SGLang rules are
+    scored by expectation: tokens per (group, source rank, expert) times each (rank, expert)'s shares.
+    """
+    P, G, E = placement.num_physical_experts, placement.topology.ep_size, placement.num_logical_experts
+    valid = ids >= 0
+    gk = np.broadcast_to(group[:, None], ids.shape)[valid]
+    if policy == "vllm-hash":
+        slots = route_layer(placement, layer, ids, src, policy, batch_index=batch_index)[valid]
+        return np.bincount(gk * P + slots, minlength=num_groups * P).reshape(num_groups, P).astype(np.float64)
+    sk = np.broadcast_to(src[:, None], ids.shape)[valid]
+    key = (gk * G + sk) * E + ids[valid].astype(np.int64)
+    counts = np.bincount(key, minlength=num_groups * G * E).reshape(num_groups, G * E)  # [S, G*E]
+    slots, weights = rank_choices(placement, layer, policy)  # [G, E, R] each
+    share = np.zeros((G * E, P))  # row (g, e): the share of those tokens each slot receives
+    rows = np.broadcast_to(np.arange(G * E).reshape(G, E, 1), slots.shape)
+    ok = slots >= 0
+    np.add.at(share, (rows[ok], slots[ok]), weights[ok])
+    return counts @ share
+
+
+def batch_positions(src: np.ndarray, batch_tokens: int) -> np.ndarray:
+    """Each token's row in its rank's forward batch: its position among its rank's tokens (trace
+    order) modulo ``batch_tokens``. ``src`` int64 ``[T]`` -> int64 ``[T]``."""
+    order = np.argsort(src, kind="stable")  # tokens grouped by rank, trace order inside
+    sorted_src = src[order]
+    first = np.searchsorted(sorted_src, sorted_src, side="left")
+    pos = np.empty_like(order)
+    pos[order] = np.arange(order.size) - first
+    return pos % int(batch_tokens)
+
+
 def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | None):
     if not trace.has_tokens:
         raise ValueError("this metric needs a per-token trace (topk_ids); the given trace has counts only")
@@ -248,11 +289,16 @@ def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | 
 
 
 def trace_gpu_load(
-    placement: Placement, trace: RoutingTrace, policy: Policy = "even", src: np.ndarray | None = None
+    placement: Placement,
+    trace: RoutingTrace,
+    policy: Policy = "even",
+    src: np.ndarray | None = None,
+    batch_tokens: int | None = None,
 ) -> np.ndarray:
-    """Expected per-GPU load ``[L, G]`` of a trace under a policy (fractional split within a tier).
+    """Expected per-GPU load ``[L, G]`` of a trace under a dispatch model (fractional within a tier).
 
-    Counts-only traces support ``even`` only (``local`` needs to know where tokens come from).
+    Counts-only traces support ``even`` only (the others need to know where tokens come from).
+    ``batch_tokens``: tokens per rank per forward batch (``vllm-hash``; default 256).
     """
     _check_policy(policy)
     if policy == "even":
@@ -261,10 +307,11 @@ def trace_gpu_load(
     t = placement.topology
     out = np.zeros((placement.num_layers, t.ep_size))
     zero = np.zeros(trace.num_tokens, dtype=np.int64)
+    rows = batch_positions(src, batch_tokens or DEFAULT_BATCH_TOKENS) if policy == "vllm-hash" else None
     ids = trace.topk_ids
     assert ids is not None  # _layer_ids_src checked has_tokens
     for l in range(placement.num_layers):
-        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, zero, 1)[0]
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, zero, 1, rows)[0]
         out[l] = slot_load.reshape(t.ep_size, t.slots_per_gpu).sum(axis=1)
     return out
 
@@ -275,10 +322,15 @@ def route_tokens(
     src_gpu: np.ndarray,
     policy: Policy = "even",
     token_index: np.ndarray | None = None,
+    batch_index: np.ndarray | None = None,
+    seed: int = 0,
 ) -> np.ndarray:
-    """Deterministic token-level replica choice (what the runtime applies).
+    """Token-level replica choice (what the runtime applies).
 
-    Pick ``j`` of token ``t`` takes replica ``(t + j) mod c`` of its tier (``c`` replicas, ascending slots).
+    ``even``/``local``: pick ``j`` of token ``t`` takes replica ``(t + j) mod c`` of its tier (``c``
+    replicas, ascending slots). The engines' rules follow :func:`placement.dispatch.route_layer`:
+    ``vllm-hash`` hashes ``batch_index`` (default: :func:`batch_positions` with 256 tokens per batch),
+    ``sglang-dynamic`` draws with ``seed``.
 
     Args:
         topk_ids: int ``[T, L, k]`` logical ids, -1 for none.
@@ -297,6 +349,8 @@ def route_tokens(
     _check_compatible(placement, L, placement.num_logical_experts, "topk_ids")
     tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
     src = np.asarray(src_gpu, dtype=np.int64)
+    if policy in ENGINE_RULES:
+        return _route_engine(placement, ids, src, policy, batch_index, seed)
     m = placement.topology.gpus_per_node
     src_node = src // m
     rot = tok[:, None] + np.arange(k, dtype=np.int64)[None, :]  # [T, k]
@@ -308,6 +362,17 @@ def route_tokens(
         nc = np.maximum(tab.node_cnt[src_node[:, None], e], 1)
         near = tab.node_l2p[src_node[:, None], e, rot % nc]  # [T, k]
         out[:, l, :] = np.select([tier == 0, tier == 1, tier == 2], [own, near, remote], -1)
+    return out
+
+
+def _route_engine(placement, ids, src, policy, batch_index, seed) -> np.ndarray:
+    """:func:`route_tokens` for the engines' rules: int64 ``[T, L, k]``."""
+    if batch_index is None:
+        batch_index = batch_positions(src, DEFAULT_BATCH_TOKENS)
+    rng = np.random.default_rng(seed)
+    out = np.empty(ids.shape, dtype=np.int64)
+    for l in range(ids.shape[1]):
+        out[:, l, :] = route_layer(placement, l, ids[:, l, :], src, policy, np.asarray(batch_index), rng)
     return out
 
 
@@ -339,7 +404,7 @@ def _gpu_load_any(placement, trace_or_load, policy):
         return trace_gpu_load(placement, trace_or_load, policy)
     _check_policy(policy)
     if policy != "even":
-        raise ValueError("policy 'local' needs a per-token trace, not a load matrix")
+        raise ValueError(f"policy {policy!r} needs a per-token trace, not a load matrix")
     return expected_gpu_load(placement, trace_or_load)
 
 
@@ -370,9 +435,10 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy
     tok = np.arange(used, dtype=np.int64)
     step = tok // per_step  # [T']
     src = (tok % per_step) // step_tokens  # [T']
+    rows = tok % step_tokens  # [T'] row in the rank's forward batch (vllm-hash)
     par_ls = np.zeros((L, S))
     for l in range(L):
-        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, step, S)  # [S, P]
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, step, S, rows)  # [S, P]
         gpu_load = slot_load.reshape(S, G, -1).sum(axis=2)  # [S, G]
         mean = gpu_load.mean(axis=1)
         par_ls[l] = np.where(mean > 0, gpu_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
@@ -502,20 +568,22 @@ def evaluate(
     policy: Policy = "even",
     step_tokens: int | None = None,
     hidden_size: int | None = None,
+    src: np.ndarray | None = None,
 ) -> Evaluation:
-    """All metrics of a placement on a trace (communication and step metrics need per-token ids)."""
+    """All metrics of a placement on a trace under one dispatch model (communication and step metrics
+    need per-token ids). ``src``: int64 ``[T]`` source rank of every token (default: :func:`source_ranks`)."""
     _check_policy(policy)
-    if policy == "local" and not trace.has_tokens:
+    if policy != "even" and not trace.has_tokens:
         raise ValueError(
-            "policy 'local' needs a per-token trace; this trace has counts only (use --policy even)"
+            f"policy {policy!r} needs a per-token trace; this trace has counts only (use --policy even)"
         )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
-    gl = trace_gpu_load(placement, trace, policy)
+    gl = trace_gpu_load(placement, trace, policy, src, batch_tokens=step_tokens)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size
     lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)
     lb_par = float(np.mean(np.where(mean > 0, lb / np.where(mean > 0, mean, 1), 1.0)))
     step = step_par(placement, trace, step_tokens, policy) if (step_tokens and trace.has_tokens) else None
-    comm = communication(placement, trace, policy, hidden_size=hidden_size) if trace.has_tokens else None
+    comm = communication(placement, trace, policy, src, hidden_size=hidden_size) if trace.has_tokens else None
     return Evaluation(policy, bal, step, comm, lb_par)

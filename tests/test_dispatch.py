@@ -1,0 +1,157 @@
+"""Dispatch models: the engines' own answers (golden fixtures) and the rules' consequences."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from placement.dispatch import (
+    DISPATCH_MODELS,
+    check_dispatch,
+    nearest_replica,
+    rank_choices,
+    sglang_static_tables,
+    vllm_hash_replica,
+)
+from placement.metrics import batch_positions, route_tokens, routed_gpu_tokens, trace_gpu_load
+from placement.model import Placement
+from placement.topology import Topology
+from profiling.synthetic import synthetic_trace
+
+FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "engine_dispatch.json").read_text())
+
+
+def _case_placement(case: dict) -> Placement:
+    p2l = np.array(case["physical_to_logical_map"])
+    topo = Topology(ep_size=case["ep_size"], num_physical_experts=p2l.shape[1], num_nodes=case["num_nodes"])
+    return Placement(p2l, case["num_logical_experts"], topo, allow_colocated_replicas=case["colocated"])
+
+
+def test_fixtures_name_the_engine_versions():
+    assert FIXTURES["engines"] == {"sglang": "0.5.23", "vllm": "0.33.0"}
+    assert any(c["colocated"] for c in FIXTURES["cases"]) and any(
+        c["num_nodes"] == 3 for c in FIXTURES["cases"]
+    )
+
+
+@pytest.mark.parametrize("index", range(len(FIXTURES["cases"])))
+def test_sglang_static_tables_equal_sglangs_own(index):
+    case = FIXTURES["cases"][index]
+    ours = sglang_static_tables(_case_placement(case))
+    assert np.array_equal(ours, np.array(case["sglang_static_tables"]))
+
+
+@pytest.mark.parametrize("index", range(len(FIXTURES["cases"])))
+def test_vllm_hash_slots_equal_vllms_kernel(index):
+    case = FIXTURES["cases"][index]
+    pl = _case_placement(case)
+    ids = np.array(case["topk_ids"])
+    src = np.array(case["source_ranks"])
+    rows = batch_positions(src, case["batch_tokens"])
+    ours = route_tokens(pl, ids, src, "vllm-hash", batch_index=rows)
+    assert np.array_equal(ours, np.array(case["vllm_hash_slots"]))
+
+
+def _two_node_placement() -> Placement:
+    # 4 GPUs on 2 nodes, 3 slots each; expert 0 has replicas on GPU 0 and GPU 1 (both node 0) and GPU 2.
+    p2l = np.array([[0, 1, 2, 0, 3, 4, 0, 5, 6, 7, 1, 2]])
+    return Placement(p2l, 8, Topology(ep_size=4, num_physical_experts=12, num_nodes=2))
+
+
+def test_sglang_static_second_replica_on_a_node_gets_nothing_from_that_node():
+    pl = _two_node_placement()
+    table = sglang_static_tables(pl)[:, 0, 0]  # expert 0, per rank
+    assert table[0] == 0 and table[1] == 3  # own-GPU replicas
+    assert table[2] == 6  # rank 2 holds one itself
+    assert table[3] == 6  # node 1's only replica, which narrows the list
+    # expert 1 (GPU 0 and GPU 3, one per node): each node's ranks use their node's replica
+    assert list(sglang_static_tables(pl)[:, 0, 1]) == [1, 1, 10, 10]
+
+
+def test_sglang_fair_choice_is_drawn_per_rank_so_ranks_need_not_split_evenly():
+    # one node, 8 GPUs, every expert twice: ranks without a replica get a "fair" pick, but each rank
+    # draws in its own process (its own generator state), so across ranks the split can be uneven.
+    G, E = 8, 8
+    pl = Placement(
+        (np.arange(G * 2) % E)[None, :], E, Topology(ep_size=G, num_physical_experts=G * 2, num_nodes=1)
+    )
+    near = nearest_replica(pl, 0)
+    table = sglang_static_tables(pl)[:, 0, :]
+    spread = []
+    for e in range(E):
+        left = near[:, e] < 0
+        replicas = pl.logical_to_physical_map[0, e][pl.logical_to_physical_map[0, e] >= 0]
+        assert set(table[left, e]) <= set(replicas.tolist())
+        assert np.all(table[~left, e] == near[~left, e])
+        counts = np.array([(table[left, e] == r).sum() for r in replicas])
+        spread.append(counts.max() - counts.min())
+    assert max(spread) >= 2
+
+
+def test_colocated_duplicate_only_the_first_is_chosen_by_its_gpu():
+    # GPU 0 holds expert 0 twice: its own tokens use the first copy only, while other ranks may still
+    # be sent to the second (the SGLang hazard: that copy may not even be loaded)
+    p2l = np.array([[0, 0, 1, 2, 3, 1]])
+    topo = Topology(ep_size=3, num_physical_experts=6, num_nodes=1)
+    pl = Placement(p2l, 4, topo, allow_colocated_replicas=True)
+    table = sglang_static_tables(pl)[:, 0, 0]
+    assert table[0] == 0
+    assert set(table[1:].tolist()) <= {0, 1}
+
+
+@pytest.mark.parametrize("dispatch", ["sglang-static", "vllm-hash"])
+def test_deterministic_models_expected_load_equals_routed_tokens(dispatch):
+    trace = synthetic_trace(
+        num_tokens=3000, num_layers=2, num_logical_experts=16, top_k=2, num_prompts=40, seed=3
+    )
+    p2l = np.array([np.r_[np.arange(16), np.arange(8)], np.r_[np.arange(16), np.arange(8, 16)]])
+    pl = Placement(p2l, 16, Topology(ep_size=8, num_physical_experts=24, num_nodes=2))
+    src = np.arange(trace.num_tokens) % 8
+    rows = batch_positions(src, 64)
+    slots = route_tokens(pl, trace.topk_ids, src, dispatch, batch_index=rows)
+    assert np.array_equal(
+        routed_gpu_tokens(pl, slots), trace_gpu_load(pl, trace, dispatch, src, batch_tokens=64)
+    )
+
+
+def test_sglang_dynamic_expectation_matches_sampled_draws():
+    trace = synthetic_trace(
+        num_tokens=4000, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=20, seed=1
+    )
+    pl = Placement(
+        np.array([[0, 1, 2, 0, 3, 4, 0, 5, 6, 7, 1, 2]]),
+        8,
+        Topology(ep_size=4, num_physical_experts=12, num_nodes=2),
+    )
+    src = np.arange(trace.num_tokens) % 4
+    expected = trace_gpu_load(pl, trace, "sglang-dynamic", src)
+    sampled = np.mean(
+        [
+            routed_gpu_tokens(pl, route_tokens(pl, trace.topk_ids, src, "sglang-dynamic", seed=s))
+            for s in range(20)
+        ],
+        axis=0,
+    )
+    assert np.allclose(sampled, expected, rtol=0.03)
+    assert not np.allclose(expected, trace_gpu_load(pl, trace, "even", src))
+
+
+def test_rank_choices_rows_sum_to_one_for_every_model():
+    pl = _two_node_placement()
+    for name in DISPATCH_MODELS:
+        slots, weights = rank_choices(pl, 0, name)
+        assert np.allclose(weights.sum(axis=2), 1.0), name
+        assert np.all(slots[weights > 0] >= 0)
+
+
+def test_vllm_hash_known_values():
+    # 3 * 2654435769 mod 2**32 = 3668340011; mod 3 = 2, mod 2 = 1
+    assert vllm_hash_replica(np.array([3, 3, 0]), np.array([3, 2, 5])).tolist() == [2, 1, 0]
+
+
+def test_unknown_dispatch_names_the_models():
+    with pytest.raises(ValueError, match="sglang-static"):
+        check_dispatch("sglang")
