@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -205,14 +205,75 @@ def open_load(path: str) -> np.ndarray:
     return arr.astype(np.float64)
 
 
-def open_placement(path: str, **kw):
-    """A placement file in any format :func:`placement.formats.read_placement` reads (CliError when missing)."""
+def open_placement(path: str, *, engine_map: bool = False, **kw):
+    """A placement file in any format :func:`placement.formats.read_placement` reads (CliError when missing).
+
+    ``engine_map``: accept two replicas of one expert on one GPU (the engines' balancers write such
+    maps), with one warning naming them and the SGLang hazard.
+    """
     from placement.formats import read_placement
 
     p = Path(path)
     if not p.exists():
         raise CliError(f"placement file {p} does not exist")
-    return read_placement(p, **kw)
+    placement = read_placement(p, allow_colocated_replicas=engine_map, **kw)
+    if engine_map:
+        warn_colocated(p, placement)
+    return placement
+
+
+def warn_colocated(path: Path, placement) -> None:
+    """One warning naming the (layer, GPU, expert) triples that hold an expert twice, if any."""
+    from placement.model import colocated_replicas
+
+    found = colocated_replicas(placement.physical_to_logical_map, placement.topology.ep_size)
+    if not found:
+        return
+    shown = ", ".join(f"layer {placement.layer_ids[l]} GPU {g} expert {e}" for l, g, e in found[:6])
+    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+    warn(
+        f"{path}: {len(found)} GPU(s) hold two replicas of one expert ({shown}{more}); SGLang's static "
+        "dispatch sends a GPU's own tokens to the first copy only, and with DeepEP the second copy may be "
+        "left unloaded while other ranks still route to it. moe-placement's solvers never write such maps"
+    )
+
+
+DISPATCH_HELP = (
+    "how the engine picks a replica: even (ideal split), local, sglang-static, sglang-dynamic, vllm-hash "
+    "(see docs/dispatch.md)"
+)
+
+
+def checked_dispatch(args: argparse.Namespace) -> str:
+    """``--dispatch`` checked here rather than by argparse, so a bad name is one line (exit 2)."""
+    if args.policy not in args.dispatch_choices:
+        raise CliError(
+            f"unknown dispatch model {args.policy!r}; use one of {', '.join(args.dispatch_choices)}"
+        )
+    return args.policy
+
+
+def add_dispatch_args(
+    p: argparse.ArgumentParser, *, choices: Sequence[str] | None = None, extra: str = ""
+) -> None:
+    """``--dispatch`` (``--policy`` is its alias) and ``--source-ranks``."""
+    from placement.dispatch import DISPATCH_MODELS
+
+    names = tuple(choices or DISPATCH_MODELS)
+    p.add_argument(
+        "--dispatch",
+        "--policy",
+        dest="policy",
+        default="even",
+        metavar="{" + ",".join(names) + "}",
+        help=DISPATCH_HELP + extra,
+    )
+    p.set_defaults(dispatch_choices=names)
+    p.add_argument(
+        "--source-ranks",
+        help="attention-DP rank of each token: round-robin (prompt i to rank i mod EP size; the default "
+        "when the trace has prompts and no ranks), random[:SEED], or FILE.npy with one rank per token",
+    )
 
 
 def check_output(path: str | None) -> Path | None:

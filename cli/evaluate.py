@@ -5,19 +5,34 @@ from __future__ import annotations
 import argparse
 import json
 
-from cli.common import CliError, echo, elapsed_bar, open_placement, open_trace
+from cli.common import (
+    CliError,
+    add_dispatch_args,
+    checked_dispatch,
+    echo,
+    elapsed_bar,
+    format_table,
+    open_placement,
+    open_trace,
+)
 
 __all__ = ["add_parser", "cmd_evaluate"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``evaluate`` sub-command's arguments."""
+    from placement.dispatch import DISPATCH_MODELS
+
     p = sub.add_parser("evaluate", help="score a placement on a trace")
     p.add_argument("placement")
     p.add_argument("trace")
-    p.add_argument("--policy", choices=("even", "local"), default="even")
-    p.add_argument("--step-tokens", type=int, help="tokens per rank per step for step_par")
+    add_dispatch_args(p, choices=(*DISPATCH_MODELS, "all"), extra="; all: every model side by side")
+    p.add_argument(
+        "--step-tokens", type=int, help="tokens per rank per step for step_par (and vLLM's batches)"
+    )
     p.add_argument("--hidden-size", type=int, help="model hidden size for bytes_per_token")
+    p.add_argument("--ep-size", type=int, help="EP ranks, for an engine file without a sidecar")
+    p.add_argument("--num-nodes", type=int, help="nodes, for an engine file without a sidecar")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -40,23 +55,74 @@ def _print_evaluation(placement, trace, policy: str, d: dict) -> None:
         echo(f"bytes_per_token {d['bytes_per_token']:.0f}")
 
 
-def cmd_evaluate(args: argparse.Namespace) -> int:
-    """Steps: read placement and trace (rows matched to the placement's layers) -> evaluate -> print."""
-    from placement.metrics import evaluate
+_ALL_COLUMNS = [
+    ("dispatch", "dispatch", -1),
+    ("par", "PAR", 4),
+    ("par_worst", "worst layer", 4),
+    ("step_par", "step_par", 4),
+    ("remote_nodes_per_token", "remote nodes/token", 4),
+    ("remote_gpus_per_token", "remote GPUs/token", 4),
+]
 
-    placement = open_placement(args.placement)
+
+def _read_inputs(args: argparse.Namespace):
+    """Placement (engine maps with co-located replicas accepted, with a warning) and the trace, rows
+    matched to the placement's layers; the source ranks ``[T]`` and how they were made."""
+    from placement.metrics import resolve_source_ranks
+
+    if args.step_tokens is not None and args.step_tokens < 1:
+        raise CliError(f"--step-tokens must be >= 1, got {args.step_tokens}")
+    placement = open_placement(
+        args.placement, engine_map=True, ep_size=args.ep_size, num_nodes=args.num_nodes
+    )
     trace = open_trace(args.trace)
     if trace.num_layers != placement.num_layers and set(placement.layer_ids) <= set(trace.layer_ids):
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
-    if args.step_tokens is not None and args.step_tokens < 1:
-        raise CliError(f"--step-tokens must be >= 1, got {args.step_tokens}")
-    with elapsed_bar("evaluating"):
-        ev = evaluate(
-            placement, trace, args.policy, step_tokens=args.step_tokens, hidden_size=args.hidden_size
-        )
+    src = None
+    how = None
+    if args.source_ranks is not None:
+        if not trace.has_tokens:
+            raise CliError("--source-ranks needs a per-token trace; this trace has counts only")
+        src, how = resolve_source_ranks(trace, placement.topology.ep_size, args.source_ranks)
+    return placement, trace, src, how
+
+
+def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
+    from placement.metrics import evaluate
+
+    ev = evaluate(
+        placement, trace, policy, step_tokens=args.step_tokens, hidden_size=args.hidden_size, src=src
+    )
     d = ev.to_dict()
-    if args.json:
-        echo(json.dumps(d, indent=1))
+    if how is not None and "source_ranks" in d:
+        d["source_ranks"] = how
+    return d
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    """Steps: read placement, trace and source ranks -> evaluate under one or every dispatch -> print."""
+    from placement.dispatch import DISPATCH_MODELS
+
+    checked_dispatch(args)
+    placement, trace, src, how = _read_inputs(args)
+    names = (
+        [n for n in DISPATCH_MODELS if n == "even" or trace.has_tokens]
+        if args.policy == "all"
+        else [args.policy]
+    )
+    with elapsed_bar("evaluating"):
+        results = {name: _evaluate(args, placement, trace, name, src, how) for name in names}
+    if args.policy != "all":
+        d = results[args.policy]
+        if args.json:
+            echo(json.dumps(d, indent=1))
+        else:
+            _print_evaluation(placement, trace, args.policy, d)
         return 0
-    _print_evaluation(placement, trace, args.policy, d)
+    if args.json:
+        echo(json.dumps({"dispatch": results}, indent=1))
+        return 0
+    echo(f"{placement!r} on {trace!r}, every dispatch model")
+    rows = [{"dispatch": name, **d} for name, d in results.items()]
+    echo(format_table(rows, [c for c in _ALL_COLUMNS if all(c[0] in r for r in rows)]))
     return 0

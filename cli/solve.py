@@ -18,7 +18,9 @@ import numpy as np
 from cli.common import (
     FORMAT_NAMES,
     CliError,
+    add_dispatch_args,
     check_output,
+    checked_dispatch,
     echo,
     elapsed_bar,
     format_table,
@@ -164,8 +166,10 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         default=1.0,
         help="fit on this leading fraction of the trace's windows and score the rest (held-out)",
     )
-    p.add_argument(
-        "--policy", choices=("even", "local"), default="even", help="replica selection for held-out scoring"
+    add_dispatch_args(
+        p,
+        extra="; scores fitted and held-out PAR, and sglang-static/sglang-dynamic also place replicas for "
+        "SGLang's table (greedy, cpsat, milp)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
     p.add_argument("--format", choices=FORMAT_NAMES, default="native")
@@ -246,7 +250,9 @@ def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | No
 def _read_previous(args, L: int, topo: Topology) -> Placement | None:
     """``--previous`` with its move budget, checked against the problem's shape ``[L, P]``."""
     if args.previous:
-        previous = open_placement(args.previous, ep_size=args.ep_size, num_nodes=args.num_nodes)
+        previous = open_placement(
+            args.previous, engine_map=True, ep_size=args.ep_size, num_nodes=args.num_nodes
+        )
         if previous.physical_to_logical_map.shape != (L, topo.num_physical_experts):
             raise CliError(
                 f"--previous has shape {previous.physical_to_logical_map.shape} but the problem is "
@@ -305,6 +311,28 @@ def _solve_named(args, prob: _Problem, greedy: Placement, greedy_report: SolveRe
     return placement, report
 
 
+def _place_for_dispatch(args, prob: _Problem, greedy: Placement, placement: Placement, report: SolveReport):
+    """Under SGLang's table, move replicas where that lowers the peak (fit and validation), then keep
+    greedy if the result is no better than greedy's under the same table on the fit trace."""
+    from dataclasses import replace
+
+    from placement.metrics import rank_expert_counts, rank_gpu_load
+    from solver.dispatch_fit import ENGINE_TABLES, fit_for_dispatch
+
+    if args.policy not in ENGINE_TABLES or prob.name not in ("greedy", "cpsat", "milp") or prob.fit is None:
+        return placement, report
+    placement, fitted = fit_for_dispatch(placement, prob.fit, args.policy, args.source_ranks)
+    counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
+    peak = lambda pl: rank_gpu_load(pl, counts, args.policy).max(axis=1).sum()  # noqa: E731
+    notes = [fitted.note()]
+    if prob.name != "greedy" and peak(placement) > peak(greedy) * (1 + 1e-9):
+        placement = greedy.with_provenance(fallback_from=prob.name, dispatch=args.policy)
+        notes.append(
+            f"{prob.name} placed worse than greedy under {args.policy} on the fit trace: greedy kept"
+        )
+    return placement, replace(report, notes=(*report.notes, *notes))
+
+
 def _gate_against_greedy(
     name: str, placement: Placement, greedy: Placement, load: np.ndarray, time_limit: float
 ) -> Placement:
@@ -321,7 +349,15 @@ def _gate_against_greedy(
 
 def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement) -> tuple[list[dict], bool]:
     """Fitted (and held-out) PAR of trivial, greedy and the solver's placement; whether to show remote nodes."""
-    from placement.metrics import balance_stats, evaluate, expected_gpu_load
+    from placement.metrics import (
+        ENGINE_RULES,
+        balance_stats,
+        evaluate,
+        expected_gpu_load,
+        rank_expert_counts,
+        rank_gpu_load,
+        resolve_source_ranks,
+    )
     from placement.model import Placement
 
     L, E = prob.load.shape
@@ -332,15 +368,35 @@ def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement)
         pass
     rows = []
     held = prob.held
+    held_src = None
+    if held is not None and held.has_tokens and args.source_ranks is not None:
+        held_src, _ = resolve_source_ranks(held, prob.topo.ep_size, args.source_ranks)
+    fit_counts = None
+    if (
+        args.policy in ENGINE_RULES
+        and prob.fit is not None
+        and (prob.fit.has_tokens or prob.fit.window_counts is not None)
+    ):
+        fit_counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
     # locality trades balance for fewer remote nodes: show both, scored with the policy asked for
     comm_view = prob.name == "locality" and held is not None and held.has_tokens
-    candidates = {"trivial": trivial, "greedy": greedy, prob.name: placement}
+    label = (
+        f"greedy, placed for {args.policy}"
+        if prob.name == "greedy" and placement is not greedy
+        else prob.name
+    )
+    candidates = {"trivial": trivial, "greedy": greedy, label: placement}
     for label, pl in candidates.items():
         if pl is None:
             continue
-        row = {"placement": label, "fit_par": balance_stats(expected_gpu_load(pl, prob.load))["par"]}
+        fit_load = (
+            expected_gpu_load(pl, prob.load)
+            if fit_counts is None
+            else rank_gpu_load(pl, fit_counts, args.policy)
+        )
+        row = {"placement": label, "fit_par": balance_stats(fit_load)["par"]}
         if held is not None:
-            ev = evaluate(pl, held, args.policy).to_dict()
+            ev = evaluate(pl, held, args.policy, src=held_src).to_dict()
             row["heldout_par"] = ev["par"]
             if comm_view and "remote_nodes_per_token" in ev:
                 row["heldout_remote_nodes"] = ev["remote_nodes_per_token"]
@@ -397,7 +453,8 @@ def _print_header(prob: _Problem, report: SolveReport, wall: float) -> None:
 def _print_balance(args, prob: _Problem, rows: list[dict], comm_view: bool) -> None:
     """The balance table: fitted PAR, held-out PAR and remote nodes when scored."""
     echo("balance (peak-to-average GPU load, mean over layers; 1.0 is perfect):")
-    cols = [("placement", "placement", -1), ("fit_par", "fitted PAR", 4)]
+    fit_rule = args.policy if args.policy in ("sglang-static", "sglang-dynamic", "vllm-hash") else "even"
+    cols = [("placement", "placement", -1), ("fit_par", f"fitted PAR ({fit_rule})", 4)]
     if prob.held is not None:
         cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
     if comm_view:
@@ -451,6 +508,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from placement.metrics import moved_slots
     from solver.api import solve
 
+    checked_dispatch(args)
     out = check_output(args.output)
     prob = _read_problem(args)
     t0 = time.perf_counter()
@@ -458,6 +516,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         "greedy", topology=prob.topo, load=prob.load, num_groups=args.num_groups, layer_ids=prob.layer_ids
     )
     placement, report = _solve_named(args, prob, greedy, greedy_report)
+    placement, report = _place_for_dispatch(args, prob, greedy, placement, report)
     wall = time.perf_counter() - t0
     rows, comm_view = _balance_rows(args, prob, greedy, placement)
     L, E = prob.load.shape

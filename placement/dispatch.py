@@ -37,6 +37,8 @@ __all__ = [
     "DispatchModel",
     "VLLM_HASH_MULTIPLIER",
     "check_dispatch",
+    "layer_draws",
+    "nearest_in_row",
     "nearest_replica",
     "rank_choices",
     "route_layer",
@@ -89,9 +91,13 @@ def nearest_replica(placement: Placement, layer: int) -> np.ndarray:
     An expert with one replica: that slot. Else the first replica on the rank's GPU; else the first
     on the rank's node, but only when not all replicas are on that node; else -1.
     """
-    t = placement.topology
     l2p = placement.logical_to_physical_map[layer]  # [E, R] ascending, -1 padded
-    cnt = placement.logical_replica_count[layer]  # [E]
+    return nearest_in_row(l2p, placement.logical_replica_count[layer], placement.topology)
+
+
+def nearest_in_row(l2p: np.ndarray, cnt: np.ndarray, topology) -> np.ndarray:
+    """:func:`nearest_replica` for one layer's ``l2p [E, R]`` (ascending, -1 padded) and ``cnt [E]``."""
+    t = topology
     valid = l2p >= 0
     gpu = np.where(valid, l2p // t.slots_per_gpu, -1)  # [E, R]
     node = np.where(valid, gpu // t.gpus_per_node, -1)  # [E, R]
@@ -120,32 +126,39 @@ def _fair_choices(candidates: list[int], k: int, rng: random.Random) -> list[int
     return picks
 
 
-def _rank_table(placement: Placement, near: list[np.ndarray], rank: int, seed: int) -> np.ndarray:
-    """One rank's static table ``[L, E]``, replaying the draws that rank's own process makes."""
-    rng = random.Random(seed)
-    l2p = placement.logical_to_physical_map
-    cnt = placement.logical_replica_count
-    table = np.empty((placement.num_layers, placement.num_logical_experts), dtype=np.int64)
-    for l, near_l in enumerate(near):  # near_l: [G, E]
-        table[l] = near_l[rank]
-        for e in np.flatnonzero(near_l[rank] < 0):
-            remaining = np.flatnonzero(near_l[:, e] < 0)  # ranks left with all candidates, ascending
-            picks = _fair_choices(l2p[l, e, : cnt[l, e]].tolist(), len(remaining), rng)
-            table[l, e] = picks[int(np.searchsorted(remaining, rank))]
+def layer_draws(l2p: np.ndarray, cnt: np.ndarray, near: np.ndarray, rngs: list[random.Random]) -> np.ndarray:
+    """One layer of every rank's static table: int64 ``[G, E]``.
+
+    ``l2p [E, R]``, ``cnt [E]``, ``near [G, E]`` (:func:`nearest_in_row`); ``rngs[g]`` is rank ``g``'s
+    generator, advanced in place as SGLang's process for that rank advances it (experts ascending,
+    one fair assignment for each expert the rank found no near replica for).
+    """
+    table = near.copy()
+    left = near < 0  # [G, E]
+    for e in np.flatnonzero(left.any(axis=0)):
+        remaining = np.flatnonzero(left[:, e])  # ranks left with all candidates, ascending
+        candidates = l2p[e, : cnt[e]].tolist()
+        for i, rank in enumerate(remaining):
+            table[rank, e] = _fair_choices(candidates, len(remaining), rngs[rank])[i]
     return table
 
 
 def sglang_static_tables(placement: Placement, seed: int = SGLANG_STATIC_SEED) -> np.ndarray:
     """SGLang's static dispatch table of every rank: int64 ``[G, L, E]`` physical slot ids.
 
+    Each rank builds its table in its own process from ``random.Random(seed)``; its generator
+    advances only for the experts it finds no near replica for, so every rank's draws differ.
     Cached on the placement object (the tables depend only on the map and the topology).
     """
     cache = placement.__dict__.setdefault("_dispatch_cache", {})
     key = ("sglang-static", seed)
     if key not in cache:
-        near = [nearest_replica(placement, l) for l in range(placement.num_layers)]
-        tables = [_rank_table(placement, near, g, seed) for g in range(placement.topology.ep_size)]
-        cache[key] = np.stack(tables)
+        rngs = [random.Random(seed) for _ in range(placement.topology.ep_size)]
+        layers = []
+        for l in range(placement.num_layers):
+            l2p, cnt = placement.logical_to_physical_map[l], placement.logical_replica_count[l]
+            layers.append(layer_draws(l2p, cnt, nearest_in_row(l2p, cnt, placement.topology), rngs))
+        cache[key] = np.stack(layers, axis=1)
     return cache[key]
 
 

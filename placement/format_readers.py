@@ -92,6 +92,8 @@ class _Options:
 
     @property
     def allow_colocated(self) -> bool:
+        if self.values.get("allow_colocated_replicas"):
+            return True
         return self.sidecar.get("allow_colocated_replicas") is True if self.sidecar else False
 
 
@@ -455,6 +457,7 @@ def read_placement(
     num_nodes: int | None = None,
     num_logical_experts: int | None = None,
     layer_ids: Sequence[int] | None = None,
+    allow_colocated_replicas: bool = False,
 ) -> Placement:
     """Read a placement file of any supported format.
 
@@ -468,6 +471,8 @@ def read_placement(
         layer_ids: the real MoE layer ids. For ``sglang`` (one row per hidden layer) they select the
             MoE rows; without them or a sidecar every row is read as a layer. For ``trtllm``,
             ``vllm`` and ``native`` they select layers by id; for ``vllm-ascend`` they name the rows.
+        allow_colocated_replicas: accept two replicas of one expert on one GPU (the engines' own
+            balancers write such maps; see :func:`placement.model.colocated_replicas`).
 
     Raises:
         InputFileError (a ValueError) naming the file, the field and the expected form, or the
@@ -489,6 +494,7 @@ def read_placement(
         "num_nodes": num_nodes,
         "num_logical_experts": num_logical_experts,
         "layer_ids": None if layer_ids is None else [int(i) for i in layer_ids],
+        "allow_colocated_replicas": allow_colocated_replicas or None,
     }
     for key, v in (
         ("ep_size", ep_size),

@@ -20,7 +20,7 @@ import numpy as np
 
 from placement.topology import Topology
 
-__all__ = ["Placement", "compute_logical_maps", "validate_map"]
+__all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "validate_map"]
 
 
 def compute_logical_maps(physical_to_logical_map: np.ndarray, num_logical_experts: int):
@@ -112,16 +112,29 @@ def validate_map(
             f"without a replica); every expert needs at least one slot in every layer"
         )
     if not allow_colocated_replicas:
-        G, S = topology.ep_size, topology.slots_per_gpu
-        per_gpu = np.sort(arr.reshape(L, G, S), axis=2)  # [L, G, S]
-        dup = per_gpu[:, :, 1:] == per_gpu[:, :, :-1]  # [L, G, S-1]
-        if dup.any():
-            l, g, s = map(int, np.argwhere(dup)[0])
+        found = colocated_replicas(arr, topology.ep_size)
+        if found:
+            l, g, e = found[0]
             raise ValueError(
-                f"layer {l}: GPU {g} holds two replicas of expert {int(per_gpu[l, g, s])}; "
+                f"layer {l}: GPU {g} holds two replicas of expert {e}; "
                 f"replicas of one expert must sit on different GPUs (move one to another GPU)"
             )
     return arr
+
+
+def colocated_replicas(physical_to_logical_map: np.ndarray, ep_size: int) -> list[tuple[int, int, int]]:
+    """``(layer, gpu, expert)`` for every GPU holding two or more replicas of one expert.
+
+    Such maps come from the engines' own balancers; SGLang's static dispatch then sends a GPU's own
+    tokens to the first copy only, and with DeepEP its loader may leave the second copy unloaded while
+    other ranks still route to it. ``physical_to_logical_map``: int ``[L, P]``.
+    """
+    arr = np.asarray(physical_to_logical_map, dtype=np.int64)
+    L, P = arr.shape
+    per_gpu = np.sort(arr.reshape(L, ep_size, P // ep_size), axis=2)  # [L, G, S]
+    dup = per_gpu[:, :, 1:] == per_gpu[:, :, :-1]  # [L, G, S-1]
+    found = {(int(l), int(g), int(per_gpu[l, g, s])) for l, g, s in np.argwhere(dup)}
+    return sorted(found)
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,283 @@
+"""Placing replicas for the engine's own dispatch rule (SGLang's static or dynamic table).
+
+SGLang sends a rank's tokens to the replica on its own GPU, else to the first replica on its own node
+(when not all replicas are there), else by a fixed table. So a second replica of an expert on a node
+that already holds one receives nothing from that node's ranks, and where an expert's replicas sit
+decides how its load splits. The ranks left without a near replica get a "fair" pick that each rank
+draws from its own seeded generator, so across ranks the split is uneven, but fixed: it is known
+before serving. The step here keeps the replica counts a solver chose and moves replicas between GPUs,
+layer after layer, replaying every rank's generator as SGLang will:
+
+    spread replicas over nodes -> per layer: search swaps for an even table -> keep if it holds on
+    the fit part and on a validation part -> check the whole placement -> report
+
+The search scores a layer's table by its peak GPU load averaged over random dealings of the fit
+prompts to the ranks (which rank drew which prompt is luck that held-out traffic draws anew, and a
+replica served by few ranks is noisier); the keep test uses the real per-rank traffic of the fit part
+and of the validation part (the last fifth of the fit windows).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from placement.dispatch import SGLANG_STATIC_SEED, layer_draws, nearest_in_row
+from placement.metrics import rank_expert_counts, rank_gpu_load
+from placement.model import Placement, compute_logical_maps
+from profiling.trace import RoutingTrace
+
+__all__ = ["DispatchFit", "fit_for_dispatch", "spread_over_nodes"]
+
+log = logging.getLogger(__name__)
+
+ENGINE_TABLES = ("sglang-static", "sglang-dynamic")
+
+
+@dataclass(frozen=True)
+class DispatchFit:
+    """What the step did: the layers it changed and the peaks (sum over layers) before and after."""
+
+    dispatch: str
+    changed_layers: tuple[int, ...]
+    fit_peak_before: float
+    fit_peak_after: float
+    validation_peak_before: float
+    validation_peak_after: float
+
+    def note(self) -> str:
+        return (
+            f"{self.dispatch}: replicas moved for the engine's table in {len(self.changed_layers)} layer(s) "
+            f"(fit peak {self.fit_peak_before:.0f} -> {self.fit_peak_after:.0f}, validation "
+            f"{self.validation_peak_before:.0f} -> {self.validation_peak_after:.0f} tokens, summed over layers)"
+        )
+
+
+def spread_over_nodes(placement: Placement, load: np.ndarray) -> Placement:
+    """The same replica counts, packed so an expert's replicas sit on distinct nodes where they can.
+
+    Replicas are taken heaviest first (``load [L, E]`` split evenly over each expert's replicas) and
+    each goes to the least-loaded GPU with a free slot that does not hold the expert, preferring nodes
+    that do not hold it yet.
+    """
+    rows = [_spread_layer(placement, l, load[l]) for l in range(placement.num_layers)]
+    return Placement(
+        np.stack(rows),
+        placement.num_logical_experts,
+        placement.topology,
+        placement.layer_ids,
+        placement.provenance,
+    )
+
+
+def _spread_layer(placement: Placement, layer: int, load: np.ndarray) -> np.ndarray:
+    """One layer's map ``[P]``; ``load [E]`` tokens per expert."""
+    t = placement.topology
+    G, S, m = t.ep_size, t.slots_per_gpu, t.gpus_per_node
+    cnt = placement.logical_replica_count[layer]  # [E]
+    experts = np.repeat(np.arange(cnt.size), cnt)  # one entry per replica
+    share = load[experts] / cnt[experts]
+    order = np.lexsort((experts, -share))  # heaviest first, ties by expert id
+    gpu_load = np.zeros(G)
+    free = np.full(G, S)
+    holds = np.zeros((G, cnt.size), dtype=bool)
+    slots: list[list[int]] = [[] for _ in range(G)]
+    for i in order:
+        e = experts[i]
+        node_has = holds.reshape(t.num_nodes, m, -1)[:, :, e].any(axis=1)  # [N]
+        allowed = (free > 0) & ~holds[:, e]
+        fresh = allowed & ~np.repeat(node_has, m)
+        pool = fresh if fresh.any() else allowed
+        g = int(np.flatnonzero(pool)[np.argmin(gpu_load[pool])])
+        slots[g].append(int(e))
+        holds[g, e] = True
+        free[g] -= 1
+        gpu_load[g] += share[i]
+    return np.array([e for g in range(G) for e in sorted(slots[g])], dtype=np.int64)
+
+
+def _peaks(placement: Placement, trace: RoutingTrace, dispatch: str, spec: str | None) -> np.ndarray:
+    """Peak GPU load per layer ``[L]`` under ``dispatch`` with the trace's source ranks."""
+    counts = rank_expert_counts(trace, placement.topology.ep_size, spec)  # [L, G, E]
+    return rank_gpu_load(placement, counts, dispatch).max(axis=1)
+
+
+def _mix(base: Placement, other: Placement, take: np.ndarray) -> Placement:
+    """``base`` with the layers where ``take [L]`` is true taken from ``other``."""
+    p2l = np.where(take[:, None], other.physical_to_logical_map, base.physical_to_logical_map)
+    return Placement(p2l, base.num_logical_experts, base.topology, base.layer_ids, base.provenance)
+
+
+class _LayerSearch:
+    """One layer's candidates scored with SGLang's exact table, every rank's generator at ``states``.
+
+    ``share [K, G, E]``: tokens per (rank, expert) under K random dealings of the fit prompts to the
+    ranks (the search's score: which rank drew which prompt is luck that held-out traffic redraws);
+    ``train`` and ``check``: real tokens per (rank, expert) ``[G, E]`` of the fit and validation parts.
+    """
+
+    def __init__(
+        self, placement: Placement, states: list, share: np.ndarray, train: np.ndarray, check: np.ndarray
+    ):
+        self.topo = placement.topology
+        self.E = placement.num_logical_experts
+        self.states, self.share, self.train, self.check = states, share, train, check
+
+    def table(self, row: np.ndarray) -> tuple[np.ndarray, list[random.Random]]:
+        """Every rank's choice ``[G, E]`` for map row ``[P]``, and the generators after drawing it."""
+        l2p, cnt = compute_logical_maps(row[None, :], self.E)
+        rngs = [random.Random() for _ in self.states]
+        for rng, state in zip(rngs, self.states):
+            rng.setstate(state)
+        return layer_draws(l2p[0], cnt[0], nearest_in_row(l2p[0], cnt[0], self.topo), rngs), rngs
+
+    def gpu_load(self, table: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """GPU loads ``[G]`` when rank g sends ``counts[g, e]`` tokens to expert e (``table [G, E]``)."""
+        slot = np.bincount(table.ravel(), weights=counts.ravel(), minlength=self.topo.num_physical_experts)
+        return slot.reshape(self.topo.ep_size, -1).sum(axis=1)
+
+    def score(self, row: np.ndarray) -> tuple[float, np.ndarray]:
+        """The search's score: the peak GPU load averaged over the random dealings of the fit prompts
+        (``share [K, G, E]``), and the mean GPU loads ``[G]`` behind it."""
+        table = self.table(row)[0]
+        loads = np.stack([self.gpu_load(table, dealt) for dealt in self.share])  # [K, G]
+        return float(loads.max(axis=1).mean()), loads.mean(axis=0)
+
+    def search(self, row: np.ndarray, steps: int, rng: np.random.Generator) -> np.ndarray:
+        """Swap a slot of the busiest GPU with a slot elsewhere while that lowers the score."""
+        S = self.topo.slots_per_gpu
+        best, (peak, loads) = row, self.score(row)
+        for _ in range(steps):
+            g = int(np.argmax(loads))
+            a = g * S + int(rng.integers(S))
+            b = int(rng.integers(row.size))
+            h = b // S
+            if (
+                h == g
+                or best[a] == best[b]
+                or best[a] in best[h * S : (h + 1) * S]
+                or best[b] in best[g * S : (g + 1) * S]
+            ):
+                continue
+            cand = best.copy()
+            cand[a], cand[b] = best[b], best[a]
+            cand_peak, cand_loads = self.score(cand)
+            if cand_peak < peak - 1e-9:
+                best, peak, loads = cand, cand_peak, cand_loads
+        return best
+
+
+def _searched(
+    placement: Placement, start: Placement, fit_parts, steps: int, seed: int
+) -> tuple[Placement, np.ndarray]:
+    """Layer by layer: the better of the placement's and ``start``'s row for an even table, improved by
+    swaps, kept where its peak is lower on the fit part and not higher on the validation part.
+
+    Returns the placement and a bool ``[L]`` of the layers changed.
+    """
+    dealt, train, check = fit_parts  # [K, L, G, E], [L, G, E], [L, G, E]
+    G = placement.topology.ep_size
+    states = [random.Random(SGLANG_STATIC_SEED).getstate() for _ in range(G)]
+    rng = np.random.default_rng(seed)
+    rows, changed = [], []
+    for l in range(placement.num_layers):
+        layer = _LayerSearch(placement, states, dealt[:, l], train[l], check[l])
+        base = placement.physical_to_logical_map[l]
+        begin = min((base, start.physical_to_logical_map[l]), key=lambda r: layer.score(r)[0])
+        cand = layer.search(begin.copy(), steps, rng)
+        peaks = {}
+        for name, row in (("base", base), ("cand", cand)):
+            table = layer.table(row)[0]
+            peaks[name] = (layer.gpu_load(table, train[l]).max(), layer.gpu_load(table, check[l]).max())
+        keep = peaks["cand"][0] < peaks["base"][0] and peaks["cand"][1] <= peaks["base"][1]
+        row = cand if keep else base
+        rows.append(row)
+        changed.append(keep and not np.array_equal(row, base))
+        states = [r.getstate() for r in layer.table(row)[1]]
+    p2l = np.stack(rows)
+    out = Placement(
+        p2l, placement.num_logical_experts, placement.topology, placement.layer_ids, placement.provenance
+    )
+    return out, np.array(changed)
+
+
+def _mixed(
+    placement: Placement, spread: Placement, train, check, dispatch: str, spec
+) -> tuple[Placement, np.ndarray]:
+    """``sglang-dynamic``: each layer from ``spread`` where its expected peak is lower on the fit part
+    and not higher on the validation part; the bool ``[L]`` of the layers taken."""
+    before, after = _peaks(placement, train, dispatch, spec), _peaks(spread, train, dispatch, spec)
+    v_before, v_after = _peaks(placement, check, dispatch, spec), _peaks(spread, check, dispatch, spec)
+    take = (after < before) & (v_after <= v_before)
+    return (_mix(placement, spread, take) if take.any() else placement), take
+
+
+def fit_for_dispatch(
+    placement: Placement,
+    fit: RoutingTrace,
+    dispatch: str,
+    source_ranks: str | None = None,
+    *,
+    steps: int = 60,
+    seed: int = 0,
+    dealings: int = 16,
+) -> tuple[Placement, DispatchFit]:
+    """Move replicas so SGLang's rule splits the load better, layer by layer, fit and validated.
+
+    Args:
+        placement: the solver's placement (its replica counts are kept).
+        fit: the fit trace (per-token, or per-window counts dealt to ranks); its last fifth of windows
+            validates each layer's choice.
+        dispatch: ``sglang-static`` (exact tables, swap search) or ``sglang-dynamic`` (expectation).
+        source_ranks: the ``--source-ranks`` spec (None: the trace's ranks, else prompts round-robin).
+        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: random
+            dealings of the fit prompts to ranks the search averages its peak over.
+
+    Returns:
+        The placement (its peaks summed over layers never higher than the input's on the fit part nor
+        on the validation part) and what changed.
+    """
+    if dispatch not in ENGINE_TABLES:
+        raise ValueError(f"fit_for_dispatch places for {ENGINE_TABLES}, not {dispatch!r}")
+    if not fit.has_tokens and fit.window_counts is None:
+        raise ValueError(
+            f"placing for {dispatch} needs per-token or per-window routing (source ranks decide it)"
+        )
+    train, check = fit.split(0.8) if len(fit.natural_windows()) >= 5 else (fit, fit)
+    spread = spread_over_nodes(placement, train.counts())
+    if dispatch == "sglang-static":
+        G = placement.topology.ep_size
+        dealt = np.stack(
+            [rank_expert_counts(train, G, f"random:{k}") for k in range(dealings)]
+        )  # [K, L, G, E]
+        parts = (
+            dealt,
+            rank_expert_counts(train, G, source_ranks),
+            rank_expert_counts(check, G, source_ranks),
+        )
+        chosen, take = _searched(placement, spread, parts, steps, seed)
+    else:
+        chosen, take = _mixed(placement, spread, train, check, dispatch, source_ranks)
+    return _checked(placement, chosen, take, train, check, dispatch, source_ranks)
+
+
+def _checked(placement, chosen, take, train, check, dispatch, spec) -> tuple[Placement, DispatchFit]:
+    """Keep ``chosen`` only if its peaks summed over layers are no higher than the input's on the fit
+    part and on the validation part (SGLang's draws carry from layer to layer: score the whole)."""
+    before, v_before = _peaks(placement, train, dispatch, spec), _peaks(placement, check, dispatch, spec)
+    got, v_got = _peaks(chosen, train, dispatch, spec), _peaks(chosen, check, dispatch, spec)
+    if got.sum() > before.sum() or v_got.sum() > v_before.sum():
+        chosen, take, got, v_got = placement, np.zeros_like(take), before, v_before
+    result = DispatchFit(
+        dispatch,
+        tuple(int(placement.layer_ids[l]) for l in np.flatnonzero(take)),
+        float(before.sum()),
+        float(got.sum()),
+        float(v_before.sum()),
+        float(v_got.sum()),
+    )
+    log.info(result.note())
+    return chosen.with_provenance(dispatch=dispatch, dispatch_fit_layers=list(result.changed_layers)), result
