@@ -1,0 +1,193 @@
+"""Engine-neutral core of the plugins: one rebalance call in numpy, one map out, checked.
+
+Shapes: L layers, E logical experts, P physical slots, G EP ranks, S = P // G slots per rank.
+
+:func:`place` is what both engines' hooks call. It raises on any failure; the hooks catch that and
+run the engine's own algorithm instead (they never raise inside the engine). Everything in it is
+deterministic: the greedy and migration searches are plain numpy with fixed tie-breaking, the exact
+solver runs one CP-SAT worker with a fixed seed and a deterministic-time limit. Every rank calls the
+policy on the same all-reduced load and nothing broadcasts the result, so this matters.
+
+The solver stack is imported inside the functions (never when the engine loads the plugin).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from runtime_hooks.engine_plugins.spec import PolicySpec
+
+if TYPE_CHECKING:
+    from placement.model import Placement
+    from placement.topology import Topology
+
+__all__ = ["DISPATCH", "EngineCall", "PolicyError", "check_map", "logical_maps", "place"]
+
+log = logging.getLogger(__name__)
+
+DISPATCH = {"vllm": "vllm-hash", "sglang": "sglang-static"}  # each engine's replica choice
+_FILE_CACHE: dict[tuple, np.ndarray] = {}
+
+
+class PolicyError(ValueError):
+    """Our policy cannot answer this call (the hook then runs the engine's own algorithm)."""
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """One rebalance request, as the engine states it.
+
+    Attributes:
+        engine: ``vllm`` or ``sglang`` (chooses the dispatch model and the file's layer axis).
+        load: float64 ``[L, E]`` tokens per logical expert (the all-reduced window).
+        num_physical: ``P``; num_ranks: ``G``; num_nodes: ``N``.
+        num_groups: expert groups of group-limited routing, or None (global policy).
+        previous: int64 ``[L, P]`` map in service (``-1``: empty slot), or None.
+    """
+
+    engine: str
+    load: np.ndarray
+    num_physical: int
+    num_ranks: int
+    num_nodes: int
+    num_groups: int | None = None
+    previous: np.ndarray | None = None
+
+    def topology(self) -> Topology:
+        """``Topology`` of the call; nodes that do not divide the ranks become one (as vLLM does)."""
+        from placement.topology import Topology
+
+        nodes = self.num_nodes if self.num_nodes >= 1 and self.num_ranks % self.num_nodes == 0 else 1
+        return Topology(self.num_ranks, self.num_physical, nodes)
+
+
+def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
+    """The map our policy ``spec`` answers ``call`` with: int64 ``[L, P]``, checked by :func:`check_map`."""
+    w = np.asarray(call.load, dtype=np.float64)
+    if w.ndim != 2:
+        raise PolicyError(f"load must be [layers, experts], got shape {w.shape}")
+    topo = call.topology()
+    previous = _previous(call, topo, w.shape[1])
+    if spec.kind == "file":
+        phy2log = _from_file(spec.path, call, topo, w.shape)
+    elif spec.kind == "migration" and previous is not None:
+        phy2log = _solve(spec, call, topo, w, previous)
+    else:
+        if spec.kind == "migration":
+            log.info("moe_placement migration: no valid map in service; greedy from scratch instead")
+        phy2log = _solve(spec, call, topo, w, previous)
+    phy2log = np.array(phy2log, dtype=np.int64, order="C")  # a writable copy the engine may own
+    check_map(phy2log, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+    return phy2log
+
+
+def _previous(call: EngineCall, topo: Topology, E: int) -> Placement | None:
+    """The map in service as a valid ``Placement`` of the same shape, else None (logged at debug)."""
+    from placement.model import Placement
+
+    if call.previous is None:
+        return None
+    prev = np.asarray(call.previous, dtype=np.int64)
+    if prev.shape != (call.load.shape[0], topo.num_physical_experts):
+        log.debug("map in service has shape %s, not [L, P]: ignored", prev.shape)
+        return None
+    try:
+        return Placement(prev, E, topo)
+    except ValueError as exc:  # empty slots (-1), a missing expert, co-located replicas
+        log.debug("map in service is not a valid placement (%s): ignored", exc)
+        return None
+
+
+def _solve(
+    spec: PolicySpec, call: EngineCall, topo: Topology, w: np.ndarray, previous: Placement | None
+) -> np.ndarray:
+    """``greedy``/``exact``/``migration`` through the solver registry; int64 ``[L, P]``."""
+    from solver.api import make_options, run
+    from solver.migration_slots import keep_slots
+    from solver.problem import Problem
+
+    groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
+    problem = Problem.build(
+        topo, load=w, num_groups=groups, previous=previous, dispatch=DISPATCH[call.engine]
+    )
+    if spec.kind == "exact":
+        name, values = "cpsat", {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
+    elif spec.kind == "migration" and previous is not None:
+        values = {"method": "incremental", "max_moves": spec.max_moves, "time_limit": spec.time_limit}
+        name = "migration"
+    else:
+        name, values = "greedy", {}
+    placement, report = run(name, problem, make_options(name, values, seed=0))
+    for note in report.notes:
+        level = logging.WARNING if "time limit" in note else logging.DEBUG
+        log.log(level, "moe_placement %s: %s", spec.text, note)
+    if previous is not None and name != "migration":
+        placement = keep_slots(placement, previous)  # experts staying on a GPU keep their slot
+    return placement.physical_to_logical_map
+
+
+def _from_file(path: str, call: EngineCall, topo: Topology, shape: tuple[int, int]) -> np.ndarray:
+    """The map in ``path`` as the engine's ``[L, P]`` rows (cached per file version and shape)."""
+    from placement.formats import read_placement
+
+    L, E = shape
+    stat = os.stat(path)
+    key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, call.engine, L, E, topo)
+    if key not in _FILE_CACHE:
+        placement = read_placement(
+            path, ep_size=topo.ep_size, num_nodes=topo.num_nodes, num_logical_experts=E
+        )
+        _FILE_CACHE[key] = _engine_rows(placement, call.engine, L, E, topo.num_physical_experts)
+        log.info("moe_placement file:%s: %d layers x %d slots", path, L, topo.num_physical_experts)
+    return _FILE_CACHE[key]
+
+
+def _engine_rows(placement: Placement, engine: str, L: int, E: int, P: int) -> np.ndarray:
+    """``[L, P]`` rows: the file's layers when it has ``L``; for SGLang (one row per hidden layer) the
+    MoE layers go to the rows their real ids name and the other rows hold the trivial ``p % E``."""
+    p2l = placement.physical_to_logical_map
+    if placement.num_physical_experts != P or placement.num_logical_experts != E:
+        raise PolicyError(
+            f"file placement has {placement.num_logical_experts} experts x {placement.num_physical_experts} "
+            f"slots, the engine {E} x {P}"
+        )
+    if placement.num_layers == L:
+        return p2l
+    ids = placement.layer_ids
+    if engine == "sglang" and ids and max(ids) < L:
+        rows = np.tile(np.arange(P, dtype=np.int64) % E, (L, 1))  # [L, P]
+        rows[list(ids)] = p2l
+        return rows
+    raise PolicyError(f"file placement has {placement.num_layers} layers, the engine {L}")
+
+
+def check_map(phy2log: np.ndarray, E: int, P: int, G: int, L: int) -> None:
+    """Raise :class:`PolicyError` unless ``phy2log`` is int64 ``[L, P]`` with ids in ``[0, E)``, every
+    expert on at least one slot and no two replicas of one expert on one GPU, in every layer."""
+    if phy2log.dtype != np.int64 or phy2log.shape != (L, P):
+        raise PolicyError(f"map is {phy2log.dtype} {phy2log.shape}, expected int64 ({L}, {P})")
+    if phy2log.size and (phy2log.min() < 0 or phy2log.max() >= E):
+        raise PolicyError(f"map holds ids outside [0, {E})")
+    count = np.zeros((L, E), dtype=np.int64)
+    np.add.at(count, (np.repeat(np.arange(L), P), phy2log.ravel()), 1)
+    if (count == 0).any():
+        l, e = map(int, np.argwhere(count == 0)[0])
+        raise PolicyError(f"layer {l}: expert {e} has no replica")
+    per_gpu = np.sort(phy2log.reshape(L, G, P // G), axis=2)  # [L, G, S]
+    dup = per_gpu[:, :, 1:] == per_gpu[:, :, :-1]
+    if dup.any():
+        l, g, _ = map(int, np.argwhere(dup)[0])
+        raise PolicyError(f"layer {l}: GPU {g} holds two replicas of one expert")
+
+
+def logical_maps(phy2log: np.ndarray, E: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(log2phy int64 [L, E, R] ascending slots padded with -1, logcnt int64 [L, E])``, ``R`` the
+    largest replica count (SGLang's convention; it pads to ``P`` itself)."""
+    from placement.model import compute_logical_maps
+
+    return compute_logical_maps(phy2log, E)

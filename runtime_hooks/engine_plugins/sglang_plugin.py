@@ -1,0 +1,126 @@
+"""SGLang general plugin ``moe_placement``: our policy behind ``eplb_algorithms.rebalance_experts``.
+
+SGLang (0.5.x) runs every ``sglang.srt.plugins`` entry point (filtered by ``SGLANG_PLUGINS``) from
+``sglang.srt.plugins.load_plugins()`` in every process, then applies the hooks they registered.
+:func:`register` puts an AROUND hook on ``sglang.srt.eplb.eplb_algorithms.rebalance_experts``, the
+one function behind both ``--init-expert-location`` with a ``logical_count`` file and online
+``--enable-eplb`` (``ExpertLocationMetadata.init_by_eplb``).
+
+The call: ``rebalance_experts(tokens_per_expert [W, L, E] (any device), num_physical_experts P,
+num_local_physical_experts S, num_groups (or None), num_nodes, algorithm: EplbAlgorithm)`` returns
+``(phy2log int64 [L, P], log2phy int64 [L, E, R] padded with -1, logcnt int64 [L, E])``; the engine
+moves them to its device and pads ``log2phy`` to ``P`` itself. ``L`` is every hidden layer.
+
+Differences from vLLM: SGLang passes no map in service, so ``migration`` reads the one in the
+global ``ExpertLocationMetadata`` (none at start-up: greedy then); the ``elasticity_aware``
+algorithms (which depend on the live ranks) are left to SGLang. SGLang logs and swallows a plugin's
+exception, so a bad spec stops the process with ``SystemExit`` and a one-line message instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from runtime_hooks.engine_plugins.spec import PolicySpec, SpecError, spec_from_env
+
+__all__ = ["TARGET", "make_hook", "register"]
+
+log = logging.getLogger(__name__)
+
+TARGET = "sglang.srt.eplb.eplb_algorithms.rebalance_experts"
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``): hook our policy in when ``MOE_PLACEMENT_EPLB`` is set."""
+    try:
+        spec = spec_from_env()
+    except SpecError as exc:
+        raise SystemExit(f"moe_placement: {exc}") from None
+    if spec is None:
+        log.debug("moe_placement: MOE_PLACEMENT_EPLB unset; SGLang's EPLB algorithm untouched")
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, make_hook(spec), HookType.AROUND)
+    log.info("moe_placement: SGLang EPLB rebalance_experts is now %s", spec.text)
+
+
+def make_hook(spec: PolicySpec):
+    """The AROUND hook ``hook(original, **engine_arguments)``: ours, or ``original`` on any failure."""
+
+    def moe_placement_rebalance(original, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = _bind(*args, **kwargs)
+        except TypeError as exc:
+            log.warning("moe_placement: unexpected SGLang call (%s); SGLang's algorithm used", exc)
+            return original(*args, **kwargs)
+        if bound["algorithm"].name.startswith("elasticity_aware"):
+            log.info("moe_placement: elasticity-aware EPLB left to SGLang (it depends on the live ranks)")
+            return original(*args, **kwargs)
+        try:
+            return _ours(spec, **bound)
+        except Exception as exc:
+            log.warning("moe_placement %s failed (%s); SGLang's EPLB algorithm used", spec.text, exc)
+            return original(*args, **kwargs)
+
+    return moe_placement_rebalance
+
+
+def _bind(
+    tokens_per_expert: Any,
+    num_physical_experts: int,
+    num_local_physical_experts: int,
+    num_groups: int | None,
+    num_nodes: int,
+    algorithm: Any,
+) -> dict[str, Any]:
+    """SGLang's arguments by name (it calls with keywords; positions work too)."""
+    return {
+        "tokens_per_expert": tokens_per_expert,
+        "num_physical_experts": num_physical_experts,
+        "num_local_physical_experts": num_local_physical_experts,
+        "num_groups": num_groups,
+        "num_nodes": num_nodes,
+        "algorithm": algorithm,
+    }
+
+
+def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
+    """``(phy2log, log2phy, logcnt)`` CPU int64 tensors from our policy."""
+    import torch
+
+    from runtime_hooks.engine_plugins.policy import EngineCall, logical_maps, place
+
+    t0 = time.perf_counter()
+    tokens = bound["tokens_per_expert"].detach()
+    if tokens.dim() == 3:
+        tokens = tokens.sum(dim=0)  # [W, L, E] -> [L, E]
+    P, S = int(bound["num_physical_experts"]), int(bound["num_local_physical_experts"])
+    hierarchical = bound["algorithm"].name.endswith("hierarchical")
+    call = EngineCall(
+        engine="sglang",
+        load=tokens.cpu().double().numpy(),  # [L, E]
+        num_physical=P,
+        num_ranks=P // S,
+        num_nodes=int(bound["num_nodes"]),
+        num_groups=bound["num_groups"] if hierarchical else None,
+        previous=_map_in_service() if spec.kind == "migration" else None,
+    )
+    phy2log = place(spec, call)  # [L, P]
+    log2phy, logcnt = logical_maps(phy2log, call.load.shape[1])  # [L, E, R], [L, E]
+    log.debug("moe_placement %s: %s map in %.3fs", spec.text, phy2log.shape, time.perf_counter() - t0)
+    return torch.from_numpy(phy2log), torch.from_numpy(log2phy), torch.from_numpy(logcnt)
+
+
+def _map_in_service():
+    """int64 ``[L, P]`` from SGLang's global expert location, or None (not set up yet)."""
+    try:
+        from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+
+        metadata = get_global_expert_location_metadata()
+    except Exception as exc:  # no server context (start-up, offline use)
+        log.debug("moe_placement: no expert location in service (%s)", exc)
+        return None
+    return None if metadata is None else metadata.physical_to_logical_map_cpu.numpy()

@@ -1,0 +1,398 @@
+"""The engine plugins (``runtime_hooks.engine_plugins``): specs, output conventions, determinism, and
+(when the side environment with vLLM's and SGLang's own Python code exists) the plugins loaded
+through each engine's own loader and called through each engine's own entry function.
+
+The side environment: ``MOE_ENGINES_PYTHON`` or ``<repo>/.engines-venv/bin/python``. Our package is
+not installed there; the test makes its entry points visible to ``importlib.metadata`` with a
+throw-away ``.dist-info`` folder (built from ``pyproject.toml``) on ``PYTHONPATH``, so the engines'
+loaders discover them exactly as they would an installed package, and nothing is installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime_hooks.engine_plugins import sglang_plugin, vllm_plugin
+from runtime_hooks.engine_plugins.policy import EngineCall, PolicyError, check_map, logical_maps, place
+from runtime_hooks.engine_plugins.spec import ACCEPTED, ENV_VAR, SpecError, parse_spec, spec_from_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# DeepSeek EPLB's README example: 2 layers x 12 experts, 16 replicas, 4 groups, 2 nodes, 8 GPUs, and
+# the map its hierarchical policy publishes for it (our greedy reproduces it slot for slot).
+README_WEIGHT = np.array(
+    [
+        [90, 132, 40, 61, 104, 165, 39, 4, 73, 56, 183, 86],
+        [20, 107, 104, 64, 19, 197, 187, 157, 172, 86, 16, 27],
+    ]
+)
+README_PHY2LOG = [
+    [5, 6, 5, 7, 8, 4, 3, 4, 10, 9, 10, 2, 0, 1, 11, 1],
+    [7, 10, 6, 8, 6, 11, 8, 9, 2, 4, 5, 1, 5, 0, 3, 1],
+]
+
+
+def _call(engine="vllm", load=README_WEIGHT, previous=None, P=16, G=8, N=2, groups=4) -> EngineCall:
+    return EngineCall(engine, np.asarray(load), P, G, N, groups, previous)
+
+
+def _skewed_load(seed: int, L: int = 6, E: int = 32) -> np.ndarray:
+    return np.random.default_rng(seed).gamma(0.6, 500.0, (L, E)).round()
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "text, kind, time_limit, max_moves, path",
+    [
+        ("greedy", "greedy", 2.0, None, ""),
+        (" exact ", "exact", 2.0, None, ""),
+        ("exact:time_limit=0.5", "exact", 0.5, None, ""),
+        ("migration", "migration", 60.0, None, ""),
+        ("migration:max_moves=64", "migration", 60.0, 64, ""),
+        ("migration:max_moves=8,time_limit=3", "migration", 3.0, 8, ""),
+        ("file:/tmp/a:b.json", "file", 2.0, None, "/tmp/a:b.json"),
+    ],
+)
+def test_parse_spec(text, kind, time_limit, max_moves, path):
+    spec = parse_spec(text)
+    assert (spec.kind, spec.time_limit, spec.max_moves, spec.path) == (kind, time_limit, max_moves, path)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("bogus", "unknown policy 'bogus'"),
+        ("greedy:time_limit=1", "greedy takes no options"),
+        ("exact:time_limit=-1", "time_limit must be > 0"),
+        ("exact:time_limit=abc", "time_limit must be a number"),
+        ("exact:max_moves=3", "exact takes time_limit"),
+        ("migration:max_moves=-2", "max_moves must be >= 0"),
+        ("migration:max_moves", "migration takes max_moves, time_limit"),
+        ("file:", "file: needs a path"),
+        ("locality", "per-token routing"),
+    ],
+)
+def test_bad_spec_is_one_line_naming_the_accepted_specs(text, says):
+    with pytest.raises(SpecError) as err:
+        parse_spec(text)
+    msg = str(err.value)
+    assert says in msg and ACCEPTED in msg and ENV_VAR in msg and "\n" not in msg
+
+
+def test_unset_or_empty_means_no_policy():
+    assert spec_from_env({}) is None and spec_from_env({ENV_VAR: "  "}) is None
+    assert spec_from_env({ENV_VAR: "greedy"}).kind == "greedy"
+
+
+def test_register_does_nothing_when_unset(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    for mod in ("vllm", "sglang"):  # neither engine is installed here: importing one would fail
+        monkeypatch.setitem(sys.modules, mod, None)
+    vllm_plugin.register()
+    sglang_plugin.register()
+
+
+def test_register_refuses_a_bad_spec_at_start(monkeypatch):
+    monkeypatch.setenv(ENV_VAR, "exact:time_limit=zero")
+    with pytest.raises(SpecError, match="accepted specs"):
+        vllm_plugin.register()
+    with pytest.raises(SystemExit, match="accepted specs"):  # SGLang swallows a plugin's exceptions
+        sglang_plugin.register()
+
+
+def test_plugins_import_no_solver_stack():
+    code = (
+        "import sys, runtime_hooks.engine_plugins.vllm_plugin, runtime_hooks.engine_plugins.sglang_plugin\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('ortools', 'networkx', 'scipy', 'solver', 'torch')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Output conventions (no engine needed)
+# ---------------------------------------------------------------------------------------------
+def test_greedy_reproduces_the_published_example():
+    phy2log = place(parse_spec("greedy"), _call())
+    assert phy2log.dtype == np.int64 and phy2log.tolist() == README_PHY2LOG
+
+
+@pytest.mark.parametrize("text", ["greedy", "exact:time_limit=1", "migration", "migration:max_moves=4"])
+def test_maps_follow_the_engines_conventions(text):
+    load = _skewed_load(1)
+    first = place(parse_spec("greedy"), _call(load=load, P=48, G=8, N=2, groups=4))
+    shifted = load[:, ::-1].copy()  # a domain shift: hot experts become cold
+    phy2log = place(parse_spec(text), _call(load=shifted, previous=first, P=48, G=8, N=2, groups=4))
+    check_map(phy2log, 32, 48, 8, 6)
+    log2phy, logcnt = logical_maps(phy2log, 32)
+    assert log2phy.dtype == np.int64 and logcnt.dtype == np.int64
+    assert log2phy.shape == (6, 32, int(logcnt.max())) and (logcnt.sum(axis=1) == 48).all()
+    valid = log2phy >= 0
+    assert (valid.sum(axis=2) == logcnt).all()
+    assert (valid[:, :, :-1] >= valid[:, :, 1:]).all()  # -1 only as padding at the end
+    both = valid[:, :, :-1] & valid[:, :, 1:]
+    assert (np.diff(log2phy, axis=2)[both] > 0).all()  # slots ascending
+    if text == "migration:max_moves=4":
+        on_gpu = lambda m: {(l, p // 6, int(m[l, p])) for l in range(6) for p in range(48)}  # noqa: E731
+        assert len(on_gpu(phy2log) - on_gpu(first)) <= 4
+
+
+def test_greedy_keeps_slots_of_experts_that_stay():
+    load = _skewed_load(2)
+    first = place(parse_spec("greedy"), _call(load=load, P=48, G=8, N=2, groups=4))
+    again = place(parse_spec("greedy"), _call(load=load, previous=first, P=48, G=8, N=2, groups=4))
+    assert (again == first).all()
+
+
+def test_invalid_previous_map_is_ignored():
+    prev = np.full((2, 16), -1, dtype=np.int64)  # vLLM marks empty slots -1 (elastic EP)
+    phy2log = place(parse_spec("migration"), _call(previous=prev))
+    assert phy2log.tolist() == README_PHY2LOG
+
+
+def test_file_spec_returns_the_file_map(tmp_path):
+    from placement.formats import write_placement
+    from placement.model import Placement
+    from placement.topology import Topology
+
+    mapping = np.array(README_PHY2LOG)[:, ::-1].copy()
+    path = tmp_path / "placement.json"
+    write_placement(Placement(mapping, 12, Topology(8, 16, 2)), path, "native")
+    assert (place(parse_spec(f"file:{path}"), _call()) == mapping).all()
+    with pytest.raises(PolicyError, match="layers"):
+        place(parse_spec(f"file:{path}"), _call(load=np.ones((3, 12))))
+
+
+def test_check_map_names_what_is_wrong():
+    good = np.array(README_PHY2LOG)
+    with pytest.raises(PolicyError, match="int64"):
+        check_map(good.astype(np.int32), 12, 16, 8, 2)
+    bad = good.copy()
+    bad[0, 1] = 5  # GPU 0 now holds expert 5 twice, expert 6 nowhere
+    with pytest.raises(PolicyError, match="no replica"):
+        check_map(bad, 12, 16, 8, 2)
+    bad[0, 14] = 6  # expert 6 back, expert 11 lost
+    with pytest.raises(PolicyError, match="no replica"):
+        check_map(bad, 12, 16, 8, 2)
+
+
+def test_failures_fall_back_to_the_engine_default():
+    torch = pytest.importorskip("torch")
+
+    class EngineDefault:
+        @classmethod
+        def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old=None):
+            return "engine default"
+
+    policy = vllm_plugin.policy_class(parse_spec("file:/nonexistent/map.json"), EngineDefault)
+    weight = torch.from_numpy(README_WEIGHT.astype(np.int32))
+    assert issubclass(policy, EngineDefault)
+    assert policy.rebalance_experts(weight, 16, 4, 2, 8, None) == "engine default"
+    ours = vllm_plugin.policy_class(parse_spec("greedy"), EngineDefault).rebalance_experts(
+        weight, 16, 4, 2, 8
+    )
+    assert ours.dtype == torch.int64 and ours.tolist() == README_PHY2LOG
+
+    class Algorithm:
+        name = "deepseek_hierarchical"
+
+    hook = sglang_plugin.make_hook(parse_spec("file:/nonexistent/map.json"))
+    args = dict(num_physical_experts=16, num_local_physical_experts=2, num_groups=4, num_nodes=2)
+    assert hook(
+        lambda **kw: "engine default", tokens_per_expert=weight[None], algorithm=Algorithm, **args
+    ) == ("engine default")
+    phy2log, log2phy, logcnt = sglang_plugin.make_hook(parse_spec("greedy"))(
+        None, tokens_per_expert=weight[None], algorithm=Algorithm, **args
+    )
+    assert phy2log.tolist() == README_PHY2LOG and log2phy.shape[:2] == (2, 12) and logcnt.sum() == 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Determinism: byte-identical maps across processes and thread counts
+# ---------------------------------------------------------------------------------------------
+_SOLVE_SNIPPET = """
+import sys, hashlib, numpy as np
+from runtime_hooks.engine_plugins.policy import EngineCall, place
+from runtime_hooks.engine_plugins.spec import parse_spec
+load = np.random.default_rng(7).gamma(0.6, 500.0, (6, 32)).round()
+prev = place(parse_spec("greedy"), EngineCall("vllm", load, 48, 8, 2, 4, None))
+out = place(parse_spec(sys.argv[1]), EngineCall("vllm", load[:, ::-1].copy(), 48, 8, 2, 4, prev))
+print(hashlib.sha256(out.tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.parametrize("text", ["greedy", "migration:max_moves=16", "exact:time_limit=1"])
+def test_same_map_in_every_process_and_thread_count(text):
+    digests = set()
+    for threads in ("1", "2"):
+        env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
+        env["MKL_NUM_THREADS"] = threads
+        run = subprocess.run(
+            [sys.executable, "-c", _SOLVE_SNIPPET, text], cwd=ROOT, env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0, run.stderr
+        digests.add(run.stdout.strip())
+    assert len(digests) == 1, digests
+
+
+# ---------------------------------------------------------------------------------------------
+# Inside the engines' own code (side environment)
+# ---------------------------------------------------------------------------------------------
+def _engines_python() -> Path:
+    given = os.environ.get("MOE_ENGINES_PYTHON")
+    path = Path(given) if given else ROOT / ".engines-venv" / "bin" / "python"
+    if not path.exists():
+        pytest.skip(
+            f"no engines environment at {path} (set MOE_ENGINES_PYTHON, or build .engines-venv with "
+            "/work/shared/tools/engines-venv.sh)"
+        )
+    return path
+
+
+def _entry_points_dir(tmp_path: Path) -> Path:
+    """A folder whose ``.dist-info`` declares our entry points exactly as ``pyproject.toml`` does."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    info = tmp_path / "site" / "moe_placement_plugins-0.0.0.dist-info"
+    info.mkdir(parents=True)
+    info.joinpath("METADATA").write_text(
+        "Metadata-Version: 2.1\nName: moe-placement-plugins\nVersion: 0.0.0\n"
+    )
+    lines = []
+    for group in ("vllm.general_plugins", "sglang.srt.plugins"):
+        lines.append(f"[{group}]")
+        lines += [f"{name} = {value}" for name, value in project["entry-points"][group].items()]
+    info.joinpath("entry_points.txt").write_text("\n".join(lines) + "\n")
+    return info.parent
+
+
+_ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np, torch
+    from placement.formats import write_placement
+    from placement.model import Placement
+    from placement.topology import Topology
+    from runtime_hooks.engine_plugins.policy import EngineCall, check_map, place
+    from runtime_hooks.engine_plugins.spec import parse_spec
+
+    engine, workdir = sys.argv[1], sys.argv[2]
+    L, E, P, G, N, GROUPS = 4, 16, 24, 8, 2, 4
+    load = np.random.default_rng(3).gamma(0.6, 500.0, (L, E)).round()
+    weight = torch.from_numpy(load.astype(np.int32))  # vLLM: int32 [L, E] on CPU
+    file_map = np.tile(np.arange(P) % E, (L, 1))
+    file_path = os.path.join(workdir, "placement.json")
+    write_placement(Placement(file_map, E, Topology(G, P, N)), file_path, "native")
+    out = {}
+
+    def checked(phy2log):
+        assert phy2log.dtype == torch.int64 and phy2log.device.type == "cpu", (phy2log.dtype, phy2log.device)
+        check_map(phy2log.numpy(), E, P, G, L)
+        return phy2log.numpy()
+
+    if engine == "vllm":
+        os.environ["VLLM_PLUGINS"] = "moe_placement"
+        import vllm.plugins
+        from vllm.distributed.eplb import policy as eplb
+
+        def load_with(spec):
+            os.environ.pop("MOE_PLACEMENT_EPLB", None)
+            if spec:
+                os.environ["MOE_PLACEMENT_EPLB"] = spec
+            eplb.EPLB_POLICIES["default"] = eplb.DefaultEplbPolicy
+            vllm.plugins.plugins_loaded = False
+            vllm.plugins.load_general_plugins()
+            return eplb.EPLB_POLICIES["default"]
+
+        out["unset_untouched"] = load_with(None) is eplb.DefaultEplbPolicy
+        default_map = eplb.DefaultEplbPolicy.rebalance_experts(weight, P, GROUPS, N, G, None)
+        ours = load_with("migration")
+        out["ours_installed"] = ours is not eplb.DefaultEplbPolicy and issubclass(ours, eplb.AbstractEplbPolicy)
+        first = checked(ours.rebalance_experts(weight, P, GROUPS, N, G, default_map))
+        again = checked(ours.rebalance_experts(weight, P, GROUPS, N, G, default_map))
+        out["repeatable"] = bool((first == again).all())
+        call = EngineCall("vllm", load, P, G, N, GROUPS, default_map.numpy())
+        out["ours_equals_policy"] = bool((first == place(parse_spec("migration"), call)).all())
+        out["file_map"] = bool((checked(load_with("file:" + file_path).rebalance_experts(weight, P, GROUPS, N, G, None)) == file_map).all())
+        try:
+            load_with("bogus")
+            out["bad_spec"] = "accepted"
+        except ValueError as exc:
+            out["bad_spec"] = str(exc)
+    else:
+        os.environ["SGLANG_PLUGINS"] = "moe_placement"
+        import sglang.srt.plugins as plugins
+        from sglang.srt.eplb import eplb_algorithms as algos
+        from sglang.srt.plugins.hook_registry import HookRegistry
+
+        # in a dict: applying a hook rebinds every module-level name that holds the original
+        keep = {"original": algos.rebalance_experts}
+
+        def load_with(spec):
+            os.environ.pop("MOE_PLACEMENT_EPLB", None)
+            if spec:
+                os.environ["MOE_PLACEMENT_EPLB"] = spec
+            HookRegistry.reset()
+            algos.rebalance_experts = keep["original"]
+            plugins._plugins_loaded = False
+            plugins.load_plugins()
+            return algos.rebalance_experts
+
+        tokens = torch.from_numpy(load.astype(np.int64))[None]  # [W=1, L, E]
+        algorithm = algos.compute_algorithm("auto", GROUPS, N)
+        kw = dict(tokens_per_expert=tokens, num_physical_experts=P, num_local_physical_experts=P // G,
+                  num_groups=GROUPS, num_nodes=N, algorithm=algorithm)
+        out["unset_untouched"] = load_with(None) is keep["original"]
+        d_phy, d_log2phy, d_cnt = keep["original"](**kw)
+        fn = load_with("migration")
+        out["ours_installed"] = fn is not keep["original"]
+        call = EngineCall("sglang", load, P, G, N, GROUPS, None)
+        out["ours_equals_policy"] = bool((fn(**kw)[0].numpy() == place(parse_spec("migration"), call)).all())
+        runs = [fn(**kw) for _ in range(2)]
+        for phy2log, log2phy, logcnt in runs:
+            checked(phy2log)
+            assert log2phy.dtype == torch.int64 and logcnt.dtype == torch.int64
+            assert log2phy.shape[:2] == d_log2phy.shape[:2] and logcnt.shape == d_cnt.shape
+            assert (logcnt.sum(dim=1) == P).all() and ((log2phy >= 0).sum(dim=2) == logcnt).all()
+        out["repeatable"] = all(bool((a == b).all()) for a, b in zip(runs[0], runs[1]))
+        out["file_map"] = bool((checked(load_with("file:" + file_path)(**kw)[0]).__eq__(file_map)).all())
+        try:
+            load_with("bogus")
+            out["bad_spec"] = "accepted"
+        except SystemExit as exc:
+            out["bad_spec"] = str(exc)
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_plugin_through_the_engine_loader(engine, tmp_path):
+    python = _engines_python()
+    site = _entry_points_dir(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    env.pop(ENV_VAR, None)
+    run = subprocess.run(
+        [str(python), "-c", _ENGINE_SCRIPT, engine, str(tmp_path)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT ") :])
+    assert out == {**out, "unset_untouched": True, "ours_installed": True, "ours_equals_policy": True}
+    assert out["repeatable"] and out["file_map"]
+    assert "accepted specs" in out["bad_spec"] and "\n" not in out["bad_spec"]
