@@ -376,6 +376,10 @@ def test_noise_gate_takes_a_real_imbalance():
     assert not np.array_equal(pl.physical_to_logical_map, g_pl.physical_to_logical_map)
     assert float(_peak(pl, agg)[0]) < float(_peak(g_pl, agg)[0]) * 0.95
     assert float(_peak(pl, agg)[0]) == pytest.approx(lr.objective)
+    # the count of layers that kept the exact placement matches what each layer took
+    gate = lr.extra["noise_gate"]
+    assert gate["kept_exact"] == (gate["took"] == "exact")
+    assert rep.params["noise_gate_exact_layers"] == int(gate["kept_exact"])
     # the Poisson gate on counts takes it too; bad modes are ValueErrors
     _, rp = solve_exact(agg, topo, time_limit=1.0, workers=1, noise_gate="poisson")
     assert rp.layers[0].objective < rp.layers[0].baseline_objective

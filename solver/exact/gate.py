@@ -172,7 +172,7 @@ def _noise_gate(
     for l, lr in enumerate(rep.layers):
         row, info = _gate_choice(gate, l, lr, rows)
         extra = {**lr.extra, "noise_gate": info}
-        if row is rows[l]:  # never true: rows[l] is a new view on each access (kept as the original)
+        if info["kept_exact"]:
             kept_exact += 1
             layers.append(replace(lr, extra=extra))
             continue
@@ -209,7 +209,8 @@ def _gate_choice(gate: _Gate, l: int, lr: LayerReport, rows: np.ndarray) -> tupl
     m_row = m_pl.physical_to_logical_map[0]
     m_obj = even_split_peak(m_row, w, G, S) + mc * int(m_rep.layers[0].extra["moved_slots"])
     e_obj = lr.objective + mc * int(gate.exact_moved[l])
-    row = rows[l] if e_obj <= m_obj else m_row
+    kept_exact = bool(e_obj <= m_obj)
+    row = rows[l] if kept_exact else m_row
     source = gate.source
     info = {
         "sigma": float(gate.sigma[l]),
@@ -221,7 +222,8 @@ def _gate_choice(gate: _Gate, l: int, lr: LayerReport, rows: np.ndarray) -> tupl
         "moved_slots_vs_greedy": int(
             moved_pairs(g_pl.select_layers([l]), Placement(row[None], E, topology))[0]
         ),
-        "took": "greedy" if np.array_equal(row, g_row) else ("exact" if row is rows[l] else "migration"),
+        "took": "greedy" if np.array_equal(row, g_row) else ("exact" if kept_exact else "migration"),
+        "kept_exact": kept_exact,
     }
     return row, info
 
