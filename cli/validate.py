@@ -6,11 +6,18 @@ experts and layers otherwise) through :class:`runtime_hooks.ep_layer.EPMoELayer`
 rank, the picks ``placement.metrics`` predicts against those the rank computed, plus the largest
 output difference from a single-process MoE without replication. Exit code 0 when everything
 matches, 1 on any mismatch, 2 on bad input.
+
+With ``--model DIR_OR_CONFIG`` the check runs a real transformers MoE model instead (a checkpoint
+folder, or a ``config.json`` for random weights drawn with ``--seed``): every rank serves its own
+prompts with the placement applied (:mod:`runtime_hooks.hf`) and its logits are compared with the
+single-process model; tokens per slot are compared with ``placement.metrics.route_tokens``. A placement
+whose layers or expert count do not fit the model exits 2 with the numbers. ``--json`` prints one object.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 
@@ -42,6 +49,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
     p.add_argument("--ep-size", type=int, help="ep_size for engine formats that do not store it")
     p.add_argument("--num-nodes", type=int, help="nodes for engine formats that do not store it")
+    p.add_argument(
+        "--model",
+        metavar="DIR_OR_CONFIG",
+        help="run a transformers MoE model: a checkpoint folder, or a config.json for seeded random weights",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="model dtype with --model (default float32)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
 
@@ -91,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
     from runtime_hooks.validate import ValidationSpec, validate_placement
 
     placement = _load_placement(args)
+    if args.model is not None:
+        return run_model(args, placement)
     G = placement.topology.ep_size
     if args.ranks is not None and args.ranks != G:
         raise CliError(
@@ -120,13 +141,17 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     source = args.trace or "synthetic trace"
-    echo(
-        f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), policy {args.policy}, "
-        f"{args.tokens_per_rank} tokens/rank from {source} (offset {args.offset})"
-    )
+    if not args.json:
+        echo(
+            f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), policy {args.policy}, "
+            f"{args.tokens_per_rank} tokens/rank from {source} (offset {args.offset})"
+        )
     t0 = time.perf_counter()
     rep = validate_placement(spec, backend=args.backend, timeout=args.timeout)
     wall = time.perf_counter() - t0
+    if args.json:
+        echo(json.dumps(_layer_report_dict(rep, rows, wall)))
+        return 0 if rep.ok else 1
     for i, lid in enumerate(rep.layer_ids):
         pred, meas = rep.predicted[i], rep.measured[i]
         status = "ok" if (pred == meas).all() else "MISMATCH"
@@ -142,6 +167,69 @@ def run(args: argparse.Namespace) -> int:
         f"{verdict}: per-rank tokens {'equal' if rep.tokens_match else 'DIFFER from'} the prediction; "
         f"max output error {rep.max_abs_error:.2e} (tolerance {rep.atol:.0e}); "
         f"{len(rep.checksum_mismatches)} checksum mismatch(es); {wall:.1f} s"
+    )
+    return 0 if rep.ok else 1
+
+
+def _layer_report_dict(rep, rows: list[int], wall: float) -> dict:
+    """The ``--json`` object of the synthetic-expert check."""
+    return {
+        "ok": rep.ok,
+        "policy": rep.policy,
+        "layer_ids": list(rep.layer_ids),
+        "rows": rows,
+        "predicted": rep.predicted.tolist(),
+        "measured": rep.measured.tolist(),
+        "tokens_match": rep.tokens_match,
+        "max_abs_error": rep.max_abs_error,
+        "atol": rep.atol,
+        "checksum_mismatches": list(rep.checksum_mismatches),
+        "wall_seconds": wall,
+    }
+
+
+def run_model(args: argparse.Namespace, placement) -> int:
+    """``--model``: the placement on a real transformers model over ``ep_size`` ranks."""
+    from runtime_hooks.hf_validate import HFCase, validate_hf
+
+    G = placement.topology.ep_size
+    if args.ranks is not None and args.ranks != G:
+        raise CliError(
+            f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}"
+        )
+    if args.trace is not None or args.layers:
+        raise CliError("--model runs the model's own routing; drop --trace and --layers")
+    if args.tokens_per_rank < 1:
+        raise CliError("--tokens-per-rank must be >= 1")
+    case = HFCase(
+        args.model,
+        placement,
+        dispatch=args.policy,
+        seed=args.seed,
+        prompts_per_rank=2,
+        seq_len=max(1, -(-args.tokens_per_rank // 2)),
+        dtype=args.dtype,
+    )
+    if not args.json:
+        echo(f"validate: {args.model} on {G} {args.backend} ranks, dispatch {args.policy}, {args.dtype}")
+    rep = validate_hf(case, backend=args.backend, timeout=args.timeout)
+    if args.json:
+        echo(json.dumps(rep.to_dict()))
+        return 0 if rep.ok else 1
+    echo(
+        f"model {rep.model_class}: MoE layers {list(rep.layer_ids)} served by placement rows {list(rep.rows)}"
+    )
+    for i, lid in enumerate(rep.layer_ids):
+        status = "ok" if (rep.predicted[i] == rep.measured[i]).all() else "MISMATCH"
+        echo(f"layer {lid}: tokens per slot {rep.measured[i].tolist()}  [{status}]")
+    for r, b in enumerate(rep.expert_bytes_per_rank):
+        echo(
+            f"rank {r}: expert bytes {b['before']} -> {b['after']}, max |logits - ref| {rep.max_abs_diff_per_rank[r]:.2e}"
+        )
+    tol = f"tolerance {rep.atol:.0e}" if rep.dtype == "float32" else f"{rep.dtype}: reported only"
+    echo(
+        f"{'PASS' if rep.ok else 'FAIL'}: tokens per slot {'equal' if rep.tokens_match else 'DIFFER from'} "
+        f"the prediction; max logits difference {rep.max_abs_diff:.2e} ({tol})"
     )
     return 0 if rep.ok else 1
 

@@ -20,6 +20,7 @@ _EXPORTS = {
     "MigrationResult": "runtime_hooks.migrate",
     "validate_placement": "runtime_hooks.validate",
     "Rebalancer": "runtime_hooks.rebalancer",
+    "apply_hf_placement": "runtime_hooks.hf",
     "RebalancerConfig": "runtime_hooks.rebalancer",
 }
 __all__ = sorted(_EXPORTS)

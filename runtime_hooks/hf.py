@@ -1,0 +1,402 @@
+"""Replicated expert parallelism for Hugging Face MoE models, driven by a :class:`Placement`.
+
+transformers 5.x routes the experts of most MoE classes (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
+GLM4-MoE, GPT-OSS, ...) through a forward chosen by name: classes decorated with
+``@use_experts_implementation`` call ``ExpertsInterface`` entry ``config._experts_implementation`` as
+``fn(experts_module, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
+:func:`apply_placement` registers :data:`IMPLEMENTATION` there and switches the model to it, so no
+per-class code is needed. Llama4 and DBRX (not decorated) are rejected with a ValueError naming the class.
+
+Glossary (as in :mod:`runtime_hooks.ep_layer`): logical expert ``e``; physical slot ``p``; rank ``g`` of
+the process group owns slots ``[g*S, (g+1)*S)``. Attention and dense layers stay data-parallel: every
+rank runs the whole model on its own requests; only the routed experts are sharded.
+
+Shapes (T = this rank's tokens in one experts call, H = hidden, I = expert FFN width, K = top-k,
+E = logical experts, S = slots per rank, G = ranks, n = picks sent, m = picks received):
+
+- fused weights of the model: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` (``is_transposed``
+  classes such as GPT-OSS: ``[E, H, 2I]`` and ``[E, I, H]``; optional biases ``[E, 2I]``, ``[E, H]``;
+  ``up_proj`` instead of ``gate_up_proj`` without a gate).
+- after :func:`apply_placement` every such tensor is ``[S, ...]``: slot ``s`` of rank ``g`` holds a copy
+  of logical expert ``physical_to_logical_map[row, g*S + s]``; the full tensors are freed.
+
+Routing: pick ``j`` of the token with global index ``t`` goes to the replica that
+:func:`placement.metrics.route_tokens` picks for the dispatch model (``even`` or ``local``), through
+:func:`runtime_hooks.ep_layer.route_slots` (its torch port). Global indices number the tokens of one
+experts call rank by rank (rank 0's tokens first), continuing across calls, so a trace of the recorded
+ids in that order replays the same choices. Picks travel with ``all_to_all_single`` (uneven splits) and
+come back weighted, summed over ``K`` like transformers' own forwards (``[T, K, H].sum(1)``).
+
+Public API::
+
+    applied = apply_placement(model, placement, group=None, dispatch="even")  # collective setup
+    applied.expert_bytes_before, applied.expert_bytes_after                    # this rank's bytes
+    logits = model(input_ids).logits                                           # every rank, lockstep
+    slot_token_counts(model)  # int64 [L, S] picks this rank's slots computed
+    recorded_ids(model)       # per layer, the top-k ids of each call, when record=True
+
+Inference only (no autograd through the exchange). Every rank must call the model the same number of
+times (the exchange is collective); a rank with no tokens passes an empty batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from placement.model import Placement
+
+__all__ = [
+    "IMPLEMENTATION",
+    "AppliedPlacement",
+    "apply_hf_placement",
+    "apply_placement",
+    "expert_bytes",
+    "moe_experts",
+    "match_layers",
+    "recorded_ids",
+    "slot_token_counts",
+]
+
+log = logging.getLogger(__name__)
+
+IMPLEMENTATION = "moe_placement"
+"""Name registered with ``transformers.integrations.moe.ExpertsInterface``."""
+
+# Per-expert tensors of a decorated experts module (leading dim E), in the interface's names.
+_EXPERT_TENSORS = (
+    "gate_up_proj",
+    "up_proj",
+    "down_proj",
+    "gate_up_proj_bias",
+    "up_proj_bias",
+    "down_proj_bias",
+)
+_DISPATCH = ("even", "local")
+
+
+@dataclass(frozen=True)
+class AppliedPlacement:
+    """What :func:`apply_placement` did on this rank.
+
+    Attributes:
+        model_class: the model's class name. rank / ranks: this rank and the group size.
+        layer_ids: model layer index of each MoE layer, ``L`` of them, in model order.
+        rows: placement row serving each of those layers (``[L]``).
+        expert_bytes_before / expert_bytes_after: bytes of routed-expert tensors on this rank.
+        dispatch: the replica-selection model.
+    """
+
+    model_class: str
+    rank: int
+    ranks: int
+    layer_ids: tuple[int, ...]
+    rows: tuple[int, ...]
+    expert_bytes_before: int
+    expert_bytes_after: int
+    dispatch: str
+
+
+@dataclass
+class _SlotState:
+    """Per experts module: the one-layer placement, its routing tables and this rank's counters."""
+
+    placement: Placement  # one row
+    tables: object  # ep_layer.RoutingTables
+    group: object
+    rank: int
+    ranks: int
+    dispatch: str
+    slot_tokens: torch.Tensor  # int64 [S] picks computed per local slot
+    tokens_seen: int = 0  # global tokens of earlier calls (rotation offset)
+    record: bool = False
+    ids: list = field(default_factory=list)  # int64 [T, K] per call, when recording
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding the experts
+# ---------------------------------------------------------------------------------------------------
+def _is_interface_experts(module: torch.nn.Module) -> bool:
+    """True for modules of a class decorated with ``@use_experts_implementation``."""
+    return (
+        hasattr(module, "is_transposed")
+        and hasattr(module, "_is_expert_parallel")
+        and hasattr(module, "down_proj")
+    )
+
+
+def moe_experts(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Model layer index -> experts module, for every experts module that uses the experts interface.
+
+    The index is the ``layers.<i>`` number of the module's name; modules without one (or with repeated
+    numbers, as in multi-stack models) are numbered in model order instead.
+
+    Raises:
+        ValueError: the model has no such module (dense model, or Llama4/DBRX-style experts).
+    """
+    found = [(name, m) for name, m in model.named_modules() if _is_interface_experts(m)]
+    if not found:
+        raise ValueError(
+            f"{type(model).__name__} has no experts module using transformers' experts interface "
+            f"(@use_experts_implementation with fused gate_up_proj/down_proj); moe-placement cannot place "
+            f"its experts. Classes such as Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 and GPT-OSS are supported"
+        )
+    ids = []
+    for name, _ in found:
+        hit = re.search(r"layers\.(\d+)\.", name)
+        ids.append(int(hit.group(1)) if hit else -1)
+    if min(ids) < 0 or len(set(ids)) != len(ids):
+        ids = list(range(len(found)))
+    return dict(zip(ids, (m for _, m in found)))
+
+
+def expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the routed-expert tensors (:data:`_EXPERT_TENSORS`) held by the model."""
+    total = 0
+    for module in moe_experts(model).values():
+        for name in _EXPERT_TENSORS:
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def match_layers(placement: Placement, layer_ids: list[int], num_experts: int) -> list[int]:
+    """Placement row serving each model MoE layer (``[L]``), or ValueError naming the numbers.
+
+    Rows are matched by real layer id when the placement names every MoE layer of the model; a
+    placement with default ids ``0..L-1`` and exactly ``L`` rows is matched in order (for models whose
+    first MoE layer is not layer 0, e.g. DeepSeek with dense first layers).
+    """
+    if placement.num_logical_experts != num_experts:
+        raise ValueError(
+            f"the placement has {placement.num_logical_experts} logical experts per layer but the model "
+            f"has {num_experts}; solve the placement for {num_experts} experts"
+        )
+    by_id = {lid: r for r, lid in enumerate(placement.layer_ids)}
+    if all(lid in by_id for lid in layer_ids):
+        return [by_id[lid] for lid in layer_ids]
+    if placement.num_layers == len(layer_ids) and placement.layer_ids == tuple(range(len(layer_ids))):
+        log.info("placement rows 0..%d matched in order to MoE layers %s", len(layer_ids) - 1, layer_ids)
+        return list(range(len(layer_ids)))
+    missing = [lid for lid in layer_ids if lid not in by_id]
+    raise ValueError(
+        f"the model has {len(layer_ids)} MoE layers (ids {layer_ids}) but the placement has "
+        f"{placement.num_layers} rows (layer ids {list(placement.layer_ids)}); layers {missing} have no row"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Applying a placement
+# ---------------------------------------------------------------------------------------------------
+def apply_placement(
+    model: torch.nn.Module,
+    placement: Placement,
+    group=None,
+    dispatch: str = "even",
+    record: bool = False,
+) -> AppliedPlacement:
+    """Shard ``model``'s routed experts over ``group`` as ``placement`` says; switch it to our forward.
+
+    Call on every rank of ``group`` with the same model weights and placement (``ep_size`` must equal
+    the group size). Each rank keeps copies of its own slots' experts, sliced from the model's tensors,
+    and frees the full tensors.
+
+    Args:
+        model: a transformers model whose experts use the experts interface.
+        placement: rows for the model's MoE layers (see :func:`match_layers`).
+        group: process group (default: the default group).
+        dispatch: ``even`` or ``local`` replica selection (as :func:`placement.metrics.route_tokens`).
+        record: keep each call's top-k ids (for :func:`recorded_ids`).
+
+    Raises:
+        ValueError: unsupported class, layers or experts that do not fit, wrong group size or dispatch.
+    """
+    import torch.distributed as dist
+
+    if dispatch not in _DISPATCH:
+        raise ValueError(f"unknown dispatch {dispatch!r}; use one of {list(_DISPATCH)}")
+    experts = moe_experts(model)
+    _check_switchable(model)
+    if any(hasattr(m, "_moe_placement") for m in experts.values()):
+        raise ValueError(
+            f"a placement is already applied to this {type(model).__name__}; reload the model to apply another"
+        )
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    if ranks != placement.topology.ep_size:
+        raise ValueError(
+            f"the process group has {ranks} ranks but the placement's ep_size is "
+            f"{placement.topology.ep_size}; launch {placement.topology.ep_size} ranks"
+        )
+    num_experts = {int(getattr(m, "num_experts", 0)) for m in experts.values()}
+    rows = match_layers(placement, list(experts), max(num_experts))
+    before = expert_bytes(model)
+    for (_, module), row in zip(experts.items(), rows):
+        _shard_module(module, placement.select_layers([row]), group, rank, ranks, dispatch, record)
+    _switch(model)
+    after = expert_bytes(model)
+    log.info("rank %d keeps %d of %d expert bytes", rank, after, before)
+    return AppliedPlacement(
+        type(model).__name__, rank, ranks, tuple(experts), tuple(rows), before, after, dispatch
+    )
+
+
+apply_hf_placement = apply_placement  # the package-level name (``runtime_hooks.apply_hf_placement``)
+
+
+def _check_switchable(model: torch.nn.Module) -> None:
+    """ValueError naming the class when transformers cannot switch its experts implementation."""
+    can = getattr(type(model), "_can_set_experts_implementation", None)
+    if can is None or not can():
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its experts implementation "
+            f"(set_experts_implementation); moe-placement needs @use_experts_implementation experts"
+        )
+
+
+def _shard_module(module, row: Placement, group, rank: int, ranks: int, dispatch: str, record: bool) -> None:
+    """Replace the module's ``[E, ...]`` expert tensors by this rank's ``[S, ...]`` slot copies."""
+    from runtime_hooks.ep_layer import build_routing_tables
+
+    S = row.topology.slots_per_gpu
+    local = np.array(row.physical_to_logical_map[0, rank * S : (rank + 1) * S], dtype=np.int64)  # [S]
+    for name in _EXPERT_TENSORS:
+        full = getattr(module, name, None)
+        if not isinstance(full, torch.Tensor):
+            continue
+        idx = torch.as_tensor(local, device=full.device)
+        slots = full.detach().index_select(0, idx).clone()  # [S, ...] own storage: the [E, ...] is freed
+        setattr(module, name, torch.nn.Parameter(slots, requires_grad=False))
+    device = module.down_proj.device
+    module._moe_placement = _SlotState(
+        placement=row,
+        tables=build_routing_tables(row, 0, device),
+        group=group,
+        rank=rank,
+        ranks=ranks,
+        dispatch=dispatch,
+        slot_tokens=torch.zeros(S, dtype=torch.int64),
+        record=record,
+    )
+
+
+def _switch(model: torch.nn.Module) -> None:
+    """Register :func:`placed_experts_forward` under :data:`IMPLEMENTATION` and select it."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, placed_experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The experts forward
+# ---------------------------------------------------------------------------------------------------
+def placed_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Experts forward over the placement: ``[T, H]``, ids ``[T, K]``, weights ``[T, K]`` -> ``[T, H]``.
+
+    Collective over the placement's group: dispatch picks to their replicas, compute, combine.
+    """
+    from runtime_hooks.hf_exchange import exchange
+
+    state: _SlotState | None = getattr(self, "_moe_placement", None)
+    if state is None:
+        raise RuntimeError(
+            f"{type(self).__name__} runs experts implementation {IMPLEMENTATION!r} without a placement; "
+            f"call runtime_hooks.hf.apply_placement(model, placement, group) on every rank first"
+        )
+    T, K = top_k_index.shape
+    slots = _route(state, top_k_index)  # [T, K] physical slot of every pick
+    with torch.no_grad():
+        y = exchange(
+            hidden_states,
+            slots.reshape(-1),
+            state.placement.topology.slots_per_gpu,
+            lambda x, s: _compute_slots(self, state, x, s),
+            state.group,
+        )  # [T*K, H] expert output of every pick, in pick order
+    weighted = y.view(T, K, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)  # [T, K, H]
+    return weighted.sum(dim=1).to(hidden_states.dtype)
+
+
+def _route(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
+    """Physical slot of every pick, int64 ``[T, K]``; advances the global token counter."""
+    import torch.distributed as dist
+
+    from runtime_hooks.ep_layer import route_slots
+
+    T = top_k_index.shape[0]
+    sizes = torch.zeros(state.ranks, dtype=torch.int64)
+    mine = torch.tensor([T], dtype=torch.int64)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(sizes, mine, group=state.group)  # [G] tokens of each rank this call
+    first = state.tokens_seen + int(sizes[: state.rank].sum())
+    state.tokens_seen += int(sizes.sum())
+    device = top_k_index.device
+    token_index = torch.arange(first, first + T, dtype=torch.int64, device=device)  # [T]
+    if state.record:
+        state.ids.append(top_k_index.detach().to("cpu", torch.int64).numpy().copy())
+    return route_slots(state.tables, top_k_index, token_index, state.rank, state.dispatch)
+
+
+def _compute_slots(module, state: _SlotState, x: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
+    """Received picks through this rank's slots: ``x [m, H]``, ``local_slot`` int64 ``[m]`` -> ``[m, H]``."""
+    y = x.new_empty(x.shape)
+    if x.shape[0] == 0:
+        return y
+    counts = torch.bincount(local_slot, minlength=state.slot_tokens.numel())  # [S]
+    state.slot_tokens += counts.cpu()
+    order = torch.argsort(local_slot, stable=True)  # picks grouped by slot
+    start = 0
+    for s, c in enumerate(counts.tolist()):
+        if c:
+            rows = order[start : start + c]
+            y[rows] = _expert(module, s, x[rows])
+            start += c
+    return y
+
+
+def _linear(module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [n, in]`` through one expert matrix in the module's layout (``[out, in]`` or transposed)."""
+    y = x @ weight if module.is_transposed else F.linear(x, weight)
+    return y + bias if bias is not None else y
+
+
+def _expert(module, s: int, x: torch.Tensor) -> torch.Tensor:
+    """Local slot ``s`` of ``module`` on ``x [n, H]`` -> ``[n, H]`` (gate, bias and post-norm as the class)."""
+    has_bias = bool(getattr(module, "has_bias", False))
+    if module.has_gate:
+        h = _linear(module, x, module.gate_up_proj[s], module.gate_up_proj_bias[s] if has_bias else None)
+        h = module._apply_gate(h)  # [n, I]
+    else:
+        h = module.act_fn(_linear(module, x, module.up_proj[s], module.up_proj_bias[s] if has_bias else None))
+    y = _linear(module, h, module.down_proj[s], module.down_proj_bias[s] if has_bias else None)  # [n, H]
+    if getattr(module, "has_post_expert_norm", False):
+        y = module.post_expert_norm(y)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------
+# Read-outs
+# ---------------------------------------------------------------------------------------------------
+def slot_token_counts(model: torch.nn.Module) -> np.ndarray:
+    """int64 ``[L, S]``: picks each local slot computed since :func:`apply_placement`, MoE layers in order."""
+    return np.stack([_state(m).slot_tokens.numpy().copy() for m in moe_experts(model).values()])
+
+
+def recorded_ids(model: torch.nn.Module) -> list[list[np.ndarray]]:
+    """Per MoE layer, the int64 ``[T, K]`` top-k ids of each call on this rank (``record=True``)."""
+    return [list(_state(m).ids) for m in moe_experts(model).values()]
+
+
+def _state(module) -> _SlotState:
+    state = getattr(module, "_moe_placement", None)
+    if state is None:
+        raise ValueError("no placement applied to this model; call apply_placement first")
+    return state
