@@ -83,8 +83,9 @@ def _solve_all(args, trace, fit, topo) -> dict:
     solvers = ["cpsat", "locality"] if not args.quick else []
     for name in progress(solvers, desc="solving"):
         try:
+            options = {"work_limit": 100 * fit.num_layers} if name == "locality" else None  # reproducible
             results[name], rep = solve(
-                name, topology=topo, trace=fit, time_limit=args.time_limit, seed=args.seed
+                name, topology=topo, trace=fit, time_limit=args.time_limit, seed=args.seed, options=options
             )
             if name == "cpsat":
                 echo(

@@ -123,7 +123,13 @@ def _add_locality_args(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="STEPS",
         help="locality: bound the search by counted steps instead of --time-limit, so the same seed "
-        "gives the same placement on any machine (a step is about 1-10 ms)",
+        "gives the same placement on any machine (a step is about 1-10 ms; default 100 per layer)",
+    )
+    p.add_argument(
+        "--wall-clock",
+        action="store_true",
+        help="locality: bound the search by --time-limit seconds instead of the default step budget "
+        "(the placement then depends on the machine's speed and load)",
     )
     p.add_argument(
         "--share-margin",
@@ -177,7 +183,10 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _solver_options(args) -> dict:
+LOCALITY_STEPS_PER_LAYER = 100  # the default step budget: the same placement on any machine
+
+
+def _solver_options(args, num_layers: int) -> dict:
     opts: dict = {}
     if args.solver in ("cpsat", "milp"):
         if args.objective != "tokens":
@@ -198,6 +207,8 @@ def _solver_options(args) -> dict:
         for flag, key in _LOCALITY_FLAGS:
             if getattr(args, flag) is not None:
                 opts[key] = getattr(args, flag)
+        if args.work_limit is None and not args.wall_clock:
+            opts["work_limit"] = LOCALITY_STEPS_PER_LAYER * num_layers
     if args.previous:
         if args.max_moves is not None:
             opts["max_moves"] = args.max_moves
@@ -289,7 +300,7 @@ def _solve_named(args, prob: _Problem, greedy: Placement, greedy_report: SolveRe
     """The named solver (greedy's own result for ``greedy``), never worse than greedy for cpsat/milp."""
     from solver.api import solve
 
-    options = _solver_options(args)
+    options = _solver_options(args, prob.load.shape[0])
     name = prob.name
     if name == "greedy":
         return greedy, greedy_report

@@ -186,7 +186,9 @@ def test_demo_pipeline_end_to_end(tmp_path, capsys):
     assert list(sg) == ["physical_to_logical_map"]
 
 
-def test_locality_work_limit_writes_the_same_placement_twice(tmp_path):
+@pytest.mark.parametrize("budget", [["--work-limit", "200"], []], ids=["given", "default"])
+def test_locality_work_limit_writes_the_same_placement_twice(tmp_path, budget):
+    # without --work-limit the CLI's default is a step budget too (100 per layer), not the seconds
     p = tmp_path / "t.npz"
     write_trace(
         synthetic_trace(
@@ -219,8 +221,7 @@ def test_locality_work_limit_writes_the_same_placement_twice(tmp_path):
                     "8",
                     "--solver",
                     "locality",
-                    "--work-limit",
-                    "200",
+                    *budget,
                     "--time-limit",
                     tl,
                     "-o",
