@@ -38,7 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--ranks", type=int, help="ranks to launch; must equal the placement's ep_size (default: it)"
     )
     p.add_argument(
-        "--policy", choices=("even", "local"), default="even", help="replica selection (default even)"
+        "--dispatch",
+        "--policy",
+        dest="policy",
+        choices=("even", "local"),
+        default="even",
+        help="replica selection the runtime applies on real ranks (default even); the engines' own rules "
+        "(sglang-static, sglang-dynamic, vllm-hash) are scored by `evaluate --dispatch`",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
     p.add_argument("--offset", type=int, default=0, help="first replayed token of the trace (default 0)")
