@@ -37,7 +37,7 @@ __all__ = [
 # Built-in subcommands, in the order ``--help`` lists them.
 _COMMANDS = (inspect_trace, solve, evaluate, convert, demo)
 # Subcommands owned by optional modules: each exposes add_parser(subparsers) and run(args).
-_EXTENSIONS = ("cli.profile", "cli.validate", "cli.layout")
+_EXTENSIONS = ("cli.profile", "cli.validate", "cli.layout", "cli.serve_demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
