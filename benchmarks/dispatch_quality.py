@@ -11,10 +11,12 @@ the attention-DP ranks. Columns:
   with the ranks that SGLang leaves to its table split over the replicas by a balanced random
   assignment (mean of 4 draws): the source noise no table removes.
 - ``penalty removed``: (greedy - ours) / (greedy - even), the share of greedy's static penalty gone.
-- ``step_par``: per-step balance (16 tokens per rank per step, DeepSeek only) under SGLang's table;
-  ``remote nodes``: remote nodes per token under SGLang's table (DeepSeek only).
+- ``step_par``: per-step balance (16 tokens per rank per step) under SGLang's table; ``remote
+  nodes``: remote nodes per token under SGLang's table (both for per-token traces only).
 
-    PYTHONPATH=. python benchmarks/dispatch_quality.py [--traces deepseek,mixtral] [--layers N]
+OLMoE's shared counts are per domain (six windows), too few to deal to ranks: it is left out.
+
+    PYTHONPATH=. python benchmarks/dispatch_quality.py [--traces deepseek,mixtral,qwen] [--layers N]
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ TRACES = {
         ((32, 4, 3), (32, 4, 4), (64, 8, 2), (64, 8, 3)),
     ),
     "mixtral": ("mixtral-8x7b-mmlu/mixtral_mmlu_counts.npz", ((8, 4, 2), (8, 4, 3), (16, 8, 2), (16, 8, 3))),
+    "qwen": (
+        "qwen15-moe-gsm8k-decode/qwen15_gsm8k_layers_0_8_12_18_23.npz",
+        ((32, 4, 2), (32, 4, 3), (64, 8, 2)),
+    ),
 }
 
 
@@ -92,7 +98,7 @@ def run(name: str, trace, ep: int, nodes: int, slots: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="deepseek,mixtral")
+    ap.add_argument("--traces", default="deepseek,mixtral,qwen")
     ap.add_argument("--layers", type=int, default=None, help="first N layers only")
     args = ap.parse_args()
     root = default_traces_dir()

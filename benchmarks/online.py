@@ -94,6 +94,16 @@ def main(argv=None) -> int:
         default=1,
         help="the rebalancer's sliding window (and greedy's fit data) in replay windows",
     )
+    ap.add_argument(
+        "--dispatch",
+        "--policy",
+        dest="dispatch",
+        default="even",
+        choices=("even", "local", "sglang-static", "sglang-dynamic", "vllm-hash"),
+        help="dispatch model every window is scored with; all but even need source ranks (DeepSeek's "
+        "token stream has them: token t of a step sits on rank t // step_tokens); counts-only streams "
+        "are scored with even and say so",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -124,8 +134,9 @@ def main(argv=None) -> int:
             horizon_steps=args.horizon_steps,
         )
         expert_bytes = 3 * d * f * 2  # GLU, BF16
+        dispatch = args.dispatch if stream.rank_steps is not None else "even"
         t0 = time.perf_counter()
-        res = replay(stream, topo, cfg, window_steps=ws, expert_bytes=expert_bytes)
+        res = replay(stream, topo, cfg, window_steps=ws, expert_bytes=expert_bytes, dispatch=dispatch)
         wall = time.perf_counter() - t0
         s = res.summary
         print(f"\n== {res.name}: {stream.note}")
@@ -133,7 +144,8 @@ def main(argv=None) -> int:
             f"   {L} layers x {topo.num_physical_experts} slots on {topo.ep_size} GPUs, window {ws} steps, "
             f"{res.params['windows_scored']} held-out windows, budget {budget} slots per re-placement, "
             f"gain horizon {cfg.effective_horizon} steps, "
-            f"expert {expert_bytes / 1e6:.1f} MB over {args.link}; {wall:.1f} s"
+            f"expert {expert_bytes / 1e6:.1f} MB over {args.link}; scored with {dispatch}"
+            f"{'' if dispatch == args.dispatch else ' (counts only: no source ranks)'}; {wall:.1f} s"
         )
         print(
             f"   {'policy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}"

@@ -206,17 +206,25 @@ def rank_expert_counts(trace: RoutingTrace, ep_size: int, spec: str | None = Non
 
 
 def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: str) -> np.ndarray:
-    """GPU loads ``[L, G]`` from tokens per (source rank, expert) ``rank_counts [L, G, E]``: exact for
-    ``sglang-static`` and every rule that depends only on the rank (the expectation for the random ones)."""
+    """GPU loads ``[..., L, G]`` from tokens per (source rank, expert) ``rank_counts [..., L, G, E]``:
+    exact for ``sglang-static`` and every rule that depends only on the rank (the expectation for the
+    random ones; vLLM's hash is even in expectation)."""
     t = placement.topology
-    out = np.zeros((placement.num_layers, t.ep_size))
+    counts = np.asarray(rank_counts, dtype=np.float64)
+    lead = counts.shape[:-3]
+    G, E = t.ep_size, placement.num_logical_experts
+    out = np.zeros((*lead, placement.num_layers, G))
     for l in range(placement.num_layers):
         slots, weights = rank_choices(placement, l, dispatch)  # [G, E, R]
         ok = slots >= 0
-        per_slot = np.bincount(
-            slots[ok], weights=(rank_counts[l][:, :, None] * weights)[ok], minlength=t.num_physical_experts
+        share = np.zeros((G * E, t.num_physical_experts))  # row (g, e): each slot's share of those tokens
+        np.add.at(
+            share,
+            (np.broadcast_to(np.arange(G * E).reshape(G, E, 1), slots.shape)[ok], slots[ok]),
+            weights[ok],
         )
-        out[l] = per_slot.reshape(t.ep_size, t.slots_per_gpu).sum(axis=1)
+        per_slot = counts[..., l, :, :].reshape(-1, G * E) @ share  # [prod(lead), P]
+        out[..., l, :] = per_slot.reshape(*lead, G, t.slots_per_gpu).sum(axis=-1)
     return out
 
 

@@ -56,6 +56,8 @@ class ReplayStream:
         labels: ``N`` labels (domain or subject per step; empty when none).
         layer_ids: the model's layer index per row.
         note: how the steps were made (sampled or recorded).
+        rank_steps: float64 ``[N, L, G, E]`` the same assignments by source rank, or None (streams
+            that do not know where tokens come from can only be scored with ``even``).
     """
 
     name: str
@@ -63,6 +65,7 @@ class ReplayStream:
     labels: tuple[str, ...] = ()
     layer_ids: tuple[int, ...] = ()
     note: str = ""
+    rank_steps: np.ndarray | None = None
 
 
 def token_stream(trace, ep_size: int, step_tokens: int = 32, name: str | None = None) -> ReplayStream:
@@ -89,7 +92,18 @@ def token_stream(trace, ep_size: int, step_tokens: int = 32, name: str | None = 
         (),
         trace.layer_ids,
         f"{n} steps of {step_tokens} tokens x {ep_size} ranks, prompt order",
+        _rank_steps(ids, n, int(step_tokens), int(ep_size), trace.num_logical_experts),
     )
+
+
+def _rank_steps(ids: np.ndarray, n: int, step_tokens: int, ep_size: int, E: int) -> np.ndarray:
+    """Assignments per (step, layer, source rank, expert) ``[n, L, G, E]``: token ``t`` of a step sits
+    on rank ``t // step_tokens`` (``ids [n * step_tokens * G, L, k]``)."""
+    L, k = ids.shape[1], ids.shape[2]
+    grid = ids.reshape(n, ep_size, step_tokens, L, k).transpose(0, 3, 1, 2, 4).reshape(n, L, ep_size, -1)
+    valid = grid >= 0
+    cell = (np.arange(n * L * ep_size).reshape(n, L, ep_size, 1) * E + np.where(valid, grid, 0))[valid]
+    return np.bincount(cell, minlength=n * L * ep_size * E).reshape(n, L, ep_size, E).astype(np.float64)
 
 
 def domain_stream(
@@ -225,10 +239,11 @@ def _score_window(
     G: int,
     expert_bytes: float,
     cfg,
+    dispatch: str = "even",
 ) -> list[dict]:
     """One row per policy: window ``k``'s held-out PAR and step PAR under its new placement, and the cost
     of moving there from ``current`` (which then becomes the new placement, in place)."""
-    from placement.metrics import expected_gpu_load, moved_slots
+    from placement.metrics import expected_gpu_load, moved_slots, rank_gpu_load
     from runtime_hooks.rebalancer import migration_time
 
     held = steps[k * window_steps : (k + 1) * window_steps]  # [w, L, E] held-out traffic
@@ -236,7 +251,12 @@ def _score_window(
     rows = []
     for p in policies:
         pl = new[p]
-        gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
+        if dispatch == "even":
+            gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
+        else:  # the engine's rule, from where each token came from
+            gl_steps = rank_gpu_load(
+                pl, stream.rank_steps[k * window_steps : (k + 1) * window_steps], dispatch
+            )
         par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
         spar = float(_par_rows(gl_steps).mean())
         moved = moved_slots(current[p], pl)
@@ -281,7 +301,7 @@ def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dic
 
 
 def _params(
-    stream: ReplayStream, cfg, window_steps: int, W: int, G: int, P: int, expert_bytes: float
+    stream: ReplayStream, cfg, window_steps: int, W: int, G: int, P: int, expert_bytes: float, dispatch: str
 ) -> dict:
     """What the replay ran with (``ReplayResult.params``)."""
     return {
@@ -294,6 +314,7 @@ def _params(
         "link": cfg.link,
         "rebalancer_window_size": cfg.window_size,
         "max_moves": cfg.max_moves,
+        "dispatch": dispatch,
     }
 
 
@@ -305,6 +326,7 @@ def replay(
     window_steps: int = 50,
     expert_bytes: float = 44_040_192.0,
     policies: Sequence[str] = POLICIES,
+    dispatch: str = "even",
 ) -> ReplayResult:
     """Replay a stream through the rebalancer and the baselines; score each window held out.
 
@@ -315,6 +337,8 @@ def replay(
             ``interval`` and ``step_interval``/``window_size`` default to ``window_steps``.
         window_steps: steps per scored window (and per re-placement).
         expert_bytes: bytes of one expert in one layer (moved bytes, migration time).
+        dispatch: the dispatch model each window is scored with (``placement.dispatch``); all but
+            ``even`` need the stream's ``rank_steps`` (token streams have them).
 
     Returns:
         :class:`ReplayResult`.
@@ -328,6 +352,8 @@ def replay(
     steps = np.asarray(stream.steps, dtype=np.float64)  # [N, L, E]
     N, L, E = steps.shape
     W = _check_windows(N, window_steps, policies)
+    if dispatch != "even" and stream.rank_steps is None:
+        raise ValueError(f"scoring with {dispatch!r} needs source ranks; the stream {stream.name!r} has none")
     cfg = config or RebalancerConfig(window_size=window_steps, step_interval=window_steps)
     cfg = replace(cfg, trigger="interval", step_interval=window_steps)
     G = topology.ep_size
@@ -340,7 +366,7 @@ def replay(
         if k > 0:
             new = _replace_all(k, steps, window_steps, cfg, reb, topology, layer_ids, policies, current)
             rows += _score_window(
-                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg
+                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg, dispatch
             )
         if reb is not None:
             for s in range(k * window_steps, (k + 1) * window_steps):
@@ -350,5 +376,5 @@ def replay(
     P = topology.num_physical_experts
     summary = _summarize(rows, policies, P, L)
     return ReplayResult(
-        stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes)
+        stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes, dispatch)
     )

@@ -11,10 +11,11 @@ layer after layer, replaying every rank's generator as SGLang will:
     spread replicas over nodes -> per layer: search swaps for an even table -> keep if it holds on
     the fit part and on a validation part -> check the whole placement -> report
 
-The search scores a layer's table by its peak GPU load averaged over random dealings of the fit
-prompts to the ranks (which rank drew which prompt is luck that held-out traffic draws anew, and a
-replica served by few ranks is noisier); the keep test uses the real per-rank traffic of the fit part
-and of the validation part (the last fifth of the fit windows).
+The search scores a layer's table by its peak GPU load averaged over bootstrap resamples of the fit
+prompts, each dealt to the ranks at random (which prompts come and which rank draws them is luck that
+held-out traffic draws anew, and a replica served by few ranks is noisier). A layer changes only if
+the change lowers the peak on the fit part's real dealing, does not raise it on a validation part (the
+last fifth of the fit windows), and its mean gain over the resamples exceeds two standard errors.
 """
 
 from __future__ import annotations
@@ -170,11 +171,25 @@ class _LayerSearch:
         return best
 
 
+def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: float) -> bool:
+    """``cand`` lowers the peak on the fit part's real dealing, does not raise it on the validation
+    part, and its mean gain over the resampled dealings exceeds ``z`` standard errors of that mean."""
+    t_base, t_cand = layer.table(base)[0], layer.table(cand)[0]
+    if layer.gpu_load(t_cand, layer.train).max() >= layer.gpu_load(t_base, layer.train).max():
+        return False
+    if layer.gpu_load(t_cand, layer.check).max() > layer.gpu_load(t_base, layer.check).max():
+        return False
+    gain = np.array(
+        [layer.gpu_load(t_base, d).max() - layer.gpu_load(t_cand, d).max() for d in layer.share]
+    )  # [K] paired: the same resampled dealing under both tables
+    return bool(gain.mean() > z * gain.std(ddof=1) / np.sqrt(gain.size))
+
+
 def _searched(
-    placement: Placement, start: Placement, fit_parts, steps: int, seed: int
+    placement: Placement, start: Placement, fit_parts, steps: int, seed: int, z: float = 2.0
 ) -> tuple[Placement, np.ndarray]:
     """Layer by layer: the better of the placement's and ``start``'s row for an even table, improved by
-    swaps, kept where its peak is lower on the fit part and not higher on the validation part.
+    swaps, kept where :func:`_beats_noise` says the gain is real.
 
     Returns the placement and a bool ``[L]`` of the layers changed.
     """
@@ -188,11 +203,7 @@ def _searched(
         base = placement.physical_to_logical_map[l]
         begin = min((base, start.physical_to_logical_map[l]), key=lambda r: layer.score(r)[0])
         cand = layer.search(begin.copy(), steps, rng)
-        peaks = {}
-        for name, row in (("base", base), ("cand", cand)):
-            table = layer.table(row)[0]
-            peaks[name] = (layer.gpu_load(table, train[l]).max(), layer.gpu_load(table, check[l]).max())
-        keep = peaks["cand"][0] < peaks["base"][0] and peaks["cand"][1] <= peaks["base"][1]
+        keep = _beats_noise(layer, base, cand, z)
         row = cand if keep else base
         rows.append(row)
         changed.append(keep and not np.array_equal(row, base))
@@ -202,6 +213,18 @@ def _searched(
         p2l, placement.num_logical_experts, placement.topology, placement.layer_ids, placement.provenance
     )
     return out, np.array(changed)
+
+
+def _resampled_dealings(trace: RoutingTrace, ep_size: int, num: int, seed: int) -> np.ndarray:
+    """Tokens per (rank, expert) ``[K, L, G, E]`` for ``num`` bootstrap resamples of the trace's windows,
+    each dealt to the ranks at random: the prompts a rank draws, and which prompts come, are luck."""
+    rng = np.random.default_rng(seed)
+    n = len(trace.natural_windows())
+    out = []
+    for k in range(num):
+        sample = trace.select_windows(rng.integers(0, n, size=n)) if n > 1 else trace
+        out.append(rank_expert_counts(sample, ep_size, f"random:{seed * 1000 + k}"))
+    return np.stack(out)
 
 
 def _mixed(
@@ -250,9 +273,7 @@ def fit_for_dispatch(
     spread = spread_over_nodes(placement, train.counts())
     if dispatch == "sglang-static":
         G = placement.topology.ep_size
-        dealt = np.stack(
-            [rank_expert_counts(train, G, f"random:{k}") for k in range(dealings)]
-        )  # [K, L, G, E]
+        dealt = _resampled_dealings(train, G, dealings, seed)  # [K, L, G, E]
         parts = (
             dealt,
             rank_expert_counts(train, G, source_ranks),

@@ -1,0 +1,67 @@
+"""Online replay scored under the engines' dispatch rules (``replay(..., dispatch=...)``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from placement.dispatch import sglang_static_tables
+from placement.metrics import balance_stats
+from placement.topology import Topology
+from profiling.synthetic import synthetic_trace
+from runtime_hooks.replay import question_stream, replay, token_stream
+
+
+@pytest.fixture(scope="module")
+def stream():
+    trace = synthetic_trace(
+        num_tokens=9000, num_layers=2, num_logical_experts=16, top_k=2, num_prompts=60, seed=4
+    )
+    return trace, token_stream(trace, ep_size=8, step_tokens=8)
+
+
+def test_token_stream_knows_every_tokens_rank(stream):
+    trace, st = stream
+    assert np.array_equal(st.rank_steps.sum(axis=2), st.steps)
+    # step 0, rank 3 holds tokens 24..31 of the trace
+    ids = trace.topk_ids[24:32]
+    for l in range(2):
+        assert np.array_equal(st.rank_steps[0, l, 3], np.bincount(ids[:, l].ravel(), minlength=16))
+
+
+def test_even_is_unchanged_and_static_follows_the_table(stream):
+    _, st = stream
+    topo = Topology(ep_size=8, num_physical_experts=24, num_nodes=2)
+    base = replay(st, topo, window_steps=30, policies=("static",))
+    even = replay(st, topo, window_steps=30, policies=("static",), dispatch="even")
+    assert base.rows == even.rows
+    static = replay(st, topo, window_steps=30, policies=("static",), dispatch="sglang-static")
+    assert static.params["dispatch"] == "sglang-static"
+    # window 1 scored by hand: every token of rank g to table[g, l, e]
+    from solver.greedy import greedy_placement
+
+    init, _ = greedy_placement(st.steps[:30].sum(axis=0), topo, layer_ids=st.layer_ids)
+    table = sglang_static_tables(init)  # [G, L, E]
+    held = st.rank_steps[30:60].sum(axis=0)  # [L, G, E]
+    loads = np.zeros((2, 8))
+    for l in range(2):
+        slot = np.bincount(table[:, l, :].ravel(), weights=held[l].ravel(), minlength=24)
+        loads[l] = slot.reshape(8, 3).sum(axis=1)
+    row = [r for r in static.rows if r["window"] == 1][0]
+    assert row["par"] == pytest.approx(balance_stats(loads)["par"], rel=1e-12)
+    assert row["par"] != [r for r in even.rows if r["window"] == 1][0]["par"]
+
+
+def test_counts_only_stream_cannot_be_scored_by_an_engine_rule():
+    trace = synthetic_trace(num_tokens=3000, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=30)
+    from profiling.trace import RoutingTrace
+
+    counts = RoutingTrace(num_logical_experts=8, window_counts=trace.window_load(), layer_ids=trace.layer_ids)
+    st = question_stream(counts)
+    with pytest.raises(ValueError, match="needs source ranks"):
+        replay(
+            st,
+            Topology(ep_size=4, num_physical_experts=12, num_nodes=2),
+            window_steps=5,
+            dispatch="vllm-hash",
+        )
