@@ -15,7 +15,8 @@ The search scores a layer's table by its peak GPU load averaged over bootstrap r
 prompts, each dealt to the ranks at random (which prompts come and which rank draws them is luck that
 held-out traffic draws anew, and a replica served by few ranks is noisier). A layer changes only if
 the change lowers the peak on the fit part's real dealing, does not raise it on a validation part (the
-last fifth of the fit windows), and its mean gain over the resamples exceeds two standard errors.
+last fifth of the fit windows), and its mean gain over the resamples is positive (``noise_z`` standard
+errors of that mean, 0 by default: on the shared traces a 2-sigma demand cost more gains than it saved).
 """
 
 from __future__ import annotations
@@ -186,7 +187,7 @@ def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: flo
 
 
 def _searched(
-    placement: Placement, start: Placement, fit_parts, steps: int, seed: int, z: float = 2.0
+    placement: Placement, start: Placement, fit_parts, steps: int, seed: int, z: float = 0.0
 ) -> tuple[Placement, np.ndarray]:
     """Layer by layer: the better of the placement's and ``start``'s row for an even table, improved by
     swaps, kept where :func:`_beats_noise` says the gain is real.
@@ -247,6 +248,7 @@ def fit_for_dispatch(
     steps: int = 60,
     seed: int = 0,
     dealings: int = 16,
+    noise_z: float = 0.0,
 ) -> tuple[Placement, DispatchFit]:
     """Move replicas so SGLang's rule splits the load better, layer by layer, fit and validated.
 
@@ -256,8 +258,9 @@ def fit_for_dispatch(
             validates each layer's choice.
         dispatch: ``sglang-static`` (exact tables, swap search) or ``sglang-dynamic`` (expectation).
         source_ranks: the ``--source-ranks`` spec (None: the trace's ranks, else prompts round-robin).
-        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: random
-            dealings of the fit prompts to ranks the search averages its peak over.
+        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: bootstrap
+            resamples of the fit prompts, each dealt to the ranks at random, the search averages its
+            peak over; noise_z: standard errors the mean gain over them must exceed to change a layer.
 
     Returns:
         The placement (its peaks summed over layers never higher than the input's on the fit part nor
@@ -279,7 +282,7 @@ def fit_for_dispatch(
             rank_expert_counts(train, G, source_ranks),
             rank_expert_counts(check, G, source_ranks),
         )
-        chosen, take = _searched(placement, spread, parts, steps, seed)
+        chosen, take = _searched(placement, spread, parts, steps, seed, noise_z)
     else:
         chosen, take = _mixed(placement, spread, train, check, dispatch, source_ranks)
     return _checked(placement, chosen, take, train, check, dispatch, source_ranks)

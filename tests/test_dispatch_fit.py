@@ -1,0 +1,64 @@
+"""Placing replicas for SGLang's table (solver.dispatch_fit)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from placement.metrics import rank_expert_counts, rank_gpu_load
+from placement.topology import Topology
+from profiling.synthetic import synthetic_trace
+from solver.dispatch_fit import fit_for_dispatch, spread_over_nodes
+from solver.greedy import greedy_placement
+
+TOPO = Topology(ep_size=8, num_physical_experts=16, num_nodes=4)  # 8 experts, 2 slots per GPU
+
+
+@pytest.fixture(scope="module")
+def fit_trace():
+    return synthetic_trace(
+        num_tokens=12000, num_layers=3, num_logical_experts=8, top_k=2, num_prompts=150, skew=1.0, seed=1
+    )
+
+
+def _spread_share(placement) -> float:
+    """Share of replicated experts (over layers) whose replicas sit on as many nodes as they can."""
+    node = TOPO.node_of_slot
+    hits = total = 0
+    for l in range(placement.num_layers):
+        for row in placement.logical_to_physical_map[l]:
+            slots = row[row >= 0]
+            if len(slots) > 1:
+                total += 1
+                hits += len(set(node[slots])) == min(len(slots), TOPO.num_nodes)
+    return hits / total
+
+
+def test_spread_keeps_counts_and_puts_replicas_on_distinct_nodes(fit_trace):
+    greedy, _ = greedy_placement(fit_trace.counts(), TOPO)
+    spread = spread_over_nodes(greedy, fit_trace.counts())
+    assert np.array_equal(spread.logical_replica_count, greedy.logical_replica_count)
+    assert _spread_share(spread) > _spread_share(greedy) and _spread_share(spread) >= 0.8
+
+
+def test_fit_never_raises_the_fitted_or_validation_peak(fit_trace):
+    greedy, _ = greedy_placement(fit_trace.counts(), TOPO)
+    ours, res = fit_for_dispatch(greedy, fit_trace, "sglang-static", steps=40)
+    assert (
+        res.fit_peak_after <= res.fit_peak_before and res.validation_peak_after <= res.validation_peak_before
+    )
+    assert np.array_equal(ours.logical_replica_count, greedy.logical_replica_count)
+    counts = rank_expert_counts(fit_trace.split(0.8)[0], 8)
+    before = rank_gpu_load(greedy, counts, "sglang-static").max(axis=1).sum()
+    after = rank_gpu_load(ours, counts, "sglang-static").max(axis=1).sum()
+    assert after == pytest.approx(res.fit_peak_after) and before == pytest.approx(res.fit_peak_before)
+    assert res.changed_layers and after < before  # on this skewed trace the table can be evened out
+    assert ours.provenance["dispatch"] == "sglang-static"
+
+
+def test_dynamic_and_bad_models(fit_trace):
+    greedy, _ = greedy_placement(fit_trace.counts(), TOPO)
+    _, res = fit_for_dispatch(greedy, fit_trace, "sglang-dynamic")
+    assert res.fit_peak_after <= res.fit_peak_before
+    with pytest.raises(ValueError, match="sglang-static"):
+        fit_for_dispatch(greedy, fit_trace, "even")
