@@ -11,12 +11,12 @@ layer after layer, replaying every rank's generator as SGLang will:
     spread replicas over nodes -> per layer: search swaps for an even table -> keep if it holds on
     the fit part and on a validation part -> check the whole placement -> report
 
-The search scores a layer's table by its peak GPU load averaged over bootstrap resamples of the fit
-prompts, each dealt to the ranks at random (which prompts come and which rank draws them is luck that
-held-out traffic draws anew, and a replica served by few ranks is noisier). A layer changes only if
-the change lowers the peak on the fit part's real dealing, does not raise it on a validation part (the
-last fifth of the fit windows), and its mean gain over the resamples is positive (``noise_z`` standard
-errors of that mean, 0 by default: on the shared traces a 2-sigma demand cost more gains than it saved).
+The search scores a layer's table by its peak GPU load averaged over random dealings of the fit
+prompts to the ranks (which rank draws which prompt is luck that held-out traffic draws anew, and a
+replica served by few ranks is noisier). A layer changes only if the change lowers the peak on the fit
+part's real dealing, does not raise it on a validation part (the last fifth of the fit windows), and
+its mean gain over the dealings exceeds ``noise_z`` standard errors (0 by default: on the shared
+traces a 2-sigma demand, with bootstrap resamples of the prompts, cost more gains than it saved).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class _LayerSearch:
 
 def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: float) -> bool:
     """``cand`` lowers the peak on the fit part's real dealing, does not raise it on the validation
-    part, and its mean gain over the resampled dealings exceeds ``z`` standard errors of that mean."""
+    part, and its mean gain over the random dealings exceeds ``z`` standard errors of that mean."""
     t_base, t_cand = layer.table(base)[0], layer.table(cand)[0]
     if layer.gpu_load(t_cand, layer.train).max() >= layer.gpu_load(t_base, layer.train).max():
         return False
@@ -182,7 +182,7 @@ def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: flo
         return False
     gain = np.array(
         [layer.gpu_load(t_base, d).max() - layer.gpu_load(t_cand, d).max() for d in layer.share]
-    )  # [K] paired: the same resampled dealing under both tables
+    )  # [K] paired: the same dealing under both tables
     return bool(gain.mean() > z * gain.std(ddof=1) / np.sqrt(gain.size))
 
 
@@ -216,16 +216,10 @@ def _searched(
     return out, np.array(changed)
 
 
-def _resampled_dealings(trace: RoutingTrace, ep_size: int, num: int, seed: int) -> np.ndarray:
-    """Tokens per (rank, expert) ``[K, L, G, E]`` for ``num`` bootstrap resamples of the trace's windows,
-    each dealt to the ranks at random: the prompts a rank draws, and which prompts come, are luck."""
-    rng = np.random.default_rng(seed)
-    n = len(trace.natural_windows())
-    out = []
-    for k in range(num):
-        sample = trace.select_windows(rng.integers(0, n, size=n)) if n > 1 else trace
-        out.append(rank_expert_counts(sample, ep_size, f"random:{seed * 1000 + k}"))
-    return np.stack(out)
+def _random_dealings(trace: RoutingTrace, ep_size: int, num: int, seed: int) -> np.ndarray:
+    """Tokens per (rank, expert) ``[K, L, G, E]`` for ``num`` random dealings of the trace's windows to
+    the ranks: which rank draws which prompt is luck that held-out traffic draws anew."""
+    return np.stack([rank_expert_counts(trace, ep_size, f"random:{seed * 1000 + k}") for k in range(num)])
 
 
 def _mixed(
@@ -258,9 +252,9 @@ def fit_for_dispatch(
             validates each layer's choice.
         dispatch: ``sglang-static`` (exact tables, swap search) or ``sglang-dynamic`` (expectation).
         source_ranks: the ``--source-ranks`` spec (None: the trace's ranks, else prompts round-robin).
-        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: bootstrap
-            resamples of the fit prompts, each dealt to the ranks at random, the search averages its
-            peak over; noise_z: standard errors the mean gain over them must exceed to change a layer.
+        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: random
+            dealings of the fit prompts to the ranks the search averages its peak over; noise_z:
+            standard errors the mean gain over them must exceed to change a layer.
 
     Returns:
         The placement (its peaks summed over layers never higher than the input's on the fit part nor
@@ -276,7 +270,7 @@ def fit_for_dispatch(
     spread = spread_over_nodes(placement, train.counts())
     if dispatch == "sglang-static":
         G = placement.topology.ep_size
-        dealt = _resampled_dealings(train, G, dealings, seed)  # [K, L, G, E]
+        dealt = _random_dealings(train, G, dealings, seed)  # [K, L, G, E]
         parts = (
             dealt,
             rank_expert_counts(train, G, source_ranks),
