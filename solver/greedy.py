@@ -145,7 +145,9 @@ def balanced_packing(
 def _repair_colocation(w, keys, pack_index, rank_in_pack, num_packs) -> None:
     """Swap items so that no pack holds two items with the same key (in place; rare path)."""
     X, n = w.shape
-    for x in range(X):
+    pair = np.sort(pack_index * (int(keys.max()) + 1) + keys, axis=1)  # [X, n] (pack, key) codes
+    clashing = np.flatnonzero((pair[:, 1:] == pair[:, :-1]).any(axis=1))  # rows needing a repair
+    for x in clashing:
         for _ in range(n * n):
             members = [np.flatnonzero(pack_index[x] == p) for p in range(num_packs)]
             bad = None

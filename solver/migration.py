@@ -91,6 +91,7 @@ class _Layer:
         self.cnt = self.x.sum(axis=1).astype(np.int64)  # [E]
         self.moved = 0
         self.moves = {"replace": 0, "swap": 0}
+        self.work = 0  # search steps spent: candidate-array elements scored (see MigrationOptions.max_steps)
         self._refresh()
         self.prev_peak = self.peak  # the previous placement's peak
         self.tol = 1e-12 * (float(w.sum()) + 1.0)
@@ -108,6 +109,7 @@ class _Layer:
         """
         u = self.w / self.cnt  # [E]
         cands = self._replace_candidates(u) + self._swap_candidates(u)
+        self.work += sum(c[1].size for c in cands)
         best = None
         for kind, newpeak, valid, dm, idx in cands:
             gain = self.peak - newpeak
@@ -139,6 +141,7 @@ class _Layer:
         base = (
             load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]
         )  # [A, E, G]
+        self.work += base.size
         if G >= 2:
             part = np.argpartition(-base, 1, axis=2)[:, :, :2]  # [A, E, 2] two largest
             v = np.take_along_axis(base, part, axis=2)
@@ -214,19 +217,32 @@ class _Layer:
 
 
 def _incremental(
-    states: list[_Layer], move_cost: float, max_moves: float, deadline: float, max_iters: int
-) -> tuple[int, bool]:
-    """Run the global best-efficiency-first search in place. Returns (iterations, hit_deadline)."""
+    states: list[_Layer],
+    move_cost: float,
+    max_moves: float,
+    deadline: float,
+    max_iters: int,
+    max_steps: float = float("inf"),
+) -> tuple[int, str]:
+    """Run the global best-efficiency-first search in place. Returns ``(iterations, stop)``, ``stop``
+    being ``""`` (converged, or ``max_iters``), ``"time"`` (wall deadline) or ``"steps"`` (work limit:
+    the layers' summed :attr:`_Layer.work` passed ``max_steps``; checked where the deadline is, so the
+    result depends on the input only)."""
     budget = max_moves
     heap: list = []
+    limited = max_steps < float("inf")
     for l, st in enumerate(states):
+        if limited and sum(s.work for s in states[:l]) > max_steps:
+            return 0, "steps"  # the first proposals alone used the work limit up: no move taken
         bm = st.best_move(move_cost, budget)
         if bm is not None:
             heapq.heappush(heap, (-bm[0], l, bm))
     it = 0
     while heap and it < max_iters:
+        if limited and sum(st.work for st in states) > max_steps:
+            return it, "steps"
         if time.perf_counter() > deadline:
-            return it, True
+            return it, "time"
         _, l, bm = heapq.heappop(heap)
         st = states[l]
         if bm[3] > budget:  # budget shrank since this proposal: re-propose
@@ -240,7 +256,7 @@ def _incremental(
         nb = st.best_move(move_cost, budget)
         if nb is not None:
             heapq.heappush(heap, (-nb[0], l, nb))
-    return it, False
+    return it, ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +274,12 @@ class MigrationOptions:
         seed: CP-SAT seed (the incremental search is deterministic).
         method: ``incremental`` (also ``auto``) or ``exact`` (CP-SAT seeded with the incremental result).
         drift_guard: multiple of the full re-solve's gap past which a layer takes the full re-solve.
+        max_steps: work limit of the incremental search, in steps (None: none, the search then stops on
+            convergence, the move budget or wall time only). A step is one element of the candidate
+            arrays a move proposal scores (about ``A x E x G + pairs x E + S x B`` per proposal), so
+            the search stops at the same point for the same input on any machine; ``time_limit``
+            stays a wall-clock safety cap (a note says when it cut the search). With ``exact``, CP-SAT
+            then runs on deterministic time (see :func:`solver.migration_cpsat.exact_layer`).
     """
 
     max_moves: int | None = None
@@ -266,6 +288,7 @@ class MigrationOptions:
     seed: int = 0
     method: Literal["auto", "exact", "incremental"] = "auto"
     drift_guard: float = 1.5
+    max_steps: int | None = None
 
 
 def run_migration(problem: Problem, options: MigrationOptions) -> tuple[Placement, SolveReport]:
@@ -283,6 +306,7 @@ def solve_migration(
     seed: int = 0,
     method: Literal["auto", "exact", "incremental"] = "auto",
     drift_guard: float = 1.5,
+    max_steps: int | None = None,
     layer_ids: Sequence[int] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Re-place for a new load starting from ``previous``, trading balance against moved slots.
@@ -298,6 +322,9 @@ def solve_migration(
         method: ``incremental`` (also ``auto``) or ``exact`` (CP-SAT seeded with the incremental result).
         drift_guard: fall back to a full re-solve (greedy + :func:`align_to_previous`) for a layer whose
             incremental peak gap over the lower bound exceeds ``drift_guard`` x the full re-solve's gap.
+        max_steps: work limit of the search (None: none); see :class:`MigrationOptions`. With it the
+            result is the same for the same input whatever the machine's speed (unless the wall-clock
+            ``time_limit`` cuts in first, which the report's notes say).
         layer_ids: real layer index per row (default: ``previous.layer_ids``).
 
     Returns:
@@ -306,7 +333,7 @@ def solve_migration(
         bound (or CP-SAT's bound), and ``extra`` holds ``moved_slots``, ``peak``, ``previous_peak``,
         ``full_resolve_peak``, ``full_resolve_moved_slots``, ``drift_fallback`` and move counts.
     """
-    options = MigrationOptions(max_moves, move_cost, time_limit, seed, method, drift_guard)
+    options = MigrationOptions(max_moves, move_cost, time_limit, seed, method, drift_guard, max_steps)
     return _migrate(load, previous, options, layer_ids)
 
 
@@ -377,6 +404,9 @@ def _validated(
         raise ValueError(
             f"drift_guard must be >= 1 (a multiple of the full re-solve's gap), got {options.drift_guard!r}"
         )
+    steps = options.max_steps
+    if steps is not None and (isinstance(steps, bool) or int(steps) != steps or steps < 0):
+        raise ValueError(f"max_steps must be a non-negative integer (search work limit), got {steps!r}")
     if options.time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
     if previous.allow_colocated_replicas:
@@ -393,7 +423,8 @@ def _incremental_pass(
     w: np.ndarray, previous: Placement, mc: float, budget: float, options: MigrationOptions, t0: float
 ) -> tuple[list[_Layer], list[str]]:
     """One :class:`_Layer` per row of ``w [L, E]``, searched in place until no move pays, the budget is
-    spent or the search's share of the time limit (0.6 before an exact pass, else 0.9) runs out."""
+    spent, ``options.max_steps`` is used up or the search's share of the time limit (0.6 before an
+    exact pass, else 0.9) runs out."""
     topo = previous.topology
     L, E = w.shape
     G, S, P = topo.ep_size, topo.slots_per_gpu, topo.num_physical_experts
@@ -401,10 +432,13 @@ def _incremental_pass(
     states = [_Layer(w[l], prev_map[l], E, G, S) for l in range(L)]
     inc_share = 0.6 if options.method == "exact" else 0.9
     deadline = t0 + inc_share * options.time_limit
-    iters, hit_deadline = _incremental(states, mc, budget, deadline, max_iters=8 * P * L)
+    steps = float("inf") if options.max_steps is None else float(options.max_steps)
+    iters, stop = _incremental(states, mc, budget, deadline, 8 * P * L, steps)
     notes: list[str] = []
-    if hit_deadline:
+    if stop == "time":
         notes.append(f"incremental search stopped at the time limit after {iters} moves")
+    elif stop == "steps":
+        notes.append(f"incremental search stopped at max_steps={options.max_steps} after {iters} moves")
     return states, notes
 
 
@@ -472,6 +506,10 @@ def _exact_refinement(
 ) -> list[str]:
     """CP-SAT per layer in the time left, hinted with ``x_final``; returns the per-layer statuses.
 
+    With ``options.max_steps`` set every layer gets the same share of the exact part (0.4 x
+    ``time_limit``) as deterministic time instead of the wall time left, so the result does not
+    depend on how fast the machine is.
+
     Updates in place: ``x_final[l]`` (bool ``[E, G]``) when CP-SAT's result is better on the objective,
     ``bounds [L]`` with CP-SAT's bound, and ``notes``.
     """
@@ -479,14 +517,23 @@ def _exact_refinement(
     statuses = ["heuristic"] * L
     no_solution: list[int] = []
     remaining = max(0.05, options.time_limit - (time.perf_counter() - t0))
+    deterministic = options.max_steps is not None
     for l in range(L):
         per_layer_budget = (
             None if options.max_moves is None else int(moved_pairs_x(states[l].prev, x_final[l]))
         )
-        tl = remaining / (L - l) if l < L else remaining
+        tl = 0.4 * options.time_limit / L if deterministic else remaining / (L - l)
         ts = time.perf_counter()
         xe, status, bnd, note = _exact_layer(
-            w[l], states[l].prev, x_final[l], states[l].S, mc, per_layer_budget, tl, options.seed + l
+            w[l],
+            states[l].prev,
+            x_final[l],
+            states[l].S,
+            mc,
+            per_layer_budget,
+            tl,
+            options.seed + l,
+            deterministic=deterministic,
         )
         remaining = max(0.05, remaining - (time.perf_counter() - ts))
         if note and note not in notes:
@@ -568,6 +615,7 @@ def _params(options: MigrationOptions, mc: float) -> dict[str, Any]:
         "time_limit": options.time_limit,
         "seed": options.seed,
         "drift_guard": options.drift_guard,
+        **({} if options.max_steps is None else {"max_steps": options.max_steps}),
     }
 
 

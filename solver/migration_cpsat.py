@@ -16,6 +16,9 @@ import numpy as np
 
 __all__ = ["exact_layer"]
 
+DET_UNITS_PER_S = 0.5  # deterministic-time units per second of share (as solver.exact's _DET_FACTOR)
+WALL_SAFETY_CAP = 4.0  # deterministic mode: wall-clock cap, as a multiple of the share
+
 
 def exact_layer(
     w: np.ndarray,
@@ -27,12 +30,16 @@ def exact_layer(
     time_limit: float,
     seed: int,
     max_bool_vars: int = 20000,
+    *,
+    deterministic: bool = False,
 ) -> tuple[np.ndarray | None, str, float | None, str]:
     """CP-SAT on one layer: allowed counts -> model -> hint -> solve -> read back.
 
     Args:
         w: float64 ``[E]`` the layer's load; prev_x / hint_x: bool ``[E, G]`` previous and hint pairs.
         budget: most moved slots in this layer (None: no budget).
+        deterministic: limit CP-SAT by deterministic time (``DET_UNITS_PER_S`` x ``time_limit``),
+            with a wall-clock safety cap of ``WALL_SAFETY_CAP`` x ``time_limit``; else by wall time.
 
     Returns:
         ``(x bool [E, G] or None, status, bound_on_objective or None, note)``.
@@ -46,11 +53,17 @@ def exact_layer(
     model, x, z, t = _build_model(cp_model, w, prev_x, S, move_cost, budget, allowed, scale)
     _add_hint(model, x, z, t, hint_x, hint_cnt, allowed)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, float(time_limit))
+    limit = max(0.05, float(time_limit))
+    solver.parameters.max_time_in_seconds = WALL_SAFETY_CAP * limit if deterministic else limit
+    if deterministic:
+        solver.parameters.max_deterministic_time = DET_UNITS_PER_S * limit
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = int(seed)
     code = solver.solve(model)
     note = "replica counts restricted to +-2 around the hint" if restricted else ""
+    if deterministic and solver.wall_time >= 0.98 * solver.parameters.max_time_in_seconds:
+        cap = "CP-SAT hit its wall-clock safety cap (result may differ between runs)"
+        note = f"{note}; {cap}" if note else cap
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, "time_limit" if code == cp_model.UNKNOWN else "infeasible", None, note
     out = np.array([[bool(solver.value(x[e, g])) for g in range(G)] for e in range(E)])

@@ -15,7 +15,14 @@ import numpy as np
 
 from placement.model import Placement
 
-__all__ = ["align_to_previous", "fill_slots", "keep_slots", "membership", "moved_pairs"]
+__all__ = [
+    "align_to_previous",
+    "fill_slots",
+    "keep_slots",
+    "keep_slots_batched",
+    "membership",
+    "moved_pairs",
+]
 
 
 def membership(row: np.ndarray, E: int, G: int, S: int) -> np.ndarray:
@@ -61,6 +68,28 @@ def keep_slots(new: Placement, previous: Placement) -> Placement:
         ]
     )
     return Placement(p2l, E, t, new.layer_ids, new.provenance)
+
+
+def keep_slots_batched(new: Placement, previous: Placement) -> Placement:
+    """:func:`keep_slots`, batched over layers and GPUs (the same map; no Python loop per GPU).
+
+    Both placements must hold distinct experts on each GPU (``allow_colocated_replicas`` off).
+    """
+    _check_same_shape(new, previous)
+    t = new.topology
+    L, G, S = new.num_layers, t.ep_size, t.slots_per_gpu
+    want = new.physical_to_logical_map.reshape(L, G, S)  # [L, G, S] the new GPU contents
+    old = previous.physical_to_logical_map.reshape(L, G, S)  # [L, G, S] the slots in service
+    same = old[..., :, None] == want[..., None, :]  # [L, G, S old, S new]
+    keep = same.any(axis=3)  # [L, G, S] old slot's expert stays on the GPU
+    incoming = ~same.any(axis=2)  # [L, G, S] new expert not on the GPU before
+    # Incoming experts ascending, then into the freed slots in slot order (as fill_slots does).
+    big = np.iinfo(np.int64).max
+    arriving = np.sort(np.where(incoming, want, big), axis=2)  # [L, G, S] ascending, padding last
+    rank = np.cumsum(~keep, axis=2) - 1  # [L, G, S] index of each freed slot among the freed ones
+    filled = np.take_along_axis(arriving, np.maximum(rank, 0), axis=2)
+    p2l = np.where(keep, old, filled).reshape(L, G * S)  # [L, P]
+    return Placement(p2l, new.num_logical_experts, t, new.layer_ids, new.provenance)
 
 
 def moved_pairs(previous: Placement, new: Placement) -> np.ndarray:

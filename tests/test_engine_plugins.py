@@ -57,8 +57,8 @@ def _skewed_load(seed: int, L: int = 6, E: int = 32) -> np.ndarray:
         ("greedy", "greedy", 2.0, None, ""),
         (" exact ", "exact", 2.0, None, ""),
         ("exact:time_limit=0.5", "exact", 0.5, None, ""),
-        ("migration", "migration", 60.0, None, ""),
-        ("migration:max_moves=64", "migration", 60.0, 64, ""),
+        ("migration", "migration", 2.0, None, ""),
+        ("migration:max_moves=64", "migration", 2.0, 64, ""),
         ("migration:max_moves=8,time_limit=3", "migration", 3.0, 8, ""),
         ("file:/tmp/a:b.json", "file", 2.0, None, "/tmp/a:b.json"),
     ],
@@ -396,3 +396,18 @@ def test_plugin_through_the_engine_loader(engine, tmp_path):
     assert out == {**out, "unset_untouched": True, "ours_installed": True, "ours_equals_policy": True}
     assert out["repeatable"] and out["file_map"]
     assert "accepted specs" in out["bad_spec"] and "\n" not in out["bad_spec"]
+
+
+def test_migration_budget_is_work_not_wall_time(monkeypatch):
+    from runtime_hooks.engine_plugins import policy
+
+    load = _skewed_load(5, L=8, E=64)
+    first = place(parse_spec("greedy"), _call(load=load, P=96, G=16, N=2, groups=8))
+    shifted = _skewed_load(6, L=8, E=64)
+    call = _call(load=shifted, previous=first, P=96, G=16, N=2, groups=8)
+    monkeypatch.setattr(policy, "MIGRATION_STEPS_PER_S", 1_000_000)  # a budget that cuts the search
+    maps = {place(parse_spec(f"migration:time_limit={s}"), call).tobytes() for s in (1, 1)}
+    monkeypatch.setattr(policy, "MIGRATION_SAFETY_CAP", 1000.0)  # a different wall cap, same steps
+    maps.add(place(parse_spec("migration:time_limit=1"), call).tobytes())
+    assert len(maps) == 1
+    assert policy.migration_steps(2.0) == 2 * policy.MIGRATION_STEPS_PER_S

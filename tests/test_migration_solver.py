@@ -210,3 +210,37 @@ def test_solver_api_matches_solve_migration():
     )
     with pytest.raises(ValueError, match="bogus"):
         solve("migration", topology=topo, load=w, previous=prev, options={"bogus": 1})
+
+
+def test_max_steps_gives_the_same_map_under_any_wall_limit():
+    topo, prev, w = _setup(3, L=6, E=32, red=16, G=8, N=2)
+    maps, notes = set(), set()
+    for time_limit in (0.5, 5.0, 60.0):
+        new, rep = solve_migration(w, prev, max_steps=200_000, time_limit=time_limit)
+        maps.add(new.physical_to_logical_map.tobytes())
+        notes.update(rep.notes)
+        assert rep.params["max_steps"] == 200_000
+    assert len(maps) == 1
+    assert any("max_steps=200000" in n for n in notes)  # the work limit, not the clock, stopped it
+
+
+def test_max_steps_none_or_large_is_the_unlimited_search():
+    topo, prev, w = _setup(4)
+    free, frep = solve_migration(w, prev, max_moves=6)
+    big, brep = solve_migration(w, prev, max_moves=6, max_steps=10**12)
+    np.testing.assert_array_equal(free.physical_to_logical_map, big.physical_to_logical_map)
+    assert "max_steps" not in frep.params
+    none, nrep = solve_migration(w, prev, max_moves=6, max_steps=0)  # no search move, drift guard only
+    assert sum(lr.extra["replace_moves"] + lr.extra["swap_moves"] for lr in nrep.layers) == 0
+    with pytest.raises(ValueError, match="max_steps"):
+        solve_migration(w, prev, max_steps=-1)
+
+
+def test_keep_slots_batched_equals_keep_slots():
+    from solver.migration_slots import keep_slots_batched
+
+    for seed in range(6):
+        topo, prev, w = _setup(seed, L=3, E=16, red=8 + 4 * (seed % 3), G=4, N=2)
+        new, _ = greedy_placement(w, topo)
+        a, b = keep_slots(new, prev), keep_slots_batched(new, prev)
+        np.testing.assert_array_equal(a.physical_to_logical_map, b.physical_to_logical_map)

@@ -4,8 +4,9 @@ Shapes: L layers, E logical experts, P physical slots, G EP ranks, S = P // G sl
 
 :func:`place` is what both engines' hooks call. It raises on any failure; the hooks catch that and
 run the engine's own algorithm instead (they never raise inside the engine). Everything in it is
-deterministic: the greedy and migration searches are plain numpy with fixed tie-breaking, the exact
-solver runs one CP-SAT worker with a fixed seed and a deterministic-time limit. Every rank calls the
+deterministic: the greedy and migration searches are plain numpy with fixed tie-breaking, the
+migration search stops on a work limit (``max_steps``, :func:`migration_steps`), the exact solver
+runs one CP-SAT worker with a fixed seed and a deterministic-time limit. Every rank calls the
 policy on the same all-reduced load and nothing broadcasts the result, so this matters.
 
 The solver stack is imported inside the functions (never when the engine loads the plugin).
@@ -26,12 +27,32 @@ if TYPE_CHECKING:
     from placement.model import Placement
     from placement.topology import Topology
 
-__all__ = ["DISPATCH", "EngineCall", "PolicyError", "check_map", "logical_maps", "place"]
+__all__ = [
+    "DISPATCH",
+    "EngineCall",
+    "PolicyError",
+    "check_map",
+    "logical_maps",
+    "migration_steps",
+    "place",
+]
 
 log = logging.getLogger(__name__)
 
 DISPATCH = {"vllm": "vllm-hash", "sglang": "sglang-static"}  # each engine's replica choice
 _FILE_CACHE: dict[tuple, np.ndarray] = {}
+# Migration search steps per second of budget. Measured at DeepSeek-V3 shape (58 x 256 -> 288 slots
+# on 32 ranks and 320 on 64) on the 2-core dev machine: 20-24 ns a step, so 2e7 steps take 0.4-0.5 s
+# per budget second and the rest of a call (full re-solve, alignment, checks: 0.3-0.6 s) fits too.
+MIGRATION_STEPS_PER_S = 20_000_000
+# Wall-clock safety cap of a migration solve: 10x its budget, at least 60 s. It only guards against a
+# stalled machine; when it cuts the search, ranks may disagree (logged as a warning).
+MIGRATION_SAFETY_CAP = 60.0
+
+
+def migration_steps(time_limit: float) -> int:
+    """The migration search's work limit (``max_steps``) for a budget of ``time_limit`` seconds."""
+    return max(1, int(MIGRATION_STEPS_PER_S * time_limit))
 
 
 class PolicyError(ValueError):
@@ -108,7 +129,7 @@ def _solve(
 ) -> np.ndarray:
     """``greedy``/``exact``/``migration`` through the solver registry; int64 ``[L, P]``."""
     from solver.api import make_options, run
-    from solver.migration_slots import keep_slots
+    from solver.migration_slots import keep_slots_batched
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
@@ -118,16 +139,22 @@ def _solve(
     if spec.kind == "exact":
         name, values = "cpsat", {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
     elif spec.kind == "migration" and previous is not None:
-        values = {"method": "incremental", "max_moves": spec.max_moves, "time_limit": spec.time_limit}
+        values = {
+            "method": "incremental",
+            "max_moves": spec.max_moves,
+            "max_steps": migration_steps(spec.time_limit),
+            "time_limit": max(MIGRATION_SAFETY_CAP, 10 * spec.time_limit),  # wall safety cap only
+        }
         name = "migration"
     else:
         name, values = "greedy", {}
     placement, report = run(name, problem, make_options(name, values, seed=0))
     for note in report.notes:
-        level = logging.WARNING if "time limit" in note else logging.DEBUG
+        wall_cut = "time limit" in note or "safety cap" in note  # ranks may disagree
+        level = logging.WARNING if wall_cut else logging.DEBUG
         log.log(level, "moe_placement %s: %s", spec.text, note)
     if previous is not None and name != "migration":
-        placement = keep_slots(placement, previous)  # experts staying on a GPU keep their slot
+        placement = keep_slots_batched(placement, previous)  # experts staying on a GPU keep their slot
     return placement.physical_to_logical_map
 
 
