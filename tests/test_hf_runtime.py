@@ -54,6 +54,18 @@ def configs() -> dict:
             layer_types=["sliding_attention", "full_attention"],
             **moe,
         ),
+        # two more classes through the same generic path, with no code of their own
+        "olmoe": tf.OlmoeConfig(intermediate_size=16, num_experts=E, **moe),
+        "glm4_moe": tf.Glm4MoeConfig(
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=E,
+            first_k_dense_replace=0,
+            n_group=1,
+            topk_group=1,
+            head_dim=8,
+            **moe,
+        ),
         # grouped router, a shared expert and a dense first layer: MoE layers 1 and 2
         "deepseek_v3": tf.DeepseekV3Config(
             num_hidden_layers=3,
@@ -98,6 +110,8 @@ NAMES = (
     "qwen3_moe",
     "gpt_oss",
     "deepseek_v3",
+    "olmoe",
+    "glm4_moe",
     "mixtral_local",
     "deepseek_v3_by_id",
     "checkpoint",
