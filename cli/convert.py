@@ -49,7 +49,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     }
     if args.from_format:
         kw["format"] = args.from_format
-    placement = open_placement(args.input, **kw)
+    placement = open_placement(args.input, engine_map=True, **kw)
     written = write_placement(placement, out, args.format, num_hidden_layers=args.num_hidden_layers)
     for p in written:
         echo(f"wrote {p}")

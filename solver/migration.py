@@ -55,7 +55,7 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from solver.greedy import greedy_placement
 from solver.migration_cpsat import exact_layer as _exact_layer
-from solver.migration_slots import align_to_previous, keep_slots, moved_pairs
+from solver.migration_slots import align_to_previous, keep_slots, moved_pairs, separate_colocated
 from solver.migration_slots import fill_slots as _fill_slots
 from solver.migration_slots import membership as _membership
 from solver.report import LayerReport, SolveReport
@@ -346,9 +346,11 @@ def _migrate(
     w, mc, ids = _validated(load, previous, options, layer_ids)
     L, E = w.shape
     budget = float("inf") if options.max_moves is None else float(options.max_moves)
+    previous, repair_note = _valid_start(previous)
 
     # 1) Incremental search over all layers (budget to the best gain per slot first).
     states, notes = _incremental_pass(w, previous, mc, budget, options, t0)
+    notes[:0] = repair_note
     # 2) Drift guard: compare with a full re-solve relabelled to the previous placement.
     full = _full_resolve(w, previous, ids)
     fallback = _drift_fallback(states, full, mc, budget, options.drift_guard)
@@ -373,6 +375,19 @@ def _migrate(
         wall,
     )
     return placement, SolveReport("migration", tuple(layers), wall, params, tuple(notes))
+
+
+def _valid_start(previous: Placement) -> tuple[Placement, list[str]]:
+    """An engine map with two replicas of an expert on one GPU starts from its nearest valid placement
+    (:func:`separate_colocated`); the moves that took are named in a note, beyond ``max_moves``."""
+    if not previous.allow_colocated_replicas:
+        return previous, []
+    valid, moved = separate_colocated(previous)
+    if not moved:
+        return valid, []
+    return valid, [
+        f"the map in service holds an expert twice on a GPU: {moved} slot(s) moved to separate them first"
+    ]
 
 
 def _validated(
@@ -409,10 +424,6 @@ def _validated(
         raise ValueError(f"max_steps must be a non-negative integer (search work limit), got {steps!r}")
     if options.time_limit <= 0:
         raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
-    if previous.allow_colocated_replicas:
-        raise ValueError(
-            "previous placement co-locates replicas of one expert; migrate from a valid placement"
-        )
     ids = tuple(layer_ids) if layer_ids is not None else previous.layer_ids
     if len(ids) != L:
         raise ValueError(f"layer_ids has {len(ids)} entries for {L} layers")

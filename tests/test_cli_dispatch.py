@@ -156,3 +156,36 @@ def test_solve_for_sglang_static_never_fits_worse_than_greedy(trace_file, tmp_pa
     assert fitted <= rows["greedy"]["fit_par"] + 1e-12
     assert any("sglang-static" in n for n in d["report"]["notes"])
     assert read_placement(out).provenance.get("dispatch") == "sglang-static"
+
+
+def test_engine_map_converts_and_serves_as_previous(tmp_path, capsys):
+    row = list(range(16)) + [0, 0, 1, 2, 3, 4, 5, 6]  # GPU 5 holds expert 0 twice
+    path = _sglang_file(tmp_path, [row, row])
+    capsys.readouterr()
+    out = tmp_path / "lb.yaml"
+    assert (
+        main(["convert", path, "-o", str(out), "--format", "trtllm", "--ep-size", "8", "--num-nodes", "2"])
+        == 0
+    )
+    assert "GPU 5 expert 0" in capsys.readouterr().err
+    load = tmp_path / "load.npy"
+    np.save(load, np.random.default_rng(0).integers(1, 100, (2, 16)).astype(float))
+    nxt = tmp_path / "next.json"
+    argv = [
+        "solve",
+        "--load",
+        str(load),
+        *TOPO,
+        "--previous",
+        path,
+        "--max-moves",
+        "4",
+        "-o",
+        str(nxt),
+        "--json",
+    ]
+    d = _json(capsys, argv)
+    assert any("twice on a GPU: 4 slot(s) moved" in n for n in d["report"]["notes"])
+    new = read_placement(nxt)  # a valid placement: no expert twice on a GPU
+    assert not new.allow_colocated_replicas
+    assert d["moved_slots"] == int((new.physical_to_logical_map != np.array([row, row])).sum())
