@@ -21,7 +21,14 @@ import numpy as np
 import pytest
 
 from runtime_hooks.engine_plugins import sglang_plugin, vllm_plugin
-from runtime_hooks.engine_plugins.policy import EngineCall, PolicyError, check_map, logical_maps, place
+from runtime_hooks.engine_plugins.policy import (
+    EngineCall,
+    PolicyError,
+    check_map,
+    exact_seconds,
+    logical_maps,
+    place,
+)
 from runtime_hooks.engine_plugins.spec import ACCEPTED, ENV_VAR, SpecError, parse_spec, spec_from_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -411,3 +418,13 @@ def test_migration_budget_is_work_not_wall_time(monkeypatch):
     maps.add(place(parse_spec("migration:time_limit=1"), call).tobytes())
     assert len(maps) == 1
     assert policy.migration_steps(2.0) == 2 * policy.MIGRATION_STEPS_PER_S
+
+
+def test_exact_declines_a_call_it_cannot_finish_within_its_budget():
+    # DeepSeek-V3 shape: 58 layers x 256 experts take tens of seconds, far over the 2 s default, so the
+    # policy refuses (and the hooks then run the engine's own algorithm); the decision needs only shapes
+    load = np.ones((58, 256))
+    call = EngineCall("vllm", load, 288, 32, 4, 8, None)
+    with pytest.raises(PolicyError, match="over its 2 s budget"):
+        place(parse_spec("exact"), call)
+    assert exact_seconds(58, 256) > 2 >= exact_seconds(6, 32)

@@ -32,6 +32,7 @@ __all__ = [
     "EngineCall",
     "PolicyError",
     "check_map",
+    "exact_seconds",
     "logical_maps",
     "migration_steps",
     "place",
@@ -48,6 +49,17 @@ MIGRATION_STEPS_PER_S = 20_000_000
 # Wall-clock safety cap of a migration solve: 10x its budget, at least 60 s. It only guards against a
 # stalled machine; when it cuts the search, ranks may disagree (logged as a warning).
 MIGRATION_SAFETY_CAP = 60.0
+
+
+# Building and solving one layer's exact model takes 0.3-0.7 s at DeepSeek-V3 shape (256 experts) on
+# the 2-core dev machine whatever the limit; scaled by the expert count, this decides (from the shapes
+# alone, so every rank decides alike) whether ``exact`` can answer within its budget.
+EXACT_SECONDS_PER_LAYER_256 = 0.7
+
+
+def exact_seconds(num_layers: int, num_experts: int) -> float:
+    """Estimated wall seconds of an exact solve of ``num_layers`` layers of ``num_experts`` experts."""
+    return num_layers * EXACT_SECONDS_PER_LAYER_256 * num_experts / 256
 
 
 def migration_steps(time_limit: float) -> int:
@@ -137,6 +149,13 @@ def _solve(
         topo, load=w, num_groups=groups, previous=previous, dispatch=DISPATCH[call.engine]
     )
     if spec.kind == "exact":
+        need = exact_seconds(*w.shape)
+        if need > spec.time_limit:
+            raise PolicyError(
+                f"exact needs about {need:.0f} s for {w.shape[0]} layers x {w.shape[1]} experts, over its "
+                f"{spec.time_limit:g} s budget; raise time_limit, use migration, or solve offline and "
+                "serve the result with file:PATH"
+            )
         name, values = "cpsat", {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
     elif spec.kind == "migration" and previous is not None:
         values = {
