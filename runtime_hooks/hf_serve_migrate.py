@@ -11,7 +11,7 @@ placement (all its MoE layers at once), between two forward calls, with the prot
    sender's checksum beside it (int64 ``[2]``: word sum and position-weighted word sum of its bytes).
    Every staged buffer, local copies included, is checked against its checksum after the transfer: a
    tensor that arrives corrupted fails the attempt.
-3. Decide through the launcher's key-value store (:func:`runtime_hooks.migrate._decide`): commit only
+3. Decide through the launcher's key-value store (:func:`runtime_hooks.migrate.transfer_and_decide`): commit only
    when every rank reported ``ok`` before the deadline; the first proposal wins everywhere.
 4. Commit: staging is copied into the slot tensors and every layer's routing tables switch to the new
    rows, on every rank in the same call. Abort: the old placement keeps serving, untouched.
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from placement.model import Placement
-from runtime_hooks.migrate import FaultSpec, MigrationResult, SlotMove, _decide, plan_migration
+from runtime_hooks.migrate import FaultSpec, MigrationResult, SlotMove, plan_migration, transfer_and_decide
 
 __all__ = ["checksum", "migrate_model", "row_checksums", "served_rows"]
 
@@ -285,16 +285,15 @@ def migrate_model(
     store = store or current_store() or dist.distributed_c10d._get_default_store()
     me, G = dist.get_rank(), dist.get_world_size()
     prefix = f"moe-migrate-hf/{attempt_no}"
-    attempt, ok, reason = _Attempt(), True, ""
-    try:
-        _transfer(modules, moves, attempt, timeout, deadline, tuple(faults))
-    except Exception as exc:  # noqa: BLE001 - any failure here aborts the migration everywhere
-        ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        log.warning("migration %s: rank %d failed during transfer: %s", prefix, me, reason)
-    try:
-        commit, decision = _decide(store, prefix, me, G, ok, reason, deadline)
-    except Exception as exc:  # noqa: BLE001 - store unreachable: never commit alone
-        commit, decision = False, f"abort: decision store failed on rank {me}: {exc}"
+    attempt = _Attempt()
+    commit, decision = transfer_and_decide(
+        lambda: _transfer(modules, moves, attempt, timeout, deadline, tuple(faults)),
+        store,
+        prefix,
+        me,
+        G,
+        deadline,
+    )
     _finish(modules, new, attempt, commit, prefix)
     moved, net = len(moves), sum(1 for m in moves if m.src_rank != m.dst_rank) * slot_bytes
     wall = time.monotonic() - start

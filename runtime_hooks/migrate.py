@@ -31,6 +31,7 @@ import datetime
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,7 @@ from placement.model import Placement
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "transfer_and_decide",
     "FaultSpec",
     "MigrationResult",
     "SlotMove",
@@ -288,6 +290,26 @@ def _finish(layer_obj, new1: Placement, state: _Transfer, commit: bool, prefix: 
                 log.warning("migration %s: destroying the transfer group failed: %s", prefix, exc)
 
 
+def transfer_and_decide(
+    transfer: Callable[[], None], store, prefix: str, rank: int, world: int, deadline: float
+) -> tuple[bool, str]:
+    """Run this rank's part of a migration, then agree with every rank: ``(commit, decision)``.
+
+    Any failure in ``transfer`` aborts the migration everywhere; a decision store that cannot be
+    reached never lets a rank commit alone.
+    """
+    ok, reason = True, ""
+    try:
+        transfer()
+    except Exception as exc:  # noqa: BLE001 - any failure here aborts the migration everywhere
+        ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.warning("migration %s: rank %d failed during transfer: %s", prefix, rank, reason)
+    try:
+        return _decide(store, prefix, rank, world, ok, reason, deadline)
+    except Exception as exc:  # noqa: BLE001 - store unreachable: never commit alone
+        return False, f"abort: decision store failed on rank {rank}: {exc}"
+
+
 def apply_placement(
     layer_obj, new_placement: Placement, layer: int = 0, timeout: float = 10.0, fault: FaultSpec | None = None
 ) -> MigrationResult:
@@ -317,16 +339,9 @@ def apply_placement(
     layer_obj.migration_epoch += 1
     prefix = f"moe-migrate/{layer_obj.name}/{layer_obj.migration_epoch}"
     state = _Transfer()
-    ok, reason = True, ""
-    try:
-        _transfer(layer_obj, moves, state, timeout, deadline, fault)
-    except Exception as exc:  # noqa: BLE001 - any failure here aborts the migration everywhere
-        ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        log.warning("migration %s: rank %d failed during transfer: %s", prefix, me, reason)
-    try:
-        commit, decision = _decide(store, prefix, me, G, ok, reason, deadline)
-    except Exception as exc:  # noqa: BLE001 - store unreachable: never commit alone
-        commit, decision = False, f"abort: decision store failed on rank {me}: {exc}"
+    commit, decision = transfer_and_decide(
+        lambda: _transfer(layer_obj, moves, state, timeout, deadline, fault), store, prefix, me, G, deadline
+    )
     _finish(layer_obj, new1, state, commit, prefix)
     wall = time.monotonic() - start
     if commit:
