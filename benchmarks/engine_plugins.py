@@ -1,14 +1,17 @@
-"""Our plugin policies against each engine's own EPLB default on a real trace, in one run.
+"""Our plugin policies against each engine's own EPLB default on real traces, in one run.
 
-Trace: DeepSeek-V2-Lite chat (26 MoE layers x 64 experts), split into three consecutive windows of
-prompts. Each policy fits window 0 (the map it would have in service), re-fits window 1 from that map,
-and is scored on window 2 (held out) under the engine's own dispatch model
-(``vllm-hash`` / ``sglang-static``). Columns: held-out PAR (peak / mean GPU tokens), moved slots from
-the map in service, wall time, and the ratios to the engine default.
+Traces: DeepSeek-V2-Lite chat (26 MoE layers x 64 experts; 64 + 32 slots on 32 GPUs / 4 nodes) and
+Mixtral-8x7B MMLU (32 layers x 8 experts, subjects in their recorded order: a domain shift at every
+subject change; 8 + 8 slots on 8 GPUs / 2 nodes), each cut into consecutive windows of prompts or
+questions. Each policy fits window 0 (the map it then has in service); at every later window it
+re-fits from its own map in service and is scored on the NEXT window (held out) under the engine's
+own dispatch model (``vllm-hash`` / ``sglang-static``; per-question counts are dealt to the ranks
+round-robin, and vLLM's hash is scored by its expectation there). Columns: mean held-out PAR, total
+moved slots, wall time per re-fit, and the ratios to the engine default.
 
-Run with the engines' side environment (it needs their code)::
+Run with the engines' side environment (it needs their code; see docs/serving.md)::
 
-    PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py [--ep 32 --nodes 4 --redundant 32]
+    PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py [--windows 6]
 """
 
 from __future__ import annotations
@@ -24,14 +27,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 import torch
 
-from placement.metrics import moved_slots, par
+from placement.metrics import balance_stats, moved_slots, par, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.readers import default_traces_dir, read_trace
 from runtime_hooks.engine_plugins.policy import DISPATCH, EngineCall, place
 from runtime_hooks.engine_plugins.spec import parse_spec
 
-TRACE = "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz"
+TRACES = {  # name: (file, EP size, nodes, redundant slots)
+    "deepseek-v2-lite": ("deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz", 32, 4, 32),
+    "mixtral-mmlu": ("mixtral-8x7b-mmlu/mixtral_mmlu_counts.npz", 8, 2, 8),
+}
 SPECS = ("greedy", "migration", "migration:max_moves=64")
 
 
@@ -55,11 +61,19 @@ def sglang_default(load, topo, groups, previous):
     return out[0].numpy()
 
 
+def held_out_par(placement: Placement, window, dispatch: str) -> float:
+    """PAR of ``window`` under ``dispatch``: per token where the trace has tokens, else per question
+    dealt round-robin to the ranks (``rank_gpu_load``; vLLM's hash by its expectation)."""
+    if window.has_tokens:
+        return par(placement, window, dispatch)
+    counts = rank_expert_counts(window, placement.topology.ep_size)  # [L, G, E]
+    return balance_stats(rank_gpu_load(placement, counts, dispatch))["par"]
+
+
 def rows_for(engine, default, windows, topo, groups):
-    """One row per policy: (name, held-out PAR, moved slots, seconds). Each policy re-fits from the
-    map it would itself have in service (its own fit on window 0)."""
-    fit0, fit1 = windows[0].counts(), windows[1].counts()  # [L, E]
-    E = fit0.shape[1]
+    """One row per policy: (name, mean held-out PAR, moved slots, seconds per re-fit). Each policy
+    re-fits window k from the map it has in service and is scored on window k + 1."""
+    E = windows[0].num_logical_experts
     as_placement = lambda m: Placement(m, E, topo, allow_colocated_replicas=True)  # noqa: E731
     P, G, N = topo.num_physical_experts, topo.ep_size, topo.num_nodes
 
@@ -70,38 +84,47 @@ def rows_for(engine, default, windows, topo, groups):
     policies += [(text, lambda load, prev, text=text: ours(text, load, prev)) for text in SPECS]
     rows = []
     for name, fn in policies:
-        served = fn(fit0, None)  # [L, P] the map in service
-        t0 = time.perf_counter()
-        new = fn(fit1, served)
-        secs = time.perf_counter() - t0
-        p = par(as_placement(new), windows[2], DISPATCH[engine])
-        rows.append((name, p, moved_slots(as_placement(served), as_placement(new)), secs))
+        served = fn(windows[0].counts(), None)  # [L, P] the map in service
+        pars, moved, secs = [], 0, 0.0
+        for k in range(1, len(windows) - 1):
+            t0 = time.perf_counter()
+            new = fn(windows[k].counts(), served)
+            secs += time.perf_counter() - t0
+            pars.append(held_out_par(as_placement(new), windows[k + 1], DISPATCH[engine]))
+            moved += moved_slots(as_placement(served), as_placement(new))
+            served = new
+        rows.append((name, float(np.mean(pars)), moved, secs / (len(windows) - 2)))
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ep", type=int, default=32)
-    ap.add_argument("--nodes", type=int, default=4)
-    ap.add_argument("--redundant", type=int, default=32)
+    ap.add_argument("--windows", type=int, default=6, help="consecutive windows per trace (>= 3)")
     args = ap.parse_args()
-    trace = read_trace(os.path.join(default_traces_dir(), TRACE))
-    windows = trace.windows(3)
-    E = trace.counts().shape[1]
-    topo = Topology.from_redundant(E, args.redundant, args.ep, args.nodes)
-    print(
-        f"DeepSeek-V2-Lite, {E} experts + {args.redundant} redundant on {args.ep} GPUs / {args.nodes} nodes;"
-    )
-    print("each policy fits window 0, re-fits window 1 from its own map, is scored on window 2")
-    for engine, default in (("vllm", vllm_default), ("sglang", sglang_default)):
-        rows = rows_for(engine, default, windows, topo, 1)
-        base_par, base_moved = rows[0][1], max(rows[0][2], 1)
-        print(f"\n{engine} (dispatch {DISPATCH[engine]})")
-        print(f"{'policy':<24}{'held-out PAR':>13}{'moved':>8}{'PAR ratio':>11}{'moved ratio':>13}{'s':>8}")
-        for name, p, moved, secs in rows:
+    for label, (rel, ep, nodes, redundant) in TRACES.items():
+        path = os.path.join(default_traces_dir(), rel)
+        if not os.path.exists(path):
+            print(f"skip {label}: {path} not found (set MOE_TRACES_DIR)")
+            continue
+        trace = read_trace(path)
+        windows = trace.windows(args.windows)
+        E = trace.num_logical_experts
+        topo = Topology.from_redundant(E, redundant, ep, nodes)
+        print(
+            f"\n{label}: {E} experts + {redundant} redundant on {ep} GPUs / {nodes} nodes; {args.windows} windows,"
+        )
+        print("each policy re-fits window k from its own map in service and is scored on window k + 1")
+        for engine, default in (("vllm", vllm_default), ("sglang", sglang_default)):
+            rows = rows_for(engine, default, windows, topo, 1)
+            base_par, base_moved = rows[0][1], max(rows[0][2], 1)
+            print(f"{engine} (dispatch {DISPATCH[engine]})")
             print(
-                f"{name:<24}{p:>13.4f}{moved:>8d}{p / base_par:>11.3f}{moved / base_moved:>13.3f}{secs:>8.3f}"
+                f"{'policy':<24}{'held-out PAR':>13}{'moved':>8}{'PAR ratio':>11}{'moved ratio':>13}{'s/refit':>9}"
             )
+            for name, p, moved, secs in rows:
+                print(
+                    f"{name:<24}{p:>13.4f}{moved:>8d}{p / base_par:>11.3f}{moved / base_moved:>13.3f}{secs:>9.3f}"
+                )
 
 
 if __name__ == "__main__":

@@ -161,6 +161,9 @@ def _solve(
         values = {
             "method": "incremental",
             "max_moves": spec.max_moves,
+            # without a move budget, balance comes first: a layer whose incremental result is less
+            # balanced (on the window) than a full re-solve takes the re-solve, relabelled to keep slots
+            "drift_guard": 1.5 if spec.max_moves is not None else 1.0,
             "max_steps": migration_steps(spec.time_limit),
             "time_limit": max(MIGRATION_SAFETY_CAP, 10 * spec.time_limit),  # wall safety cap only
         }
