@@ -15,6 +15,8 @@ the attention-DP ranks. Columns:
   prompts to the ranks: a difference below it is luck of the dealing.
 - ``step_par``: per-step balance (16 tokens per rank per step) under SGLang's table; ``remote
   nodes``: remote nodes per token under SGLang's table (both for per-token traces only).
+- ``--locality``: the locality solver's placement (fitted for ``local``: own GPU, else own node)
+  scored under SGLang's table too, whose same-node preference it suits: held-out PAR and remote nodes.
 
 OLMoE's shared counts are per domain (six windows), too few to deal to ranks: it is left out.
 
@@ -71,7 +73,7 @@ def floor_par(placement, counts: np.ndarray, draws: int = 4) -> float:
     return float(np.mean(pars))
 
 
-def run(name: str, trace, ep: int, nodes: int, slots: int) -> dict:
+def run(name: str, trace, ep: int, nodes: int, slots: int, with_locality: bool = False) -> dict:
     """One configuration's row."""
     fit, held = trace.split(0.5)
     E = trace.num_logical_experts
@@ -95,16 +97,33 @@ def run(name: str, trace, ep: int, nodes: int, slots: int) -> dict:
     penalty = row["greedy"] - row["even"]
     row["removed"] = (row["greedy"] - row["ours"]) / penalty if penalty > 1e-9 else 0.0
     if held.has_tokens:
-        for label, pl in (("greedy", greedy), ("ours", ours)):
+        runs = [("greedy", greedy), ("ours", ours)]
+        if with_locality:
+            runs.append(("locality", _locality(fit, topo)))
+        for label, pl in runs:
             ev = evaluate(pl, held, "sglang-static", step_tokens=16).to_dict()
             row[f"{label}_step"], row[f"{label}_remote"] = ev["step_par"], ev["remote_nodes_per_token"]
+            row[f"{label}_par"] = ev["par"]
     return row
+
+
+def _locality(fit, topo: Topology):
+    """The locality solver's placement (fitted for ``local``, a step budget of 100 per layer)."""
+    from solver.locality import solve_locality
+
+    placement, _ = solve_locality(fit, topo, work_limit=100 * fit.num_layers, seed=0)
+    return placement
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="deepseek,mixtral,qwen")
     ap.add_argument("--layers", type=int, default=None, help="first N layers only")
+    ap.add_argument(
+        "--locality",
+        action="store_true",
+        help="also score the locality solver's placement under SGLang's table (per-token traces; slower)",
+    )
     args = ap.parse_args()
     root = default_traces_dir()
     print("held-out PAR under SGLang's static table (sglang-static); 'even' is greedy under an even split")
@@ -121,12 +140,14 @@ def main() -> None:
         if args.layers:
             trace = trace.select_layers(range(min(args.layers, trace.num_layers)))
         for ep, nodes, slots in configs:
-            r = run(name, trace, ep, nodes, slots)
+            r = run(name, trace, ep, nodes, slots, args.locality)
             extra = (
                 f"{r['greedy_step']:.4f} / {r['ours_step']:.4f} | {r['greedy_remote']:.4f} / {r['ours_remote']:.4f}"
                 if "greedy_step" in r
                 else "- | -"
             )
+            if "locality_par" in r:
+                extra += f" | locality: PAR {r['locality_par']:.4f}, remote nodes {r['locality_remote']:.4f}"
             print(
                 f"{r['trace']} | {r['config']} | {r['even']:.4f} | {r['greedy']:.4f} | {r['ours']:.4f} | "
                 f"{r['floor']:.4f} | {r['ours'] / r['greedy']:.4f} | {r['removed']:.0%} | {r['layers']} | "
