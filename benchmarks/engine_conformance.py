@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from placement.metrics import batch_positions, route_tokens, source_ranks, trace_gpu_load
-from placement.model import Placement
+from placement.model import Placement, hidden_layer_rows
 from placement.topology import Topology
 from profiling.readers import default_traces_dir, read_trace
 from solver.greedy import greedy_placement
@@ -58,17 +58,19 @@ def sglang_module(ep_size: int, num_nodes: int):
 
 
 def sglang_tables(placement: Placement) -> np.ndarray:
-    """Every rank's static table ``[G, L, E]``, each computed as that rank's process computes it."""
+    """Every rank's static table ``[G, L, E]`` for the placement's MoE rows, each computed as that
+    rank's process computes it from the map SGLang reads (one row per hidden layer, dense rows
+    trivial: :func:`placement.model.hidden_layer_rows`)."""
     t = placement.topology
     el = sglang_module(t.ep_size, t.num_nodes)
-    p2l = torch.tensor(placement.physical_to_logical_map)
+    p2l = torch.tensor(hidden_layer_rows(placement))  # [H, P]
     out = []
     for rank in range(t.ep_size):
         l2a = el._compute_logical_to_all_physical_map(p2l, placement.num_logical_experts, t.ep_size, rank)
         out.append(
             el.compute_logical_to_rank_dispatch_physical_map(l2a, t.ep_size, p2l.shape[1], rank).numpy()
         )
-    return np.stack(out)
+    return np.stack(out)[:, list(placement.layer_ids), :]
 
 
 def sglang_slots(tables: np.ndarray, ids: np.ndarray, src: np.ndarray) -> np.ndarray:
@@ -128,7 +130,7 @@ def vllm_slots(placement: Placement, ids: np.ndarray, src: np.ndarray, batch_tok
 # ---------------------------------------------------------------------------------------------
 # Placements and the comparison
 # ---------------------------------------------------------------------------------------------
-def random_placement(E: int, topo: Topology, L: int, seed: int, colocated: bool) -> Placement:
+def random_placement(E: int, topo: Topology, L: int, seed: int, colocated: bool, layer_ids=None) -> Placement:
     """Every expert once plus random extra replicas; ``colocated`` allows two on one GPU."""
     rng = np.random.default_rng(seed)
     rows = []
@@ -140,7 +142,7 @@ def random_placement(E: int, topo: Topology, L: int, seed: int, colocated: bool)
             if colocated or all(len(set(g)) == len(g) for g in per_gpu):
                 break
         rows.append(row)
-    return Placement(np.stack(rows), E, topo, allow_colocated_replicas=colocated)
+    return Placement(np.stack(rows), E, topo, tuple(layer_ids or ()), allow_colocated_replicas=colocated)
 
 
 def compare(name: str, placement: Placement, trace, batch_tokens: int, skip_vllm: bool) -> dict:
@@ -187,8 +189,8 @@ def cases(trace, max_layers: int):
         topo = Topology(ep_size=ep, num_physical_experts=P, num_nodes=nodes)
         greedy, _ = greedy_placement(sub.counts(), topo)
         yield f"greedy ep{ep}/{nodes}n P={P}", greedy, sub
-        yield f"random ep{ep}/{nodes}n", random_placement(E, topo, L, ep, False), sub
-        yield f"random+coloc ep{ep}/{nodes}n", random_placement(E, topo, L, ep + 1, True), sub
+        yield f"random ep{ep}/{nodes}n", random_placement(E, topo, L, ep, False, sub.layer_ids), sub
+        yield f"random+coloc ep{ep}/{nodes}n", random_placement(E, topo, L, ep + 1, True, sub.layer_ids), sub
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,15 +200,15 @@ def fixtures() -> dict:
     """Small placements with the engines' own answers: SGLang tables, vLLM slots."""
     out = {"engines": {"sglang": SGLANG_VERSION, "vllm": VLLM_VERSION}, "cases": []}
     rng = np.random.default_rng(7)
-    for E, G, N, P, coloc in (
-        (8, 4, 2, 12, False),
-        (16, 8, 2, 24, False),
-        (8, 4, 2, 16, True),
-        (12, 6, 3, 24, False),
-    ):
-        pl = random_placement(
-            E, Topology(ep_size=G, num_physical_experts=P, num_nodes=N), 3, int(rng.integers(1e6)), coloc
-        )
+    cases = (  # (E, G, N, P, co-located, MoE layer ids: gaps are dense layers, trivial rows in SGLang's map)
+        (8, 4, 2, 12, False, (0, 1, 2)),
+        (16, 8, 2, 24, False, (1, 2, 3)),
+        (8, 4, 2, 16, True, (0, 2, 3)),
+        (12, 6, 3, 24, False, (2, 4, 5)),
+    )
+    for E, G, N, P, coloc, layer_ids in cases:
+        topo = Topology(ep_size=G, num_physical_experts=P, num_nodes=N)
+        pl = random_placement(E, topo, 3, int(rng.integers(1e6)), coloc, layer_ids)
         ids = rng.integers(0, E, size=(40, 3, 2))
         src = rng.integers(0, G, size=40)
         batch_tokens = 8
@@ -216,6 +218,7 @@ def fixtures() -> dict:
                 "ep_size": G,
                 "num_nodes": N,
                 "colocated": coloc,
+                "layer_ids": list(layer_ids),
                 "physical_to_logical_map": pl.physical_to_logical_map.tolist(),
                 "sglang_static_tables": sglang_tables(pl).tolist(),
                 "topk_ids": ids.tolist(),

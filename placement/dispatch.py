@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.model import Placement
+from placement.model import Placement, compute_logical_maps, hidden_layer_rows
 
 __all__ = [
     "DISPATCH_MODELS",
@@ -147,18 +147,22 @@ def sglang_static_tables(placement: Placement, seed: int = SGLANG_STATIC_SEED) -
     """SGLang's static dispatch table of every rank: int64 ``[G, L, E]`` physical slot ids.
 
     Each rank builds its table in its own process from ``random.Random(seed)``; its generator
-    advances only for the experts it finds no near replica for, so every rank's draws differ.
+    advances only for the experts it finds no near replica for, so every rank's draws differ. SGLang
+    reads one row per hidden layer (:func:`placement.model.hidden_layer_rows`: dense layers hold the
+    trivial map, whose replicas draw too), so the tables are built over those rows, in layer order.
     Cached on the placement object (the tables depend only on the map and the topology).
     """
     cache = placement.__dict__.setdefault("_dispatch_cache", {})
     key = ("sglang-static", seed)
     if key not in cache:
+        full = hidden_layer_rows(placement)  # [H, P]: SGLang builds its tables over every hidden layer
+        l2p, cnt = compute_logical_maps(full, placement.num_logical_experts)  # [H, E, R], [H, E]
         rngs = [random.Random(seed) for _ in range(placement.topology.ep_size)]
-        layers = []
-        for l in range(placement.num_layers):
-            l2p, cnt = placement.logical_to_physical_map[l], placement.logical_replica_count[l]
-            layers.append(layer_draws(l2p, cnt, nearest_in_row(l2p, cnt, placement.topology), rngs))
-        cache[key] = np.stack(layers, axis=1)
+        layers = [
+            layer_draws(l2p[h], cnt[h], nearest_in_row(l2p[h], cnt[h], placement.topology), rngs)
+            for h in range(full.shape[0])
+        ]
+        cache[key] = np.stack(layers, axis=1)[:, list(placement.layer_ids), :]  # [G, L, E]
     return cache[key]
 
 

@@ -27,7 +27,7 @@ from placement.format_spec import (
     VLLM_RECORD_VERSION,
     sidecar_path,
 )
-from placement.model import Placement, validate_map
+from placement.model import Placement, hidden_layer_rows, validate_map
 from profiling.fileio import atomic_write_bytes
 
 __all__ = ["write_placement"]
@@ -175,17 +175,8 @@ def _sglang_bytes(
 
     MoE rows sit at their real layer index; dense rows hold the trivial map ``p % E``.
     """
-    E = placement.num_logical_experts
-    ids = list(placement.layer_ids)
-    P = p2l.shape[1]
-    H = max(ids) + 1 if num_hidden_layers is None else int(num_hidden_layers)
-    if H <= max(ids):
-        raise ValueError(
-            f"num_hidden_layers={H} but the placement has layer id {max(ids)}; SGLang's map has one "
-            f"row per hidden layer, so pass num_hidden_layers >= {max(ids) + 1} (config.num_hidden_layers)"
-        )
-    full = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))  # [H, P] dense rows: trivial map
-    full[ids] = p2l  # MoE rows at their real layer index
+    full = hidden_layer_rows(placement, num_hidden_layers)  # [H, P]
+    H = full.shape[0]
     if out.suffix not in _PT_SUFFIXES:
         return _rows_json("physical_to_logical_map", full).encode("utf-8"), H
     try:

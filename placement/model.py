@@ -20,7 +20,7 @@ import numpy as np
 
 from placement.topology import Topology
 
-__all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "validate_map"]
+__all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "hidden_layer_rows", "validate_map"]
 
 
 def compute_logical_maps(physical_to_logical_map: np.ndarray, num_logical_experts: int):
@@ -120,6 +120,25 @@ def validate_map(
                 f"replicas of one expert must sit on different GPUs (move one to another GPU)"
             )
     return arr
+
+
+def hidden_layer_rows(placement: Placement, num_hidden_layers: int | None = None) -> np.ndarray:
+    """The map as SGLang reads it, one row per hidden layer: int64 ``[H, P]``.
+
+    MoE rows sit at their real layer index (``placement.layer_ids``); the other (dense) rows hold the
+    trivial map ``p % E``. ``H`` defaults to the largest layer id + 1.
+    """
+    ids = list(placement.layer_ids)
+    P, E = placement.num_physical_experts, placement.num_logical_experts
+    H = max(ids) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    if H <= max(ids):
+        raise ValueError(
+            f"num_hidden_layers={H} but the placement has layer id {max(ids)}; SGLang's map has one "
+            f"row per hidden layer, so pass num_hidden_layers >= {max(ids) + 1} (config.num_hidden_layers)"
+        )
+    full = np.tile(np.arange(P, dtype=np.int64) % E, (H, 1))  # [H, P] dense rows: trivial map
+    full[ids] = placement.physical_to_logical_map  # MoE rows at their real layer index
+    return full
 
 
 def colocated_replicas(physical_to_logical_map: np.ndarray, ep_size: int) -> list[tuple[int, int, int]]:

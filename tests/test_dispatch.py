@@ -27,14 +27,16 @@ FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "engine_dispatch.jso
 def _case_placement(case: dict) -> Placement:
     p2l = np.array(case["physical_to_logical_map"])
     topo = Topology(ep_size=case["ep_size"], num_physical_experts=p2l.shape[1], num_nodes=case["num_nodes"])
-    return Placement(p2l, case["num_logical_experts"], topo, allow_colocated_replicas=case["colocated"])
+    ids = tuple(case["layer_ids"])
+    return Placement(p2l, case["num_logical_experts"], topo, ids, allow_colocated_replicas=case["colocated"])
 
 
 def test_fixtures_name_the_engine_versions():
     assert FIXTURES["engines"] == {"sglang": "0.5.23", "vllm": "0.33.0"}
-    assert any(c["colocated"] for c in FIXTURES["cases"]) and any(
-        c["num_nodes"] == 3 for c in FIXTURES["cases"]
-    )
+    cases = FIXTURES["cases"]
+    assert any(c["colocated"] for c in cases) and any(c["num_nodes"] == 3 for c in cases)
+    # dense layers before and between MoE layers: SGLang's map holds them as trivial rows that draw too
+    assert any(c["layer_ids"][0] > 0 for c in cases)
 
 
 @pytest.mark.parametrize("index", range(len(FIXTURES["cases"])))
