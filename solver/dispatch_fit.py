@@ -29,7 +29,7 @@ import numpy as np
 
 from placement.dispatch import SGLANG_STATIC_SEED, layer_draws, nearest_in_row
 from placement.metrics import rank_expert_counts, rank_gpu_load
-from placement.model import Placement, compute_logical_maps
+from placement.model import Placement, compute_logical_maps, hidden_layer_rows
 from profiling.trace import RoutingTrace
 
 __all__ = ["DispatchFit", "fit_for_dispatch", "spread_over_nodes"]
@@ -113,6 +113,17 @@ def _mix(base: Placement, other: Placement, take: np.ndarray) -> Placement:
     return Placement(p2l, base.num_logical_experts, base.topology, base.layer_ids, base.provenance)
 
 
+def _draw(states: list, row: np.ndarray, E: int, topology) -> tuple[np.ndarray, list]:
+    """SGLang's static table ``[G, E]`` for map row ``[P]`` with every rank's generator at ``states``,
+    and the states after those draws."""
+    l2p, cnt = compute_logical_maps(row[None, :], E)
+    rngs = [random.Random() for _ in states]
+    for rng, state in zip(rngs, states):
+        rng.setstate(state)
+    table = layer_draws(l2p[0], cnt[0], nearest_in_row(l2p[0], cnt[0], topology), rngs)
+    return table, [rng.getstate() for rng in rngs]
+
+
 class _LayerSearch:
     """One layer's candidates scored with SGLang's exact table, every rank's generator at ``states``.
 
@@ -128,13 +139,9 @@ class _LayerSearch:
         self.E = placement.num_logical_experts
         self.states, self.share, self.train, self.check = states, share, train, check
 
-    def table(self, row: np.ndarray) -> tuple[np.ndarray, list[random.Random]]:
-        """Every rank's choice ``[G, E]`` for map row ``[P]``, and the generators after drawing it."""
-        l2p, cnt = compute_logical_maps(row[None, :], self.E)
-        rngs = [random.Random() for _ in self.states]
-        for rng, state in zip(rngs, self.states):
-            rng.setstate(state)
-        return layer_draws(l2p[0], cnt[0], nearest_in_row(l2p[0], cnt[0], self.topo), rngs), rngs
+    def table(self, row: np.ndarray) -> tuple[np.ndarray, list]:
+        """Every rank's choice ``[G, E]`` for map row ``[P]``, and the generators' states after it."""
+        return _draw(self.states, row, self.E, self.topo)
 
     def gpu_load(self, table: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """GPU loads ``[G]`` when rank g sends ``counts[g, e]`` tokens to expert e (``table [G, E]``)."""
@@ -198,22 +205,28 @@ def _searched(
     G = placement.topology.ep_size
     states = [random.Random(SGLANG_STATIC_SEED).getstate() for _ in range(G)]
     rng = np.random.default_rng(seed)
-    rows, changed = [], []
-    for l in range(placement.num_layers):
+    row_of = {lid: l for l, lid in enumerate(placement.layer_ids)}
+    full = hidden_layer_rows(placement)  # [H, P]: SGLang draws over every hidden layer, in order
+    rows: list = [None] * placement.num_layers
+    changed = np.zeros(placement.num_layers, dtype=bool)
+    for h in range(full.shape[0]):
+        l = row_of.get(h)
+        if l is None:  # a dense layer's trivial row: its replicas still advance every rank's generator
+            states = _draw(states, full[h], placement.num_logical_experts, placement.topology)[1]
+            continue
         layer = _LayerSearch(placement, states, dealt[:, l], train[l], check[l])
         base = placement.physical_to_logical_map[l]
         begin = min((base, start.physical_to_logical_map[l]), key=lambda r: layer.score(r)[0])
         cand = layer.search(begin.copy(), steps, rng)
         keep = _beats_noise(layer, base, cand, z)
-        row = cand if keep else base
-        rows.append(row)
-        changed.append(keep and not np.array_equal(row, base))
-        states = [r.getstate() for r in layer.table(row)[1]]
+        rows[l] = cand if keep else base
+        changed[l] = keep and not np.array_equal(rows[l], base)
+        states = layer.table(rows[l])[1]
     p2l = np.stack(rows)
     out = Placement(
         p2l, placement.num_logical_experts, placement.topology, placement.layer_ids, placement.provenance
     )
-    return out, np.array(changed)
+    return out, changed
 
 
 def _random_dealings(trace: RoutingTrace, ep_size: int, num: int, seed: int) -> np.ndarray:

@@ -62,3 +62,29 @@ def test_dynamic_and_bad_models(fit_trace):
     assert res.fit_peak_after <= res.fit_peak_before
     with pytest.raises(ValueError, match="sglang-static"):
         fit_for_dispatch(greedy, fit_trace, "even")
+
+
+def test_search_replays_the_same_draws_as_the_dispatch_model():
+    # dense layers 0 and 2 (trivial rows in SGLang's map) draw before and between the MoE layers
+    import random
+
+    from placement.dispatch import sglang_static_tables
+    from placement.model import Placement, hidden_layer_rows
+    from solver.dispatch_fit import _draw
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for _ in range(3):
+        while True:
+            row = np.concatenate([np.arange(8), rng.integers(0, 8, 8)])
+            rng.shuffle(row)
+            if all(len(set(g)) == 2 for g in row.reshape(8, 2)):
+                break
+        rows.append(row)
+    pl = Placement(np.stack(rows), 8, TOPO, layer_ids=(1, 3, 4))
+    states = [random.Random(42).getstate() for _ in range(8)]
+    tables = []
+    for row in hidden_layer_rows(pl):
+        table, states = _draw(states, row, 8, TOPO)
+        tables.append(table)
+    assert np.array_equal(np.stack(tables, axis=1)[:, [1, 3, 4]], sglang_static_tables(pl))
