@@ -78,7 +78,7 @@ def run(name: str, trace, ep: int, nodes: int, slots: int, with_locality: bool =
     fit, held = trace.split(0.5)
     E = trace.num_logical_experts
     topo = Topology(ep_size=ep, num_physical_experts=ep * slots, num_nodes=nodes)
-    greedy, _ = greedy_placement(fit.counts(), topo)
+    greedy, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)  # real ids: dense rows draw too
     ours, res = fit_for_dispatch(greedy, fit, "sglang-static")
     counts = rank_expert_counts(held, ep)  # [L, G, E]
     par = lambda pl, d: balance_stats(rank_gpu_load(pl, counts, d))["par"]  # noqa: E731
