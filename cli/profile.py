@@ -206,19 +206,9 @@ def _forward_all(model, rec, seqs, texts: list[Path], args) -> tuple[list[int], 
 
 def _with_metadata(trace, name: str, meta: dict):
     """The recorded trace renamed, its metadata extended with ``meta``."""
-    from profiling.trace import RoutingTrace
+    from dataclasses import replace
 
-    return RoutingTrace(
-        num_logical_experts=trace.num_logical_experts,
-        topk_ids=trace.topk_ids,
-        layer_ids=trace.layer_ids,
-        seq_offsets=trace.seq_offsets,
-        step_offsets=trace.step_offsets,
-        window_counts=trace.window_counts,
-        window_labels=trace.window_labels,
-        name=name,
-        metadata=dict(trace.metadata) | meta,
-    )
+    return replace(trace, name=name, metadata=dict(trace.metadata) | meta)
 
 
 def _print_summary(summary: dict, trace, wall: float, as_json: bool) -> None:

@@ -26,7 +26,6 @@ TensorRT-LLM's wide-EP balancer is not modelled: see ``docs/dispatch.md``.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,7 +33,6 @@ from placement.model import Placement, compute_logical_maps, hidden_layer_rows
 
 __all__ = [
     "DISPATCH_MODELS",
-    "DispatchModel",
     "VLLM_HASH_MULTIPLIER",
     "check_dispatch",
     "layer_draws",
@@ -50,28 +48,12 @@ VLLM_HASH_MULTIPLIER = 2654435769  # floor(2**32 / golden ratio), Knuth's multip
 SGLANG_STATIC_SEED = 42  # the seed SGLang's static table is built with
 
 
-@dataclass(frozen=True)
-class DispatchModel:
-    """One engine's replica choice: its name, the engine setting it models, and how it is scored."""
-
-    name: str
-    engine: str
-    rank_dependent: bool  # the choice depends on the token's source rank
-    random: bool  # scored by expectation unless draws are asked for
-
-    def __str__(self) -> str:
-        return self.name
-
-
-DISPATCH_MODELS: dict[str, DispatchModel] = {
-    m.name: m
-    for m in (
-        DispatchModel("even", "ideal even split (vLLM's hash comes close in expectation)", False, False),
-        DispatchModel("local", "own GPU, else own node, else spread (the locality-first ideal)", True, False),
-        DispatchModel("sglang-static", "SGLang --ep-dispatch-algorithm static with DeepEP", True, False),
-        DispatchModel("sglang-dynamic", "SGLang --ep-dispatch-algorithm dynamic with DeepEP", True, True),
-        DispatchModel("vllm-hash", "vLLM --enable-eplb (token-index hash)", False, False),
-    )
+DISPATCH_MODELS: dict[str, str] = {  # name -> the engine setting it models
+    "even": "ideal even split (vLLM's hash comes close in expectation)",
+    "local": "own GPU, else own node, else spread (the locality-first ideal)",
+    "sglang-static": "SGLang --ep-dispatch-algorithm static with DeepEP",
+    "sglang-dynamic": "SGLang --ep-dispatch-algorithm dynamic with DeepEP (scored by expectation)",
+    "vllm-hash": "vLLM --enable-eplb (token-index hash)",
 }
 
 

@@ -215,15 +215,7 @@ def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: str) 
     G, E = t.ep_size, placement.num_logical_experts
     out = np.zeros((*lead, placement.num_layers, G))
     for l in range(placement.num_layers):
-        slots, weights = rank_choices(placement, l, dispatch)  # [G, E, R]
-        ok = slots >= 0
-        share = np.zeros((G * E, t.num_physical_experts))  # row (g, e): each slot's share of those tokens
-        np.add.at(
-            share,
-            (np.broadcast_to(np.arange(G * E).reshape(G, E, 1), slots.shape)[ok], slots[ok]),
-            weights[ok],
-        )
-        per_slot = counts[..., l, :, :].reshape(-1, G * E) @ share  # [prod(lead), P]
+        per_slot = counts[..., l, :, :].reshape(-1, G * E) @ _share_matrix(placement, l, dispatch)  # [., P]
         out[..., l, :] = per_slot.reshape(*lead, G, t.slots_per_gpu).sum(axis=-1)
     return out
 
@@ -354,12 +346,19 @@ def _engine_slot_load(placement, layer, ids, src, policy, group, num_groups, bat
     sk = np.broadcast_to(src[:, None], ids.shape)[valid]
     key = (gk * G + sk) * E + ids[valid].astype(np.int64)
     counts = np.bincount(key, minlength=num_groups * G * E).reshape(num_groups, G * E)  # [S, G*E]
-    slots, weights = rank_choices(placement, layer, policy)  # [G, E, R] each
-    share = np.zeros((G * E, P))  # row (g, e): the share of those tokens each slot receives
+    return counts @ _share_matrix(placement, layer, policy)
+
+
+def _share_matrix(placement: Placement, layer: int, dispatch: str) -> np.ndarray:
+    """``[G*E, P]``: row ``(g, e)`` holds the share of rank ``g``'s tokens for expert ``e`` that each
+    slot receives (:func:`placement.dispatch.rank_choices`)."""
+    G, E = placement.topology.ep_size, placement.num_logical_experts
+    slots, weights = rank_choices(placement, layer, dispatch)  # [G, E, R] each
+    share = np.zeros((G * E, placement.num_physical_experts))
     rows = np.broadcast_to(np.arange(G * E).reshape(G, E, 1), slots.shape)
     ok = slots >= 0
     np.add.at(share, (rows[ok], slots[ok]), weights[ok])
-    return counts @ share
+    return share
 
 
 def batch_positions(src: np.ndarray, batch_tokens: int) -> np.ndarray:
