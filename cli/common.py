@@ -257,9 +257,9 @@ def add_dispatch_args(
     p: argparse.ArgumentParser, *, choices: Sequence[str] | None = None, extra: str = ""
 ) -> None:
     """``--dispatch`` (``--policy`` is its alias) and ``--source-ranks``."""
-    from placement.dispatch import DISPATCH_MODELS
+    from placement.dispatch import DISPATCH
 
-    names = tuple(choices or DISPATCH_MODELS)
+    names = tuple(choices or DISPATCH)
     p.add_argument(
         "--dispatch",
         "--policy",

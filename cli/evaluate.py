@@ -21,12 +21,12 @@ __all__ = ["add_parser", "cmd_evaluate"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``evaluate`` sub-command's arguments."""
-    from placement.dispatch import DISPATCH_MODELS
+    from placement.dispatch import DISPATCH
 
     p = sub.add_parser("evaluate", help="score a placement on a trace")
     p.add_argument("placement")
     p.add_argument("trace")
-    add_dispatch_args(p, choices=(*DISPATCH_MODELS, "all"), extra="; all: every model side by side")
+    add_dispatch_args(p, choices=(*DISPATCH, "all"), extra="; all: every model side by side")
     p.add_argument(
         "--step-tokens", type=int, help="tokens per rank per step for step_par (and vLLM's batches)"
     )
@@ -101,12 +101,12 @@ def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Steps: read placement, trace and source ranks -> evaluate under one or every dispatch -> print."""
-    from placement.dispatch import DISPATCH_MODELS
+    from placement.dispatch import DISPATCH
 
     checked_dispatch(args)
     placement, trace, src, how = _read_inputs(args)
     names = (
-        [n for n in DISPATCH_MODELS if n == "even" or trace.has_tokens]
+        [n for n in DISPATCH if n == "even" or trace.has_tokens]
         if args.policy == "all"
         else [args.policy]
     )

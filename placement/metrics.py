@@ -23,7 +23,7 @@ from typing import Literal
 
 import numpy as np
 
-from placement.dispatch import DISPATCH_MODELS, check_dispatch, rank_choices, route_layer
+from placement.dispatch import DISPATCH, check_dispatch, rank_choices, route_layer
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 Policy = Literal["even", "local", "sglang-static", "sglang-dynamic", "vllm-hash"]
-POLICIES = tuple(DISPATCH_MODELS)
+POLICIES = tuple(DISPATCH)
 ENGINE_RULES = ("sglang-static", "sglang-dynamic", "vllm-hash")  # scored through placement.dispatch
 DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch for vllm-hash when no step size is given
 

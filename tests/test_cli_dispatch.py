@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from placement.dispatch import DISPATCH_MODELS, sglang_static_tables
+from placement.dispatch import DISPATCH, sglang_static_tables
 from placement.formats import read_placement
 from placement.metrics import balance_stats, source_ranks
 from profiling.readers import read_trace, write_trace
@@ -58,7 +58,7 @@ def test_evaluate_sglang_static_equals_the_table_applied_token_by_token(trace_fi
 
 def test_evaluate_all_prints_every_model_and_policy_is_an_alias(trace_file, greedy_file, capsys):
     d = _json(capsys, ["evaluate", str(greedy_file), str(trace_file), "--dispatch", "all", "--json"])
-    assert list(d["dispatch"]) == list(DISPATCH_MODELS)
+    assert list(d["dispatch"]) == list(DISPATCH)
     local = _json(capsys, ["evaluate", str(greedy_file), str(trace_file), "--policy", "local", "--json"])
     assert local["par"] == d["dispatch"]["local"]["par"]
     assert d["dispatch"]["sglang-static"]["par"] != d["dispatch"]["even"]["par"]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from placement.dispatch import (
-    DISPATCH_MODELS,
+    DISPATCH,
     check_dispatch,
     nearest_replica,
     rank_choices,
@@ -143,7 +143,7 @@ def test_sglang_dynamic_expectation_matches_sampled_draws():
 
 def test_rank_choices_rows_sum_to_one_for_every_model():
     pl = _two_node_placement()
-    for name in DISPATCH_MODELS:
+    for name in DISPATCH:
         slots, weights = rank_choices(pl, 0, name)
         assert np.allclose(weights.sum(axis=2), 1.0), name
         assert np.all(slots[weights > 0] >= 0)

@@ -18,6 +18,8 @@ run solve-greedy mp solve --trace "$T" "${topo[@]}" --solver greedy --fit-fracti
 run solve-cpsat mp solve --trace "$T" "${topo[@]}" --solver cpsat --time-limit 4 --fit-fraction 0.5 -o "$out/sglang.json" --format sglang
 run solve-locality mp solve --trace "$T" "${topo[@]}" --solver locality --balance-slack 0.02 --work-limit 4000 --fit-fraction 0.5 -o "$out/loc.json"
 run solve-migration mp solve --trace "$T" "${topo[@]}" --previous "$out/p.json" --max-moves 40 --fit-fraction 0.5 -o "$out/next.json"
+run solve-sglang mp solve --trace "$T" "${topo[@]}" --solver greedy --dispatch sglang-static --fit-fraction 0.5 -o "$out/sg.json" --format sglang
+run evaluate-all mp evaluate "$out/p.json" "$T" --dispatch all --step-tokens 64
 run evaluate mp evaluate "$out/p.json" "$T" --policy local --step-tokens 16 --hidden-size 2048
 run convert-trtllm mp convert "$out/p.json" -o "$out/moe_load_balancer.yaml" --format trtllm
 run convert-ascend mp convert "$out/p.json" -o "$out/ascend.json" --format vllm-ascend

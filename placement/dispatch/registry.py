@@ -1,0 +1,96 @@
+"""The one registry of dispatch models: which replica of an expert serves a token.
+
+A :class:`DispatchModel` states what it needs (source ranks, batch rows, per-step counts), how it
+routes (expected shares per source rank and expert, and token by token where the engine's rule is
+not a fixed share), whether it is scored fractionally, whether our runtime can execute it, and which
+engine and version it models. Every other module reads the models from here: metrics, solvers,
+runtime, plugins and the CLI's choices. No other module spells a model's name.
+
+Shapes: L layers, E logical experts, P physical slots, G EP ranks, R most replicas of one expert,
+T tokens, k top-k.
+
+Adding a model: one module in this package that builds a :class:`DispatchModel` and calls
+:func:`register`, imported from ``placement/dispatch/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DISPATCH", "DispatchModel", "check_dispatch", "dispatch_names", "get_dispatch", "register"]
+
+# (placement, layer) -> (slots int64 [G, E, R] -1 padded, weights float64 [G, E, R] rows summing to 1)
+ChoicesFn = Callable[..., tuple[np.ndarray, np.ndarray]]
+# (placement, layer, ids [T, k], src [T], batch_index [T] | None, rng | None) -> slots int64 [T, k]
+RouteFn = Callable[..., np.ndarray]
+
+
+@dataclass(frozen=True)
+class DispatchModel:
+    """One dispatch model.
+
+    Attributes:
+        name: the public name (``--dispatch``, docs/metrics.md).
+        models: the engine setting it models, or the ideal it stands for.
+        engine: ``"SGLang"``, ``"vLLM"``, ... or ``""`` for an ideal no engine runs as such.
+        version: the engine version whose source the model was read from (``""`` for ideals).
+        needs_source_ranks: the choice depends on the rank a token comes from.
+        needs_batch_rows: the choice depends on the token's row in its forward batch.
+        needs_step_counts: the choice depends on each step's all-reduced counts.
+        fractional: scored by expected shares (each (rank, expert) splits by ``choices``); otherwise
+            routed token by token through ``route`` (a hash, a draw, a per-step split).
+        runtime: our runtime (EP layer, Hugging Face path) executes it.
+        table: a fixed per-rank table that placement can be fitted for (``solver.dispatch_fit``).
+        choices: expected choice per (source rank, expert) of one layer (see ``ChoicesFn``).
+        route: token-level choice of one layer (see ``RouteFn``), or None when ``choices`` is exact.
+    """
+
+    name: str
+    models: str
+    choices: ChoicesFn
+    engine: str = ""
+    version: str = ""
+    needs_source_ranks: bool = False
+    needs_batch_rows: bool = False
+    needs_step_counts: bool = False
+    fractional: bool = True
+    runtime: bool = False
+    table: bool = False
+    route: RouteFn | None = None
+
+    def __str__(self) -> str:
+        return self.name
+
+
+DISPATCH: dict[str, DispatchModel] = {}
+
+
+def register(model: DispatchModel) -> DispatchModel:
+    """Add ``model`` to :data:`DISPATCH` (a name is registered once)."""
+    if model.name in DISPATCH:
+        raise ValueError(f"dispatch model {model.name!r} is registered twice")
+    DISPATCH[model.name] = model
+    return model
+
+
+def get_dispatch(name: str | DispatchModel) -> DispatchModel:
+    """The model called ``name`` (a model passes through); ValueError listing the models otherwise."""
+    if isinstance(name, DispatchModel):
+        return name
+    try:
+        return DISPATCH[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dispatch model {name!r}; use one of {', '.join(DISPATCH)}") from None
+
+
+def check_dispatch(name: str | DispatchModel) -> str:
+    """The name of dispatch model ``name``, checked (ValueError listing the models otherwise)."""
+    return get_dispatch(name).name
+
+
+def dispatch_names(**where: bool) -> tuple[str, ...]:
+    """Names of the models whose attributes equal ``where`` (e.g. ``runtime=True``), in registry order."""
+    return tuple(n for n, m in DISPATCH.items() if all(getattr(m, k) == v for k, v in where.items()))
