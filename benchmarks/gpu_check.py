@@ -10,7 +10,7 @@ of the code path). Checks, each printed PASS/FAIL, exit code 0 only when all pas
 1. nccl-validate-{even,local}: outputs of :class:`runtime_hooks.ep_layer.EPMoELayer` equal the
    single-process reference, slot checksums equal the logical experts', and per-rank computed picks
    equal ``placement.metrics.routed_gpu_tokens`` (synthetic routing, replayed ids).
-2. nccl-migrate: :meth:`EPMoELayer.apply_placement` commits a changed placement over NCCL
+2. nccl-migrate: :meth:`EPMoELayer.migrate_to` commits a changed placement over NCCL
    point-to-point and the layer then matches the reference under the new placement.
 3. cuda-graph-expert-compute: the layer's static-shape expert compute (router top-k + gather/bmm GLU)
    captured in a ``torch.cuda.CUDAGraph`` replays to the eager result.
@@ -70,7 +70,7 @@ def _rank(rank, world_size, tr, a, b, tokens_per_rank, hidden):
     w = ExpertWeights.random(a.num_logical_experts, hidden, hidden // 2, seed=3)
     layer = EPMoELayer(a, 0, w, policy="even")
     dev = layer.device
-    res = layer.apply_placement(b, layer=0, timeout=60.0)
+    res = layer.migrate_to(b, layer=0, timeout=60.0)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(tokens_per_rank, hidden, generator=g)
     ids = torch.as_tensor(

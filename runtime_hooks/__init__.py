@@ -6,7 +6,7 @@ imports ortools or networkx (the rebalancer loads the solver inside its worker o
 - :class:`runtime_hooks.ep_layer.EPMoELayer`: an expert-parallel MoE layer applying a ``Placement``.
 - :func:`runtime_hooks.launcher.launch`: run a function on N spawned ranks (gloo or NCCL).
 - :func:`runtime_hooks.validate.validate_placement`: outputs, checksums and per-rank tokens vs prediction.
-- :class:`runtime_hooks.migrate.MigrationResult`: what an atomic ``apply_placement`` moved.
+- :class:`runtime_hooks.migration_core.MigrationResult`: what an atomic migration moved (both runtimes).
 - :class:`runtime_hooks.rebalancer.Rebalancer`: windowed loads, trigger policy, off-thread re-solve.
 """
 
@@ -17,10 +17,9 @@ import importlib
 _EXPORTS = {
     "EPMoELayer": "runtime_hooks.ep_layer",
     "launch": "runtime_hooks.launcher",
-    "MigrationResult": "runtime_hooks.migrate",
+    "MigrationResult": "runtime_hooks.migration_core",
     "validate_placement": "runtime_hooks.validate",
     "Rebalancer": "runtime_hooks.rebalancer",
-    "apply_hf_placement": "runtime_hooks.hf",
     "RebalancerConfig": "runtime_hooks.rebalancer",
 }
 __all__ = sorted(_EXPORTS)

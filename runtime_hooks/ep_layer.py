@@ -25,11 +25,12 @@ Public API (used by :mod:`runtime_hooks.validate`, the benchmark and the online 
     layer = EPMoELayer(placement, layer_index, weights, policy="even")   # inside a launched rank
     y = layer.forward(x, topk_ids, topk_weights, token_index)            # one step (replayed ids)
     layer.last_tokens_processed                                          # picks computed this step
-    result = layer.apply_placement(new_placement, timeout=10.0)          # -> MigrationResult
+    result = layer.migrate_to(new_placement, timeout=10.0)               # -> MigrationResult
     layer.slot_checksums()                                               # [S] content hashes
 
-:meth:`EPMoELayer.apply_placement` is collective (every rank calls it between the same two steps)
-and either commits everywhere or changes nothing anywhere; see :mod:`runtime_hooks.migrate`.
+Dispatch and combine go through the shared :func:`runtime_hooks.exchange.exchange`.
+:meth:`EPMoELayer.migrate_to` is collective (every rank calls it between the same two steps) and
+either commits everywhere or changes nothing anywhere; see :mod:`runtime_hooks.migration_core`.
 """
 
 from __future__ import annotations
@@ -375,60 +376,43 @@ class EPMoELayer:
         Returns:
             ``[T, d]`` on ``x``'s device.
         """
-        import torch.distributed as dist
+        from runtime_hooks.exchange import exchange
 
         dev = self.device
         x = x.to(dev)
-        T, d = x.shape
+        T = x.shape[0]
         if topk_ids is None:
             topk_ids, topk_weights = self.route(x, top_k)
         elif topk_weights is None:
             raise ValueError("replayed topk_ids need topk_weights of the same shape [T, k]")
         ids = topk_ids.to(dev).long()
-        wts = topk_weights.to(dev).to(x.dtype)
-        k = ids.shape[1]
         if token_index is None:
             token_index = self.rank * T + torch.arange(T, device=dev)
         slots = route_slots(self.tables, ids, token_index.to(dev), self.rank, self.policy)  # [T, k]
-        S, G = self.slots_per_gpu, self.world_size
-        flat = slots.reshape(-1)  # [T*k]
-        pick = torch.nonzero(flat >= 0).squeeze(1)  # [n] valid picks
-        dest = flat[pick] // S  # [n] destination rank
-        order = torch.argsort(dest, stable=True)
-        pick, dest = pick[order], dest[order]  # picks grouped by destination rank
-        send_counts = torch.bincount(dest, minlength=G)  # [G]
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)  # exchange split sizes
-        send_split, recv_split = send_counts.tolist(), recv_counts.tolist()
-        m = sum(recv_split)
-        tok = pick // k  # [n] token of each pick
-        send_x = x.index_select(0, tok)  # [n, d]
-        send_slot = flat[pick] % S  # [n] slot index on the destination rank
-        recv_x = x.new_empty((m, d))
-        recv_slot = torch.empty(m, dtype=torch.int64, device=dev)
-        dist.all_to_all_single(recv_x, send_x, recv_split, send_split, group=self.group)  # dispatch
-        dist.all_to_all_single(recv_slot, send_slot, recv_split, send_split, group=self.group)
-        y_recv = self.expert_compute(recv_x, recv_slot)  # [m, d]
+        return exchange(
+            x, slots, topk_weights.to(dev), self.slots_per_gpu, self._compute_received, self.group
+        )
+
+    def _compute_received(self, x: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
+        """Picks this rank received: ``x [m, d]``, ``local_slot`` int64 ``[m]`` -> ``[m, d]``; counts them."""
+        y = self.expert_compute(x, local_slot)  # [m, d]
+        m = int(x.shape[0])
         if self.simulated_seconds_per_token > 0 and m:
             time.sleep(self.simulated_seconds_per_token * m)
-        y_back = x.new_empty((pick.numel(), d))
-        dist.all_to_all_single(y_back, y_recv, send_split, recv_split, group=self.group)  # combine
-        w = wts.reshape(-1).index_select(0, pick)  # [n]
-        out = torch.zeros_like(x)
-        out.index_add_(0, tok, y_back * w.unsqueeze(1))
         self.last_tokens_processed = m
         self.tokens_processed_total += m
-        return out
+        return y
 
     __call__ = forward
 
     # ---- migration ---------------------------------------------------------------------------------
-    def apply_placement(self, new_placement: Placement, layer: int = 0, timeout: float = 10.0, fault=None):
-        """Move to row ``layer`` of ``new_placement`` (collective; see :func:`runtime_hooks.migrate.apply_placement`).
+    def migrate_to(self, new_placement: Placement, layer: int = 0, timeout: float = 10.0, fault=None):
+        """Move to row ``layer`` of ``new_placement`` (collective; see
+        :func:`runtime_hooks.migrate.migrate_layer_placement`).
 
-        Returns :class:`runtime_hooks.migrate.MigrationResult`; on abort the layer keeps serving the old
-        placement unchanged.
+        Returns :class:`runtime_hooks.migration_core.MigrationResult`; on abort the layer keeps serving
+        the old placement unchanged.
         """
-        from runtime_hooks.migrate import apply_placement
+        from runtime_hooks.migrate import migrate_layer_placement
 
-        return apply_placement(self, new_placement, layer=layer, timeout=timeout, fault=fault)
+        return migrate_layer_placement(self, new_placement, layer=layer, timeout=timeout, fault=fault)

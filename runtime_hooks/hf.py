@@ -4,8 +4,9 @@ transformers 5.x routes the experts of most MoE classes (Mixtral, Qwen2/3-MoE, O
 GLM4-MoE, GPT-OSS, ...) through a forward chosen by name: classes decorated with
 ``@use_experts_implementation`` call ``ExpertsInterface`` entry ``config._experts_implementation`` as
 ``fn(experts_module, hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``.
-:func:`apply_placement` registers :data:`IMPLEMENTATION` there and switches the model to it, so no
-per-class code is needed. Llama4 and DBRX (not decorated) are rejected with a ValueError naming the class.
+:func:`apply_placement_to_model` registers :data:`IMPLEMENTATION` there and switches the model to it, so
+no per-class code is needed. Llama4 and DBRX (not decorated) are rejected with a ValueError naming the
+class.
 
 Glossary (as in :mod:`runtime_hooks.ep_layer`): logical expert ``e``; physical slot ``p``; rank ``g`` of
 the process group owns slots ``[g*S, (g+1)*S)``. Attention and dense layers stay data-parallel: every
@@ -17,19 +18,20 @@ E = logical experts, S = slots per rank, G = ranks, n = picks sent, m = picks re
 - fused weights of the model: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]`` (``is_transposed``
   classes such as GPT-OSS: ``[E, H, 2I]`` and ``[E, I, H]``; optional biases ``[E, 2I]``, ``[E, H]``;
   ``up_proj`` instead of ``gate_up_proj`` without a gate).
-- after :func:`apply_placement` every such tensor is ``[S, ...]``: slot ``s`` of rank ``g`` holds a copy
-  of logical expert ``physical_to_logical_map[row, g*S + s]``; the full tensors are freed.
+- after :func:`apply_placement_to_model` every such tensor is ``[S, ...]``: slot ``s`` of rank ``g``
+  holds a copy of logical expert ``physical_to_logical_map[row, g*S + s]``; the full tensors are freed.
 
 Routing: pick ``j`` of the token with global index ``t`` goes to the replica that
 :func:`placement.metrics.route_tokens` picks for the dispatch model (``even`` or ``local``), through
 :func:`runtime_hooks.ep_layer.route_slots` (its torch port). Global indices number the tokens of one
 experts call rank by rank (rank 0's tokens first), continuing across calls, so a trace of the recorded
-ids in that order replays the same choices. Picks travel with ``all_to_all_single`` (uneven splits) and
-come back weighted, summed over ``K`` like transformers' own forwards (``[T, K, H].sum(1)``).
+ids in that order replays the same choices. Picks travel through the shared
+:func:`runtime_hooks.exchange.exchange` (``all_to_all_single``, uneven splits) and come back weighted,
+summed over ``K`` like transformers' own forwards (``[T, K, H].sum(1)``).
 
 Public API::
 
-    applied = apply_placement(model, placement, group=None, dispatch="even")  # collective setup
+    applied = apply_placement_to_model(model, placement, group=None, dispatch="even")  # collective setup
     applied.expert_bytes_before, applied.expert_bytes_after                    # this rank's bytes
     logits = model(input_ids).logits                                           # every rank, lockstep
     slot_token_counts(model)  # int64 [L, S] picks this rank's slots computed
@@ -54,8 +56,7 @@ from placement.model import Placement
 __all__ = [
     "IMPLEMENTATION",
     "AppliedPlacement",
-    "apply_hf_placement",
-    "apply_placement",
+    "apply_placement_to_model",
     "expert_bytes",
     "moe_experts",
     "match_layers",
@@ -82,7 +83,7 @@ _DISPATCH = ("even", "local")
 
 @dataclass(frozen=True)
 class AppliedPlacement:
-    """What :func:`apply_placement` did on this rank.
+    """What :func:`apply_placement_to_model` did on this rank.
 
     Attributes:
         model_class: the model's class name. rank / ranks: this rank and the group size.
@@ -194,7 +195,7 @@ def match_layers(placement: Placement, layer_ids: list[int], num_experts: int) -
 # ---------------------------------------------------------------------------------------------------
 # Applying a placement
 # ---------------------------------------------------------------------------------------------------
-def apply_placement(
+def apply_placement_to_model(
     model: torch.nn.Module,
     placement: Placement,
     group=None,
@@ -244,9 +245,6 @@ def apply_placement(
     return AppliedPlacement(
         type(model).__name__, rank, ranks, tuple(experts), tuple(rows), before, after, dispatch
     )
-
-
-apply_hf_placement = apply_placement  # the package-level name (``runtime_hooks.apply_hf_placement``)
 
 
 def _check_switchable(model: torch.nn.Module) -> None:
@@ -303,26 +301,25 @@ def placed_experts_forward(
 
     Collective over the placement's group: dispatch picks to their replicas, compute, combine.
     """
-    from runtime_hooks.hf_exchange import exchange
+    from runtime_hooks.exchange import exchange
 
     state: _SlotState | None = getattr(self, "_moe_placement", None)
     if state is None:
         raise RuntimeError(
             f"{type(self).__name__} runs experts implementation {IMPLEMENTATION!r} without a placement; "
-            f"call runtime_hooks.hf.apply_placement(model, placement, group) on every rank first"
+            f"call runtime_hooks.hf.apply_placement_to_model(model, placement, group) on every rank first"
         )
-    T, K = top_k_index.shape
     slots = _route(state, top_k_index)  # [T, K] physical slot of every pick
     with torch.no_grad():
         y = exchange(
             hidden_states,
-            slots.reshape(-1),
+            slots,
+            top_k_weights,
             state.placement.topology.slots_per_gpu,
             lambda x, s: _compute_slots(self, state, x, s),
             state.group,
-        )  # [T*K, H] expert output of every pick, in pick order
-    weighted = y.view(T, K, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)  # [T, K, H]
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+        )  # [T, H] weighted sum over K of every pick's expert output
+    return y.to(hidden_states.dtype)
 
 
 def _route(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
@@ -386,7 +383,8 @@ def _expert(module, s: int, x: torch.Tensor) -> torch.Tensor:
 # Read-outs
 # ---------------------------------------------------------------------------------------------------
 def slot_token_counts(model: torch.nn.Module) -> np.ndarray:
-    """int64 ``[L, S]``: picks each local slot computed since :func:`apply_placement`, MoE layers in order."""
+    """int64 ``[L, S]``: picks each local slot computed since :func:`apply_placement_to_model`, MoE layers
+    in order."""
     return np.stack([_state(m).slot_tokens.numpy().copy() for m in moe_experts(model).values()])
 
 
@@ -398,5 +396,5 @@ def recorded_ids(model: torch.nn.Module) -> list[list[np.ndarray]]:
 def _state(module) -> _SlotState:
     state = getattr(module, "_moe_placement", None)
     if state is None:
-        raise ValueError("no placement applied to this model; call apply_placement first")
+        raise ValueError("no placement applied to this model; call apply_placement_to_model first")
     return state

@@ -1,8 +1,9 @@
 """Live serving of a Hugging Face MoE model on a placement, rebalanced online without stopping.
 
 Every rank of ``G`` launched ranks loads the same model, applies the placement
-(:func:`runtime_hooks.hf.apply_placement`: routed experts sharded, attention data-parallel) and greedily
-decodes its own ``B`` prompts (rank ``r`` owns prompts ``[r*B, (r+1)*B)``) with the model's KV cache.
+(:func:`runtime_hooks.hf.apply_placement_to_model`: routed experts sharded, attention data-parallel)
+and greedily decodes its own ``B`` prompts (rank ``r`` owns prompts ``[r*B, (r+1)*B)``) with the model's
+KV cache.
 After every step:
 
 1. the routing recorder (:func:`profiling.hooks.attach`, counts mode) gives this rank's selections of
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from placement.model import Placement
-from runtime_hooks.migrate import FaultSpec
+from runtime_hooks.migration_core import FaultSpec
 
 __all__ = [
     "RebalanceRecord",
@@ -255,7 +256,8 @@ class _LiveRebalance:
 
     def _rebalancer(self, rows: Placement):
         from runtime_hooks.hf import moe_experts
-        from runtime_hooks.hf_serve_migrate import _slot_bytes
+        from runtime_hooks.hf_serve_migrate import slot_tensors
+        from runtime_hooks.migration_core import slot_bytes
         from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
 
         module = next(iter(moe_experts(self.model).values()))
@@ -268,7 +270,7 @@ class _LiveRebalance:
             max_moves=self.spec.max_moves,
             time_limit=2.0,
         )
-        return Rebalancer(rows, cfg, expert_bytes=float(_slot_bytes(module)))
+        return Rebalancer(rows, cfg, expert_bytes=float(slot_bytes(slot_tensors(module))))
 
     def close(self) -> None:
         self.recorder.detach()
@@ -352,7 +354,7 @@ def _serve_job(rank: int, ranks: int, spec: ServeSpec) -> dict:
     """Reference decode (one process), apply the placement, decode live with rebalancing."""
     import torch.distributed as dist
 
-    from runtime_hooks.hf import apply_placement, slot_token_counts
+    from runtime_hooks.hf import apply_placement_to_model, slot_token_counts
     from runtime_hooks.hf_serve_migrate import row_checksums, served_rows
     from runtime_hooks.hf_validate import describe_model, load_model
 
@@ -362,7 +364,7 @@ def _serve_job(rank: int, ranks: int, spec: ServeSpec) -> dict:
     prompts = _prompts(spec, ranks, info.vocab_size)[rank * B : (rank + 1) * B]  # [B, T0]
     reference = greedy_decode(model, prompts, spec.new_tokens).numpy() if spec.reference else None
     expected = row_checksums(model)  # [L, E, 2] of every logical expert, before sharding
-    applied = apply_placement(model, spec.placement, dispatch=spec.dispatch)
+    applied = apply_placement_to_model(model, spec.placement, dispatch=spec.dispatch)
     rows = served_rows(model)
     live = _LiveRebalance(model, rows, applied.layer_ids, spec, rank)
     try:

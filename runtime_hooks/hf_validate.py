@@ -2,8 +2,8 @@
 
 Every rank loads the same model (a checkpoint folder, or a config with seeded random weights), computes
 the single-process logits of the whole batch, applies the placement with
-:func:`runtime_hooks.hf.apply_placement`, runs its own ``B`` prompts (attention data-parallel: rank ``r``
-owns prompts ``[r*B, (r+1)*B)``) and compares. The parent then replays the top-k ids the ranks saw
+:func:`runtime_hooks.hf.apply_placement_to_model`, runs its own ``B`` prompts (attention data-parallel:
+rank ``r`` owns prompts ``[r*B, (r+1)*B)``) and compares. The parent then replays the top-k ids the ranks saw
 through :func:`placement.metrics.route_tokens` and compares the picks per slot with those computed.
 
 Public API::
@@ -195,14 +195,14 @@ def _validate_job(rank: int, ranks: int, job: _Job) -> dict:
     """One model: single-process logits of the whole batch, then this rank's prompts sharded; compare."""
     import torch
 
-    from runtime_hooks.hf import apply_placement, recorded_ids, slot_token_counts
+    from runtime_hooks.hf import apply_placement_to_model, recorded_ids, slot_token_counts
 
     model = load_model(job.source, job.seed, job.dtype)
     ids = _inputs(job, ranks)  # [G*B, seq]
     B = job.prompts_per_rank
     with torch.no_grad():
         ref = model(ids).logits[rank * B : (rank + 1) * B].float()  # [B, seq, V] single process
-        applied = apply_placement(model, job.placement, dispatch=job.dispatch, record=True)
+        applied = apply_placement_to_model(model, job.placement, dispatch=job.dispatch, record=True)
         out = model(ids[rank * B : (rank + 1) * B]).logits.float()  # [B, seq, V] sharded
     diff = float((out - ref).abs().max()) if out.numel() else 0.0
     return {

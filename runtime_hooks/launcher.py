@@ -13,7 +13,7 @@ Public API::
   on gloo so many ranks share few cores.
 - Rendezvous uses a ``TCPStore`` hosted by the launching process on a free port chosen by the OS
   (port 0, no race). The same store is a side channel for workers (:func:`current_store`): the
-  migration protocol in :mod:`runtime_hooks.migrate` decides commit/abort through it, because a
+  migration protocol in :mod:`runtime_hooks.migration_core` decides commit/abort through it, because a
   collective cannot decide anything once a rank is stuck.
 - Results come back per rank (``results[r]`` is rank r's return value; it must pickle). When a rank
   raises, :class:`WorkerError` carries its rank and formatted traceback; when ranks do not finish within

@@ -18,7 +18,7 @@ import transformers as tf  # noqa: E402
 
 from placement.model import Placement  # noqa: E402
 from runtime_hooks.hf_serve import ServeSpec, contiguous_placement, serve_many  # noqa: E402
-from runtime_hooks.migrate import FaultSpec  # noqa: E402
+from runtime_hooks.migration_core import FaultSpec  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -2,6 +2,7 @@
 
 One launched world runs the whole story (launching costs more than the checks):
 serve -> migrate (commit) -> injected raise mid-move (abort) -> stalled rank (abort on timeout)
+-> a slot staged corrupted (abort on its checksum)
 -> retry (commit), checking outputs, weights, token counts and staging buffers after every step.
 """
 
@@ -15,7 +16,15 @@ from placement.metrics import moved_slots, route_tokens, routed_gpu_tokens
 from placement.topology import Topology
 from runtime_hooks.ep_layer import EPMoELayer, ExpertWeights, reference_moe, replay_weights, tensor_checksum
 from runtime_hooks.launcher import launch
-from runtime_hooks.migrate import FaultSpec, live_staging_buffers, plan_migration
+from runtime_hooks.migration_core import (
+    FaultSpec,
+    checksum,
+    live_staging_buffers,
+    pack_slot,
+    plan_migration,
+    slot_bytes,
+    unpack_slot,
+)
 from solver.greedy import greedy_placement
 
 T_RANK = 16
@@ -42,28 +51,35 @@ def _story(rank, world_size, a, b, ids_all):
     weights = ExpertWeights.random(a.num_logical_experts, 16, 8, seed=5)
     layer = EPMoELayer(a, 0, weights, policy="local")
     log = {"start": _step(layer, ids_all, weights, rank, 1)}
-    res = layer.apply_placement(b, timeout=10.0)
+    res = layer.migrate_to(b, timeout=10.0)
     log["commit"] = (
         res,
         layer.placement == b,
         _step(layer, ids_all, weights, rank, 2),
         live_staging_buffers(),
     )
-    res = layer.apply_placement(a, timeout=3.0, fault=FaultSpec(rank=1, mode="raise"))
+    res = layer.migrate_to(a, timeout=3.0, fault=FaultSpec(rank=1, mode="raise"))
     log["raise"] = (
         res,
         layer.placement == b,
         _step(layer, ids_all, weights, rank, 3),
         live_staging_buffers(),
     )
-    res = layer.apply_placement(a, timeout=2.0, fault=FaultSpec(rank=3, mode="stall", stall_s=3.0))
+    res = layer.migrate_to(a, timeout=2.0, fault=FaultSpec(rank=3, mode="stall", stall_s=3.0))
     log["stall"] = (
         res,
         layer.placement == b,
         _step(layer, ids_all, weights, rank, 4),
         live_staging_buffers(),
     )
-    res = layer.apply_placement(a, timeout=10.0)
+    res = layer.migrate_to(a, timeout=10.0, fault=FaultSpec(rank=2, mode="corrupt"))
+    log["corrupt"] = (
+        res,
+        layer.placement == b,
+        _step(layer, ids_all, weights, rank, 6),
+        live_staging_buffers(),
+    )
+    res = layer.migrate_to(a, timeout=10.0)
     log["retry"] = (
         res,
         layer.placement == a,
@@ -111,6 +127,7 @@ def test_migration_commit_abort_and_retry_on_four_ranks(deepseek_trace):
     assert planned > 8
     moves = plan_migration(a, b)
     assert any(m.src_rank == 1 and m.dst_rank != 1 for m in moves)  # the faulty rank really sends
+    assert any(m.dst_rank == 2 for m in plan_migration(b, a))  # the corrupting rank really stages
     ids_all = np.asarray(tr.topk_ids[50000 : 50000 + 4 * T_RANK, 0, :], dtype=np.int64)  # [64, 6]
     logs = launch(_story, 4, args=(a, b, ids_all), timeout=120)
     pa, pb = _predicted(a, ids_all), _predicted(b, ids_all)
@@ -129,9 +146,28 @@ def test_migration_commit_abort_and_retry_on_four_ranks(deepseek_trace):
             assert on_b and err < 1e-4 and ok and picks == pb[rank], stage
             assert live == 0, f"{stage}: {live} staging tensors leaked on rank {rank}"
         assert "injected fault on rank 1" in log["raise"][0].reason
+        res, on_b, (err, picks, ok), live = log["corrupt"]  # a slot staged corrupted: abort everywhere
+        assert not res.committed and "checksum mismatch" in res.reason and "rank 2" in res.reason
+        assert on_b and err < 1e-4 and ok and picks == pb[rank] and live == 0
         res, on_a, (err, picks, ok), live = log["retry"]
         assert res.committed and on_a and res.moved_slots == planned
         assert err < 1e-4 and ok and picks == pa[rank] and live == 0
     # every rank reached the same decision each time
-    for stage in ("commit", "raise", "stall", "retry"):
+    for stage in ("commit", "raise", "stall", "corrupt", "retry"):
         assert len({log[stage][0].reason for log in logs}) == 1
+
+
+def test_packed_slot_round_trip_and_checksum():
+    tensors = (torch.randn(3, 4, 5), torch.randn(3, 5))  # [S, 4, 5] and [S, 5]: one slot = 25 values
+    buf = pack_slot(tensors, 1)  # [25]
+    assert buf.shape == (25,) and slot_bytes(tensors) == 25 * 4
+    target = tuple(torch.zeros_like(t) for t in tensors)
+    unpack_slot(target, 2, buf)
+    assert torch.equal(target[0][2], tensors[0][1]) and torch.equal(target[1][2], tensors[1][1])
+    assert not target[0][:2].any() and not target[1][:2].any()  # other slots untouched
+    changed, swapped = buf.clone(), buf.clone()
+    changed[7] += 1
+    swapped[[3, 4]] = buf[[4, 3]]
+    assert torch.equal(checksum(buf), checksum(pack_slot(target, 2)))
+    assert not torch.equal(checksum(changed), checksum(buf))
+    assert not torch.equal(checksum(swapped), checksum(buf))

@@ -7,7 +7,7 @@ all-reduced (what the counting hook plus an all-reduce give a server), and rank 
 :class:`Rebalancer` (gain trigger, cost model with a modelled 44 MB expert over NVLink). The re-solve
 runs on the rebalancer's worker thread; rank 0 waits for it at the step it was submitted (so the test
 is deterministic), broadcasts the decision, and every rank applies it through the runtime's atomic
-``apply_placement`` between the same two steps. Checked: no migration during domain A (noise only), a
+``migrate_to`` between the same two steps. Checked: no migration during domain A (noise only), a
 committed migration after the switch, and every step's outputs equal the single-process reference.
 """
 
@@ -83,7 +83,7 @@ def _serve(rank, world_size, p2l, ids_steps):
         dist.broadcast_object_list(decision, src=0)
         if decision[0] is not None:
             new_pl = Placement(decision[0], E, topo)
-            results = [layers[l].apply_placement(new_pl, layer=l, timeout=20.0) for l in range(L)]
+            results = [layers[l].migrate_to(new_pl, layer=l, timeout=20.0) for l in range(L)]
             ok = all(r.committed for r in results)
             migrations.append((step, ok, sum(r.moved_slots for r in results)))
             if reb is not None and not ok:  # keep the rebalancer in sync with what the runtime serves
