@@ -2,7 +2,9 @@
 
 Shapes: L layers, E logical experts, P physical slots, G EP ranks (GPUs), N nodes, T tokens, k top-k.
 
-Replica selection (how a token's choice of a logical expert becomes a physical slot):
+Replica selection (how a token's choice of a logical expert becomes a physical slot) is a dispatch
+model from the registry :data:`placement.dispatch.DISPATCH`; every function takes one (``dispatch``: a
+registered name or the model) and branches on its attributes, never on its name:
 
 - ``even``: an expert's tokens split evenly over its replicas (an ideal; vLLM's hash is close to it).
 - ``sglang-static``, ``sglang-dynamic``, ``vllm-hash``: the engines' own rules (:mod:`placement.dispatch`).
@@ -11,20 +13,31 @@ Replica selection (how a token's choice of a logical expert becomes a physical s
   least-loaded choice settles for a static map and is reproducible rank by rank.
 
 Balance metrics split fractionally (each token puts ``1/c`` on each of the ``c`` replicas of its tier:
-the expectation). :func:`route_tokens` gives the deterministic token-level choice the runtime applies
-(token ``t``'s ``j``-th pick takes replica ``(t + j) mod c`` of its tier); communication metrics use it,
-and the runtime's measured per-rank token counts equal :func:`routed_gpu_tokens` exactly.
+the expectation). A model that decides from each step's all-reduced counts (``needs_step_counts``) is
+scored step by step through its ``step_load``. :func:`route_tokens` gives the deterministic token-level
+choice the runtime applies (token ``t``'s ``j``-th pick takes replica ``(t + j) mod c`` of its tier);
+communication metrics use it, and the runtime's measured per-rank token counts equal
+:func:`routed_gpu_tokens` exactly. Source ranks come from :mod:`placement.sources` (re-exported here).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-from placement.dispatch import DISPATCH, check_dispatch, rank_choices, route_layer
+from placement.dispatch import (
+    DISPATCH,
+    EVEN,
+    LOCAL,
+    DispatchModel,
+    dispatch_names,
+    get_dispatch,
+    rank_choices,
+    route_layer,
+)
 from placement.model import Placement
+from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -51,14 +64,10 @@ __all__ = [
     "evaluate",
 ]
 
-Policy = Literal["even", "local", "sglang-static", "sglang-dynamic", "vllm-hash"]
-POLICIES = tuple(DISPATCH)
-ENGINE_RULES = ("sglang-static", "sglang-dynamic", "vllm-hash")  # scored through placement.dispatch
-DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch for vllm-hash when no step size is given
-
-
-def _check_policy(policy: str) -> None:
-    check_dispatch(policy)
+Dispatch = str | DispatchModel  # a name registered in placement.dispatch.DISPATCH, or the model
+POLICIES = dispatch_names()  # deprecated alias of the registered dispatch names
+ENGINE_RULES = tuple(n for n, m in DISPATCH.items() if m.route is not None)  # deprecated: token-level rules
+DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch (batch rows, steps) when none is given
 
 
 def _check_compatible(placement: Placement, num_layers: int, num_experts: int, what: str) -> None:
@@ -105,7 +114,7 @@ def balance_stats(gpu_load: np.ndarray) -> dict:
 
 
 def expected_gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
-    """Per-GPU load under the ``even`` policy from per-expert loads.
+    """Per-GPU load under the ``even`` dispatch model from per-expert loads.
 
     Args:
         load: ``[L, E]`` (or ``[W, L, E]``) tokens per logical expert.
@@ -133,111 +142,24 @@ def expected_gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
     return out[0] if squeeze else out
 
 
-def source_ranks(trace: RoutingTrace, ep_size: int) -> tuple[np.ndarray, str]:
-    """Attention-DP rank of every token, and how it was obtained.
-
-    The trace's own ``source_rank`` when present (reduced mod ``ep_size`` if it was recorded on more
-    ranks); else prompts round-robin over ranks when prompt boundaries exist; else tokens round-robin.
-
-    Returns:
-        (int64 ``[T]``, one of ``"trace"``, ``"round-robin by prompt"``, ``"round-robin by token"``).
-    """
-    T = trace.num_tokens
-    if trace.source_rank is not None:
-        return trace.source_rank.astype(np.int64) % ep_size, "trace"
-    if trace.seq_offsets is not None:
-        lengths = np.diff(trace.seq_offsets)
-        return np.repeat(np.arange(lengths.size, dtype=np.int64) % ep_size, lengths), "round-robin by prompt"
-    return np.arange(T, dtype=np.int64) % ep_size, "round-robin by token"
-
-
-def resolve_source_ranks(
-    trace: RoutingTrace, ep_size: int, spec: str | None = None
-) -> tuple[np.ndarray, str]:
-    """Source rank of every token from a ``--source-ranks`` spec: int64 ``[T]`` and how it was made.
-
-    ``None``: :func:`source_ranks` (the trace's own ranks, else prompts round-robin). ``round-robin``:
-    prompt ``i`` (token ``i`` without prompt boundaries) to rank ``i mod G``. ``random[:SEED]``:
-    each prompt (or token) to a uniformly random rank. Anything else is a ``.npy`` file holding one
-    rank per token.
-    """
-    if spec is None:
-        return source_ranks(trace, ep_size)
-    lengths = np.diff(trace.seq_offsets) if trace.seq_offsets is not None else np.ones(trace.num_tokens, int)
-    unit = "prompt" if trace.seq_offsets is not None else "token"
-    if spec == "round-robin":
-        return np.repeat(np.arange(lengths.size, dtype=np.int64) % ep_size, lengths), f"round-robin by {unit}"
-    if spec == "random" or spec.startswith("random:"):
-        seed_text = spec.partition(":")[2] or "0"
-        if not seed_text.isdigit():
-            raise ValueError(f"--source-ranks {spec!r}: the seed after 'random:' must be a whole number")
-        ranks = np.random.default_rng(int(seed_text)).integers(0, ep_size, size=lengths.size)
-        return np.repeat(ranks.astype(np.int64), lengths), f"random by {unit} (seed {seed_text})"
-    return _source_ranks_file(spec, trace.num_tokens, ep_size), f"file {spec}"
-
-
-def rank_expert_counts(trace: RoutingTrace, ep_size: int, spec: str | None = None) -> np.ndarray:
-    """Tokens each source rank sends to each expert: int64 ``[L, G, E]``.
-
-    Per-token traces use :func:`resolve_source_ranks`; counts-only traces with windows (questions,
-    domains) deal window ``i`` to rank ``i mod G`` (``round-robin``, the default) or at random.
-    """
-    L, E = trace.num_layers, trace.num_logical_experts
-    out = np.zeros((L, ep_size, E), dtype=np.int64)
-    if trace.has_tokens:
-        src, _ = resolve_source_ranks(trace, ep_size, spec)
-        ids = trace.topk_ids
-        for l in range(L):
-            valid = ids[:, l, :] >= 0
-            key = np.broadcast_to(src[:, None], valid.shape)[valid] * E + ids[:, l, :][valid].astype(np.int64)
-            out[l] = np.bincount(key, minlength=ep_size * E).reshape(ep_size, E)
-        return out
-    if trace.window_counts is None:
-        raise ValueError("source ranks need a per-token trace or per-window counts; this trace has neither")
-    W = trace.window_counts.shape[0]
-    if spec in (None, "round-robin"):
-        ranks = np.arange(W) % ep_size
-    elif spec == "random" or spec.startswith("random:"):
-        ranks = np.random.default_rng(int(spec.partition(":")[2] or 0)).integers(0, ep_size, size=W)
-    else:
-        raise ValueError(f"--source-ranks {spec!r}: a counts-only trace takes round-robin or random[:SEED]")
-    np.add.at(out, (slice(None), ranks), np.moveaxis(np.asarray(trace.window_counts, dtype=np.int64), 0, 1))
-    return out
-
-
-def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: str) -> np.ndarray:
+def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: Dispatch) -> np.ndarray:
     """GPU loads ``[..., L, G]`` from tokens per (source rank, expert) ``rank_counts [..., L, G, E]``:
     exact for ``sglang-static`` and every rule that depends only on the rank (the expectation for the
-    random ones; vLLM's hash is even in expectation)."""
+    random ones; vLLM's hash is even in expectation). A model scored per step (``step_load``) reads
+    each leading index as one step's counts (no leading axes: the counts are one step)."""
+    model = get_dispatch(dispatch)
     t = placement.topology
     counts = np.asarray(rank_counts, dtype=np.float64)
     lead = counts.shape[:-3]
     G, E = t.ep_size, placement.num_logical_experts
     out = np.zeros((*lead, placement.num_layers, G))
     for l in range(placement.num_layers):
-        per_slot = counts[..., l, :, :].reshape(-1, G * E) @ _share_matrix(placement, l, dispatch)  # [., P]
+        if model.step_load is not None:
+            per_slot = _step_load(placement, l, counts[..., l, :, :].sum(axis=-2).reshape(-1, E), model)
+        else:
+            per_slot = counts[..., l, :, :].reshape(-1, G * E) @ _share_matrix(placement, l, model)  # [., P]
         out[..., l, :] = per_slot.reshape(*lead, G, t.slots_per_gpu).sum(axis=-1)
     return out
-
-
-def _source_ranks_file(path: str, num_tokens: int, ep_size: int) -> np.ndarray:
-    """A ``.npy`` file of ``num_tokens`` integer ranks in ``[0, ep_size)`` (ValueError otherwise)."""
-    if not path.endswith(".npy"):
-        raise ValueError(f"--source-ranks {path!r}: use round-robin, random[:SEED] or a .npy file of ranks")
-    try:
-        arr = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--source-ranks {path}: cannot read it as a .npy array ({exc})") from None
-    if arr.shape != (num_tokens,) or arr.dtype.kind not in "iu":
-        raise ValueError(
-            f"--source-ranks {path}: need {num_tokens} integer ranks (one per token), got {arr.dtype} {arr.shape}"
-        )
-    if arr.size and (arr.min() < 0 or arr.max() >= ep_size):
-        raise ValueError(
-            f"--source-ranks {path}: ranks must be in [0, {ep_size}) for EP size {ep_size}, "
-            f"got [{int(arr.min())}, {int(arr.max())}]"
-        )
-    return arr.astype(np.int64)
 
 
 class _LayerTables:
@@ -269,8 +191,8 @@ class _LayerTables:
         self.node_l2p[node[order], p2l[order], rank] = order
 
 
-def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, policy: str, gpus_per_node: int):
-    """Tier of each pick: 0 own GPU, 1 own node, 2 any replica (always 2 under ``even``), -1 no id.
+def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, model: DispatchModel, gpus_per_node: int):
+    """Tier of each pick: 0 own GPU, 1 own node, 2 any replica (always 2 but under ``local``), -1 no id.
 
     Args:
         ids: int ``[T, k]``; src: int64 ``[T]``.
@@ -282,7 +204,7 @@ def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, policy: str, g
     e = np.where(valid, ids, 0).astype(np.int64)
     tier = np.full(ids.shape, 2, dtype=np.int8)
     own = np.full(ids.shape, -1, dtype=np.int64)
-    if policy == "local":
+    if model is LOCAL:
         E = tab.gpu_slot.shape[1]
         own = tab.gpu_slot.ravel()[src[:, None] * E + e]  # [T, k] flat gather
         node_has = tab.node_cnt.ravel()[(src // gpus_per_node)[:, None] * E + e] > 0
@@ -297,28 +219,36 @@ def _fractional_slot_load(
     layer: int,
     ids: np.ndarray,
     src: np.ndarray,
-    policy: str,
+    model: DispatchModel,
     group: np.ndarray,
     num_groups: int,
     batch_index: np.ndarray | None = None,
 ) -> np.ndarray:
     """Expected slot loads ``[num_groups, P]`` of one layer; ``group`` int64 ``[T]`` buckets tokens (steps).
 
-    Each pick puts weight ``1/c`` on each of the ``c`` replicas of its tier; the engines' rules go
-    through :func:`_engine_slot_load` (``batch_index``: each token's row in its forward batch).
+    A model scored per step goes through its ``step_load`` with each group's counts; one our runtime
+    executes (``even``, ``local``) puts weight ``1/c`` on each of the ``c`` replicas of a pick's tier;
+    the engines' rules go through :func:`_engine_slot_load` (``batch_index``: each token's row in its
+    forward batch).
     """
-    if policy in ENGINE_RULES:
-        return _engine_slot_load(placement, layer, ids, src, policy, group, num_groups, batch_index)
+    if model.step_load is not None:
+        E = placement.num_logical_experts
+        valid = ids >= 0
+        key = np.broadcast_to(group[:, None], ids.shape)[valid] * E + ids[valid].astype(np.int64)
+        counts = np.bincount(key, minlength=num_groups * E).reshape(num_groups, E)  # [S, E]
+        return _step_load(placement, layer, counts.astype(np.float64), model)
+    if not model.runtime:
+        return _engine_slot_load(placement, layer, ids, src, model, group, num_groups, batch_index)
     t = placement.topology
     E, P, N = placement.num_logical_experts, t.num_physical_experts, t.num_nodes
     tab = _LayerTables(placement, layer)
-    tier, own, e = _tier_of(tab, ids, src, policy, t.gpus_per_node)
+    tier, own, e = _tier_of(tab, ids, src, model, t.gpus_per_node)
     gk = np.broadcast_to(group[:, None], ids.shape)
     out = np.zeros((num_groups, P))
     sel = tier == 2  # spread over all replicas of the expert
     c2 = np.bincount(gk[sel] * E + e[sel], minlength=num_groups * E).reshape(num_groups, E)
     out += c2[:, tab.p2l] / tab.cnt[tab.p2l][None, :]
-    if policy == "local":
+    if model is LOCAL:
         sel = tier == 0  # the replica on the token's own GPU
         out += np.bincount(gk[sel] * P + own[sel], minlength=num_groups * P).reshape(num_groups, P)
         sel = tier == 1  # spread over the replicas on the token's node
@@ -331,25 +261,37 @@ def _fractional_slot_load(
     return out
 
 
-def _engine_slot_load(placement, layer, ids, src, policy, group, num_groups, batch_index) -> np.ndarray:
+def _engine_slot_load(placement, layer, ids, src, model, group, num_groups, batch_index) -> np.ndarray:
     """Slot loads ``[num_groups, P]`` of one layer under an engine's rule.
 
-    ``vllm-hash`` is routed token by token (``batch_index`` int64 ``[T]``); the SGLang rules are
-    scored by expectation: tokens per (group, source rank, expert) times each (rank, expert)'s shares.
+    A model that is not fractional (``vllm-hash``) is routed token by token (``batch_index`` int64
+    ``[T]``); the others (the SGLang rules) are scored by expectation: tokens per (group, source rank,
+    expert) times each (rank, expert)'s shares.
     """
     P, G, E = placement.num_physical_experts, placement.topology.ep_size, placement.num_logical_experts
     valid = ids >= 0
     gk = np.broadcast_to(group[:, None], ids.shape)[valid]
-    if policy == "vllm-hash":
-        slots = route_layer(placement, layer, ids, src, policy, batch_index=batch_index)[valid]
+    if not model.fractional:
+        slots = route_layer(placement, layer, ids, src, model, batch_index=batch_index)[valid]
         return np.bincount(gk * P + slots, minlength=num_groups * P).reshape(num_groups, P).astype(np.float64)
     sk = np.broadcast_to(src[:, None], ids.shape)[valid]
     key = (gk * G + sk) * E + ids[valid].astype(np.int64)
     counts = np.bincount(key, minlength=num_groups * G * E).reshape(num_groups, G * E)  # [S, G*E]
-    return counts @ _share_matrix(placement, layer, policy)
+    return counts @ _share_matrix(placement, layer, model)
 
 
-def _share_matrix(placement: Placement, layer: int, dispatch: str) -> np.ndarray:
+def _step_load(placement: Placement, layer: int, counts: np.ndarray, model: DispatchModel) -> np.ndarray:
+    """``model.step_load`` of one layer: float64 slot loads ``[S, P]`` from step counts ``[S, E]``."""
+    out = np.asarray(model.step_load(placement, layer, counts), dtype=np.float64)
+    if out.shape != (counts.shape[0], placement.num_physical_experts):
+        raise ValueError(
+            f"step_load of {model.name!r} returned shape {out.shape} for {counts.shape[0]} steps; it must "
+            f"return ({counts.shape[0]}, {placement.num_physical_experts}): one row of slot loads per step"
+        )
+    return out
+
+
+def _share_matrix(placement: Placement, layer: int, dispatch: Dispatch) -> np.ndarray:
     """``[G*E, P]``: row ``(g, e)`` holds the share of rank ``g``'s tokens for expert ``e`` that each
     slot receives (:func:`placement.dispatch.rank_choices`)."""
     G, E = placement.topology.ep_size, placement.num_logical_experts
@@ -364,12 +306,17 @@ def _share_matrix(placement: Placement, layer: int, dispatch: str) -> np.ndarray
 def batch_positions(src: np.ndarray, batch_tokens: int) -> np.ndarray:
     """Each token's row in its rank's forward batch: its position among its rank's tokens (trace
     order) modulo ``batch_tokens``. ``src`` int64 ``[T]`` -> int64 ``[T]``."""
+    return _rank_positions(src) % int(batch_tokens)
+
+
+def _rank_positions(src: np.ndarray) -> np.ndarray:
+    """Each token's position among its rank's tokens, in trace order: ``src`` int64 ``[T]`` -> ``[T]``."""
     order = np.argsort(src, kind="stable")  # tokens grouped by rank, trace order inside
     sorted_src = src[order]
     first = np.searchsorted(sorted_src, sorted_src, side="left")
     pos = np.empty_like(order)
     pos[order] = np.arange(order.size) - first
-    return pos % int(batch_tokens)
+    return pos
 
 
 def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | None):
@@ -391,27 +338,32 @@ def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | 
 def trace_gpu_load(
     placement: Placement,
     trace: RoutingTrace,
-    policy: Policy = "even",
+    dispatch: Dispatch = EVEN,
     src: np.ndarray | None = None,
     batch_tokens: int | None = None,
 ) -> np.ndarray:
     """Expected per-GPU load ``[L, G]`` of a trace under a dispatch model (fractional within a tier).
 
     Counts-only traces support ``even`` only (the others need to know where tokens come from).
-    ``batch_tokens``: tokens per rank per forward batch (``vllm-hash``; default 256).
+    ``batch_tokens``: tokens per rank per forward batch (default 256): a model that needs batch rows
+    (``vllm-hash``) hashes each token's row; one scored per step sums its steps, step ``s`` being
+    every rank's ``s``-th batch (a trailing partial batch is a step too).
     """
-    _check_policy(policy)
-    if policy == "even":
+    model = get_dispatch(dispatch)
+    if model is EVEN:
         return expected_gpu_load(placement, trace.counts())
     src = _layer_ids_src(placement, trace, src)
     t = placement.topology
     out = np.zeros((placement.num_layers, t.ep_size))
-    zero = np.zeros(trace.num_tokens, dtype=np.int64)
-    rows = batch_positions(src, batch_tokens or DEFAULT_BATCH_TOKENS) if policy == "vllm-hash" else None
+    pos = _rank_positions(src)  # [T]
+    b = batch_tokens or DEFAULT_BATCH_TOKENS
+    rows = pos % b if model.needs_batch_rows else None
+    step = pos // b if model.step_load is not None else np.zeros(trace.num_tokens, dtype=np.int64)  # [T]
+    S = int(step.max()) + 1 if step.size else 1
     ids = trace.topk_ids
     assert ids is not None  # _layer_ids_src checked has_tokens
     for l in range(placement.num_layers):
-        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, zero, 1, rows)[0]
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, model, step, S, rows).sum(axis=0)
         out[l] = slot_load.reshape(t.ep_size, t.slots_per_gpu).sum(axis=1)
     return out
 
@@ -420,7 +372,7 @@ def route_tokens(
     placement: Placement,
     topk_ids: np.ndarray,
     src_gpu: np.ndarray,
-    policy: Policy = "even",
+    dispatch: Dispatch = EVEN,
     token_index: np.ndarray | None = None,
     batch_index: np.ndarray | None = None,
     seed: int = 0,
@@ -430,7 +382,7 @@ def route_tokens(
     ``even``/``local``: pick ``j`` of token ``t`` takes replica ``(t + j) mod c`` of its tier (``c``
     replicas, ascending slots). The engines' rules follow :func:`placement.dispatch.route_layer`:
     ``vllm-hash`` hashes ``batch_index`` (default: :func:`batch_positions` with 256 tokens per batch),
-    ``sglang-dynamic`` draws with ``seed``.
+    ``sglang-dynamic`` draws with ``seed``. A model with neither (scored per step only) raises.
 
     Args:
         topk_ids: int ``[T, L, k]`` logical ids, -1 for none.
@@ -441,7 +393,7 @@ def route_tokens(
     Returns:
         int64 ``[T, L, k]`` physical slot ids, -1 where the id was -1.
     """
-    _check_policy(policy)
+    model = get_dispatch(dispatch)
     ids = np.asarray(topk_ids)
     if ids.ndim != 3:
         raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
@@ -449,15 +401,17 @@ def route_tokens(
     _check_compatible(placement, L, placement.num_logical_experts, "topk_ids")
     tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
     src = np.asarray(src_gpu, dtype=np.int64)
-    if policy in ENGINE_RULES:
-        return _route_engine(placement, ids, src, policy, batch_index, seed)
+    if model.route is not None:
+        return _route_engine(placement, ids, src, model, batch_index, seed)
+    if not model.runtime:
+        raise ValueError(f"dispatch model {model.name!r} has no token-level route; score it with step_par")
     m = placement.topology.gpus_per_node
     src_node = src // m
     rot = tok[:, None] + np.arange(k, dtype=np.int64)[None, :]  # [T, k]
     out = np.full((T, L, k), -1, dtype=np.int64)
     for l in range(L):
         tab = _LayerTables(placement, l)
-        tier, own, e = _tier_of(tab, ids[:, l, :], src, policy, m)
+        tier, own, e = _tier_of(tab, ids[:, l, :], src, model, m)
         remote = tab.l2p[e, rot % tab.cnt[e]]  # [T, k]
         nc = np.maximum(tab.node_cnt[src_node[:, None], e], 1)
         near = tab.node_l2p[src_node[:, None], e, rot % nc]  # [T, k]
@@ -465,14 +419,14 @@ def route_tokens(
     return out
 
 
-def _route_engine(placement, ids, src, policy, batch_index, seed) -> np.ndarray:
+def _route_engine(placement, ids, src, model, batch_index, seed) -> np.ndarray:
     """:func:`route_tokens` for the engines' rules: int64 ``[T, L, k]``."""
     if batch_index is None:
         batch_index = batch_positions(src, DEFAULT_BATCH_TOKENS)
     rng = np.random.default_rng(seed)
     out = np.empty(ids.shape, dtype=np.int64)
     for l in range(ids.shape[1]):
-        out[:, l, :] = route_layer(placement, l, ids[:, l, :], src, policy, np.asarray(batch_index), rng)
+        out[:, l, :] = route_layer(placement, l, ids[:, l, :], src, model, np.asarray(batch_index), rng)
     return out
 
 
@@ -486,29 +440,29 @@ def routed_gpu_tokens(placement: Placement, slots: np.ndarray) -> np.ndarray:
     return c[:, 1:].astype(np.int64)
 
 
-def par(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
+def par(placement: Placement, trace_or_load, dispatch: Dispatch = EVEN) -> float:
     """Mean over layers of max/mean GPU load."""
-    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["par"]
+    return balance_stats(_gpu_load_any(placement, trace_or_load, dispatch))["par"]
 
 
-def balancedness(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
-    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["balancedness"]
+def balancedness(placement: Placement, trace_or_load, dispatch: Dispatch = EVEN) -> float:
+    return balance_stats(_gpu_load_any(placement, trace_or_load, dispatch))["balancedness"]
 
 
-def imbalance_ratio(placement: Placement, trace_or_load, policy: Policy = "even") -> float:
-    return balance_stats(_gpu_load_any(placement, trace_or_load, policy))["imbalance_ratio"]
+def imbalance_ratio(placement: Placement, trace_or_load, dispatch: Dispatch = EVEN) -> float:
+    return balance_stats(_gpu_load_any(placement, trace_or_load, dispatch))["imbalance_ratio"]
 
 
-def _gpu_load_any(placement, trace_or_load, policy):
+def _gpu_load_any(placement, trace_or_load, dispatch):
     if isinstance(trace_or_load, RoutingTrace):
-        return trace_gpu_load(placement, trace_or_load, policy)
-    _check_policy(policy)
-    if policy != "even":
-        raise ValueError(f"policy {policy!r} needs a per-token trace, not a load matrix")
+        return trace_gpu_load(placement, trace_or_load, dispatch)
+    model = get_dispatch(dispatch)
+    if model is not EVEN:
+        raise ValueError(f"dispatch model {model.name!r} needs a per-token trace, not a load matrix")
     return expected_gpu_load(placement, trace_or_load)
 
 
-def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy: Policy = "even") -> dict:
+def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, dispatch: Dispatch = EVEN) -> dict:
     """Per-step balance: step ``s`` is ``b = step_tokens`` consecutive tokens on each of the ``G`` ranks.
 
     Token ``t`` of step ``s`` sits on rank ``(t - s*b*G) // b``. A trailing partial step is dropped
@@ -518,7 +472,7 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy
         dict with ``step_par`` (mean over steps and layers), ``step_par_worst_layer`` (layer whose
         mean over steps is worst), ``step_par_per_layer`` and ``num_steps``.
     """
-    _check_policy(policy)
+    model = get_dispatch(dispatch)
     if step_tokens < 1:
         raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
     if not trace.has_tokens:
@@ -538,7 +492,7 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy
     rows = tok % step_tokens  # [T'] row in the rank's forward batch (vllm-hash)
     par_ls = np.zeros((L, S))
     for l in range(L):
-        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, policy, step, S, rows)  # [S, P]
+        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, model, step, S, rows)  # [S, P]
         gpu_load = slot_load.reshape(S, G, -1).sum(axis=2)  # [S, G]
         mean = gpu_load.mean(axis=1)
         par_ls[l] = np.where(mean > 0, gpu_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
@@ -555,7 +509,7 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, policy
 def communication(
     placement: Placement,
     trace: RoutingTrace,
-    policy: Policy = "even",
+    dispatch: Dispatch = EVEN,
     src: np.ndarray | None = None,
     hidden_size: int | None = None,
     dispatch_bytes_per_elem: float = 1.0,
@@ -567,12 +521,12 @@ def communication(
     ``hidden_size`` is given: dispatch ``d * dispatch_bytes_per_elem + d/128*4`` (FP8 with scales by
     default), combine ``d * combine_bytes_per_elem`` (BF16), per remote GPU reached.
     """
-    _check_policy(policy)
+    model = get_dispatch(dispatch)
     how = "given" if src is not None else source_ranks(trace, placement.topology.ep_size)[1]
     src = _layer_ids_src(placement, trace, src)
     t = placement.topology
     assert trace.topk_ids is not None  # _layer_ids_src checked has_tokens
-    slots = route_tokens(placement, trace.topk_ids, src, policy)  # [T, L, k]
+    slots = route_tokens(placement, trace.topk_ids, src, model)  # [T, L, k]
     valid = slots >= 0
     gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T, L, k]
     node = np.where(valid, gpu // t.gpus_per_node, -1)
@@ -600,7 +554,7 @@ def communication(
         "remote_gpus_per_token": float(rg[has].sum() / denom),
         "remote_nodes_per_layer": (rn.sum(axis=0) / np.maximum(has.sum(axis=0), 1)).tolist(),
         "source_ranks": how,
-        "policy": policy,
+        "policy": model.name,
     }
     if hidden_size is not None:
         d = float(hidden_size)
@@ -609,12 +563,12 @@ def communication(
     return out
 
 
-def remote_nodes_per_token(placement: Placement, trace: RoutingTrace, policy: Policy = "even") -> float:
-    return communication(placement, trace, policy)["remote_nodes_per_token"]
+def remote_nodes_per_token(placement: Placement, trace: RoutingTrace, dispatch: Dispatch = EVEN) -> float:
+    return communication(placement, trace, dispatch)["remote_nodes_per_token"]
 
 
-def remote_gpus_per_token(placement: Placement, trace: RoutingTrace, policy: Policy = "even") -> float:
-    return communication(placement, trace, policy)["remote_gpus_per_token"]
+def remote_gpus_per_token(placement: Placement, trace: RoutingTrace, dispatch: Dispatch = EVEN) -> float:
+    return communication(placement, trace, dispatch)["remote_gpus_per_token"]
 
 
 def moved_slots(previous: Placement | np.ndarray, new: Placement | np.ndarray) -> int:
@@ -645,16 +599,17 @@ def peak_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int) 
 
 @dataclass(frozen=True)
 class Evaluation:
-    """A scored placement on a trace; ``to_dict`` gives the ``--json`` payload."""
+    """A scored placement on a trace (``dispatch``: the model's name); ``to_dict`` gives the ``--json``
+    payload, which names the model under ``policy``."""
 
-    policy: str
+    dispatch: str
     balance: dict
     step: dict | None
     comm: dict | None
     lower_bound_par: float
 
     def to_dict(self) -> dict:
-        d = {"policy": self.policy, **self.balance, "lower_bound_par": self.lower_bound_par}
+        d = {"policy": self.dispatch, **self.balance, "lower_bound_par": self.lower_bound_par}
         if self.step is not None:
             d.update(self.step)
         if self.comm is not None:
@@ -665,25 +620,28 @@ class Evaluation:
 def evaluate(
     placement: Placement,
     trace: RoutingTrace,
-    policy: Policy = "even",
+    dispatch: Dispatch = EVEN,
     step_tokens: int | None = None,
     hidden_size: int | None = None,
     src: np.ndarray | None = None,
 ) -> Evaluation:
     """All metrics of a placement on a trace under one dispatch model (communication and step metrics
-    need per-token ids). ``src``: int64 ``[T]`` source rank of every token (default: :func:`source_ranks`)."""
-    _check_policy(policy)
-    if policy != "even" and not trace.has_tokens:
+    need per-token ids; communication also a token-level route). ``src``: int64 ``[T]`` source rank of
+    every token (default: :func:`source_ranks`)."""
+    model = get_dispatch(dispatch)
+    if model is not EVEN and not trace.has_tokens:
         raise ValueError(
-            f"policy {policy!r} needs a per-token trace; this trace has counts only (use --policy even)"
+            f"dispatch model {model.name!r} needs a per-token trace; this trace has counts only "
+            f"(use --dispatch {EVEN.name})"
         )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
-    gl = trace_gpu_load(placement, trace, policy, src, batch_tokens=step_tokens)
+    gl = trace_gpu_load(placement, trace, model, src, batch_tokens=step_tokens)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size
     lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)
     lb_par = float(np.mean(np.where(mean > 0, lb / np.where(mean > 0, mean, 1), 1.0)))
-    step = step_par(placement, trace, step_tokens, policy) if (step_tokens and trace.has_tokens) else None
-    comm = communication(placement, trace, policy, src, hidden_size=hidden_size) if trace.has_tokens else None
-    return Evaluation(policy, bal, step, comm, lb_par)
+    step = step_par(placement, trace, step_tokens, model) if (step_tokens and trace.has_tokens) else None
+    routed = trace.has_tokens and (model.route is not None or model.runtime)
+    comm = communication(placement, trace, model, src, hidden_size=hidden_size) if routed else None
+    return Evaluation(model.name, bal, step, comm, lb_par)

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from placement.dispatch import EVEN, DispatchModel, get_dispatch
+
 __all__ = [
     "POLICIES",
     "ReplayResult",
@@ -57,7 +59,8 @@ class ReplayStream:
         layer_ids: the model's layer index per row.
         note: how the steps were made (sampled or recorded).
         rank_steps: float64 ``[N, L, G, E]`` the same assignments by source rank, or None (streams
-            that do not know where tokens come from can only be scored with ``even``).
+            that do not know where tokens come from can only be scored with ``even``, or with a
+            model scored per step from the step counts alone).
     """
 
     name: str
@@ -239,24 +242,21 @@ def _score_window(
     G: int,
     expert_bytes: float,
     cfg,
-    dispatch: str = "even",
+    dispatch: DispatchModel = EVEN,
 ) -> list[dict]:
     """One row per policy: window ``k``'s held-out PAR and step PAR under its new placement, and the cost
     of moving there from ``current`` (which then becomes the new placement, in place)."""
-    from placement.metrics import expected_gpu_load, moved_slots, rank_gpu_load
+    from placement.metrics import moved_slots
     from runtime_hooks.rebalancer import migration_time
 
-    held = steps[k * window_steps : (k + 1) * window_steps]  # [w, L, E] held-out traffic
+    window = slice(k * window_steps, (k + 1) * window_steps)
+    held = steps[window]  # [w, L, E] held-out traffic
+    held_ranks = None if stream.rank_steps is None else stream.rank_steps[window]  # [w, L, G, E]
     label = stream.labels[k * window_steps] if stream.labels else ""
     rows = []
     for p in policies:
         pl = new[p]
-        if dispatch == "even":
-            gl_steps = expected_gpu_load(pl, held)  # [w, L, G]
-        else:  # the engine's rule, from where each token came from
-            gl_steps = rank_gpu_load(
-                pl, stream.rank_steps[k * window_steps : (k + 1) * window_steps], dispatch
-            )
+        gl_steps = _window_gpu_load(pl, dispatch, held, held_ranks)  # [w, L, G]
         par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
         spar = float(_par_rows(gl_steps).mean())
         moved = moved_slots(current[p], pl)
@@ -284,6 +284,26 @@ def _score_window(
     return rows
 
 
+def _needs_rank_steps(model: DispatchModel) -> bool:
+    """Whether scoring under ``model`` needs each step's counts by source rank (``rank_steps``): all
+    but ``even`` and the models scored per step from the step counts alone."""
+    return model is not EVEN and (model.step_load is None or model.needs_source_ranks)
+
+
+def _window_gpu_load(pl, model: DispatchModel, held: np.ndarray, held_ranks: np.ndarray | None) -> np.ndarray:
+    """Per-step GPU loads ``[w, L, G]`` of a window: ``held [w, L, E]``, ``held_ranks [w, L, G, E]`` or None.
+
+    ``even`` splits the counts; the other models read where each token came from (a model scored per
+    step that ignores the source rank reads the step counts as from one rank)."""
+    from placement.metrics import expected_gpu_load, rank_gpu_load
+
+    if model is EVEN:
+        return expected_gpu_load(pl, held)
+    if held_ranks is None:
+        held_ranks = held[:, :, None, :]  # [w, L, 1, E]: only reached when not _needs_rank_steps(model)
+    return rank_gpu_load(pl, held_ranks, model)
+
+
 def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dict:
     """Per policy: mean PAR and step PAR, total moves, bytes and time, mean moved fraction of ``P * L`` slots."""
     summary = {}
@@ -301,7 +321,14 @@ def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dic
 
 
 def _params(
-    stream: ReplayStream, cfg, window_steps: int, W: int, G: int, P: int, expert_bytes: float, dispatch: str
+    stream: ReplayStream,
+    cfg,
+    window_steps: int,
+    W: int,
+    G: int,
+    P: int,
+    expert_bytes: float,
+    dispatch: DispatchModel,
 ) -> dict:
     """What the replay ran with (``ReplayResult.params``)."""
     return {
@@ -314,7 +341,7 @@ def _params(
         "link": cfg.link,
         "rebalancer_window_size": cfg.window_size,
         "max_moves": cfg.max_moves,
-        "dispatch": dispatch,
+        "dispatch": dispatch.name,
     }
 
 
@@ -326,7 +353,7 @@ def replay(
     window_steps: int = 50,
     expert_bytes: float = 44_040_192.0,
     policies: Sequence[str] = POLICIES,
-    dispatch: str = "even",
+    dispatch: str | DispatchModel = EVEN,
 ) -> ReplayResult:
     """Replay a stream through the rebalancer and the baselines; score each window held out.
 
@@ -337,8 +364,9 @@ def replay(
             ``interval`` and ``step_interval``/``window_size`` default to ``window_steps``.
         window_steps: steps per scored window (and per re-placement).
         expert_bytes: bytes of one expert in one layer (moved bytes, migration time).
-        dispatch: the dispatch model each window is scored with (``placement.dispatch``); all but
-            ``even`` need the stream's ``rank_steps`` (token streams have them).
+        dispatch: the dispatch model each window is scored with (a name or model of
+            ``placement.dispatch``); all but ``even`` and the models scored per step from the step
+            counts alone need the stream's ``rank_steps`` (token streams have them).
 
     Returns:
         :class:`ReplayResult`.
@@ -352,8 +380,12 @@ def replay(
     steps = np.asarray(stream.steps, dtype=np.float64)  # [N, L, E]
     N, L, E = steps.shape
     W = _check_windows(N, window_steps, policies)
-    if dispatch != "even" and stream.rank_steps is None:
-        raise ValueError(f"scoring with {dispatch!r} needs source ranks; the stream {stream.name!r} has none")
+    model = get_dispatch(dispatch)
+    if _needs_rank_steps(model) and stream.rank_steps is None:
+        raise ValueError(
+            f"scoring with {model.name!r} needs source ranks; the stream {stream.name!r} has none "
+            f"(use a token stream, or dispatch {EVEN.name!r})"
+        )
     cfg = config or RebalancerConfig(window_size=window_steps, step_interval=window_steps)
     cfg = replace(cfg, trigger="interval", step_interval=window_steps)
     G = topology.ep_size
@@ -366,7 +398,7 @@ def replay(
         if k > 0:
             new = _replace_all(k, steps, window_steps, cfg, reb, topology, layer_ids, policies, current)
             rows += _score_window(
-                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg, dispatch
+                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg, model
             )
         if reb is not None:
             for s in range(k * window_steps, (k + 1) * window_steps):
@@ -376,5 +408,5 @@ def replay(
     P = topology.num_physical_experts
     summary = _summarize(rows, policies, P, L)
     return ReplayResult(
-        stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes, dispatch)
+        stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes, model)
     )

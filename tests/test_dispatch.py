@@ -10,9 +10,13 @@ import pytest
 
 from placement.dispatch import (
     DISPATCH,
+    DispatchModel,
     check_dispatch,
+    dispatch_names,
+    get_dispatch,
     nearest_replica,
     rank_choices,
+    register,
     sglang_static_tables,
     vllm_hash_replica,
 )
@@ -157,3 +161,60 @@ def test_vllm_hash_known_values():
 def test_unknown_dispatch_names_the_models():
     with pytest.raises(ValueError, match="sglang-static"):
         check_dispatch("sglang")
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry's attributes agree with what each model does
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_model_attributes_are_consistent(name):
+    model = DISPATCH[name]
+    assert model.name == name == str(model) and get_dispatch(name) is model and get_dispatch(model) is model
+    assert model.route is not None or model.fractional  # no token route: the shares are exact
+    assert model.fractional or model.route is not None  # routed token by token: it has a route
+    assert not model.runtime or model.route is None  # our runtime executes the shares' rotation
+    assert not model.table or model.needs_source_ranks  # a table is per source rank
+    assert not model.needs_step_counts or model.step_load is not None
+    assert bool(model.engine) == bool(model.version)  # an engine's model names its version
+    assert name in dispatch_names(**{"runtime": model.runtime, "fractional": model.fractional})
+
+
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_choices_pick_replicas_of_the_expert(name):
+    pl = _two_node_placement()
+    slots, weights = rank_choices(pl, 0, name)  # [G, E, R]
+    p2l = pl.physical_to_logical_map[0]
+    experts = np.broadcast_to(np.arange(8)[None, :, None], slots.shape)
+    chosen = weights > 0
+    assert np.array_equal(p2l[slots[chosen]], experts[chosen])
+    if not DISPATCH[name].needs_source_ranks:  # the same choice from every rank
+        assert np.array_equal(weights, np.broadcast_to(weights[:1], weights.shape))
+
+
+def test_runtime_models_are_the_ones_the_runtime_executes():
+    torch = pytest.importorskip("torch")
+    from runtime_hooks.ep_layer import build_routing_tables, route_slots
+
+    pl = _two_node_placement()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-1, 8, (50, 1, 2))
+    src = rng.integers(0, 4, 50)
+    tables = build_routing_tables(pl, 0)
+    tok = torch.arange(50)
+    for name, model in DISPATCH.items():
+        if model.runtime:
+            got = route_slots(tables, torch.as_tensor(ids[:, 0]), tok, torch.as_tensor(src), name)
+            assert np.array_equal(got.numpy(), route_tokens(pl, ids, src, name)[:, 0]), name
+        else:
+            with pytest.raises(ValueError):
+                route_slots(tables, torch.as_tensor(ids[:, 0]), tok, torch.as_tensor(src), name)
+
+
+def test_a_model_needing_step_counts_must_give_step_load():
+    before = dict(DISPATCH)
+    model = DispatchModel(
+        "no-step-load", "missing its hook", DISPATCH["even"].choices, needs_step_counts=True
+    )
+    with pytest.raises(ValueError, match="give it a step_load"):
+        register(model)
+    assert DISPATCH == before

@@ -4,13 +4,19 @@ import numpy as np
 import pytest
 
 from placement import Placement, Topology
+from placement.dispatch import DISPATCH, DispatchModel, get_dispatch, rank_choices
+from placement.dispatch.ideal import even_choices
 from placement.metrics import (
+    ENGINE_RULES,
+    POLICIES,
     balance_stats,
+    batch_positions,
     communication,
     evaluate,
     expected_gpu_load,
     moved_slots,
     peak_lower_bound,
+    rank_gpu_load,
     route_tokens,
     routed_gpu_tokens,
     source_ranks,
@@ -144,9 +150,9 @@ def test_real_trace_exact_routing_close_to_expectation(deepseek_trace):
     topo = Topology.from_redundant(64, 32, 32, 4)
     pl, _ = greedy_placement(tr.counts(), topo, layer_ids=tr.layer_ids)
     src, _ = source_ranks(tr, 32)
-    for policy in ("even", "local"):
-        exact = routed_gpu_tokens(pl, route_tokens(pl, tr.topk_ids, src, policy))
-        expect = trace_gpu_load(pl, tr, policy)
+    for dispatch in [m for m in DISPATCH.values() if m.runtime]:  # the rotation our runtime applies
+        exact = routed_gpu_tokens(pl, route_tokens(pl, tr.topk_ids, src, dispatch))
+        expect = trace_gpu_load(pl, tr, dispatch)
         assert exact.sum() == pytest.approx(expect.sum())  # every pick lands somewhere
         assert np.abs(exact - expect).max() <= 0.1 * expect.max()
 
@@ -163,8 +169,8 @@ def test_communication_matches_brute_force(G, N):
     ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])[:, None, :]
     ids[::7, 0, -1] = -1
     tr = RoutingTrace(num_logical_experts=E, topk_ids=ids, source_rank=rng.integers(0, G, T))
-    for policy in ("even", "local"):
-        slots = route_tokens(pl, tr.topk_ids, tr.source_rank, policy)
+    for dispatch in DISPATCH.values():
+        slots = route_tokens(pl, tr.topk_ids, tr.source_rank, dispatch)
         nodes_ref, gpus_ref = [], []
         for t in range(T):
             s = [int(x) for x in slots[t, 0] if x >= 0]
@@ -172,6 +178,194 @@ def test_communication_matches_brute_force(G, N):
             nodes = {int(topo.node_of_slot[x]) for x in s} - {int(tr.source_rank[t]) // topo.gpus_per_node}
             gpus_ref.append(len(gpus))
             nodes_ref.append(len(nodes))
-        c = communication(pl, tr, policy)
+        c = communication(pl, tr, dispatch)
         assert c["remote_gpus_per_token"] == pytest.approx(np.mean(gpus_ref))
         assert c["remote_nodes_per_token"] == pytest.approx(np.mean(nodes_ref))
+
+
+# ---------------------------------------------------------------------------------------------
+# Every registered model, scored against an independent token-by-token computation
+# ---------------------------------------------------------------------------------------------
+def _random_case(seed: int):
+    """8 GPUs on 2 nodes, 3 slots each, 16 experts (8 with a second replica), 2 layers; 600 tokens."""
+    rng = np.random.default_rng(seed)
+    topo = Topology(ep_size=8, num_physical_experts=24, num_nodes=2)
+    rows = []
+    while len(rows) < 2:
+        row = np.r_[np.arange(16), rng.choice(16, 8, replace=False)]
+        rng.shuffle(row)
+        if all(len(set(row[g * 3 : (g + 1) * 3])) == 3 for g in range(8)):  # no copy twice on a GPU
+            rows.append(row)
+    pl = Placement(np.array(rows), 16, topo)
+    ids = np.stack([rng.choice(16, 2, replace=False) for _ in range(600)])[:, None, :].repeat(2, axis=1)
+    ids[:, 1, :] = (ids[:, 1, :] * 5 + 3) % 16  # a different routing in layer 1
+    ids[::9, 0, 1] = -1
+    return pl, RoutingTrace(num_logical_experts=16, topk_ids=ids, source_rank=rng.integers(0, 8, 600))
+
+
+def _hand_slot_loads(pl, ids, src, rows, model, layer):
+    """Float64 ``[T, P]``: what each token puts on each slot of ``layer``, one token at a time, from the
+    registry alone (the shares of ``rank_choices``, or the model's own ``route`` when not fractional)."""
+    T, P = ids.shape[0], pl.num_physical_experts
+    out = np.zeros((T, P))
+    slots, weights = rank_choices(pl, layer, model)  # [G, E, R]
+    for t in range(T):
+        for e in ids[t, layer]:
+            if e < 0:
+                continue
+            if model.fractional:
+                for s, w in zip(slots[src[t], e], weights[src[t], e]):
+                    if s >= 0:
+                        out[t, s] += w
+            else:
+                one = np.array([[e]])
+                out[t, model.route(pl, layer, one, src[t : t + 1], rows[t : t + 1], None)[0, 0]] += 1
+    return out
+
+
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_every_model_scores_as_its_shares_applied_by_hand(name):
+    model = get_dispatch(name)
+    pl, tr = _random_case(7)
+    src = tr.source_rank.astype(np.int64)
+    rows = batch_positions(src, 32)
+    G, S = 8, 3
+    hand = [_hand_slot_loads(pl, tr.topk_ids, src, rows, model, l) for l in range(2)]  # [T, P] per layer
+    want = np.stack([h.sum(axis=0).reshape(G, S).sum(axis=1) for h in hand])  # [L, G]
+    np.testing.assert_allclose(trace_gpu_load(pl, tr, name, src, batch_tokens=32), want, atol=1e-9)
+    np.testing.assert_allclose(
+        balance_stats(want)["par"], evaluate(pl, tr, name, step_tokens=32, src=src).balance["par"]
+    )
+    if model.fractional:  # rank_gpu_load is the expectation of every model
+        counts = np.zeros((2, G, 16))
+        for l in range(2):
+            for t in range(tr.num_tokens):
+                for e in tr.topk_ids[t, l]:
+                    if e >= 0:
+                        counts[l, src[t], e] += 1
+        np.testing.assert_allclose(rank_gpu_load(pl, counts, name), want, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_every_model_step_par_by_hand(name):
+    model = get_dispatch(name)
+    pl, tr = _random_case(11)
+    b, G = 4, 8
+    T = (tr.num_tokens // (b * G)) * b * G
+    tok = np.arange(T)
+    src, rows, step = (tok % (b * G)) // b, tok % b, tok // (b * G)  # step_par's layout
+    pars = np.zeros((2, step.max() + 1))
+    for l in range(2):
+        hand = _hand_slot_loads(pl, tr.topk_ids[:T], src, rows, model, l)  # [T, P]
+        for s in range(step.max() + 1):
+            gpu = hand[step == s].sum(axis=0).reshape(G, 3).sum(axis=1)
+            pars[l, s] = gpu.max() / gpu.mean()
+    sp = step_par(pl, tr, step_tokens=b, dispatch=name)
+    assert sp["num_steps"] == step.max() + 1
+    assert sp["step_par"] == pytest.approx(pars.mean(axis=1).mean(), rel=1e-12)
+    assert sp["step_par_per_layer"] == pytest.approx(pars.mean(axis=1).tolist(), rel=1e-12)
+
+
+def test_models_and_names_score_alike():
+    pl, tr = _random_case(3)
+    for name, model in DISPATCH.items():
+        assert (
+            evaluate(pl, tr, model, step_tokens=8).to_dict()
+            == evaluate(pl, tr, name, step_tokens=8).to_dict()
+        )
+        assert evaluate(pl, tr, model).to_dict()["policy"] == name
+    assert POLICIES == tuple(DISPATCH)
+    assert set(ENGINE_RULES) == {n for n, m in DISPATCH.items() if m.route is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# A model scored per step (the hook a model such as ``balanced`` registers through)
+# ---------------------------------------------------------------------------------------------
+def _first_replica_per_step(calls: list):
+    """A step_load that puts a step's tokens of an expert on its first replica when the step's count is
+    even, on its last when odd (it depends on the step's counts only); records each call in ``calls``."""
+
+    def step_load(placement, layer, counts):
+        calls.append((layer, counts.copy()))
+        l2p = placement.logical_to_physical_map[layer]  # [E, R]
+        cnt = placement.logical_replica_count[layer]  # [E]
+        out = np.zeros((counts.shape[0], placement.num_physical_experts))
+        for s in range(counts.shape[0]):
+            for e in range(counts.shape[1]):
+                pick = l2p[e, 0] if counts[s, e] % 2 == 0 else l2p[e, cnt[e] - 1]
+                out[s, pick] += counts[s, e]
+        return out
+
+    return step_load
+
+
+def _step_model(calls: list) -> DispatchModel:
+    return DispatchModel(
+        "test-per-step",
+        "a per-step test rule",
+        even_choices,
+        needs_step_counts=True,
+        fractional=False,
+        step_load=_first_replica_per_step(calls),
+    )
+
+
+def test_a_per_step_model_is_scored_step_by_step_through_its_step_load():
+    pl, tr = _random_case(5)
+    calls = []
+    model = _step_model(calls)
+    b, G = 4, 8
+    T = (tr.num_tokens // (b * G)) * b * G
+    step = np.arange(T) // (b * G)
+    sp = step_par(pl, tr, step_tokens=b, dispatch=model)
+    hook = _first_replica_per_step([])
+    pars = np.zeros((2, step.max() + 1))
+    for l in range(2):
+        counts = np.zeros((step.max() + 1, 16))
+        for t in range(T):
+            for e in tr.topk_ids[t, l]:
+                if e >= 0:
+                    counts[step[t], e] += 1
+        np.testing.assert_array_equal(calls[l][1], counts)  # the hook saw each step's all-reduced counts
+        gpu = hook(pl, l, counts).reshape(-1, G, 3).sum(axis=2)  # [S, G]
+        pars[l] = gpu.max(axis=1) / gpu.mean(axis=1)
+    assert sp["step_par"] == pytest.approx(pars.mean(), rel=1e-12)
+    # the whole trace: each rank's s-th batch of 32 tokens forms step s; the loads sum over steps
+    src = tr.source_rank.astype(np.int64)
+    calls.clear()
+    gl = trace_gpu_load(pl, tr, model, src, batch_tokens=32)
+    assert calls[0][1].shape == ((np.bincount(src).max() + 31) // 32, 16)
+    assert gl.sum() == pytest.approx((tr.topk_ids >= 0).sum())
+    # rank_gpu_load reads leading axes as steps
+    e = int(np.flatnonzero(pl.logical_replica_count[0] == 2)[0])  # an expert with two replicas
+    per_step = np.zeros((3, 2, G, 16))
+    per_step[0, :, 0, e] = 2  # an even count: first replica
+    per_step[1, :, 5, e] = 3  # odd: last replica
+    loads = rank_gpu_load(pl, per_step, model)  # [3, L, G]
+    first, last = pl.logical_to_physical_map[0, e, :2] // 3  # their GPUs
+    assert first != last
+    assert loads[0, 0, first] == 2 and loads[1, 0, last] == 3
+    assert loads[0, 0].sum() == 2 and loads[1, 0].sum() == 3 and loads[2].sum() == 0
+
+
+def test_a_per_step_model_without_a_token_route_has_no_communication_metrics():
+    pl, tr = _random_case(5)
+    model = _step_model([])
+    with pytest.raises(ValueError, match="no token-level route"):
+        route_tokens(pl, tr.topk_ids, tr.source_rank, model)
+    ev = evaluate(pl, tr, model, step_tokens=4)
+    assert ev.comm is None and ev.step is not None and ev.dispatch == "test-per-step"
+
+
+def test_a_step_load_of_the_wrong_shape_is_named():
+    pl, tr = _random_case(5)
+    model = DispatchModel(
+        "bad-step",
+        "returns one row",
+        even_choices,
+        needs_step_counts=True,
+        fractional=False,
+        step_load=lambda placement, layer, counts: np.zeros((1, 24)),
+    )
+    with pytest.raises(ValueError, match=r"returned shape \(1, 24\) for 18 steps; it must return \(18, 24\)"):
+        step_par(pl, tr, step_tokens=4, dispatch=model)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from placement.dispatch import sglang_static_tables
+from placement.dispatch import SGLANG_DYNAMIC, DispatchModel, sglang_static_tables
+from placement.dispatch.ideal import even_choices
 from placement.metrics import balance_stats
 from placement.topology import Topology
 from profiling.synthetic import synthetic_trace
+from profiling.trace import RoutingTrace
 from runtime_hooks.replay import question_stream, replay, token_stream
 
 
@@ -52,8 +54,6 @@ def test_static_follows_the_table(stream):
 
 def test_counts_only_stream_cannot_be_scored_by_an_engine_rule():
     trace = synthetic_trace(num_tokens=3000, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=30)
-    from profiling.trace import RoutingTrace
-
     counts = RoutingTrace(num_logical_experts=8, window_counts=trace.window_load(), layer_ids=trace.layer_ids)
     st = question_stream(counts)
     with pytest.raises(ValueError, match="needs source ranks"):
@@ -63,3 +63,48 @@ def test_counts_only_stream_cannot_be_scored_by_an_engine_rule():
             window_steps=5,
             dispatch="vllm-hash",
         )
+
+
+def _first_replica(placement, layer, counts):
+    """A per-step rule for the test: every step's tokens of an expert to its first replica: ``[S, P]``."""
+    out = np.zeros((counts.shape[0], placement.num_physical_experts))
+    out[:, placement.logical_to_physical_map[layer, :, 0]] = counts
+    return out
+
+
+STEP_MODEL = DispatchModel(
+    "test-first-replica",
+    "every step to the first replica",
+    even_choices,
+    needs_step_counts=True,
+    fractional=False,
+    step_load=_first_replica,
+)
+
+
+def test_a_model_passes_as_itself_and_as_its_name(stream):
+    _, st = stream
+    topo = Topology(ep_size=8, num_physical_experts=24, num_nodes=2)
+    by_name = replay(st, topo, window_steps=30, policies=("static", "greedy"), dispatch="sglang-dynamic")
+    by_model = replay(st, topo, window_steps=30, policies=("static", "greedy"), dispatch=SGLANG_DYNAMIC)
+    assert by_model.rows == by_name.rows and by_model.params["dispatch"] == "sglang-dynamic"
+
+
+def test_a_per_step_model_scores_a_counts_only_stream_from_the_step_counts():
+    trace = synthetic_trace(num_tokens=3000, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=30)
+    counts = RoutingTrace(num_logical_experts=8, window_counts=trace.window_load(), layer_ids=trace.layer_ids)
+    st = question_stream(counts)
+    topo = Topology(ep_size=4, num_physical_experts=12, num_nodes=2)
+    res = replay(st, topo, window_steps=5, policies=("static",), dispatch=STEP_MODEL)
+    assert res.params["dispatch"] == "test-first-replica"
+    from solver.greedy import greedy_placement
+
+    init, _ = greedy_placement(st.steps[:5].sum(axis=0), topo, layer_ids=st.layer_ids)
+    held = st.steps[5:10]  # [w, L, E]
+    first = init.logical_to_physical_map[0, :, 0]  # [E]
+    per_step = np.zeros((5, 4))
+    for s in range(5):
+        np.add.at(per_step[s], first // 3, held[s, 0])
+    row = [r for r in res.rows if r["window"] == 1][0]
+    assert row["par"] == pytest.approx(balance_stats(per_step.sum(axis=0)[None])["par"], rel=1e-12)
+    assert row["step_par"] == pytest.approx(balance_stats(per_step)["par"], rel=1e-12)

@@ -96,3 +96,149 @@ def test_command_line_exit_codes(tmp_path, capsys):
     (clean / "placement" / "up.py").write_text("import solver\n")
     assert check.main(["--root", str(clean)]) == 1
     assert "placement.up -> solver" in capsys.readouterr().out
+
+
+REGISTRY = """
+    from placement.dispatch.registry import DispatchModel, register
+
+    MINE = register(DispatchModel("mine", "a test model", choices))
+    OTHER = register(DispatchModel(name="other-one", models="keyword name", choices=choices))
+    X = DispatchModel("never-registered", "not registered", choices)
+    # a comment spelling "mine" is fine
+    assert "mine" != "other-one"  # the registry itself may spell its names
+    """
+
+
+def _dispatch_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A tree whose ``placement/dispatch/`` registers ``mine`` and ``other-one``, plus ``files``."""
+    root = _tree(tmp_path, files)
+    (root / "placement" / "dispatch").mkdir()
+    (root / "placement" / "dispatch" / "__init__.py").write_text("")
+    (root / "placement" / "dispatch" / "mine.py").write_text(textwrap.dedent(REGISTRY))
+    return root
+
+
+def test_dispatch_names_are_read_from_the_register_calls(tmp_path):
+    root = _dispatch_tree(tmp_path, {})
+    assert check.registered_dispatch_names(root) == {"mine", "other-one"}
+    assert check.measure(root).ok
+
+
+def test_dispatch_name_literal_outside_the_registry_is_found(tmp_path):
+    root = _dispatch_tree(
+        tmp_path,
+        {
+            "solver/x.py": '''
+                """Docstrings may say "mine"."""
+
+                def f(d, x):
+                    """mine"""
+                    # "mine" in a comment
+                    if d == "mine":
+                        return f"{x}" f"mine"
+                    return {"never-registered": 1, "mine-ish": 2}
+                ''',
+            "cli/y.py": 'CHOICES = ("other-one",)\nDEFAULT = "ours"\n',
+            "profiling/z.py": 'NOTE = "mine"\n',
+        },
+    )
+    report = check.measure(root)
+    assert report.dispatch_literals == [
+        "profiling/z.py:1 'mine'",
+        "solver/x.py:7 'mine'",
+        "solver/x.py:8 'mine'",  # an f-string part
+        "cli/y.py:1 'other-one'",
+    ]
+    assert not report.ok
+    assert "dispatch-name literals outside placement/dispatch/: 4" in check.render(report, 80, 700)
+
+
+def test_registering_a_model_extends_the_literal_check(tmp_path):
+    root = _dispatch_tree(tmp_path, {"runtime_hooks/a.py": 'X = "newcomer"\n'})
+    assert check.measure(root).ok
+    (root / "placement" / "dispatch" / "newcomer.py").write_text(
+        "from placement.dispatch.registry import DispatchModel, register\n"
+        'NEW = register(DispatchModel("newcomer", "added later", choices, needs_step_counts=True))\n'
+    )
+    assert check.measure(root).dispatch_literals == ["runtime_hooks/a.py:1 'newcomer'"]
+
+
+SOLVER_API = """
+    from solver.spec import SolverSpec
+
+    SOLVERS: dict[str, SolverSpec] = {
+        "greedy": SolverSpec("solver.greedy"),
+        "fancy": SolverSpec("solver.fancy"),
+    }
+    OTHER = {"not-a-solver": 1}
+    """
+
+
+def test_solver_names_are_the_keys_of_the_solvers_dict(tmp_path):
+    root = _tree(tmp_path, {"solver/api.py": SOLVER_API})
+    assert check.solver_names(root) == {"greedy", "fancy"}
+    (root / "solver" / "api.py").write_text("SOLVERS = {}\n")
+    assert check.solver_names(root) == set()
+
+
+def test_solver_name_branch_in_the_cli_is_found(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "solver/api.py": SOLVER_API,
+            "solver/greedy.py": 'def f(name):\n    return name == "greedy"\n',  # outside cli: allowed
+            "cli/solve.py": """
+                from solver.api import SOLVERS
+
+                def f(name, args):
+                    spec = SOLVERS["greedy"]  # a lookup, not a branch
+                    if name == "fancy":
+                        return spec
+                    if "greedy" != name or args.x in ("cpsat", "greedy"):
+                        return None
+                    match name:
+                        case "fancy":
+                            return 1
+                    return name == "not-a-solver"
+                """,
+        },
+    )
+    report = check.measure(root)
+    assert report.solver_branches == [
+        "cli/solve.py:6 'fancy'",
+        "cli/solve.py:8 'greedy'",
+        "cli/solve.py:8 'greedy'",
+        "cli/solve.py:11 'fancy'",
+    ]
+    assert not report.ok
+    assert "solver-name branches in cli/: 4" in check.render(report, 80, 700)
+
+
+def test_pending_files_only_warn(tmp_path, capsys):
+    root = _dispatch_tree(
+        tmp_path,
+        {
+            "solver/api.py": SOLVER_API,
+            "solver/old.py": 'D = "mine"\n',
+            "cli/main.py": 'def f(n):\n    return n == "fancy"\n',
+        },
+    )
+    assert not check.measure(root, pending=()).ok
+    report = check.measure(root, pending=("solver/old.py", "cli/main.py"))
+    assert report.ok
+    assert report.pending == ["solver/old.py:1 'mine'", "cli/main.py:2 'fancy'"]
+    assert "warning: 2 registry names still spelled in _LITERAL_PENDING files" in check.render(
+        report, 80, 700
+    )
+    # a pending file covers only itself
+    (root / "runtime_hooks" / "new.py").write_text('D = "other-one"\n')
+    assert check.measure(root, pending=("solver/old.py", "cli/main.py")).dispatch_literals == [
+        "runtime_hooks/new.py:1 'other-one'"
+    ]
+
+
+def test_pending_list_names_only_files_that_still_spell_names():
+    """The allow-list shrinks: every file in it still holds a literal (drop it once it is clean)."""
+    pending = check.measure(ROOT, pending=check._LITERAL_PENDING).pending
+    spelled = {row.split(":", 1)[0] for row in pending}
+    assert spelled == set(check._LITERAL_PENDING)

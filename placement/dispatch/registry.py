@@ -26,6 +26,8 @@ __all__ = ["DISPATCH", "DispatchModel", "check_dispatch", "dispatch_names", "get
 ChoicesFn = Callable[..., tuple[np.ndarray, np.ndarray]]
 # (placement, layer, ids [T, k], src [T], batch_index [T] | None, rng | None) -> slots int64 [T, k]
 RouteFn = Callable[..., np.ndarray]
+# (placement, layer, counts float64 [S, E]: each step's all-reduced tokens per expert) -> float64 [S, P]
+StepLoadFn = Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class DispatchModel:
         table: a fixed per-rank table that placement can be fitted for (``solver.dispatch_fit``).
         choices: expected choice per (source rank, expert) of one layer (see ``ChoicesFn``).
         route: token-level choice of one layer (see ``RouteFn``), or None when ``choices`` is exact.
+        step_load: tokens each slot of one layer receives in each step, from that step's counts (see
+            ``StepLoadFn``). Required with ``needs_step_counts``: the metrics then score the model step
+            by step through it (``placement.metrics.step_par``, ``trace_gpu_load``, ``rank_gpu_load``).
     """
 
     name: str
@@ -60,6 +65,7 @@ class DispatchModel:
     runtime: bool = False
     table: bool = False
     route: RouteFn | None = None
+    step_load: StepLoadFn | None = None
 
     def __str__(self) -> str:
         return self.name
@@ -72,6 +78,8 @@ def register(model: DispatchModel) -> DispatchModel:
     """Add ``model`` to :data:`DISPATCH` (a name is registered once)."""
     if model.name in DISPATCH:
         raise ValueError(f"dispatch model {model.name!r} is registered twice")
+    if model.needs_step_counts and model.step_load is None:
+        raise ValueError(f"dispatch model {model.name!r} needs step counts: give it a step_load function")
     DISPATCH[model.name] = model
     return model
 
