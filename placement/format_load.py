@@ -1,13 +1,14 @@
 """Placement files in: safe loading, field checks and format detection (see :mod:`placement.formats`).
 
-All input is loaded safely (``json``, ``yaml.safe_load``, ``torch.load(weights_only=True)``) after a
-size check; malformed content raises :class:`~profiling.fileio.InputFileError` naming the file, the
-field and the expected form.
+All input is loaded safely after a size check, from regular files only (a FIFO or a device is refused
+at once): JSON and YAML through :mod:`profiling.textparse` (duplicate keys refused, YAML alias expansion
+bounded, no ``!!python`` tags), ``.pt`` with ``torch.load(weights_only=True)``. Layer ids are bounded by
+:data:`profiling.limits.MAX_LAYER_ID`. Malformed content raises :class:`~profiling.fileio.InputFileError`
+naming the file, the field and the expected form.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any
 import numpy as np
 
 from placement.format_spec import _PT_SUFFIXES, _YAML_SUFFIXES, PLACEMENT_SCHEMA, VLLM_RECORD_TYPE
-from profiling.fileio import InputFileError, safe_torch_load
+from profiling.fileio import InputFileError, read_regular_bytes, require_regular, safe_torch_load
+from profiling.limits import MAX_LAYER_ID, check_layer_ids
+from profiling.textparse import parse_json, parse_yaml
 
 __all__ = ["MAX_PT_BYTES", "MAX_TEXT_BYTES", "detect_format"]
 
@@ -26,37 +29,19 @@ MAX_PT_BYTES = 2 * 1024**3
 
 
 def _read_text(p: Path) -> str:
-    size = p.stat().st_size
-    if size > MAX_TEXT_BYTES:
-        raise InputFileError(
-            f"{p}: {size} bytes is over the {MAX_TEXT_BYTES}-byte limit for a placement file"
-        )
+    data = read_regular_bytes(p, MAX_TEXT_BYTES, "a placement file")
     try:
-        return p.read_bytes().decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputFileError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 def _parse_json(p: Path, text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputFileError(
-            f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except RecursionError:
-        raise InputFileError(f"{p}: JSON nested too deeply") from None
+    return parse_json(text, str(p))
 
 
 def _parse_yaml(p: Path, text: str):
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InputFileError(f"{p}: invalid or unsafe YAML ({' '.join(str(exc).split())})") from None
-    except RecursionError:
-        raise InputFileError(f"{p}: YAML nested too deeply") from None
+    return parse_yaml(text, str(p))
 
 
 def _load_pt(p: Path):
@@ -111,6 +96,11 @@ def _layer_key(p: Path, key, field: str) -> int:
         )
     if k < 0:
         raise InputFileError(f"{p}: field {field!r} has layer id {k}; expected >= 0")
+    if k > MAX_LAYER_ID:
+        raise InputFileError(
+            f"{p}: field {field!r} has layer id {k}, outside the accepted range 0..{MAX_LAYER_ID} "
+            f"(MAX_LAYER_ID); layer ids are the model's layer indices"
+        )
     return k
 
 
@@ -121,6 +111,17 @@ def _opt_int_list(p: Path, obj: Mapping, key: str) -> list[int] | None:
     if not isinstance(v, list) or not all(_is_int(x) for x in v):
         raise InputFileError(f"{p}: field {key!r} must be a list of integers, got {str(v)[:60]}")
     return [int(x) for x in v]
+
+
+def _layer_id_list(p: Path, obj: Mapping, key: str) -> list[int] | None:
+    """An optional list of layer ids: integers in ``0..MAX_LAYER_ID``, each once."""
+    ids = _opt_int_list(p, obj, key)
+    if ids is not None:
+        try:
+            check_layer_ids(ids, f"field {key!r}", str(p))
+        except ValueError as exc:
+            raise InputFileError(str(exc)) from None
+    return ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,8 +147,7 @@ def _format_of(doc) -> str | None:
 
 def _load_any(p: Path) -> tuple[Any, str]:
     """Load a placement file safely; return ``(content, kind)`` with kind ``json``/``yaml``/``pt``."""
-    if not p.is_file():
-        raise InputFileError(f"{p}: no such file")
+    require_regular(p)
     if p.suffix in _PT_SUFFIXES:
         return _load_pt(p), "pt"
     text = _read_text(p)

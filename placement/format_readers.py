@@ -22,9 +22,9 @@ from placement.format_load import (
     _int_list,
     _int_matrix,
     _is_int,
+    _layer_id_list,
     _layer_key,
     _load_any,
-    _opt_int_list,
     _parse_json,
     _read_text,
     _unknown_msg,
@@ -40,6 +40,7 @@ from placement.format_spec import (
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.fileio import InputFileError
+from profiling.limits import MAX_LAYER_ID, check_layer_ids
 
 __all__ = ["read_placement"]
 
@@ -122,9 +123,14 @@ def _read_sidecar(side: Path, fmt: str) -> dict:
     if "num_nodes" in topo:
         _int_field(side, topo, "num_nodes", "topology: ")
     _int_field(side, s, "num_logical_experts")
-    s["layer_ids"] = _opt_int_list(side, s, "layer_ids")
+    s["layer_ids"] = _layer_id_list(side, s, "layer_ids")
     if "num_hidden_layers" in s and s["num_hidden_layers"] is not None:
-        _int_field(side, s, "num_hidden_layers")
+        H = _int_field(side, s, "num_hidden_layers")
+        if not 1 <= H <= MAX_LAYER_ID + 1:
+            raise InputFileError(
+                f"{side}: field 'num_hidden_layers' is {H}, outside the accepted range 1..{MAX_LAYER_ID + 1} "
+                f"(MAX_LAYER_ID + 1)"
+            )
     if not isinstance(s.get("provenance", {}), dict):
         raise InputFileError(f"{side}: field 'provenance' must be an object")
     return s
@@ -201,7 +207,7 @@ def _read_native(p: Path, doc: dict, opts: _Options) -> Placement:
         )
     ep = _int_field(p, topo, "ep_size", "topology: ")
     nodes = _int_field(p, topo, "num_nodes", "topology: ") if "num_nodes" in topo else 1
-    ids = _opt_int_list(p, doc, "layer_ids")
+    ids = _layer_id_list(p, doc, "layer_ids")
     prov = doc.get("provenance", {})
     if not isinstance(prov, dict):
         raise InputFileError(f"{p}: field 'provenance' must be an object")
@@ -489,6 +495,8 @@ def read_placement(
         raise InputFileError(
             f"{p}: asked to read it as {format!r} but its content is the {detected!r} format"
         )
+    if layer_ids is not None:
+        layer_ids = check_layer_ids(layer_ids, "layer_ids")
     given = {
         "ep_size": ep_size,
         "num_nodes": num_nodes,
@@ -512,3 +520,5 @@ def read_placement(
         raise InputFileError(
             f"{p}: malformed {detected} placement file ({type(exc).__name__}: {exc})"
         ) from None
+    except RecursionError:
+        raise InputFileError(f"{p}: {detected} placement file nested too deeply to read") from None

@@ -20,8 +20,10 @@ them. :func:`read_placement` uses the sidecar when it is there and otherwise ask
 numbers (``ep_size``, ...) by name.
 
 All output goes through :mod:`profiling.fileio` (temporary file + rename): a failed write leaves any
-existing file untouched. All input is loaded safely (``json``, ``yaml.safe_load``,
-``torch.load(weights_only=True)``) and any malformed file raises
+existing file untouched. All input is loaded safely, from regular files only: JSON and YAML through
+:mod:`profiling.textparse` (duplicate keys refused, YAML alias expansion bounded, no ``!!python``
+tags), ``.pt`` with ``torch.load(weights_only=True)``; layer ids are bounded by
+:data:`profiling.limits.MAX_LAYER_ID`. Any malformed file raises
 :class:`~profiling.fileio.InputFileError` naming the file, the field and the expected form.
 
 Modules: :mod:`placement.format_spec` (format names, schemas, sidecar path),

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from placement.topology import Topology
+from profiling.limits import MAX_LAYER_ID
 
 __all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "hidden_layer_rows", "validate_map"]
 
@@ -126,11 +127,22 @@ def hidden_layer_rows(placement: Placement, num_hidden_layers: int | None = None
     """The map as SGLang reads it, one row per hidden layer: int64 ``[H, P]``.
 
     MoE rows sit at their real layer index (``placement.layer_ids``); the other (dense) rows hold the
-    trivial map ``p % E``. ``H`` defaults to the largest layer id + 1.
+    trivial map ``p % E``. ``H`` defaults to the largest layer id + 1; both are bounded by
+    ``MAX_LAYER_ID`` (:mod:`profiling.limits`) before the ``[H, P]`` map is allocated.
     """
     ids = list(placement.layer_ids)
     P, E = placement.num_physical_experts, placement.num_logical_experts
+    if max(ids) > MAX_LAYER_ID:
+        raise ValueError(
+            f"the placement has layer id {max(ids)}, outside the accepted range 0..{MAX_LAYER_ID} "
+            f"(MAX_LAYER_ID); SGLang's map would need {max(ids) + 1} rows: check the placement's layer_ids"
+        )
     H = max(ids) + 1 if num_hidden_layers is None else int(num_hidden_layers)
+    if H > MAX_LAYER_ID + 1:
+        raise ValueError(
+            f"num_hidden_layers={H} is outside the accepted range 1..{MAX_LAYER_ID + 1} (MAX_LAYER_ID + 1); "
+            f"pass the model's config.num_hidden_layers"
+        )
     if H <= max(ids):
         raise ValueError(
             f"num_hidden_layers={H} but the placement has layer id {max(ids)}; SGLang's map has one "

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, safe_torch_load
+from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, require_regular, safe_torch_load
+from profiling.limits import MAX_EXPERTS
 
 __all__ = ["MAX_DUMP_BYTES", "physical_to_logical_counts", "physical_to_logical_ids"]
 
@@ -75,8 +76,7 @@ def physical_to_logical_ids(ids: np.ndarray, physical_to_logical_map: np.ndarray
 
 
 def _check_size(p: Path, limit: int = MAX_DUMP_BYTES) -> None:
-    if not p.is_file():
-        raise InputFileError(f"{p}: no such file")
+    require_regular(p)
     size = p.stat().st_size
     if size > limit:
         raise InputFileError(
@@ -138,6 +138,11 @@ def _check_map(p: Path, p2l: np.ndarray, E: int | None, field: str) -> int:
     lo, hi = int(p2l.min()), int(p2l.max())
     if lo < 0:
         raise InputFileError(f"{p}: field {field!r} holds expert id {lo}; ids must be >= 0")
+    if hi >= MAX_EXPERTS:
+        raise InputFileError(
+            f"{p}: field {field!r} holds expert id {hi}, outside the accepted range 0..{MAX_EXPERTS - 1} "
+            f"(MAX_EXPERTS); the dump is corrupt or not from a supported engine"
+        )
     if E is None:
         return hi + 1
     if hi >= E:

@@ -48,7 +48,8 @@ from profiling.engine_trtllm import _read_trtllm
 from profiling.engine_vllm import VLLM_LOAD_RECORD as VLLM_LOAD_RECORD  # re-exported
 from profiling.engine_vllm import VLLM_LOAD_VERSION as VLLM_LOAD_VERSION  # re-exported
 from profiling.engine_vllm import _read_vllm_jsonl
-from profiling.fileio import InputFileError
+from profiling.fileio import InputFileError, require_regular
+from profiling.limits import MAX_EXPERTS
 from profiling.trace import RoutingTrace
 
 __all__ = ["physical_to_logical_counts", "physical_to_logical_ids", "read_engine_dump"]
@@ -80,8 +81,18 @@ def read_engine_dump(
     """
     p = Path(path)
     E = None if num_logical_experts is None else int(num_logical_experts)
-    if E is not None and E < 1:
-        raise ValueError(f"num_logical_experts must be >= 1, got {E}")
+    if E is not None and not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"num_logical_experts must be in 1..{MAX_EXPERTS} (MAX_EXPERTS), got {E}")
+    try:
+        return _read_dump(p, E, moe_layer_ids)
+    except InputFileError:
+        raise
+    except ValueError as exc:  # the trace's own checks (layer ids, sizes, totals): name the dump
+        raise InputFileError(f"{p}: {exc}") from None
+
+
+def _read_dump(p: Path, E: int | None, moe_layer_ids) -> RoutingTrace:
+    """Dispatch on what ``p`` is: a TensorRT-LLM, SGLang or vLLM folder, or one dump file."""
     if p.is_dir():
         if (p / "meta_info.json").is_file():
             return _read_trtllm(p, None, E, moe_layer_ids)
@@ -95,8 +106,9 @@ def read_engine_dump(
             f"{p}: folder holds no engine dump: expected meta_info.json + rank<r>.safetensors (TensorRT-LLM), "
             f"expert_distribution_recorder_*.pt (SGLang) or *.jsonl (vLLM)"
         )
-    if not p.is_file():
+    if not p.exists():
         raise InputFileError(f"{p}: no such file or folder")
+    require_regular(p)  # a FIFO or a device is refused before any reader opens it
     if p.suffix in (".pt", ".pth"):
         return _read_sglang([p], p.stem, E, moe_layer_ids)
     if p.suffix == ".safetensors":

@@ -17,6 +17,7 @@ import numpy as np
 
 from profiling.engine_common import _array, _int, _pick, _safetensors_load
 from profiling.fileio import InputFileError, load_json
+from profiling.limits import MAX_EXPERTS
 from profiling.trace import RoutingTrace, token_counts
 
 # The readers' public logger name (users and the CLI's log format see it), kept from before the split.
@@ -66,6 +67,10 @@ def _trtllm_meta(folder: Path, only: Path | None, E: int | None) -> tuple[dict, 
                 f"{meta_file}: must be a JSON object with num_experts, num_experts_per_token"
             )
         file_E = _int(meta_file, meta_info, "num_experts")
+        if not 1 <= file_E <= MAX_EXPERTS:
+            raise InputFileError(
+                f"{meta_file}: num_experts={file_E} is outside the accepted range 1..{MAX_EXPERTS} (MAX_EXPERTS)"
+            )
         if E is not None and E != file_E:
             raise InputFileError(f"{meta_file}: num_experts={file_E} but num_logical_experts={E} was given")
         E = file_E
@@ -162,7 +167,12 @@ def _read_trtllm_raw(raw_files, total, E, top_k, moe_layer_ids, name, info) -> R
             raw[(it, rank, layer)] = arr
     f0 = next(iter(raw_files.values()))
     if E is None:
-        E = max(int(a.max()) for a in raw.values() if a.size) + 1
+        E = max((int(a.max()) for a in raw.values() if a.size), default=0) + 1
+    if E > MAX_EXPERTS:
+        raise InputFileError(
+            f"{f0}: raw expert ids reach {E - 1}, outside the accepted range 0..{MAX_EXPERTS - 1} (MAX_EXPERTS); "
+            f"the dump is corrupt"
+        )
     iters = sorted({it for it, _, _ in raw})
     ranks = sorted({r for _, r, _ in raw})
     layers = _pick(f0, sorted({layer for _, _, layer in raw}), moe_layer_ids)

@@ -8,14 +8,15 @@ through :func:`profiling.engine_readers.read_engine_dump`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from profiling.engine_common import _array, _check_size, _int, _pick, physical_to_logical_counts
-from profiling.fileio import InputFileError
+from profiling.fileio import InputFileError, open_regular
+from profiling.limits import MAX_EXPERTS, MAX_RANKS, check_layer_ids
+from profiling.textparse import parse_json
 from profiling.trace import RoutingTrace
 
 VLLM_LOAD_RECORD = "eplb_load_stats"
@@ -74,15 +75,21 @@ def _read_vllm_jsonl(files: list[Path], name: str, E: int | None, moe_layer_ids)
 def _scan_vllm_file(acc: _VllmLoads, f: Path, E: int | None) -> None:
     """Add the load records of one JSONL file to ``acc`` (blank lines ignored, other types counted)."""
     _check_size(f, 1024**3)
-    with open(f, "rb") as fh:
+    with open_regular(f) as fh:
         for n, raw_line in enumerate(fh, 1):
             line = raw_line.strip()
             if not line:
                 continue
             where = f"line {n}: "
             try:
-                rec = json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputFileError(
+                    f"{f}: {where}not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
+            try:
+                rec = parse_json(text, "the line")
+            except InputFileError as exc:
                 raise InputFileError(f"{f}: {where}not a JSON record ({exc})") from None
             if not isinstance(rec, dict):
                 raise InputFileError(f"{f}: {where}must be a JSON object")
@@ -114,11 +121,18 @@ def _add_vllm_record(acc: _VllmLoads, f: Path, where: str, rec: dict, E: int | N
     if acc.shape is not None and load.shape != acc.shape:
         raise InputFileError(f"{f}: {where}shape {load.shape} differs from earlier records {acc.shape}")
     shape = acc.shape = load.shape
+    if ranks > MAX_RANKS:
+        raise InputFileError(f"{f}: {where}num_ranks={ranks} is over the accepted {MAX_RANKS} (MAX_RANKS)")
     if ranks < 1 or shape[1] % ranks:
         raise InputFileError(f"{f}: {where}num_ranks={ranks} does not divide {shape[1]} physical experts")
     acc.num_ranks = ranks
     if load.size and load.min() < 0:
         raise InputFileError(f"{f}: {where}expert_load has a negative load")
+    if m.size and m.max() >= MAX_EXPERTS:
+        raise InputFileError(
+            f"{f}: {where}p2l_map holds expert id {m.max()}, outside the accepted range 0..{MAX_EXPERTS - 1} "
+            f"(MAX_EXPERTS); the record is corrupt"
+        )
     if m.min() < 0 or (E is not None and m.max() >= E):
         raise InputFileError(f"{f}: {where}p2l_map ids span [{m.min()}, {m.max()}], expected [0, {E})")
     if "layer_ids" in rec:
@@ -129,6 +143,10 @@ def _add_vllm_record(acc: _VllmLoads, f: Path, where: str, rec: dict, E: int | N
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
         ):
             raise InputFileError(f"{f}: {where}layer_ids must list {shape[0]} integer layer ids")
+        try:
+            check_layer_ids(ids, "layer_ids", f"{f}: {where.rstrip(': ')}")
+        except ValueError as exc:
+            raise InputFileError(str(exc)) from None
         if acc.file_ids is not None and acc.file_ids != ids:
             raise InputFileError(f"{f}: {where}layer_ids {ids} differ from earlier records {acc.file_ids}")
         acc.file_ids = ids

@@ -2,7 +2,14 @@
 
 Every file this project writes goes through :func:`atomic_write`: the bytes go to a temporary file in
 the destination folder, are fsynced, then renamed over the target. A crash or an exception half-way
-leaves whatever was at the target before untouched and removes the temporary file.
+leaves whatever was at the target before untouched and removes the temporary file. A replaced file
+keeps its permission bits; a new one gets ``0o666 & ~umask``, as ``open()`` would give it.
+:func:`check_outputs` refuses, before anything is written, an output that is one of the inputs (also
+through a symlink or a hard link), two outputs that are one file, and an output folder that is missing
+or not writable.
+
+Inputs are opened only when they are regular files (:func:`open_regular`, :func:`require_regular`): a
+FIFO or a device passed as an input is refused at once instead of blocking or reading forever.
 """
 
 from __future__ import annotations
@@ -11,13 +18,16 @@ import contextlib
 import io
 import json
 import os
+import stat
 import tempfile
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
 import numpy as np
+
+from profiling.textparse import InputFileError, parse_json
 
 __all__ = [
     "atomic_write",
@@ -25,8 +35,13 @@ __all__ = [
     "atomic_write_text",
     "atomic_write_json",
     "atomic_save_npz",
+    "check_outputs",
+    "load_npy",
     "load_npz",
     "load_json",
+    "open_regular",
+    "read_regular_bytes",
+    "require_regular",
     "InputFileError",
 ]
 
@@ -34,8 +49,148 @@ __all__ = [
 DEFAULT_MAX_ARRAY_BYTES = 8 * 1024**3
 
 
-class InputFileError(ValueError):
-    """A file could not be read as the expected format. The message names the file and the field."""
+# ---------------------------------------------------------------------------------------------
+# inputs: regular files only
+# ---------------------------------------------------------------------------------------------
+
+
+def _not_regular_msg(p: Path, mode: int) -> str:
+    if stat.S_ISDIR(mode):
+        return f"{p}: is a folder, expected a file; pass the file inside it"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+    return f"{p}: is {kind}, not a regular file; inputs are read only from regular files: save it to a file first"
+
+
+def require_regular(path: str | os.PathLike) -> Path:
+    """``path`` as a :class:`Path` when it is a regular file (symlinks followed), else an
+    :class:`InputFileError`: missing, unreadable, a folder, a FIFO, a socket or a device."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except FileNotFoundError:
+        raise InputFileError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise InputFileError(f"{p}: cannot read it ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise InputFileError(_not_regular_msg(p, st.st_mode))
+    return p
+
+
+def open_regular(path: str | os.PathLike) -> IO[bytes]:
+    """Open ``path`` for binary reading only if it is a regular file.
+
+    Opened non-blocking and checked with ``fstat`` on the open descriptor, so a FIFO (or a file swapped
+    for one after a check) never blocks the open; the descriptor is made blocking again for reading.
+    """
+    p = require_regular(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        raise InputFileError(f"{p}: cannot open it ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InputFileError(_not_regular_msg(p, st.st_mode))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular_bytes(path: str | os.PathLike, max_bytes: int, what: str) -> bytes:
+    """The whole of a regular file, refused above ``max_bytes`` before it is read."""
+    p = require_regular(path)
+    with open_regular(p) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > max_bytes:
+            raise InputFileError(f"{p}: {size} bytes is over the {max_bytes}-byte limit for {what}")
+        return fh.read(max_bytes + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs: checked before anything is written, then written atomically
+# ---------------------------------------------------------------------------------------------
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def _check_output_folder(out: Path) -> None:
+    """The folder that will hold ``out`` exists and is writable; ``out`` itself, when it exists, is a
+    regular file (the atomic rename would replace a FIFO, device or symlinked folder entry)."""
+    folder = Path(os.path.realpath(out)).parent
+    if not folder.is_dir():
+        raise InputFileError(f"cannot write {out}: folder {folder} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputFileError(
+            f"cannot write {out}: folder {folder} is not writable by this user; choose another output folder"
+        )
+    if os.path.lexists(out):
+        try:
+            mode = os.stat(out).st_mode
+        except OSError:  # a dangling symlink: the rename replaces the link
+            return
+        if not stat.S_ISREG(mode):
+            what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise InputFileError(f"cannot write {out}: it exists and is {what}; choose a file path")
+
+
+def check_outputs(
+    inputs: Sequence[str | os.PathLike | None], outputs: Sequence[str | os.PathLike | None]
+) -> None:
+    """Refuse a set of outputs before anything is written (``None`` entries are skipped).
+
+    Raises:
+        InputFileError: an output resolves (symlinks and hard links included) to one of the inputs,
+            two outputs resolve to the same file, an output's folder is missing or not writable, or an
+            existing output is a folder, FIFO or device.
+    """
+    ins = [str(i) for i in inputs if i is not None]
+    outs = [str(o) for o in outputs if o is not None]
+    for o in outs:
+        for i in ins:
+            if _same_file(o, i):
+                raise InputFileError(
+                    f"output {o} is the input {i} (same file: {os.path.realpath(o)}); writing it would "
+                    f"destroy the input: choose another output path"
+                )
+    for k, o in enumerate(outs):
+        for other in outs[:k]:
+            if _same_file(o, other):
+                raise InputFileError(
+                    f"outputs {other} and {o} are the same file ({os.path.realpath(o)}); the second would "
+                    f"overwrite the first: give each output its own path"
+                )
+    for o in outs:
+        _check_output_folder(Path(o))
+
+
+def _umask() -> int:
+    """The process umask, read without changing it where the OS allows (Linux ``/proc``)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _target_mode(target: Path) -> int:
+    """Permission bits for the file replacing ``target``: the existing file's, else ``0o666 & ~umask``."""
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except OSError:
+        return 0o666 & ~_umask()
 
 
 @contextlib.contextmanager
@@ -50,6 +205,8 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
         raise InputFileError(f"cannot write {target}: folder {folder} does not exist; create it first")
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
     try:
+        with contextlib.suppress(OSError):  # mkstemp makes 0600; keep the target's (or umask's) mode
+            os.fchmod(fd, _target_mode(target))
         with os.fdopen(fd, mode) as fh:
             yield fh
             fh.flush()
@@ -77,7 +234,15 @@ def atomic_write_text(path, text: str) -> None:
 
 
 def atomic_write_json(path, obj, indent: int | None = 1) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+    """``obj`` as JSON; NaN and infinities are refused (bare ``NaN`` is not JSON: most readers fail on it)."""
+    try:
+        text = json.dumps(obj, indent=indent, allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(
+            f"cannot write {path}: the data holds NaN or an infinity ({exc}), which JSON cannot represent; "
+            f"the input load was probably non-finite or too large: check it"
+        ) from None
+    atomic_write_text(path, text + "\n")
 
 
 def atomic_save_npz(path, compress: bool = True, **arrays) -> None:
@@ -105,9 +270,7 @@ def load_npz(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_ARRAY_BYTES) 
         InputFileError: missing file, not a zip/npz, truncated member, object arrays, or arrays whose
             declared size exceeds ``max_bytes``.
     """
-    p = Path(path)
-    if not p.is_file():
-        raise InputFileError(f"{p}: no such file")
+    p = require_regular(path)
     try:
         declared = _npz_declared_bytes(p)
     except (zipfile.BadZipFile, OSError, EOFError) as exc:
@@ -136,22 +299,49 @@ def load_npz(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_ARRAY_BYTES) 
 
 
 def load_json(path: str | os.PathLike, max_bytes: int = 1024**3):
-    p = Path(path)
-    if not p.is_file():
-        raise InputFileError(f"{p}: no such file")
-    size = p.stat().st_size
-    if size > max_bytes:
-        raise InputFileError(f"{p}: {size} bytes is over the {max_bytes}-byte limit for a JSON file")
+    """A JSON file (regular files only, at most ``max_bytes``), duplicate keys refused
+    (:func:`profiling.textparse.parse_json`)."""
+    p = require_regular(path)
+    data = read_regular_bytes(p, max_bytes, "a JSON file")
     try:
-        return json.loads(p.read_bytes().decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputFileError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    except json.JSONDecodeError as exc:
-        raise InputFileError(
-            f"{p}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
-        ) from None
-    except RecursionError:
-        raise InputFileError(f"{p}: JSON nested too deeply") from None
+    return parse_json(text, str(p))
+
+
+def load_npy(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_ARRAY_BYTES) -> np.ndarray:
+    """One ``.npy`` array without pickle: regular files only, the header's declared size checked
+    against ``max_bytes`` before the data is read.
+
+    Raises:
+        InputFileError: missing or not a regular file, a bad header, object arrays, too large, truncated.
+    """
+    p = require_regular(path)
+    with open_regular(p) as fh:
+        try:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+            else:
+                shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+        except (ValueError, OSError, EOFError) as exc:
+            raise InputFileError(
+                f"{p}: not a .npy array file ({exc}); expected a file written by numpy.save"
+            ) from None
+        if dtype.hasobject:
+            raise InputFileError(f"{p}: holds objects (pickle), which are never loaded")
+        declared = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+        if declared > max_bytes:
+            raise InputFileError(
+                f"{p}: the array declares {declared / 1e9:.1f} GB ({shape} {dtype}), over the "
+                f"{max_bytes / 1e9:.1f} GB limit"
+            )
+        fh.seek(0)
+        try:
+            return np.load(fh, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as exc:
+            raise InputFileError(f"{p}: corrupt or truncated .npy ({exc})") from None
 
 
 def iter_npz_array_chunks(path: str | os.PathLike, key: str, chunk_rows: int = 65536) -> Iterator[np.ndarray]:
@@ -163,9 +353,9 @@ def iter_npz_array_chunks(path: str | os.PathLike, key: str, chunk_rows: int = 6
     Yields:
         arrays ``[<= chunk_rows, *shape[1:]]`` in order.
     """
-    p = Path(path)
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    p = require_regular(path)
     try:
         zf = zipfile.ZipFile(p)
     except (zipfile.BadZipFile, OSError) as exc:
@@ -206,7 +396,7 @@ def safe_torch_load(path: str | os.PathLike, max_bytes: int, what: str = "a .pt 
     Only tensors, dicts, lists and numbers are loaded, never pickled objects. Any failure becomes an
     :class:`InputFileError` naming the file.
     """
-    p = Path(path)
+    p = require_regular(path)
     size = p.stat().st_size
     if size > max_bytes:
         raise InputFileError(f"{p}: {size} bytes is over the {max_bytes}-byte limit for {what}")

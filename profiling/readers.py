@@ -25,9 +25,19 @@ from typing import Any
 import numpy as np
 
 from profiling.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
+from profiling.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
+from profiling.textparse import parse_json
 from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace
 
-__all__ = ["read_trace", "write_trace", "default_traces_dir", "find_shared_traces", "stream_counts"]
+__all__ = [
+    "check_load",
+    "default_traces_dir",
+    "find_shared_traces",
+    "read_trace",
+    "require_data",
+    "stream_counts",
+    "write_trace",
+]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,10 +146,7 @@ def _native_metadata(arrays, p) -> dict:
         )
     meta = {}
     if "metadata_json" in arrays:
-        try:
-            meta = json.loads(_str_scalar(arrays, "metadata_json", "{}"))
-        except json.JSONDecodeError as exc:
-            raise InputFileError(f"{p}: field 'metadata_json' is not valid JSON ({exc.msg})") from None
+        meta = parse_json(_str_scalar(arrays, "metadata_json", "{}"), f"{p}: field 'metadata_json'")
         if not isinstance(meta, dict):
             raise InputFileError(f"{p}: field 'metadata_json' must hold a JSON object")
     return meta
@@ -321,6 +328,10 @@ def stream_counts(path: str | os.PathLike, num_logical_experts: int, chunk_token
     """
     from profiling.trace import token_counts
 
+    if not 1 <= int(num_logical_experts) <= MAX_EXPERTS:
+        raise ValueError(
+            f"num_logical_experts must be in 1..{MAX_EXPERTS} (MAX_EXPERTS), got {num_logical_experts}"
+        )
     total = None
     for chunk in iter_npz_array_chunks(path, "topk_ids", chunk_tokens):
         if chunk.ndim == 2:
@@ -337,3 +348,64 @@ def stream_counts(path: str | os.PathLike, num_logical_experts: int, chunk_token
     if total is None:
         raise InputFileError(f"{path}: field 'topk_ids' has no tokens")
     return total
+
+
+def check_load(load, where: str) -> np.ndarray:
+    """A load array (``[L, E]`` or ``[W, L, E]``, e.g. from a ``.npy`` file) as float64, checked.
+
+    Raises:
+        ValueError naming ``where``: not numeric, not 2-D/3-D, NaN, inf or negative entries, more than
+        ``MAX_EXPERTS`` experts, or a total above ``MAX_TOTAL_TOKENS`` (2**53: float64 sums stop being
+        exact, and a finite but huge load such as 1e308 makes peak / mean NaN).
+    """
+    arr = np.asarray(load)
+    if arr.dtype.kind not in "iuf" or arr.ndim not in (2, 3):
+        raise ValueError(
+            f"{where}: a load must be a numeric [layers, experts] or [windows, layers, experts] array, "
+            f"got {arr.dtype} {arr.shape}"
+        )
+    if arr.shape[-1] > MAX_EXPERTS:
+        raise ValueError(
+            f"{where}: the load has {arr.shape[-1]} experts, over the accepted {MAX_EXPERTS} (MAX_EXPERTS)"
+        )
+    arr = arr.astype(np.float64)
+    if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
+        raise ValueError(f"{where}: the load holds NaN, inf or negative entries; loads are token counts >= 0")
+    with np.errstate(over="ignore"):  # an overflow to inf is what is checked
+        total = float(arr.sum())
+    if not np.isfinite(total) or total > MAX_TOTAL_TOKENS:
+        raise ValueError(
+            f"{where}: the load sums to {total:g} tokens, over the accepted {MAX_TOTAL_TOKENS:.0f} "
+            f"(MAX_TOTAL_TOKENS = 2**53); the counts are corrupt or in the wrong unit"
+        )
+    return arr
+
+
+def require_data(data: RoutingTrace | np.ndarray, where: str) -> None:
+    """Refuse a trace or load that holds no routed tokens, before solving or scoring from it.
+
+    Readers accept empty traces (``inspect`` may report one); solving a placement from zero load, or
+    scoring one on it, has no meaning (every placement ties, peak / mean is 0 / 0).
+
+    Args:
+        data: a :class:`RoutingTrace`, or a load ``[L, E]`` / ``[W, L, E]``.
+        where: the file (or option) the data came from; it starts the message.
+
+    Raises:
+        ValueError: no tokens, or every load zero (and, for arrays, what :func:`check_load` refuses).
+    """
+    if isinstance(data, RoutingTrace):
+        if data.has_tokens and data.num_tokens == 0:
+            raise ValueError(
+                f"{where}: the trace has 0 tokens; record some traffic, or pick windows/layers that hold tokens"
+            )
+        total = float(np.sum(data.counts(), dtype=np.float64))
+        shape = (data.num_layers, data.num_logical_experts)
+    else:
+        arr = check_load(data, where)
+        total, shape = float(arr.sum()), arr.shape[-2:]
+    if total <= 0:
+        raise ValueError(
+            f"{where}: every expert load is 0 (all {shape[0]} layers x {shape[1]} experts): there is nothing "
+            f"to balance; record traffic first, or check the chosen layers and windows"
+        )

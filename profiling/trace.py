@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from profiling.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids
+
 __all__ = ["RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
 
 TRACE_SCHEMA = "moe-placement/routing-trace"
@@ -53,6 +55,38 @@ def _check_offsets(name: str, offsets, total: int) -> np.ndarray | None:
     return off
 
 
+def _check_total_load(wc: np.ndarray) -> None:
+    """The summed load of ``window_counts`` must be finite and at most ``MAX_TOTAL_TOKENS``: a larger
+    (finite) sum overflows float64 arithmetic downstream (peak / mean becomes NaN)."""
+    with np.errstate(over="ignore"):  # an overflow to inf is what is checked
+        total = float(np.sum(wc, dtype=np.float64)) if wc.size else 0.0
+    if not np.isfinite(total) or total > MAX_TOTAL_TOKENS:
+        raise ValueError(
+            f"window_counts sum to {total:g} tokens, over the accepted {MAX_TOTAL_TOKENS:.0f} "
+            f"(MAX_TOTAL_TOKENS = 2**53, where float64 sums stop being exact); the counts are corrupt or "
+            f"in the wrong unit"
+        )
+
+
+def _check_num_experts(E) -> int:
+    if isinstance(E, bool) or not isinstance(E, (int, np.integer)) or E < 1:
+        raise ValueError(f"num_logical_experts must be a positive integer, got {E!r}")
+    if E > MAX_EXPERTS:
+        raise ValueError(
+            f"num_logical_experts is {E}, outside the accepted range 1..{MAX_EXPERTS} (MAX_EXPERTS); "
+            f"pass the model's real expert count"
+        )
+    return int(E)
+
+
+def _check_source_rank(sr: np.ndarray) -> None:
+    if sr.size and (sr.min() < 0 or sr.max() >= MAX_RANKS):
+        raise ValueError(
+            f"source_rank holds ranks in [{sr.min()}, {sr.max()}], outside the accepted range "
+            f"0..{MAX_RANKS - 1} (MAX_RANKS)"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class RoutingTrace:
     """Recorded routing of one workload. Immutable; arrays are read-only."""
@@ -69,10 +103,8 @@ class RoutingTrace:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        E = self.num_logical_experts
-        if isinstance(E, bool) or not isinstance(E, (int, np.integer)) or E < 1:
-            raise ValueError(f"num_logical_experts must be a positive integer, got {E!r}")
-        object.__setattr__(self, "num_logical_experts", int(E))
+        E = _check_num_experts(self.num_logical_experts)
+        object.__setattr__(self, "num_logical_experts", E)
         if self.topk_ids is None and self.window_counts is None:
             raise ValueError("a RoutingTrace needs topk_ids [T, L, k] or window_counts [W, L, E]")
         L = None
@@ -111,6 +143,7 @@ class RoutingTrace:
                 raise ValueError("window_counts contain NaN or inf; counts must be finite")
             if wc.size and wc.min() < 0:
                 raise ValueError(f"window_counts must be >= 0, found {wc.min()}")
+            _check_total_load(wc)
             if L is not None and wc.shape[1] != L:
                 raise ValueError(f"window_counts has {wc.shape[1]} layers but topk_ids has {L}")
             wc = np.ascontiguousarray(wc if wc.dtype.kind == "f" else wc.astype(np.int64))
@@ -122,7 +155,7 @@ class RoutingTrace:
                 raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
             object.__setattr__(self, "window_labels", labels)
         assert L is not None  # one of topk_ids / window_counts was checked above
-        ids_ = tuple(int(x) for x in (self.layer_ids if len(self.layer_ids) else range(L)))
+        ids_ = check_layer_ids(self.layer_ids if len(self.layer_ids) else range(L))
         if len(ids_) != L:
             raise ValueError(f"layer_ids has {len(ids_)} entries but the trace has {L} layers")
         object.__setattr__(self, "layer_ids", ids_)
@@ -133,8 +166,7 @@ class RoutingTrace:
                 raise ValueError(
                     f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}"
                 )
-            if T and sr.min() < 0:
-                raise ValueError(f"source_rank must be >= 0, found {sr.min()}")
+            _check_source_rank(sr)
             sr = sr.astype(np.int32)
             sr.setflags(write=False)
             object.__setattr__(self, "source_rank", sr)

@@ -40,7 +40,10 @@ and a *deterministic-time* limit (CP-SAT's work units; half a unit per second of
 share, since units run about 2x slower than seconds on a loaded core) computed from ``time_limit``
 only; the local search and the neighbourhood search are bounded by iterations and rounds, not time.
 Two runs then return the same map, whatever the machine load, unless the wall-clock safety cap (4x
-the per-layer share) cuts a solve short, which ``notes`` then reports. With ``deterministic=False`` solves use the wall clock.
+the per-layer share) cuts a solve short, which ``notes`` then reports. The per-layer share, the
+validation guard's and the noise gate's budgets, and so the provenance, never depend on how long the
+setup took. With ``deterministic=False`` solves use the wall clock. Ctrl-C during a CP-SAT solve
+stops it and raises ``KeyboardInterrupt`` (OR-Tools' own SIGINT handler is not installed).
 
 Decode objective (``objective="decode"``): in memory-bound decode a GPU's time per step is about
 ``a * tokens + t_read * (experts with at least one token)``. For a step of ``batch`` tokens per GPU
@@ -49,7 +52,7 @@ share); one of its ``r`` replicas is active with probability ``1 - exp(-lam_e / 
 ``c[e, r] = a * lam_e / r + t_read * (1 - exp(-lam_e / r))`` microseconds. Replicating a cold expert
 adds a weight read for few tokens, so the decode optimum replicates less than the token optimum.
 Defaults (see :class:`DecodeCost`) are DeepSeek-V3 on H100 from ../shared/docs/costmodel.md; this
-package keeps its own small constants on purpose (no dependency on ``solver.costmodel``).
+package keeps its own small constants on purpose (no dependency on ``solver.planner.costmodel``).
 
 Robust (``robust="max"`` or ``"qNN"``): per window ``w`` the load is normalised to mean 1 per GPU and
 the objective is the max over windows of the window's peak (PAR), or for ``qNN`` the CVaR at NN%: the

@@ -6,11 +6,18 @@ constraint family, objective, hints, solve, and the status checked before any va
 Shapes: ``E`` experts, ``G`` GPUs with ``S`` slots, ``N`` nodes, ``W`` windows, ``R = rmax``;
 ``tab`` int64 ``[W, E, R+1]`` scaled shares; ``x[e][g]`` bool (a replica of ``e`` on ``g``),
 ``n[e]`` replicas of ``e`` (an int when its range is a single count).
+
+Ctrl-C: OR-Tools' own SIGINT handler is never installed (``catch_sigint_signal = False``; with it, a
+Ctrl-C during a solve in a worker thread aborted the process with ``std::bad_function_call``). A solve
+on the main thread runs in a helper thread while the main thread waits interruptibly, so Ctrl-C stops
+the search at once and reaches Python as ``KeyboardInterrupt``; solves in worker threads are stopped by
+:func:`_interrupt_solves` and then raise ``KeyboardInterrupt`` themselves.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,7 +127,7 @@ def _solve_cpsat(
         solver = _cp_solver(seed, max(0.05, _DET_FACTOR * limit_s), max(0.5, _SAFETY_CAP * limit_s))
     else:
         solver = _cp_solver(seed, None, max(0.05, limit_s - build))
-    st = solver.solve(m)
+    st = _run_solve(solver, m)
     wall = time.perf_counter() - t0
     note = ""
     if deterministic and solver.wall_time >= 0.98 * solver.parameters.max_time_in_seconds:
@@ -141,10 +148,78 @@ def _cp_solver(seed: int, deterministic_time: float | None, wall_s: float) -> An
     prm = solver.parameters
     prm.random_seed = int(seed)
     prm.num_workers = 1
+    prm.catch_sigint_signal = False  # Ctrl-C is Python's (see the module docstring)
     if deterministic_time is not None:
         prm.max_deterministic_time = deterministic_time
     prm.max_time_in_seconds = wall_s
     return solver
+
+
+_ACTIVE: set = set()  # solvers searching now (any thread)
+_ACTIVE_LOCK = threading.Lock()
+_INTERRUPTED = threading.Event()  # set by Ctrl-C on the main thread until the next solve starts
+
+
+def _reset_interrupt() -> None:
+    """Forget an earlier Ctrl-C (called when a new solve starts)."""
+    _INTERRUPTED.clear()
+
+
+def _interrupt_solves() -> None:
+    """Ctrl-C on the main thread: stop every running search; later solves raise ``KeyboardInterrupt``."""
+    _INTERRUPTED.set()
+    with _ACTIVE_LOCK:
+        for solver in list(_ACTIVE):
+            solver.stop_search()
+
+
+def _run_solve(solver: Any, model: Any) -> Any:
+    """``solver.solve(model)`` (its status) with Ctrl-C delivered as ``KeyboardInterrupt``.
+
+    On the main thread the search runs in a helper thread while the main thread waits on an Event
+    (interruptible), so the signal is handled at once; on a worker thread it runs in place and raises
+    after a stop by :func:`_interrupt_solves`.
+    """
+    if _INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(solver)
+    try:
+        if threading.current_thread() is not threading.main_thread():
+            status = solver.solve(model)
+            if _INTERRUPTED.is_set():
+                raise KeyboardInterrupt
+            return status
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def search() -> None:
+            try:
+                box["status"] = solver.solve(model)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        helper = threading.Thread(target=search, name="cpsat-solve", daemon=True)
+        helper.start()
+        # wait on an Event, not on helper.join(): a join interrupted by Ctrl-C leaves the thread
+        # half-finished and the interpreter aborts at exit
+        try:
+            while not done.wait(0.1):
+                pass
+        except KeyboardInterrupt:
+            _interrupt_solves()
+            done.wait()
+            helper.join()
+            raise
+        helper.join()
+        if "error" in box:
+            raise box["error"]
+        return box["status"]
+    finally:
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(solver)
 
 
 def _add_replicas(m: Any, pb: _Layer, d: _CpData, v: _CpVars, P: int) -> None:

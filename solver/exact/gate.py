@@ -150,6 +150,7 @@ def _noise_gate(
     seed: int,
     time_limit: float,
     t_start: float,
+    deterministic: bool = False,
 ) -> tuple[Placement, SolveReport]:
     """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
 
@@ -162,12 +163,15 @@ def _noise_gate(
 
     agg = _aggregate(load_or_trace)
     L, E = agg.shape
-    g_pl, _ = greedy_placement(agg, topology, policy="global", layer_ids=pl.layer_ids or None)
+    g_pl, _ = greedy_placement(agg, topology, mode="global", layer_ids=pl.layer_ids or None)
     sigma = peak_noise(source, g_pl, seed)
     exact_moved = moved_pairs(g_pl, pl)  # [L]
     rows = pl.physical_to_logical_map.copy()
     layers, changed, kept_exact = [], 0, 0
-    per = max(0.05, (time_limit - (time.perf_counter() - t_start)) / max(L, 1))
+    # the migration's share per layer: the 15% of time_limit the inner solve left (deterministic), or
+    # what is left on the clock
+    left = 0.15 * time_limit if deterministic else time_limit - (time.perf_counter() - t_start)
+    per = max(0.05, left / max(L, 1))
     gate = _Gate(agg, topology, g_pl, sigma, exact_moved, source, k, per, seed)
     for l, lr in enumerate(rep.layers):
         row, info = _gate_choice(gate, l, lr, rows)

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from solver.exact.cpsat import _cp_solver
+from solver.exact.cpsat import _cp_solver, _run_solve
 from solver.exact.layer_problem import _DET_FACTOR, _LNS_ROUND_S, _SAFETY_CAP, _counts_of, _Layer, _Result
 from solver.exact.local_search import _local_search
 
@@ -171,7 +171,7 @@ def _repack(
         slv = _cp_solver(seed, sub_limit, 3 * sub_limit)
     else:
         slv = _cp_solver(seed, None, sub_limit)
-    st = slv.solve(m)
+    st = _run_solve(slv, m)
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     new = np.empty((nH, S), dtype=np.int64)

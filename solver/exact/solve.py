@@ -23,6 +23,7 @@ from placement.model import Placement
 from placement.topology import Topology
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
+from solver.exact.cpsat import _interrupt_solves, _reset_interrupt
 from solver.exact.gate import _gate_noise_source, _noise_gate
 from solver.exact.guard import _validation_guard, _validation_split
 from solver.exact.options import ExactOptions
@@ -139,7 +140,16 @@ def _solve(
         inner = replace(inner, time_limit=0.85 * options.time_limit)
         pl, rep = _solve(load_or_trace, topology, inner, num_groups, layer_ids)
         return _noise_gate(
-            load_or_trace, topology, pl, rep, gate, float(noise_k), options.seed, options.time_limit, t_start
+            load_or_trace,
+            topology,
+            pl,
+            rep,
+            gate,
+            float(noise_k),
+            options.seed,
+            options.time_limit,
+            t_start,
+            options.deterministic,
         )
     if guard is not None:
         return _validation_guard(
@@ -226,12 +236,16 @@ def _solve_plain(
     G, P, N = topology.ep_size, topology.num_physical_experts, topology.num_nodes
     decode = _decode_cost(options, top_k)
     greedy_policy = _greedy_policy(options.node_constraint, num_groups, E, N)
-    g_pl, _ = greedy_placement(agg, topology, num_groups, policy=greedy_policy, layer_ids=layer_ids)
+    g_pl, _ = greedy_placement(agg, topology, num_groups, mode=greedy_policy, layer_ids=layer_ids)
     greedy_map = g_pl.physical_to_logical_map
     hint_map = _hint_map(options.hint, greedy_map, E)
     rmax = _max_replicas(E, G, P)
     workers = _worker_count(options.workers, L)
-    setup = time.perf_counter() - t_start
+    # deterministic: the budget comes from time_limit alone (nothing wall-clock-derived reaches the
+    # solves or the provenance); otherwise what the setup left of it
+    budget = (
+        options.time_limit if options.deterministic else options.time_limit - (time.perf_counter() - t_start)
+    )
     ctx = _Setup(
         options=options,
         topology=topology,
@@ -244,7 +258,7 @@ def _solve_plain(
         robust_m=robust_m,
         group_of_expert=np.arange(E) // (E // num_groups) if options.node_constraint else None,
         groups_per_node=(num_groups // N) if options.node_constraint else 0,
-        per_layer=max(0.05, (options.time_limit - setup) * workers / L * 0.85),
+        per_layer=max(0.05, budget * workers / L * 0.85),
         deadline=t_start + options.time_limit,
         ls_iters=int(options.local_search_iters if options.local_search_iters is not None else 20 * G),
         cb_agg=count_lower_bound(agg, G, P),
@@ -252,11 +266,16 @@ def _solve_plain(
         notes=[],
         lock=threading.Lock(),
     )
+    _reset_interrupt()
     if workers == 1:
         results = [_solve_layer(ctx, l) for l in range(L)]
     else:
         with ThreadPoolExecutor(max_workers=workers) as ex:
-            results = list(ex.map(lambda l: _solve_layer(ctx, l), range(L)))
+            try:
+                results = list(ex.map(lambda l: _solve_layer(ctx, l), range(L)))
+            except KeyboardInterrupt:  # stop the running searches; the pool then winds down at once
+                _interrupt_solves()
+                raise
     return _plain_result(ctx, results, wins, workers, greedy_policy, num_groups, t_start)
 
 
