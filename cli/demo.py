@@ -19,6 +19,11 @@ __all__ = ["add_parser", "cmd_demo"]
 
 _EXPERTS = 64  # logical experts of the demo workload (16 redundant slots on top)
 
+# Solvers the full demo runs after the baseline, in order; the last that ran writes the engine files.
+_SOLVERS = ("cpsat", "locality")
+# Work units per layer for solvers run on a work limit instead of a clock (reproducible across machines).
+_WORK_PER_LAYER = {"locality": 100}
+
 _ENGINE_FILES = (
     ("native", "placement.json"),
     ("sglang", "sglang_init_expert_location.json"),
@@ -73,40 +78,43 @@ def _write_workload(args, out: Path):
 
 
 def _solve_all(args, trace, fit, topo) -> dict:
-    """Step 3: trivial, greedy, and (unless ``--quick``) cpsat and locality fitted on ``fit``; by name."""
+    """Step 3: trivial, the baseline, and (unless ``--quick``) :data:`_SOLVERS` fitted on ``fit``; by name."""
     from placement.model import Placement
-    from solver.api import solve
+    from solver.api import BASELINE, solve
 
     results = {}
     results["trivial"] = Placement.trivial(trace.num_layers, _EXPERTS, topo, trace.layer_ids)
-    results["greedy"], _ = solve("greedy", topology=topo, trace=fit)
-    solvers = ["cpsat", "locality"] if not args.quick else []
-    for name in progress(solvers, desc="solving"):
+    results[BASELINE], _ = solve(BASELINE, topology=topo, trace=fit)
+    for name in progress(_SOLVERS if not args.quick else (), desc="solving"):
+        work = _WORK_PER_LAYER.get(name)
+        options = {"work_limit": work * fit.num_layers} if work else None
         try:
-            options = {"work_limit": 100 * fit.num_layers} if name == "locality" else None  # reproducible
             results[name], rep = solve(
                 name, topology=topo, trace=fit, time_limit=args.time_limit, seed=args.seed, options=options
             )
-            if name == "cpsat":
-                echo(
-                    f"{name}: status {rep.status}, peak load summed over layers {rep.objective:.0f} "
-                    f"(greedy {sum(lr.baseline_objective or 0 for lr in rep.layers):.0f}), "
-                    f"proven bound {rep.bound:.0f}, gap {rep.gap:.4f}"
-                )
-            else:
-                echo(f"{name}: status {rep.status}, {rep.wall_time_s:.1f}s")
         except ImportError as exc:
             warn(f"solver {name} unavailable: {exc}")
+            continue
+        if rep.bound > 0:  # a proven bound: the exact model
+            echo(
+                f"{name}: status {rep.status}, peak load summed over layers {rep.objective:.0f} "
+                f"({BASELINE} {sum(lr.baseline_objective or 0 for lr in rep.layers):.0f}), "
+                f"proven bound {rep.bound:.0f}, gap {rep.gap:.4f}"
+            )
+        else:
+            echo(f"{name}: status {rep.status}, {rep.wall_time_s:.1f}s")
     return results
 
 
 def _evaluate_all(results: dict, held) -> list[dict]:
     """Step 4: held-out PAR, step PAR and remote traffic of each placement, also relative to greedy."""
+    from placement.dispatch import LOCAL
     from placement.metrics import evaluate
+    from solver.api import BASELINE
 
     rows = []
     for name, pl in results.items():
-        d = evaluate(pl, held, "local", step_tokens=16).to_dict()
+        d = evaluate(pl, held, LOCAL, step_tokens=16).to_dict()
         rows.append(
             {
                 "placement": name,
@@ -116,7 +124,7 @@ def _evaluate_all(results: dict, held) -> list[dict]:
                 "remote_gpus": d["remote_gpus_per_token"],
             }
         )
-    g = next(r for r in rows if r["placement"] == "greedy")
+    g = rows[list(results).index(BASELINE)]
     for r in rows:
         r["par_vs_greedy"] = r["par"] / g["par"]
         r["nodes_vs_greedy"] = r["remote_nodes"] / g["remote_nodes"]
@@ -124,10 +132,11 @@ def _evaluate_all(results: dict, held) -> list[dict]:
 
 
 def _write_engine_files(results: dict, out: Path) -> None:
-    """Step 5: the best placement (locality, else cpsat, else greedy) in every engine format."""
+    """Step 5: the last placement solved (the last of :data:`_SOLVERS` that ran, else the baseline) in
+    every engine format."""
     from placement.formats import write_placement
 
-    best = "locality" if "locality" in results else ("cpsat" if "cpsat" in results else "greedy")
+    best = list(results)[-1]
     echo(f"\n== 5. write engine files for the {best} placement")
     for fmt, name in _ENGINE_FILES:
         for p in write_placement(results[best], out / name, fmt):
@@ -140,6 +149,8 @@ def _validate(out: Path, tpath: Path, ep_size: int, offset: int) -> int:
     if importlib.util.find_spec("torch") is None or importlib.util.find_spec("cli.validate") is None:
         warn("torch runtime not installed: skipping validate (pip install torch==2.13.0)")
         return 0
+    from placement.dispatch import LOCAL
+
     mod = importlib.import_module("cli.validate")
     parser, sub = root_parser()
     mod.add_parser(sub)
@@ -151,8 +162,8 @@ def _validate(out: Path, tpath: Path, ep_size: int, offset: int) -> int:
             str(tpath),
             "--ranks",
             str(ep_size),
-            "--policy",
-            "local",
+            "--dispatch",
+            LOCAL.name,
             "--layers",
             "0",
             "--offset",
@@ -164,6 +175,7 @@ def _validate(out: Path, tpath: Path, ep_size: int, offset: int) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Steps: workload -> inspect -> solve -> evaluate held out -> engine files -> validate."""
+    from placement.dispatch import LOCAL
     from placement.topology import Topology
 
     out = Path(args.out)
@@ -178,7 +190,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         f"{topo.num_physical_experts - _EXPERTS} redundant slots)"
     )
     results = _solve_all(args, trace, fit, topo)
-    echo("\n== 4. moe-placement evaluate (held-out second half, policy local, 16 tokens per rank per step)")
+    echo(
+        f"\n== 4. moe-placement evaluate (held-out second half, dispatch {LOCAL.name}, 16 tokens per rank per step)"
+    )
     echo(format_table(_evaluate_all(results, held), _EVAL_COLUMNS))
     _write_engine_files(results, out)
     if args.skip_validate:

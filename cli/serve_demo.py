@@ -19,6 +19,9 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from cli.validate import MAX_RANKS
+    from placement.dispatch import EVEN, dispatch_names
+
     p = subparsers.add_parser(
         "serve-demo",
         help="serve a transformers MoE model on G ranks with live rebalancing; print per-rank load",
@@ -30,7 +33,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR_OR_CONFIG",
         help="a checkpoint folder, or a config.json for seeded random weights",
     )
-    p.add_argument("--ranks", type=int, default=4, help="gloo ranks to launch (default 4)")
+    p.add_argument("--ranks", type=int, default=4, help=f"gloo ranks to launch (1..{MAX_RANKS}; default 4)")
     p.add_argument(
         "--rebalance-every", type=int, default=4, help="steps between re-solves (0: never; default 4)"
     )
@@ -38,10 +41,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--placement", help="initial placement file (default: contiguous blocks plus --redundant replicas)"
     )
     p.add_argument("--redundant", type=int, help="redundant slots per layer (default: --ranks)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        help="with --placement: the placement row (0-based) serving each MoE layer of the model, in model "
+        "order (default: rows matched by layer id)",
+    )
     p.add_argument("--new-tokens", type=int, default=16, help="greedy steps per prompt (default 16)")
     p.add_argument("--prompts-per-rank", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=8)
-    p.add_argument("--dispatch", choices=("even", "local"), default="even", help="replica selection")
+    p.add_argument(
+        "--dispatch",
+        metavar="{" + ",".join(dispatch_names(runtime=True)) + "}",
+        default=EVEN.name,
+        help=f"replica selection the runtime applies (default {EVEN.name})",
+    )
     p.add_argument("--max-moves", type=int, help="moved slots allowed per rebalance (default: no budget)")
     p.add_argument(
         "--gain-gate",
@@ -53,21 +68,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds (> 0) before the ranks are stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 
 
 def _spec(args: argparse.Namespace):
     """The :class:`runtime_hooks.hf_serve.ServeSpec` the arguments describe (CliError on bad numbers)."""
+    from cli.validate import check_numbers
+    from runtime_hooks.ep_layer import runtime_dispatch
     from runtime_hooks.hf_serve import ServeSpec, contiguous_placement
     from runtime_hooks.hf_validate import describe_model
 
-    for name in ("ranks", "new_tokens", "prompts_per_rank", "prompt_len"):
-        if getattr(args, name) < 1:
-            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.rebalance_every < 0:
-        raise CliError(f"--rebalance-every must be >= 0, got {args.rebalance_every}")
+    check_numbers(
+        args,
+        positive=("timeout",),
+        at_least_one=("ranks", "new_tokens", "prompts_per_rank", "prompt_len"),
+        non_negative=("rebalance_every", "redundant", "seed", "max_moves"),
+    )
+    runtime_dispatch(args.dispatch)
+    if args.layers and not args.placement:
+        raise CliError("--layers maps the rows of --placement; pass --placement FILE or drop --layers")
     info = describe_model(args.model)
     if args.placement:
         placement = open_placement(args.placement)
@@ -91,6 +112,7 @@ def _spec(args: argparse.Namespace):
         wait_for_solve=not args.no_wait,
         always_apply=not args.gain_gate,
         max_moves=args.max_moves,
+        rows=tuple(args.layers) if args.layers else None,
     )
 
 

@@ -11,7 +11,8 @@ With ``--model DIR_OR_CONFIG`` the check runs a real transformers MoE model inst
 folder, or a ``config.json`` for random weights drawn with ``--seed``): every rank serves its own
 prompts with the placement applied (:mod:`runtime_hooks.hf`) and its logits are compared with the
 single-process model; tokens per slot are compared with ``placement.metrics.route_tokens``. A placement
-whose layers or expert count do not fit the model exits 2 with the numbers. ``--json`` prints one object.
+whose layers or expert count do not fit the model exits 2 with the numbers; ``--layers`` then names the
+placement row serving each MoE layer of the model, in model order. ``--json`` prints one object.
 """
 
 from __future__ import annotations
@@ -23,10 +24,15 @@ from pathlib import Path
 
 from cli.common import CliError, echo, open_placement, open_trace
 
-__all__ = ["add_parser", "run"]
+__all__ = ["MAX_RANKS", "add_parser", "check_numbers", "run"]
+
+MAX_RANKS = 256  # ranks one launch may start: each is a process holding the model (gloo) or a GPU (nccl)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.dispatch import EVEN, dispatch_names
+
+    runtime, offline = dispatch_names(runtime=True), dispatch_names(runtime=False)
     p = subparsers.add_parser(
         "validate",
         help="run a placement on real torch.distributed ranks; compare outputs and per-rank tokens",
@@ -35,24 +41,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("placement", help="placement file (any format placement.formats reads)")
     p.add_argument("--trace", help="per-token routing trace to replay (default: a synthetic trace)")
     p.add_argument(
-        "--ranks", type=int, help="ranks to launch; must equal the placement's ep_size (default: it)"
+        "--ranks",
+        type=int,
+        help=f"ranks to launch (1..{MAX_RANKS}); must equal the placement's ep_size (default: it)",
     )
     p.add_argument(
         "--dispatch",
         "--policy",
         dest="policy",
-        choices=("even", "local"),
-        default="even",
-        help="replica selection the runtime applies on real ranks (default even); the engines' own rules "
-        "(sglang-static, sglang-dynamic, vllm-hash) are scored by `evaluate --dispatch`",
+        metavar="{" + ",".join(runtime) + "}",
+        default=EVEN.name,
+        help=f"replica selection the runtime applies on real ranks (default {EVEN.name}); the engines' "
+        f"own rules ({', '.join(offline)}) are scored by `evaluate --dispatch`",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
     p.add_argument("--offset", type=int, default=0, help="first replayed token of the trace (default 0)")
-    p.add_argument("--layers", type=int, nargs="+", help="placement rows to validate (0-based; default all)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        help="placement rows to validate (0-based; default all); with --model, the row serving each MoE "
+        "layer of the model, in model order (default: rows matched by layer id)",
+    )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--hidden", type=int, default=32, help="hidden size of the test experts (default 32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds (> 0) before the ranks are stopped")
     p.add_argument("--ep-size", type=int, help="ep_size for engine formats that do not store it")
     p.add_argument("--num-nodes", type=int, help="nodes for engine formats that do not store it")
     p.add_argument(
@@ -68,6 +82,60 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
+
+
+def check_numbers(
+    args: argparse.Namespace,
+    *,
+    positive: tuple[str, ...] = (),
+    at_least_one: tuple[str, ...] = (),
+    non_negative: tuple[str, ...] = (),
+) -> None:
+    """The numeric flags in range (None: not given), else one :class:`CliError` line naming the flag.
+
+    ``positive``: finite and > 0 (seconds); ``at_least_one``: integers >= 1 (``ranks`` also at most
+    :data:`MAX_RANKS`); ``non_negative``: integers >= 0.
+    """
+    import math
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name in positive:
+        v = getattr(args, name, None)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            raise CliError(f"{flag(name)} must be a finite number > 0, got {v}; e.g. {flag(name)} 300")
+    for name in at_least_one:
+        v = getattr(args, name, None)
+        if v is not None and v < 1:
+            raise CliError(f"{flag(name)} must be >= 1, got {v}")
+    for name in non_negative:
+        v = getattr(args, name, None)
+        if v is not None and v < 0:
+            raise CliError(f"{flag(name)} must be >= 0, got {v}")
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None and ranks > MAX_RANKS:
+        raise CliError(f"--ranks {ranks} is above the limit of {MAX_RANKS} ranks per launch; use fewer ranks")
+
+
+def _check_args(args: argparse.Namespace, placement) -> None:
+    """Numeric flags, the dispatch model and the rank count, before anything is launched."""
+    from runtime_hooks.ep_layer import runtime_dispatch
+
+    check_numbers(
+        args,
+        positive=("timeout",),
+        at_least_one=("ranks", "tokens_per_rank", "hidden", "ep_size", "num_nodes"),
+        non_negative=("seed", "offset"),
+    )
+    runtime_dispatch(args.policy)
+    G = placement.topology.ep_size
+    if G > MAX_RANKS:
+        raise CliError(f"the placement's ep_size {G} is above the limit of {MAX_RANKS} ranks per launch")
+    if args.ranks is not None and args.ranks != G:
+        raise CliError(
+            f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}"
+        )
 
 
 def _load_placement(args):
@@ -115,16 +183,12 @@ def _load_trace(args, placement):
 def run(args: argparse.Namespace) -> int:
     from runtime_hooks.validate import ValidationSpec, validate_placement
 
+    check_numbers(args, at_least_one=("ep_size", "num_nodes"))
     placement = _load_placement(args)
+    _check_args(args, placement)
     if args.model is not None:
         return run_model(args, placement)
     G = placement.topology.ep_size
-    if args.ranks is not None and args.ranks != G:
-        raise CliError(
-            f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}"
-        )
-    if args.tokens_per_rank < 1 or args.hidden < 1 or args.offset < 0:
-        raise CliError("--tokens-per-rank and --hidden must be >= 1 and --offset >= 0")
     trace = _load_trace(args, placement)
     rows = list(range(placement.num_layers)) if not args.layers else list(args.layers)
     bad = [r for r in rows if not 0 <= r < placement.num_layers]
@@ -199,14 +263,8 @@ def run_model(args: argparse.Namespace, placement) -> int:
     from runtime_hooks.hf_validate import HFCase, validate_hf
 
     G = placement.topology.ep_size
-    if args.ranks is not None and args.ranks != G:
-        raise CliError(
-            f"--ranks {args.ranks} differs from the placement's ep_size {G}; omit --ranks or pass {G}"
-        )
-    if args.trace is not None or args.layers:
-        raise CliError("--model runs the model's own routing; drop --trace and --layers")
-    if args.tokens_per_rank < 1:
-        raise CliError("--tokens-per-rank must be >= 1")
+    if args.trace is not None:
+        raise CliError("--model runs the model's own routing; drop --trace")
     case = HFCase(
         args.model,
         placement,
@@ -215,6 +273,7 @@ def run_model(args: argparse.Namespace, placement) -> int:
         prompts_per_rank=2,
         seq_len=max(1, -(-args.tokens_per_rank // 2)),
         dtype=args.dtype,
+        rows=tuple(args.layers) if args.layers else None,
     )
     if not args.json:
         echo(f"validate: {args.model} on {G} {args.backend} ranks, dispatch {args.policy}, {args.dtype}")

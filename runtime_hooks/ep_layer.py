@@ -17,12 +17,13 @@ S = slots per rank, G = ranks, n = picks sent by this rank, m = picks received b
 
 Replica selection is :func:`placement.metrics.route_tokens` ported to torch (:func:`route_slots`,
 tested equal): pick ``j`` of the token with global index ``t`` takes replica ``(t + j) mod c`` of its
-tier (own rank, own node, any: ``local``; any: ``even``). Hence the picks each rank computes are exactly
+tier (own rank, own node, any: ``local``; any: ``even``). The dispatch models the runtime executes
+are those :mod:`placement.dispatch` marks ``runtime`` (:func:`runtime_dispatch` checks a name). Hence the picks each rank computes are exactly
 ``placement.metrics.routed_gpu_tokens`` of the same ids, policy and token indices.
 
 Public API (used by :mod:`runtime_hooks.validate`, the benchmark and the online rebalancer)::
 
-    layer = EPMoELayer(placement, layer_index, weights, policy="even")   # inside a launched rank
+    layer = EPMoELayer(placement, layer_index, weights, policy=EVEN.name)  # inside a launched rank
     y = layer.forward(x, topk_ids, topk_weights, token_index)            # one step (replayed ids)
     layer.last_tokens_processed                                          # picks computed this step
     result = layer.migrate_to(new_placement, timeout=10.0)               # -> MigrationResult
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from placement.dispatch import EVEN, LOCAL, DispatchModel, dispatch_names, get_dispatch
 from placement.model import Placement
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "reference_moe",
     "replay_weights",
     "route_slots",
+    "runtime_dispatch",
     "tensor_checksum",
 ]
 
@@ -195,19 +198,44 @@ def build_routing_tables(placement: Placement, layer: int, device=None) -> Routi
     )
 
 
+def runtime_dispatch(dispatch: str | DispatchModel) -> DispatchModel:
+    """The registered dispatch model ``dispatch``, checked to be one the runtime executes.
+
+    Raises:
+        ValueError: an unknown name (listing the models), or a model only scored offline (one line
+            naming it and the runtime's models).
+    """
+    model = get_dispatch(dispatch)
+    if not model.runtime:
+        runtime = ", ".join(dispatch_names(runtime=True))
+        raise ValueError(
+            f"dispatch model {model.name!r} is scored offline only (evaluate --dispatch {model.name}); "
+            f"the runtime executes {runtime}: use one of those"
+        )
+    return model
+
+
 def route_slots(
-    tables: RoutingTables, topk_ids: torch.Tensor, token_index: torch.Tensor, src_rank, policy: str = "even"
+    tables: RoutingTables,
+    topk_ids: torch.Tensor,
+    token_index: torch.Tensor,
+    src_rank,
+    policy: str | DispatchModel = EVEN.name,
 ) -> torch.Tensor:
     """Physical slot of every pick, exactly as :func:`placement.metrics.route_tokens`.
 
     Args:
         topk_ids: int ``[T, k]`` logical ids, -1 = none. token_index: int64 ``[T]`` global token index.
         src_rank: int or int64 ``[T]``, the attention-DP rank of each token.
+        policy: a runtime dispatch model (:func:`runtime_dispatch`) or its name.
     Returns:
         int64 ``[T, k]`` slot ids, -1 where the id was -1.
     """
-    if policy not in ("even", "local"):
-        raise ValueError(f"unknown replica-selection policy {policy!r}; use 'even' or 'local'")
+    model = runtime_dispatch(policy)
+    if model is not EVEN and model is not LOCAL:
+        raise ValueError(
+            f"dispatch model {model.name!r} is marked runtime but route_slots has no rule for it"
+        )
     ids = topk_ids.long()
     T, k = ids.shape
     valid = ids >= 0
@@ -215,7 +243,7 @@ def route_slots(
     rot = token_index.long().view(T, 1) + torch.arange(k, device=ids.device).view(1, k)  # [T, k]
     remote = tables.l2p[e, rot % tables.cnt[e]]  # [T, k] tier 2: any replica
     slot = remote
-    if policy == "local":
+    if model is LOCAL:
         src = torch.as_tensor(src_rank, dtype=torch.int64, device=ids.device).expand(T).view(T, 1)  # [T, 1]
         node = src // tables.gpus_per_node  # [T, 1]
         own = tables.gpu_slot[src, e]  # [T, k] tier 0: replica on the token's own rank or -1
@@ -238,7 +266,7 @@ class EPMoELayer:
         placement: the placement; row ``layer`` is used (kept as a one-layer :class:`Placement`).
         layer: row index into ``placement``.
         weights: logical :class:`ExpertWeights`; only this rank's slots are copied to ``device``.
-        policy: ``even`` or ``local`` replica selection.
+        policy: a dispatch model the runtime executes (:func:`runtime_dispatch`), or its name.
         group: process group for dispatch/combine; its size must equal ``placement.topology.ep_size``.
         device: compute device (default: ``cuda:<current>`` on NCCL, else CPU).
         store: key-value store for migration decisions (default: the launcher's store).
@@ -254,7 +282,7 @@ class EPMoELayer:
         layer: int,
         weights: ExpertWeights,
         *,
-        policy: str = "even",
+        policy: str | DispatchModel = EVEN.name,
         group=None,
         device=None,
         store=None,
@@ -263,8 +291,7 @@ class EPMoELayer:
     ):
         import torch.distributed as dist
 
-        if policy not in ("even", "local"):
-            raise ValueError(f"unknown replica-selection policy {policy!r}; use 'even' or 'local'")
+        policy = runtime_dispatch(policy).name
         if not 0 <= layer < placement.num_layers:
             raise ValueError(f"layer {layer} is outside the placement's {placement.num_layers} rows")
         if weights.num_experts != placement.num_logical_experts:

@@ -22,7 +22,8 @@ E = logical experts, S = slots per rank, G = ranks, n = picks sent, m = picks re
   holds a copy of logical expert ``physical_to_logical_map[row, g*S + s]``; the full tensors are freed.
 
 Routing: pick ``j`` of the token with global index ``t`` goes to the replica that
-:func:`placement.metrics.route_tokens` picks for the dispatch model (``even`` or ``local``), through
+:func:`placement.metrics.route_tokens` picks for the dispatch model (one the registry marks
+``runtime``: :func:`runtime_hooks.ep_layer.runtime_dispatch`), through
 :func:`runtime_hooks.ep_layer.route_slots` (its torch port). Global indices number the tokens of one
 experts call rank by rank (rank 0's tokens first), continuing across calls, so a trace of the recorded
 ids in that order replays the same choices. Picks travel through the shared
@@ -31,7 +32,7 @@ summed over ``K`` like transformers' own forwards (``[T, K, H].sum(1)``).
 
 Public API::
 
-    applied = apply_placement_to_model(model, placement, group=None, dispatch="even")  # collective setup
+    applied = apply_placement_to_model(model, placement, group=None)  # collective setup, even dispatch
     applied.expert_bytes_before, applied.expert_bytes_after                    # this rank's bytes
     logits = model(input_ids).logits                                           # every rank, lockstep
     slot_token_counts(model)  # int64 [L, S] picks this rank's slots computed
@@ -51,6 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from placement.dispatch import EVEN
 from placement.model import Placement
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "moe_experts",
     "match_layers",
     "recorded_ids",
+    "served_placement",
     "slot_token_counts",
 ]
 
@@ -78,7 +81,6 @@ _EXPERT_TENSORS = (
     "up_proj_bias",
     "down_proj_bias",
 )
-_DISPATCH = ("even", "local")
 
 
 @dataclass(frozen=True)
@@ -167,28 +169,69 @@ def expert_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def match_layers(placement: Placement, layer_ids: list[int], num_experts: int) -> list[int]:
+def match_layers(
+    placement: Placement, layer_ids: list[int], num_experts: int, rows: list[int] | None = None
+) -> list[int]:
     """Placement row serving each model MoE layer (``[L]``), or ValueError naming the numbers.
 
-    Rows are matched by real layer id when the placement names every MoE layer of the model; a
-    placement with default ids ``0..L-1`` and exactly ``L`` rows is matched in order (for models whose
-    first MoE layer is not layer 0, e.g. DeepSeek with dense first layers).
+    Args:
+        placement: ``N`` rows; layer_ids: the model's ``L`` MoE layer ids in model order.
+        rows: explicit placement rows (0-based), one per MoE layer in model order (``--layers``);
+            a row may serve several layers.
+
+    Without ``rows`` the placement must have exactly ``L`` rows: matched by real layer id when its
+    ids are the model's MoE layers, or in order when it has the default ids ``0..L-1`` (for models
+    whose first MoE layer is not layer 0, e.g. DeepSeek with dense first layers).
     """
     if placement.num_logical_experts != num_experts:
         raise ValueError(
             f"the placement has {placement.num_logical_experts} logical experts per layer but the model "
             f"has {num_experts}; solve the placement for {num_experts} experts"
         )
+    L, N = len(layer_ids), placement.num_layers
+    if rows is not None:
+        return _explicit_rows(list(rows), L, N)
+    if N != L:
+        raise ValueError(
+            f"the model has {L} MoE layers (ids {layer_ids}) but the placement has {N} rows (layer ids "
+            f"{list(placement.layer_ids)}); pass --layers with {L} placement rows (0..{N - 1}), one per "
+            f"MoE layer in order, or solve a placement for these {L} layers"
+        )
     by_id = {lid: r for r, lid in enumerate(placement.layer_ids)}
     if all(lid in by_id for lid in layer_ids):
         return [by_id[lid] for lid in layer_ids]
-    if placement.num_layers == len(layer_ids) and placement.layer_ids == tuple(range(len(layer_ids))):
-        log.info("placement rows 0..%d matched in order to MoE layers %s", len(layer_ids) - 1, layer_ids)
-        return list(range(len(layer_ids)))
+    if placement.layer_ids == tuple(range(L)):
+        log.info("placement rows 0..%d matched in order to MoE layers %s", L - 1, layer_ids)
+        return list(range(L))
     missing = [lid for lid in layer_ids if lid not in by_id]
     raise ValueError(
-        f"the model has {len(layer_ids)} MoE layers (ids {layer_ids}) but the placement has "
-        f"{placement.num_layers} rows (layer ids {list(placement.layer_ids)}); layers {missing} have no row"
+        f"the model has {L} MoE layers (ids {layer_ids}) but the placement has {N} rows for layer ids "
+        f"{list(placement.layer_ids)}; layers {missing} have no row: pass --layers to map rows to layers"
+    )
+
+
+def _explicit_rows(rows: list[int], num_moe_layers: int, num_rows: int) -> list[int]:
+    """``--layers``: one placement row per MoE layer, each in ``0..num_rows-1``."""
+    if len(rows) != num_moe_layers:
+        raise ValueError(
+            f"--layers names {len(rows)} placement rows but the model has {num_moe_layers} MoE layers; "
+            f"give one row (0..{num_rows - 1}) per MoE layer, in model order"
+        )
+    bad = [r for r in rows if not 0 <= int(r) < num_rows]
+    if bad:
+        raise ValueError(f"--layers {bad} outside the placement's rows 0..{num_rows - 1}")
+    return [int(r) for r in rows]
+
+
+def served_placement(placement: Placement, rows: list[int], layer_ids: list[int]) -> Placement:
+    """The rows serving the model, ``[L, P]``, labelled with the model's MoE ``layer_ids``."""
+    return Placement(
+        placement.physical_to_logical_map[list(rows)],
+        placement.num_logical_experts,
+        placement.topology,
+        tuple(int(i) for i in layer_ids),
+        placement.provenance,
+        placement.allow_colocated_replicas,
     )
 
 
@@ -199,8 +242,9 @@ def apply_placement_to_model(
     model: torch.nn.Module,
     placement: Placement,
     group=None,
-    dispatch: str = "even",
+    dispatch: str = EVEN.name,
     record: bool = False,
+    rows: list[int] | None = None,
 ) -> AppliedPlacement:
     """Shard ``model``'s routed experts over ``group`` as ``placement`` says; switch it to our forward.
 
@@ -212,16 +256,19 @@ def apply_placement_to_model(
         model: a transformers model whose experts use the experts interface.
         placement: rows for the model's MoE layers (see :func:`match_layers`).
         group: process group (default: the default group).
-        dispatch: ``even`` or ``local`` replica selection (as :func:`placement.metrics.route_tokens`).
+        dispatch: a dispatch model the runtime executes (as :func:`placement.metrics.route_tokens`;
+            :func:`runtime_hooks.ep_layer.runtime_dispatch`).
         record: keep each call's top-k ids (for :func:`recorded_ids`).
+        rows: explicit placement row per MoE layer (see :func:`match_layers`).
 
     Raises:
         ValueError: unsupported class, layers or experts that do not fit, wrong group size or dispatch.
     """
     import torch.distributed as dist
 
-    if dispatch not in _DISPATCH:
-        raise ValueError(f"unknown dispatch {dispatch!r}; use one of {list(_DISPATCH)}")
+    from runtime_hooks.ep_layer import runtime_dispatch
+
+    dispatch = runtime_dispatch(dispatch).name
     experts = moe_experts(model)
     _check_switchable(model)
     if any(hasattr(m, "_moe_placement") for m in experts.values()):
@@ -235,10 +282,11 @@ def apply_placement_to_model(
             f"{placement.topology.ep_size}; launch {placement.topology.ep_size} ranks"
         )
     num_experts = {int(getattr(m, "num_experts", 0)) for m in experts.values()}
-    rows = match_layers(placement, list(experts), max(num_experts))
+    rows = match_layers(placement, list(experts), max(num_experts), rows)
+    served = served_placement(placement, rows, list(experts))  # [L, P] labelled with the model's ids
     before = expert_bytes(model)
-    for (_, module), row in zip(experts.items(), rows):
-        _shard_module(module, placement.select_layers([row]), group, rank, ranks, dispatch, record)
+    for l, module in enumerate(experts.values()):
+        _shard_module(module, served.select_layers([l]), group, rank, ranks, dispatch, record)
     _switch(model)
     after = expert_bytes(model)
     log.info("rank %d keeps %d of %d expert bytes", rank, after, before)

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from placement.dispatch import EVEN
 from placement.model import Placement
 from runtime_hooks.migration_core import FaultSpec
 
@@ -61,10 +62,13 @@ class ServeSpec:
     Attributes:
         source: checkpoint folder, ``config.json`` path or config object (random weights from ``seed``).
         placement: rows for the model's MoE layers (see :func:`runtime_hooks.hf.match_layers`).
+        rows: explicit placement row per MoE layer, in model order (``--layers``; None: matched as
+            :func:`runtime_hooks.hf.match_layers` says).
         rebalance_every: steps between re-solves (0: never rebalance).
         new_tokens: greedy steps (the first is the prefill of the prompts).
         prompts_per_rank / prompt_len: ``B`` seeded prompts of ``T0`` tokens per rank.
-        dispatch: replica selection, ``even`` or ``local``.
+        dispatch: replica selection, a dispatch model the runtime executes
+            (:func:`runtime_hooks.ep_layer.runtime_dispatch`).
         wait_for_solve: block on a submitted re-solve at the step it was submitted (deterministic steps);
             False polls it without blocking and applies it at whichever step it is ready.
         always_apply: apply every re-solve that moves slots, skipping the rebalancer's gain gate (whose
@@ -81,7 +85,7 @@ class ServeSpec:
     new_tokens: int = 8
     prompts_per_rank: int = 2
     prompt_len: int = 6
-    dispatch: str = "even"
+    dispatch: str = EVEN.name
     seed: int = 0
     dtype: str = "float32"
     wait_for_solve: bool = True
@@ -91,6 +95,7 @@ class ServeSpec:
     faults: tuple[FaultSpec, ...] = ()
     fault_attempts: int = 1
     reference: bool = True
+    rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("rebalance_every", "fault_attempts"):
@@ -99,6 +104,8 @@ class ServeSpec:
         for name in ("new_tokens", "prompts_per_rank", "prompt_len"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.migration_timeout > 0:
+            raise ValueError(f"migration_timeout must be > 0 seconds, got {self.migration_timeout}")
 
 
 @dataclass(frozen=True)
@@ -364,7 +371,7 @@ def _serve_job(rank: int, ranks: int, spec: ServeSpec) -> dict:
     prompts = _prompts(spec, ranks, info.vocab_size)[rank * B : (rank + 1) * B]  # [B, T0]
     reference = greedy_decode(model, prompts, spec.new_tokens).numpy() if spec.reference else None
     expected = row_checksums(model)  # [L, E, 2] of every logical expert, before sharding
-    applied = apply_placement_to_model(model, spec.placement, dispatch=spec.dispatch)
+    applied = apply_placement_to_model(model, spec.placement, dispatch=spec.dispatch, rows=spec.rows)
     rows = served_rows(model)
     live = _LiveRebalance(model, rows, applied.layer_ids, spec, rank)
     try:
@@ -409,6 +416,7 @@ def serve_many(specs: list[ServeSpec], backend: str = "gloo", timeout: float = 3
 
     Every placement is checked against its model first: ValueError naming the numbers.
     """
+    from runtime_hooks.ep_layer import runtime_dispatch
     from runtime_hooks.hf import match_layers
     from runtime_hooks.hf_validate import describe_model
     from runtime_hooks.launcher import launch
@@ -419,10 +427,9 @@ def serve_many(specs: list[ServeSpec], backend: str = "gloo", timeout: float = 3
     if len(sizes) != 1:
         raise ValueError(f"one launch needs one ep_size, the placements have {sorted(sizes)}")
     for s in specs:
-        if s.dispatch not in ("even", "local"):
-            raise ValueError(f"unknown dispatch {s.dispatch!r}; use 'even' or 'local'")
+        runtime_dispatch(s.dispatch)
         info = describe_model(s.source)
-        match_layers(s.placement, list(info.layer_ids), info.num_experts)
+        match_layers(s.placement, list(info.layer_ids), info.num_experts, s.rows)
     results = launch(_serve_worker, sizes.pop(), args=(list(specs),), backend=backend, timeout=timeout)
     return [_report(spec, [res[j] for res in results]) for j, spec in enumerate(specs)]
 

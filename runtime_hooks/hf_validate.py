@@ -8,7 +8,7 @@ through :func:`placement.metrics.route_tokens` and compares the picks per slot w
 
 Public API::
 
-    report = validate_hf(source, placement, dispatch="even", seed=0)   # -> HFValidationReport
+    report = validate_hf(HFCase(source, placement, seed=0))   # -> HFValidationReport (even dispatch)
     report.max_abs_diff, report.tokens_match, report.expert_bytes_per_rank, report.to_dict()
     describe_model(source) -> ModelInfo   # class, MoE layer ids, experts (meta device, no weights)
 """
@@ -16,7 +16,6 @@ Public API::
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from placement.dispatch import EVEN
 from placement.metrics import route_tokens
 from placement.model import Placement
 
@@ -39,35 +39,93 @@ __all__ = [
 ]
 
 _WEIGHT_FILES = ("*.safetensors", "*.bin")
+_MAX_CONFIG_BYTES = 64 * 1024**2  # a config.json is kilobytes; refuse anything near this before parsing
 
 
 # ---------------------------------------------------------------------------------------------------
 # Models
 # ---------------------------------------------------------------------------------------------------
 def _config(source):
-    """A transformers config from a config object, a ``config.json`` file or a folder holding one."""
+    """A transformers config from a config object, a ``config.json`` file or a folder holding one.
+
+    Files are decoded by transformers itself (``AutoConfig.from_pretrained``), as for a folder: the
+    ``{"__float__": "Infinity"}`` tags it writes for infinities and NaNs come back as floats.
+    """
     from transformers import AutoConfig, PretrainedConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from profiling.fileio import load_json
 
     if isinstance(source, PretrainedConfig):
         return source
     path = Path(source)
-    if path.is_dir():
-        return AutoConfig.from_pretrained(str(path))
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"--model {path}: no such checkpoint folder or config.json")
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--model {path}: not a readable config.json ({exc})") from exc
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"--model {path}: the folder holds no config.json; pass a checkpoint folder")
+    doc = load_json(file, max_bytes=_MAX_CONFIG_BYTES)
     if not isinstance(doc, dict) or "model_type" not in doc:
-        raise ValueError(f"--model {path}: a transformers config.json needs a 'model_type' field")
-    model_type = doc.pop("model_type")
-    try:
-        return AutoConfig.for_model(model_type, **doc)
-    except ValueError as exc:
+        raise ValueError(f"--model {file}: a transformers config.json needs a 'model_type' field")
+    model_type = doc["model_type"]
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
         raise ValueError(
-            f"--model {path}: model_type {model_type!r} unknown to transformers ({exc})"
-        ) from exc
+            f"--model {file}: model_type {model_type!r} is unknown to transformers "
+            f"{_transformers_version()}; upgrade transformers or fix the config"
+        )
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except _config_errors() as exc:
+        why = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ValueError(f"--model {file}: transformers refuses this {model_type} config ({why})") from None
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises for a config it refuses (its strict dataclass checks are no ValueError)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return (ValueError, TypeError, KeyError, OSError, StrictDataclassError)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _lm_route(cfg):
+    """``(auto class, config, part)``: how to build the model that maps ``input_ids`` to logits.
+
+    Decoder LMs build with ``AutoModelForCausalLM``; vision-language MoE models (Qwen3-VL-MoE,
+    GLM-4.1V-MoE, ...) with ``AutoModelForImageTextToText`` and are run on text prompts only (their text
+    decoders use the experts interface); an omni model (Qwen3-Omni-MoE) through the sub-model that
+    generates text (``part``: its config attribute, e.g. ``thinker_config``; ``""`` for the whole model).
+
+    Raises:
+        ValueError: none of these fits (one line naming the class and what is supported).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    )
+
+    routes = (
+        (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING),
+        (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING),
+    )
+    for part, sub in (
+        ("", cfg),
+        *((k, getattr(cfg, k, None)) for k in getattr(cfg, "sub_configs", {}) or {}),
+    ):
+        for auto, mapping in routes:
+            if sub is not None and type(sub) in mapping:
+                return auto, sub, part
+    raise ValueError(
+        f"{type(cfg).__name__} (model_type {cfg.model_type!r}) has no causal-LM or image-text-to-text "
+        f"class in transformers; moe-placement serves decoder MoE LMs and the text decoder of "
+        f"vision-language / omni MoE models"
+    )
 
 
 def _has_weights(source) -> bool:
@@ -76,18 +134,24 @@ def _has_weights(source) -> bool:
 
 
 def load_model(source, seed: int = 0, dtype: str = "float32"):
-    """The causal-LM in eval mode: checkpoint weights when ``source`` is a folder holding them, otherwise
-    random weights from the config drawn after ``torch.manual_seed(seed)`` (identical in every process)."""
+    """The text-generating model in eval mode (see :func:`_lm_route`): checkpoint weights when
+    ``source`` is a folder holding them, otherwise random weights from the config drawn after
+    ``torch.manual_seed(seed)`` (identical in every process)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     torch_dtype = getattr(torch, dtype)
+    auto, cfg, part = _lm_route(_config(source))
     if _has_weights(source):
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch_dtype)
+        if part:
+            raise ValueError(
+                f"--model {source}: serving the {part.removesuffix('_config')} of a checkpoint is not "
+                f"supported; pass its config.json (random weights) instead"
+            )
+        model = auto.from_pretrained(str(source), dtype=torch_dtype)
     else:
         torch.manual_seed(int(seed))
-        cfg = copy.deepcopy(_config(source))  # the model switches its config's experts implementation
-        model = AutoModelForCausalLM.from_config(cfg).to(torch_dtype)
+        cfg = copy.deepcopy(cfg)  # the model switches its config's experts implementation
+        model = auto.from_config(cfg).to(torch_dtype)
     return model.eval()
 
 
@@ -108,13 +172,12 @@ def describe_model(source) -> ModelInfo:
         ValueError: unreadable source, or a class whose experts do not use the experts interface.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
     from runtime_hooks.hf import moe_experts
 
-    cfg = _config(source)
+    auto, cfg, _ = _lm_route(_config(source))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+        model = auto.from_config(cfg)
     experts = moe_experts(model)
     num_experts = max(int(getattr(m, "num_experts", 0)) for m in experts.values())
     vocab = int(getattr(cfg.get_text_config(), "vocab_size", 0) or 0)
@@ -176,6 +239,7 @@ class _Job:
     seq_len: int
     vocab_size: int
     dtype: str
+    rows: tuple[int, ...]
 
 
 def _inputs(job: _Job, ranks: int):
@@ -202,7 +266,9 @@ def _validate_job(rank: int, ranks: int, job: _Job) -> dict:
     B = job.prompts_per_rank
     with torch.no_grad():
         ref = model(ids).logits[rank * B : (rank + 1) * B].float()  # [B, seq, V] single process
-        applied = apply_placement_to_model(model, job.placement, dispatch=job.dispatch, record=True)
+        applied = apply_placement_to_model(
+            model, job.placement, dispatch=job.dispatch, record=True, rows=list(job.rows)
+        )
         out = model(ids[rank * B : (rank + 1) * B]).logits.float()  # [B, seq, V] sharded
     diff = float((out - ref).abs().max()) if out.numel() else 0.0
     return {
@@ -241,15 +307,18 @@ def predicted_slot_tokens(
 @dataclass(frozen=True)
 class HFCase:
     """One model to validate: ``source`` (checkpoint folder, ``config.json`` path or config object),
-    ``placement`` (rows for its MoE layers), ``dispatch``, ``seed``, prompts and dtype."""
+    ``placement`` (rows for its MoE layers), ``dispatch`` (a runtime model), ``seed``, prompts, dtype
+    and ``rows``: explicit placement row per MoE layer (``--layers``; None: see
+    :func:`runtime_hooks.hf.match_layers`)."""
 
     source: Any
     placement: Placement
-    dispatch: str = "even"
+    dispatch: str = EVEN.name
     seed: int = 0
     prompts_per_rank: int = 2
     seq_len: int = 8
     dtype: str = "float32"
+    rows: tuple[int, ...] | None = None
 
 
 def validate_hf(
@@ -266,6 +335,7 @@ def validate_many(
 
     Every placement is checked against its model before launching: ValueError naming the numbers.
     """
+    from runtime_hooks.ep_layer import runtime_dispatch
     from runtime_hooks.hf import match_layers
     from runtime_hooks.launcher import launch
 
@@ -274,8 +344,10 @@ def validate_many(
     sizes = {c.placement.topology.ep_size for c in cases}
     if len(sizes) != 1:
         raise ValueError(f"one launch needs one ep_size, the placements have {sorted(sizes)}")
+    for c in cases:
+        runtime_dispatch(c.dispatch)
     infos = [describe_model(c.source) for c in cases]
-    rows = [match_layers(c.placement, list(i.layer_ids), i.num_experts) for c, i in zip(cases, infos)]
+    rows = [match_layers(c.placement, list(i.layer_ids), i.num_experts, c.rows) for c, i in zip(cases, infos)]
     jobs = [
         _Job(
             c.source,
@@ -286,8 +358,9 @@ def validate_many(
             int(c.seq_len),
             i.vocab_size,
             c.dtype,
+            tuple(r),
         )
-        for c, i in zip(cases, infos)
+        for c, i, r in zip(cases, infos, rows)
     ]
     t0 = time.perf_counter()
     results = launch(_validate_worker, sizes.pop(), args=(jobs,), backend=backend, timeout=timeout)
@@ -300,7 +373,9 @@ def validate_many(
 
 def _report(case: HFCase, info: ModelInfo, rows: list[int], results: list[dict], atol: float, wall: float):
     """Assemble the per-rank results of one case into an :class:`HFValidationReport`."""
-    served = case.placement.select_layers(rows)
+    from runtime_hooks.hf import served_placement
+
+    served = served_placement(case.placement, rows, list(info.layer_ids))  # [L, P]
     measured = np.concatenate([r["counts"] for r in results], axis=1)  # [L, G*S] = [L, P]
     diffs = tuple(float(r["diff"]) for r in results)
     bytes_per_rank = tuple(

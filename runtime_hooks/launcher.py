@@ -225,7 +225,7 @@ def launch(
             later launches fork from it in well under a second) or ``spawn``.
 
     Raises:
-        ValueError: bad world_size or backend.
+        ValueError: bad world_size, backend or timeouts (each must be > 0 seconds).
         WorkerError: a rank raised (its traceback is in the message).
         WorkerTimeout: ranks did not finish in time.
     """
@@ -233,6 +233,9 @@ def launch(
 
     _check_launch(world_size, backend)
     pg_timeout = float(timeout if pg_timeout is None else pg_timeout)
+    for name, value in (("timeout", timeout), ("pg_timeout", pg_timeout), ("grace", grace)):
+        if not float(value) > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {value}; pass a positive number of seconds")
     host = "127.0.0.1"
     store = dist.TCPStore(
         host, 0, world_size + 1, True, timeout=datetime.timedelta(seconds=pg_timeout), wait_for_workers=False

@@ -15,7 +15,7 @@ Router weights for replayed ids: softmax over seeded per-token random logits gat
 
 Public API::
 
-    spec = ValidationSpec.from_trace(placement, trace, policy="even", tokens_per_rank=8)
+    spec = ValidationSpec.from_trace(placement, trace, tokens_per_rank=8)   # even dispatch
     report = validate_placement(spec, backend="gloo", timeout=120)   # -> ValidationReport
     report.ok, report.predicted [L, G], report.measured [L, G], report.max_abs_error
     validate_rank(rank, world_size, spec)   # the per-rank body, reusable inside another launched world
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from placement.dispatch import EVEN
 from placement.metrics import route_tokens, routed_gpu_tokens
 from placement.model import Placement
 from profiling.trace import RoutingTrace
@@ -41,14 +42,14 @@ class ValidationSpec:
     Attributes:
         placement: rows to validate, ``L`` rows.
         topk_ids: int64 ``[G * tokens_per_rank, L, k]`` replayed ids (-1 = none).
-        policy: ``even`` or ``local``. hidden / ffn: expert sizes. seed: weights and router logits.
+        policy: a dispatch model the runtime executes (its name). hidden / ffn: expert sizes. seed: weights and router logits.
         token_offset: global index of the slice's first token. atol: output tolerance.
     """
 
     placement: Placement
     topk_ids: np.ndarray
     tokens_per_rank: int
-    policy: str = "even"
+    policy: str = EVEN.name
     hidden: int = 16
     ffn: int = 8
     seed: int = 0
@@ -67,8 +68,9 @@ class ValidationSpec:
                 f"topk_ids must be [{G} ranks x {self.tokens_per_rank} tokens, {self.placement.num_layers} layers, k], "
                 f"got {ids.shape}"
             )
-        if self.policy not in ("even", "local"):
-            raise ValueError(f"unknown replica-selection policy {self.policy!r}; use 'even' or 'local'")
+        from runtime_hooks.ep_layer import runtime_dispatch
+
+        object.__setattr__(self, "policy", runtime_dispatch(self.policy).name)
         if ids.size and ids.max() >= self.placement.num_logical_experts:
             raise ValueError(
                 f"the ids reach expert {int(ids.max())} but the placement has {self.placement.num_logical_experts} experts"

@@ -40,7 +40,7 @@ def shared_trace_path(rel: str) -> Path:
     d = default_traces_dir()
     p = d / rel
     if not p.is_file():
-        pytest.skip(f"real trace {rel} not found under {d} (set MOE_TRACES_DIR to the shared traces folder)")
+        pytest.skip(f"real trace {rel} not found (set MOE_TRACES_DIR to the shared traces folder)")
     return p
 
 
@@ -48,7 +48,7 @@ def shared_trace_path(rel: str) -> Path:
 def traces_dir() -> Path:
     d = default_traces_dir()
     if not d.is_dir():
-        pytest.skip(f"shared traces folder {d} is absent (set MOE_TRACES_DIR)")
+        pytest.skip("shared traces folder is absent (set MOE_TRACES_DIR; default ../shared/traces)")
     return d
 
 

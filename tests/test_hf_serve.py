@@ -1,8 +1,9 @@
 """Live serving with online rebalancing of a real transformers MoE model over 4 real gloo ranks.
 
-One launch serves three runs of a tiny random Mixtral (hidden 32, 2 layers, 8 experts, 12 slots):
-a clean live rebalance, a rank that raises mid-migration, and tensors that arrive corrupted. Each is
-compared with greedy decoding of the single-process model. A second launch runs the CLI.
+One launch serves four runs of a tiny random Mixtral (hidden 32, 2 layers, 8 experts, 12 slots):
+a clean live rebalance, a rank that raises mid-migration, tensors that arrive corrupted, and a
+three-row placement mapped to the two MoE layers by ``rows``. Each is compared with greedy decoding of
+the single-process model. A second launch runs the CLI; its bad-input checks launch nothing.
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ def mixtral() -> tf.MixtralConfig:
     )
 
 
-def start_placement() -> Placement:
-    """Rank g holds experts 2g, 2g+1 and one replica (different per layer): ``[2, 12]``."""
-    rows = [[e for g in range(G) for e in (2 * g, 2 * g + 1, (2 * g + 2 + 3 * l) % E)] for l in range(2)]
+def start_placement(num_rows: int = 2) -> Placement:
+    """Rank g holds experts 2g, 2g+1 and one replica (different per row): ``[num_rows, 12]``."""
+    shift = (2, 5, 3)  # replica of row l on rank g: expert 2g + shift[l], never one the rank holds
+    rows = [
+        [e for g in range(G) for e in (2 * g, 2 * g + 1, (2 * g + shift[l]) % E)] for l in range(num_rows)
+    ]
     return Placement.from_map(np.array(rows), E, ep_size=G)
 
 
@@ -57,6 +61,7 @@ def reports():
         "corrupt": ServeSpec(
             mixtral(), start_placement(), faults=tuple(FaultSpec(r, "corrupt") for r in range(G)), **base
         ),
+        "rows": ServeSpec(mixtral(), start_placement(3), rows=(2, 0), **base),
     }
     return dict(zip(specs, serve_many(list(specs.values()), timeout=240)))
 
@@ -95,6 +100,14 @@ def test_fault_mid_migration_keeps_old_placement(reports, name, needle):
     assert rep.events[1].committed and rep.committed_moves >= 1
 
 
+def test_rows_map_a_longer_placement_onto_the_moe_layers(reports):
+    rep = reports["rows"]
+    three = start_placement(3).physical_to_logical_map
+    np.testing.assert_array_equal(rep.initial_map, three[[2, 0]])  # row 2 serves layer 0, row 0 layer 1
+    assert rep.layer_ids == (0, 1)
+    assert rep.tokens_match and rep.weights_match and rep.committed_moves >= 1
+
+
 def test_contiguous_placement_rejects_uneven_split():
     p = contiguous_placement(2, 8, 4, 4)
     assert p.physical_to_logical_map[0].tolist() == [0, 1, 2, 2, 3, 4, 4, 5, 6, 6, 7, 0]
@@ -114,3 +127,35 @@ def test_cli_serve_demo(tmp_path, capsys):
     assert "PASS: generated tokens equal" in out
     assert main(["serve-demo", "--model", str(cfg), "--ranks", "4", "--redundant", "3"]) == 2
     assert "3 redundant slots" in capsys.readouterr().err
+
+
+def test_cli_serve_demo_refuses_bad_input_in_one_line(tmp_path, capsys):
+    from cli.main import main
+    from placement.dispatch import dispatch_names
+    from placement.formats import write_placement
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(mixtral().to_json_string())
+    three = tmp_path / "three.json"
+    write_placement(start_placement(3), three, "native")
+    offline = dispatch_names(runtime=False)[-1]
+    base = ["serve-demo", "--model", str(cfg), "--ranks", "4"]
+    cases = (
+        (["--timeout", "0"], "--timeout must be a finite number > 0, got 0.0"),
+        (["--timeout", "-5"], "--timeout must be a finite number > 0"),
+        (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+        (["--ranks", "100000"], "above the limit of"),
+        (["--new-tokens", "0"], "--new-tokens must be >= 1"),
+        (["--seed", "-2"], "--seed must be >= 0, got -2"),
+        (["--redundant", "-4"], "--redundant must be >= 0"),
+        (["--max-moves", "-1"], "--max-moves must be >= 0"),
+        (["--dispatch", offline], f"{offline!r} is scored offline only"),
+        (["--layers", "0", "1"], "--layers maps the rows of --placement"),
+        (["--placement", str(three)], "the model has 2 MoE layers"),
+        (["--placement", str(three), "--layers", "0"], "--layers names 1 placement rows"),
+        (["--placement", str(three), "--layers", "0", "3"], "--layers [3] outside the placement's rows 0..2"),
+    )
+    for extra, needle in cases:
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, (extra, err)

@@ -24,7 +24,7 @@ def test_expert_skew_notebook_runs_and_draws(monkeypatch, traces_dir):
     _require_extras()
     trace = traces_dir / TRACE
     if not trace.is_file():
-        pytest.skip(f"real trace {TRACE} not found under {traces_dir} (set MOE_TRACES_DIR)")
+        pytest.skip(f"real trace {TRACE} not found in the shared traces folder (set MOE_TRACES_DIR)")
     import nbformat
     from nbclient import NotebookClient
 

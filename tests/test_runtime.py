@@ -49,9 +49,9 @@ def _placements(trace, ep_size: int, num_nodes: int = 2, redundant: int = 16):
         return out
     from solver.api import solve
 
-    out["exact"] = solve(
+    out["exact"], _ = solve(
         "cpsat", topology=topo, load=load, layer_ids=trace.layer_ids, time_limit=1.0, seed=0
-    )[0]
+    )
     return out
 
 
@@ -89,6 +89,41 @@ def test_route_slots_equals_route_tokens(ds2, policy):
                     tab, torch.as_tensor(ids[:, l]), torch.as_tensor(tok), torch.as_tensor(src), policy
                 )
                 np.testing.assert_array_equal(got.numpy(), want[:, l])
+
+
+def test_runtime_accepts_what_the_registry_marks_runtime():
+    from placement.dispatch import DISPATCH, dispatch_names
+    from runtime_hooks.ep_layer import runtime_dispatch
+
+    pl = Placement.from_map(np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6]]), 8, ep_size=4, num_nodes=2)
+    tab = build_routing_tables(pl, 0)
+    ids = torch.tensor([[0, 2], [4, 6], [1, -1], [0, 4]])
+    tok, src = torch.arange(4), torch.tensor([0, 1, 2, 3])
+    runtime = dispatch_names(runtime=True)
+    assert runtime and set(runtime) < set(DISPATCH)
+    for name, model in DISPATCH.items():
+        if model.runtime:
+            assert runtime_dispatch(name) is model
+            by_name = route_slots(tab, ids, tok, src, name)
+            np.testing.assert_array_equal(route_slots(tab, ids, tok, src, model).numpy(), by_name.numpy())
+            want = route_tokens(pl, ids.numpy()[:, None, :], src.numpy(), name, token_index=tok.numpy())
+            np.testing.assert_array_equal(by_name.numpy(), want[:, 0])
+            continue
+        with pytest.raises(ValueError) as err:
+            route_slots(tab, ids, tok, src, name)
+        msg = str(err.value)
+        assert "\n" not in msg and repr(name) in msg and all(r in msg for r in runtime), msg
+        with pytest.raises(ValueError, match="scored offline only"):
+            ValidationSpec(pl, np.zeros((4, 1, 2), dtype=np.int64), 1, policy=name)
+    with pytest.raises(ValueError, match="unknown dispatch model 'nope'"):
+        runtime_dispatch("nope")
+
+
+def test_launcher_refuses_non_positive_timeouts():
+    for kw in ({"timeout": 0}, {"timeout": -1.0}, {"pg_timeout": 0}, {"grace": 0}, {"timeout": float("nan")}):
+        with pytest.raises(ValueError, match="must be > 0 seconds"):
+            launch(_rank_info, 2, args=("x",), **kw)
+    assert multiprocessing.active_children() == []  # refused before any rank started
 
 
 def _placements_fast(trace, topo):
