@@ -31,18 +31,26 @@ Two methods:
   replica of ``e`` on ``g``, one-hot replica counts, moved = new pairs); a total ``max_moves`` is
   split over layers as the incremental pass spent it. The better of the two is kept per layer.
 
-``max_moves`` is a TOTAL over all layers. No method returns a placement worse than keeping the
-previous one (zero moves) on the objective.
+``max_moves`` is a TOTAL over all layers and a hard cap on moved slots counted against the map in
+service, whatever it holds. An engine map with two replicas of an expert on one GPU is repaired first
+(:func:`repair_colocated`: each extra copy overwritten by an expert its GPU lacks, one moved slot each,
+the fewest possible); the repair counts toward ``max_moves`` (a smaller budget raises ValueError
+naming both numbers). Under a dispatch model with fixed per-rank shares (``problem.dispatch``), each
+layer then takes the best of staying put, the searched layer and the full re-solve as that model
+scores them (:mod:`solver.migration_dispatch`); under ``even`` nothing changes. The report gives per
+layer ``moved_slots``, ``arrived_experts`` (experts new on a GPU: what crosses a link) and
+``repair_moved_slots``. No method returns a placement worse than keeping the (repaired) previous one
+on the objective.
 
-Layout: slot bookkeeping (:func:`keep_slots`, :func:`moved_pairs`, :func:`align_to_previous`) lives in
-:mod:`solver.migration_slots` and is re-exported here; the per-layer CP-SAT model is
-:mod:`solver.migration_cpsat`. :func:`solve_migration` (keywords) and :func:`run_migration` (the
+Layout: slot bookkeeping (:func:`keep_slots`, :func:`moved_pairs`, :func:`align_to_previous`, the
+repair) lives in :mod:`solver.migration_slots` and is re-exported here; the local search is
+:mod:`solver.migration_search`, the per-layer CP-SAT model :mod:`solver.migration_cpsat`, the
+dispatch-model scoring :mod:`solver.migration_dispatch`. :func:`solve_migration` (keywords) and :func:`run_migration` (the
 registry's ``(Problem, MigrationOptions)``) both run one pipeline, :func:`_migrate`.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections.abc import Sequence
@@ -51,11 +59,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from placement.dispatch import get_dispatch
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from solver.greedy import greedy_placement
 from solver.migration_cpsat import exact_layer as _exact_layer
-from solver.migration_slots import align_to_previous, keep_slots, moved_pairs, separate_colocated
+from solver.migration_dispatch import Scorer, choose_layers, dispatch_scorer
+from solver.migration_search import Layer, incremental
+from solver.migration_slots import align_to_previous, keep_slots, moved_pairs, repair_colocated
 from solver.migration_slots import fill_slots as _fill_slots
 from solver.migration_slots import membership as _membership
 from solver.report import LayerReport, SolveReport
@@ -75,188 +86,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 METHODS = ("auto", "exact", "incremental")
-
-
-# ---------------------------------------------------------------------------------------------
-# Incremental local search
-# ---------------------------------------------------------------------------------------------
-class _Layer:
-    """Mutable search state of one layer: membership ``x [E, G]``, counts ``[E]``, loads ``[G]``."""
-
-    def __init__(self, w: np.ndarray, prev_row: np.ndarray, E: int, G: int, S: int):
-        self.w = w  # [E]
-        self.S = S
-        self.prev = _membership(prev_row, E, G, S)  # [E, G]
-        self.x = self.prev.copy()
-        self.cnt = self.x.sum(axis=1).astype(np.int64)  # [E]
-        self.moved = 0
-        self.moves = {"replace": 0, "swap": 0}
-        self.work = 0  # search steps spent: candidate-array elements scored (see MigrationOptions.max_steps)
-        self._refresh()
-        self.prev_peak = self.peak  # the previous placement's peak
-        self.tol = 1e-12 * (float(w.sum()) + 1.0)
-
-    def _refresh(self) -> None:
-        u = self.w / self.cnt  # [E] per-replica load
-        self.load = (self.x * u[:, None]).sum(axis=0)  # [G]
-        self.peak = float(self.load.max())
-
-    def best_move(self, move_cost: float, budget_left: float):
-        """Best (efficiency, net, gain, dmoved, move) or None. ``efficiency = net / max(dmoved, 1)``.
-
-        Candidates: every replace, then every swap off the hottest GPU; on equal efficiency the first
-        (replace before swap) wins.
-        """
-        u = self.w / self.cnt  # [E]
-        cands = self._replace_candidates(u) + self._swap_candidates(u)
-        self.work += sum(c[1].size for c in cands)
-        best = None
-        for kind, newpeak, valid, dm, idx in cands:
-            gain = self.peak - newpeak
-            net = gain - move_cost * dm
-            ok = valid & (gain > self.tol) & (net > self.tol) & (dm <= budget_left)
-            if not ok.any():
-                continue
-            eff = np.where(ok, net / np.maximum(dm, 1), -np.inf)
-            i, j = np.unravel_index(int(np.argmax(eff)), eff.shape)
-            cand = (float(eff[i, j]), float(net[i, j]), float(gain[i, j]), int(dm[i, j]), (kind, idx, i, j))
-            if best is None or cand[0] > best[0]:
-                best = cand
-        return best
-
-    def _replace_candidates(self, u: np.ndarray) -> list[tuple]:
-        """Replace: on GPU h, expert a (cnt >= 2) -> expert b (not on h).
-
-        Returns ``[("replace", newpeak, valid, dm, (ai, h))]`` with ``[pairs, E]`` arrays (pairs: the
-        (A-index, GPU) pairs holding an expert with >= 2 replicas), or ``[]``.
-        """
-        w, x, cnt, load, prev = self.w, self.x, self.cnt, self.load, self.prev
-        E, G = x.shape
-        A = np.flatnonzero(cnt >= 2)
-        if not A.size:
-            return []
-        da = w[A] / (cnt[A] - 1) - u[A]  # [A] load rise on a's other GPUs
-        ub = w / (cnt + 1)  # [E] b's per-replica load after gaining one
-        db = u - ub  # [E] load drop on b's GPUs
-        base = (
-            load[None, None, :] + da[:, None, None] * x[A][:, None, :] - db[None, :, None] * x[None, :, :]
-        )  # [A, E, G]
-        self.work += base.size
-        if G >= 2:
-            part = np.argpartition(-base, 1, axis=2)[:, :, :2]  # [A, E, 2] two largest
-            v = np.take_along_axis(base, part, axis=2)
-            order = np.argsort(-v, axis=2)
-            top_i = np.take_along_axis(part, order, axis=2)  # [A, E, 2]
-            top_v = np.take_along_axis(v, order, axis=2)
-        ai, h = np.nonzero(x[A])  # pairs: A-index, GPU holding it
-        if not ai.size:
-            return []
-        excl = (
-            np.where(top_i[ai, :, 0] == h[:, None], top_v[ai, :, 1], top_v[ai, :, 0])
-            if G >= 2
-            else np.full((ai.size, E), -np.inf)
-        )
-        newh = load[h][:, None] - u[A[ai]][:, None] + ub[None, :]  # [pairs, E]
-        newpeak = np.maximum(excl, newh)
-        valid = ~x[:, h].T  # [pairs, E] b not on h (excludes b == a)
-        dm = (~prev[:, h].T).astype(np.int64) - (~prev[A[ai], h]).astype(np.int64)[:, None]  # [pairs, E]
-        return [("replace", newpeak, valid, dm, (ai, h))]
-
-    def _swap_candidates(self, u: np.ndarray) -> list[tuple]:
-        """Swap: expert a on the hottest GPU g1 <-> expert b on GPU g2.
-
-        Returns ``[("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1))]`` with ``[S, B]`` arrays (B: the
-        (expert, GPU) pairs off g1 whose expert g1 lacks), or ``[]``.
-        """
-        x, load, prev = self.x, self.load, self.prev
-        G = x.shape[1]
-        g1 = int(np.argmax(load))
-        if G < 2:
-            return []
-        ords = np.argsort(-load, kind="stable")
-        a_list = np.flatnonzero(x[:, g1])  # [S]
-        b_e, b_g = np.nonzero(x)  # all pairs
-        keep = (b_g != g1) & ~x[b_e, g1]
-        b_e, b_g = b_e[keep], b_g[keep]
-        if not (a_list.size and b_e.size):
-            return []
-        new1 = load[g1] - u[a_list][:, None] + u[b_e][None, :]  # [S, B]
-        new2 = load[b_g][None, :] + u[a_list][:, None] - u[b_e][None, :]
-        if G >= 3:
-            second, third = ords[1], ords[2]
-            other = np.where(b_g == second, load[third], load[second])[None, :]
-        else:
-            other = np.full((1, b_e.size), -np.inf)
-        newpeak = np.maximum(np.maximum(new1, new2), other)
-        valid = ~x[a_list][:, b_g]  # [S, B] a not on g2
-        dm = (
-            (~prev[b_e, g1]).astype(np.int64)[None, :]
-            + (~prev[a_list][:, b_g]).astype(np.int64)
-            - (~prev[a_list, g1]).astype(np.int64)[:, None]
-            - (~prev[b_e, b_g]).astype(np.int64)[None, :]
-        )
-        return [("swap", newpeak, valid, dm, (a_list, b_e, b_g, g1))]
-
-    def apply(self, move, dm: int) -> None:
-        kind, idx, i, j = move
-        if kind == "replace":
-            ai, h = idx
-            A = np.flatnonzero(self.cnt >= 2)
-            a, g, b = int(A[ai[i]]), int(h[i]), int(j)
-            self.x[a, g], self.x[b, g] = False, True
-            self.cnt[a] -= 1
-            self.cnt[b] += 1
-        else:
-            a_list, b_e, b_g, g1 = idx
-            a, b, g2 = int(a_list[i]), int(b_e[j]), int(b_g[j])
-            self.x[a, g1], self.x[b, g1] = False, True
-            self.x[b, g2], self.x[a, g2] = False, True
-        self.moved += dm
-        self.moves[kind] += 1
-        self._refresh()
-
-
-def _incremental(
-    states: list[_Layer],
-    move_cost: float,
-    max_moves: float,
-    deadline: float,
-    max_iters: int,
-    max_steps: float = float("inf"),
-) -> tuple[int, str]:
-    """Run the global best-efficiency-first search in place. Returns ``(iterations, stop)``, ``stop``
-    being ``""`` (converged, or ``max_iters``), ``"time"`` (wall deadline) or ``"steps"`` (work limit:
-    the layers' summed :attr:`_Layer.work` passed ``max_steps``; checked where the deadline is, so the
-    result depends on the input only)."""
-    budget = max_moves
-    heap: list = []
-    limited = max_steps < float("inf")
-    for l, st in enumerate(states):
-        if limited and sum(s.work for s in states[:l]) > max_steps:
-            return 0, "steps"  # the first proposals alone used the work limit up: no move taken
-        bm = st.best_move(move_cost, budget)
-        if bm is not None:
-            heapq.heappush(heap, (-bm[0], l, bm))
-    it = 0
-    while heap and it < max_iters:
-        if limited and sum(st.work for st in states) > max_steps:
-            return it, "steps"
-        if time.perf_counter() > deadline:
-            return it, "time"
-        _, l, bm = heapq.heappop(heap)
-        st = states[l]
-        if bm[3] > budget:  # budget shrank since this proposal: re-propose
-            bm = st.best_move(move_cost, budget)
-            if bm is not None:
-                heapq.heappush(heap, (-bm[0], l, bm))
-            continue
-        st.apply(bm[4], bm[3])
-        budget -= bm[3]
-        it += 1
-        nb = st.best_move(move_cost, budget)
-        if nb is not None:
-            heapq.heappush(heap, (-nb[0], l, nb))
-    return it, ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,8 +121,9 @@ class MigrationOptions:
 
 
 def run_migration(problem: Problem, options: MigrationOptions) -> tuple[Placement, SolveReport]:
-    """The registry's entry (:mod:`solver.api`): re-place ``problem.load`` from ``problem.previous``."""
-    return _migrate(problem.load, problem.previous, options, problem.layer_id_list)
+    """The registry's entry (:mod:`solver.api`): re-place ``problem.load`` from ``problem.previous``,
+    candidate layers scored under ``problem.dispatch`` (:mod:`solver.migration_dispatch`)."""
+    return _migrate(problem.load, problem.previous, options, problem.layer_id_list, problem)
 
 
 def solve_migration(
@@ -338,15 +168,21 @@ def solve_migration(
 
 
 def _migrate(
-    load: np.ndarray, previous: Placement, options: MigrationOptions, layer_ids: Sequence[int] | None
+    load: np.ndarray,
+    previous: Placement,
+    options: MigrationOptions,
+    layer_ids: Sequence[int] | None,
+    problem: Problem | None = None,
 ) -> tuple[Placement, SolveReport]:
-    """The pipeline: validate -> incremental search -> drift guard -> exact refinement (``exact``)
-    -> never worse than staying put, slots kept -> report."""
+    """The pipeline: validate -> repair the map in service (counted) -> incremental search -> drift
+    guard -> exact refinement (``exact``) -> candidate layers under the dispatch model -> never worse
+    than staying put, slots kept -> report. ``max_moves`` caps moved slots against the map in service."""
     t0 = time.perf_counter()
     w, mc, ids = _validated(load, previous, options, layer_ids)
     L, E = w.shape
-    budget = float("inf") if options.max_moves is None else float(options.max_moves)
-    previous, repair_note = _valid_start(previous)
+    in_service = previous
+    previous, repaired, repair_note = _valid_start(previous, w, options.max_moves)
+    budget = float("inf") if options.max_moves is None else float(options.max_moves - repaired.sum())
 
     # 1) Incremental search over all layers (budget to the best gain per slot first).
     states, notes = _incremental_pass(w, previous, mc, budget, options, t0)
@@ -362,10 +198,22 @@ def _migrate(
     bounds = full.lb.astype(float).copy()
     if options.method == "exact":
         statuses = _exact_refinement(w, states, x_final, bounds, notes, ids, mc, options, t0)
-    # 4) Never worse than staying put; keep slots of unchanged experts.
-    rows, layers = _final_layers(w, previous, states, x_final, statuses, bounds, full, fallback, mc, ids)
+    # 4) Under a dispatch model with fixed per-rank shares, each layer takes its best candidate there.
+    scorer, dispatch_note = dispatch_scorer(problem, E, ids)
+    notes.extend([dispatch_note] if dispatch_note else [])
+    dpeak = None if scorer is None else _dispatch_layers(previous, states, x_final, full, mc, budget, scorer)
+    # 5) Never worse than staying put; keep slots of unchanged experts; churn against the map in service.
+    guard = scorer is None  # under a dispatch model step 4 already compared each layer with staying put
+    rows, layers = _final_layers(
+        w, previous, states, x_final, statuses, bounds, full, fallback, mc, ids, guard
+    )
+    _churn_extras(layers, in_service, rows, repaired, dpeak)
+    total = sum(lr.extra["moved_slots"] for lr in layers)
+    assert options.max_moves is None or total <= options.max_moves, (total, options.max_moves)
 
     params = _params(options, mc)
+    if scorer is not None:
+        params["dispatch"] = get_dispatch(problem.dispatch).name
     placement = Placement(np.stack(rows), E, previous.topology, ids, {"solver": "migration", **params})
     wall = time.perf_counter() - t0
     log.debug(
@@ -377,17 +225,84 @@ def _migrate(
     return placement, SolveReport("migration", tuple(layers), wall, params, tuple(notes))
 
 
-def _valid_start(previous: Placement) -> tuple[Placement, list[str]]:
-    """An engine map with two replicas of an expert on one GPU starts from its nearest valid placement
-    (:func:`separate_colocated`); the moves that took are named in a note, beyond ``max_moves``."""
+def _valid_start(
+    previous: Placement, w: np.ndarray, max_moves: int | None
+) -> tuple[Placement, np.ndarray, list[str]]:
+    """``(valid start, repair moved slots int64 [L], notes)``.
+
+    An engine map with two replicas of an expert on one GPU starts from its cheapest repair
+    (:func:`repair_colocated`: one moved slot per extra copy, the fewest possible). The repair is part
+    of the plan and counts toward ``max_moves``; a budget smaller than the repair raises ValueError.
+    """
+    L = previous.num_layers
     if not previous.allow_colocated_replicas:
-        return previous, []
-    valid, moved = separate_colocated(previous)
-    if not moved:
-        return valid, []
-    return valid, [
-        f"the map in service holds an expert twice on a GPU: {moved} slot(s) moved to separate them first"
-    ]
+        return previous, np.zeros(L, dtype=np.int64), []
+    valid, moved = repair_colocated(previous, w)
+    total = int(moved.sum())
+    if not total:
+        return valid, moved, []
+    if max_moves is not None and total > max_moves:
+        raise ValueError(
+            f"the map in service holds an expert twice on a GPU in {int((moved > 0).sum())} layer(s): a valid "
+            f"map needs at least {total} moved slot(s), more than max_moves={max_moves}; "
+            f"raise max_moves to {total} or more"
+        )
+    return (
+        valid,
+        moved,
+        [
+            f"the map in service holds an expert twice on a GPU: {total} slot(s) moved to separate them "
+            f"(one per extra copy, counted in max_moves)"
+        ],
+    )
+
+
+def _dispatch_layers(
+    previous: Placement,
+    states: list[Layer],
+    x_final: list[np.ndarray],
+    full: _FullResolve,
+    mc: float,
+    budget: float,
+    scorer: Scorer,
+) -> np.ndarray:
+    """Per layer the best of (stay, ``x_final``, full re-solve) under ``scorer``, within ``budget``
+    (:func:`solver.migration_dispatch.choose_layers`); ``x_final`` is updated in place. Returns the
+    chosen map's per-layer peaks under the dispatch model, float64 ``[L]``."""
+    S = previous.topology.slots_per_gpu
+    prev_map = previous.physical_to_logical_map  # [L, P]
+    L = prev_map.shape[0]
+    cands = [[st.prev for st in states], list(x_final), full.x]  # C=3 x L x bool [E, G]
+    maps = [np.stack([_fill_slots(xs[l], prev_map[l], S) for l in range(L)]) for xs in cands]  # C x [L, P]
+    peaks = np.stack([scorer(m) for m in maps])  # [C, L]
+    moved = np.array([[moved_pairs_x(states[l].prev, xs[l]) for l in range(L)] for xs in cands])  # [C, L]
+    choice = choose_layers(peaks, moved, budget, mc)  # [L]
+    for l in range(L):
+        x_final[l] = cands[choice[l]][l]
+    # The mix scored once more: a table drawn layer after layer (SGLang's) couples a layer to those before.
+    return scorer(np.stack([maps[choice[l]][l] for l in range(L)]))
+
+
+def _churn_extras(
+    layers: list[LayerReport],
+    in_service: Placement,
+    rows: list[np.ndarray],
+    repaired: np.ndarray,
+    dispatch_peak: np.ndarray | None,
+) -> None:
+    """Per layer, against the map in service (``in_service``, possibly with co-located replicas) and
+    the final ``rows`` (L x ``[P]``): ``moved_slots``, ``arrived_experts`` (experts new on a GPU) and
+    ``repair_moved_slots``; ``dispatch_peak`` where candidates were scored under a dispatch model."""
+    t = in_service.topology
+    E, G, S = in_service.num_logical_experts, t.ep_size, t.slots_per_gpu
+    for l, lr in enumerate(layers):
+        old = in_service.physical_to_logical_map[l]  # [P]
+        lr.extra["moved_slots"] = int((old != rows[l]).sum())
+        arrived = _membership(rows[l], E, G, S) & ~_membership(old, E, G, S)  # [E, G]
+        lr.extra["arrived_experts"] = int(arrived.sum())
+        lr.extra["repair_moved_slots"] = int(repaired[l])
+        if dispatch_peak is not None:
+            lr.extra["dispatch_peak"] = float(dispatch_peak[l])
 
 
 def _validated(
@@ -432,19 +347,19 @@ def _validated(
 
 def _incremental_pass(
     w: np.ndarray, previous: Placement, mc: float, budget: float, options: MigrationOptions, t0: float
-) -> tuple[list[_Layer], list[str]]:
-    """One :class:`_Layer` per row of ``w [L, E]``, searched in place until no move pays, the budget is
+) -> tuple[list[Layer], list[str]]:
+    """One :class:`Layer` per row of ``w [L, E]``, searched in place until no move pays, the budget is
     spent, ``options.max_steps`` is used up or the search's share of the time limit (0.6 before an
     exact pass, else 0.9) runs out."""
     topo = previous.topology
     L, E = w.shape
     G, S, P = topo.ep_size, topo.slots_per_gpu, topo.num_physical_experts
     prev_map = previous.physical_to_logical_map  # [L, P]
-    states = [_Layer(w[l], prev_map[l], E, G, S) for l in range(L)]
+    states = [Layer(w[l], prev_map[l], E, G, S) for l in range(L)]
     inc_share = 0.6 if options.method == "exact" else 0.9
     deadline = t0 + inc_share * options.time_limit
     steps = float("inf") if options.max_steps is None else float(options.max_steps)
-    iters, stop = _incremental(states, mc, budget, deadline, 8 * P * L, steps)
+    iters, stop = incremental(states, mc, budget, deadline, 8 * P * L, steps)
     notes: list[str] = []
     if stop == "time":
         notes.append(f"incremental search stopped at the time limit after {iters} moves")
@@ -483,7 +398,7 @@ def _full_resolve(w: np.ndarray, previous: Placement, ids: tuple[int, ...]) -> _
 
 
 def _drift_fallback(
-    states: list[_Layer], full: _FullResolve, mc: float, budget: float, drift_guard: float
+    states: list[Layer], full: _FullResolve, mc: float, budget: float, drift_guard: float
 ) -> np.ndarray:
     """bool ``[L]``: layers that take the full re-solve (gap past ``drift_guard`` x the full re-solve's,
     better on the objective, largest objective gain first while the move budget allows)."""
@@ -506,7 +421,7 @@ def _drift_fallback(
 
 def _exact_refinement(
     w: np.ndarray,
-    states: list[_Layer],
+    states: list[Layer],
     x_final: list[np.ndarray],
     bounds: np.ndarray,
     notes: list[str],
@@ -568,7 +483,7 @@ def _exact_refinement(
 def _final_layers(
     w: np.ndarray,
     previous: Placement,
-    states: list[_Layer],
+    states: list[Layer],
     x_final: list[np.ndarray],
     statuses: list[str],
     bounds: np.ndarray,
@@ -576,11 +491,12 @@ def _final_layers(
     fallback: np.ndarray,
     mc: float,
     ids: tuple[int, ...],
+    guard: bool = True,
 ) -> tuple[list[np.ndarray], list[LayerReport]]:
     """``(rows: L x int64 [P] physical-to-logical maps, one LayerReport per layer)``.
 
-    A layer whose objective would exceed staying put keeps the previous placement (``x_final`` is
-    updated in place); every expert that stays on a GPU keeps its slot.
+    With ``guard``, a layer whose objective would exceed staying put keeps the previous placement
+    (``x_final`` is updated in place); every expert that stays on a GPU keeps its slot.
     """
     G, S = previous.topology.ep_size, previous.topology.slots_per_gpu
     prev_map = previous.physical_to_logical_map  # [L, P]
@@ -588,7 +504,7 @@ def _final_layers(
     for l, st in enumerate(states):
         prev_x, prev_peak = st.prev, st.prev_peak
         obj = _objective_x(w[l], x_final[l], prev_x, mc)
-        if obj > prev_peak:  # cannot happen by construction; kept as the contract's guard
+        if guard and obj > prev_peak:  # cannot happen by construction; kept as the contract's guard
             x_final[l] = prev_x
             obj = prev_peak
         rows.append(_fill_slots(x_final[l], prev_map[l], S))

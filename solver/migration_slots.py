@@ -16,6 +16,8 @@ import numpy as np
 from placement.model import Placement
 
 __all__ = [
+    "colocated_extra_copies",
+    "repair_colocated",
     "separate_colocated",
     "align_to_previous",
     "fill_slots",
@@ -163,6 +165,61 @@ def align_to_previous(new: Placement, previous: Placement) -> Placement:
     prov = dict(new.provenance)
     prov["aligned_to_previous"] = True
     return Placement(np.stack(rows), E, t, new.layer_ids, prov)
+
+
+def colocated_extra_copies(placement: Placement) -> np.ndarray:
+    """int64 ``[L]``: slots holding a second (third, ...) copy of an expert already on the same GPU.
+
+    Each such slot must change for the map to be valid, so their total is the fewest moved slots any
+    repair needs (:func:`repair_colocated` moves exactly that many).
+    """
+    t = placement.topology
+    L, G, S = placement.num_layers, t.ep_size, t.slots_per_gpu
+    gpu = np.sort(placement.physical_to_logical_map.reshape(L, G, S), axis=2)  # [L, G, S] sorted per GPU
+    return (gpu[..., 1:] == gpu[..., :-1]).sum(axis=(1, 2)).astype(np.int64)
+
+
+def repair_colocated(placement: Placement, load: np.ndarray) -> tuple[Placement, np.ndarray]:
+    """The cheapest valid placement from a map holding an expert twice on a GPU, and its moved slots.
+
+    Every extra copy (a slot whose expert already sits in an earlier slot of its GPU) is overwritten
+    with an expert that GPU lacks: the one with the highest per-replica load ``load / replicas`` (ties:
+    lowest id), replica counts updated as it goes. One moved slot per extra copy, the least any repair
+    can move (:func:`colocated_extra_copies`); every other slot keeps its expert and its index.
+
+    Args:
+        placement: the map in service (``allow_colocated_replicas`` may be set), ``[L, P]``.
+        load: ``[L, E]`` the load the re-placement is for (which expert takes a freed slot).
+
+    Returns:
+        ``(valid placement, moved int64 [L])`` with ``moved[l]`` slots changed in layer ``l``.
+    """
+    t = placement.topology
+    E, G, S = placement.num_logical_experts, t.ep_size, t.slots_per_gpu
+    w = np.asarray(load, dtype=np.float64)
+    if w.shape != (placement.num_layers, E):
+        raise ValueError(f"load has shape {w.shape}; the placement needs [{placement.num_layers}, {E}]")
+    if S > E:
+        raise ValueError(
+            f"{S} slots per GPU exceed the {E} experts: no map without an expert twice on a GPU exists; "
+            f"use at most {E * G - E} redundant experts"
+        )
+    rows = placement.physical_to_logical_map.copy()  # [L, P]
+    moved = np.zeros(placement.num_layers, dtype=np.int64)
+    for l, row in enumerate(rows):
+        cnt = np.bincount(row, minlength=E).astype(np.float64)  # [E] replicas
+        for g in range(G):
+            seg = row[g * S : (g + 1) * S]  # [S] a view: writes go to rows
+            for s in range(1, S):
+                if seg[s] not in seg[:s]:
+                    continue
+                score = np.where(np.isin(np.arange(E), seg), -np.inf, w[l] / cnt)  # [E] per-replica load
+                b = int(np.argmax(score))
+                cnt[seg[s]] -= 1
+                cnt[b] += 1
+                seg[s] = b
+                moved[l] += 1
+    return Placement(rows, E, t, placement.layer_ids, placement.provenance), moved
 
 
 def separate_colocated(placement: Placement) -> tuple[Placement, int]:

@@ -244,3 +244,163 @@ def test_keep_slots_batched_equals_keep_slots():
         new, _ = greedy_placement(w, topo)
         a, b = keep_slots(new, prev), keep_slots_batched(new, prev)
         np.testing.assert_array_equal(a.physical_to_logical_map, b.physical_to_logical_map)
+
+
+# ---------------------------------------------------------------------------------------------
+# Starting from the map in service (issue 26): co-located replicas, hard budget, churn, dispatch
+# ---------------------------------------------------------------------------------------------
+def _engine_map(seed, L=3, E=16, red=8, G=4, N=2, dup=3):
+    """A map as an engine serves it: slots shuffled within GPUs and ``dup`` extra copies per layer
+    (an expert written over a slot of its own GPU; the overwritten expert keeps another replica)."""
+    topo = Topology.from_redundant(E, red, G, N)
+    rng = np.random.default_rng(seed)
+    w_old = _loads(L, E, seed)
+    base, _ = greedy_placement(w_old, topo)
+    S = topo.slots_per_gpu
+    rows = base.physical_to_logical_map.copy()  # [L, P]
+    for row in rows:
+        for g in range(G):
+            row[g * S : (g + 1) * S] = rng.permutation(row[g * S : (g + 1) * S])
+        done = 0
+        for _ in range(200):
+            if done == dup:
+                break
+            g, s, t = rng.integers(G), *rng.choice(S, 2, replace=False)
+            a, b = row[g * S + s], row[g * S + t]
+            if a != b and (row == b).sum() >= 2:
+                row[g * S + t] = a  # b loses this replica, a gets a second one on GPU g
+                done += 1
+    prev = Placement(rows, E, topo, (), {}, allow_colocated_replicas=True)
+    w_new = w_old * rng.uniform(0.3, 3.0, size=w_old.shape)
+    return topo, prev, w_new
+
+
+def test_repair_moves_one_slot_per_extra_copy_and_keeps_every_other_slot():
+    from solver.migration_slots import colocated_extra_copies, repair_colocated
+
+    _, prev, w = _engine_map(3)
+    need = colocated_extra_copies(prev)  # [L]
+    assert need.sum() > 0
+    valid, moved = repair_colocated(prev, w)
+    np.testing.assert_array_equal(moved, need)
+    old, new = prev.physical_to_logical_map, valid.physical_to_logical_map
+    assert (old != new).sum(axis=1).tolist() == need.tolist()  # only the extra copies changed
+    Placement(new, prev.num_logical_experts, prev.topology)  # valid: raises on a co-located replica
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_max_moves_is_a_hard_cap_from_an_engine_map(seed):
+    from placement.churn import arrived_experts
+    from solver.migration_slots import colocated_extra_copies
+
+    _, prev, w = _engine_map(seed, dup=1 + seed % 3)
+    need = int(colocated_extra_copies(prev).sum())
+    for budget in (need, need + 1, need + 5, need + 40):
+        new, rep = solve_migration(w, prev, max_moves=budget, time_limit=5.0, max_steps=10**7)
+        assert not new.allow_colocated_replicas
+        moved = moved_slots(prev, new)  # against the map in service, its slot order included
+        assert moved <= budget
+        assert moved == sum(lr.extra["moved_slots"] for lr in rep.layers)
+        assert arrived_experts(prev, new) == sum(lr.extra["arrived_experts"] for lr in rep.layers)
+        assert arrived_experts(prev, new) <= moved
+        assert sum(lr.extra["repair_moved_slots"] for lr in rep.layers) == need
+    if need:
+        with pytest.raises(ValueError, match=rf"at least {need} moved slot.*max_moves={need - 1}"):
+            solve_migration(w, prev, max_moves=need - 1)
+
+
+def test_budget_beyond_the_repair_buys_balance():
+    _, prev, w = _engine_map(5, dup=2)
+    from solver.migration_slots import colocated_extra_copies
+
+    need = int(colocated_extra_copies(prev).sum())
+    tight, _ = solve_migration(w, prev, max_moves=need)
+    loose, _ = solve_migration(w, prev, max_moves=need + 30)
+    assert moved_slots(prev, tight) == need
+    assert _peaks(loose, w).sum() < _peaks(tight, w).sum()
+
+
+def test_arrived_experts_counts_only_experts_new_on_a_gpu():
+    from placement.churn import arrived_experts, arrived_per_gpu, moved_bytes
+
+    topo = Topology.from_redundant(4, 4, 4, 2)  # 8 slots, 2 per GPU
+    a = Placement(np.array([[0, 1, 2, 3, 0, 2, 1, 3]]), 4, topo)
+    shuffled = Placement(np.array([[1, 0, 3, 2, 2, 0, 3, 1]]), 4, topo)  # same GPUs, slots swapped
+    assert moved_slots(a, shuffled) == 8 and arrived_experts(a, shuffled) == 0
+    b = Placement(np.array([[0, 3, 2, 1, 0, 2, 1, 3]]), 4, topo)  # GPU 0 gets 3, GPU 1 gets 1
+    assert arrived_per_gpu(a, b).tolist() == [[1, 1, 0, 0]]
+    assert moved_bytes(a, b, 1000) == 2000
+    with pytest.raises(ValueError, match="same layers"):
+        arrived_experts(a, Placement(np.array([[0, 1, 2, 3, 0, 2, 1, 3]] * 2), 4, topo))
+
+
+def test_staying_experts_keep_their_slots_from_an_engine_map():
+    _, prev, w = _engine_map(7, dup=2)
+    new, _ = solve_migration(w, prev, max_moves=20)
+    S, G = prev.topology.slots_per_gpu, prev.topology.ep_size
+    old, cur = prev.physical_to_logical_map, new.physical_to_logical_map
+    for l in range(old.shape[0]):
+        for g in range(G):
+            o, c = old[l, g * S : (g + 1) * S], cur[l, g * S : (g + 1) * S]
+            for s in range(S):
+                first = o[s] not in o[:s]
+                if first and o[s] in c:  # a first copy whose expert stays on the GPU keeps its slot
+                    assert c[s] == o[s]
+
+
+def _problem(prev, w, dispatch, trace=None):
+    from solver.problem import Problem
+
+    return Problem.build(prev.topology, load=w, trace=trace, previous=prev, dispatch=dispatch)
+
+
+def test_even_dispatch_problem_is_the_plain_migration():
+    from placement.dispatch import EVEN
+    from solver.migration import MigrationOptions, run_migration
+
+    topo, prev, w = _setup(4)
+    direct, _ = solve_migration(w, prev, max_moves=6)
+    via, rep = run_migration(_problem(prev, w, EVEN.name), MigrationOptions(max_moves=6))
+    np.testing.assert_array_equal(via.physical_to_logical_map, direct.physical_to_logical_map)
+    assert "dispatch" not in rep.params and not any("scored" in n for n in rep.notes)
+
+
+def test_fixed_share_dispatch_scores_layers_and_never_loses_to_staying(deepseek_trace):
+    from placement.dispatch import SGLANG_STATIC, VLLM_HASH
+    from placement.metrics import rank_expert_counts, rank_gpu_load
+    from solver.migration import MigrationOptions, run_migration
+
+    tr = deepseek_trace.select_layers(range(4))
+    wl = tr.window_load()  # [prompts, L, E]
+    topo = Topology.from_redundant(64, 16, 16, 2)
+    prev, _ = greedy_placement(wl[:300].sum(0), topo)
+    fit = tr.select_windows(range(300, 700))  # later prompts: the window the new placement serves
+    w = fit.counts()
+    prob = _problem(prev, w, SGLANG_STATIC.name, trace=fit)
+    new, rep = run_migration(prob, MigrationOptions(max_moves=24))
+    assert rep.params["dispatch"] == SGLANG_STATIC.name
+    assert any(f"scored under {SGLANG_STATIC.name}" in n for n in rep.notes)
+    assert moved_slots(prev, new) <= 24
+    counts = rank_expert_counts(fit, topo.ep_size)  # [L, G, E]
+    peak = lambda p: rank_gpu_load(p, counts, SGLANG_STATIC.name).max(axis=1)  # noqa: E731
+    np.testing.assert_allclose([lr.extra["dispatch_peak"] for lr in rep.layers], peak(new))
+    assert peak(new).sum() < peak(prev).sum()  # the engine's dispatch serves the new map better
+    _, vrep = run_migration(_problem(prev, w, VLLM_HASH.name, trace=fit), MigrationOptions(max_moves=24))
+    assert any("even split" in n for n in vrep.notes) and "dispatch" not in vrep.params
+
+
+def test_choose_layers_keeps_the_budget_and_never_loses_to_staying():
+    from solver.migration_dispatch import choose_layers
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        L = 6
+        peaks = rng.uniform(90, 110, (3, L))
+        moved = np.stack([np.zeros(L, int), rng.integers(0, 5, L), rng.integers(0, 12, L)])
+        budget = float(moved[1].sum() + rng.integers(0, 10))
+        choice = choose_layers(peaks, moved, budget, 0.5)
+        obj = peaks + 0.5 * moved
+        got = obj[choice, np.arange(L)]
+        assert moved[choice, np.arange(L)].sum() <= budget
+        assert (got <= obj[0] + 1e-9).all()  # no layer worse than staying put
+        assert got.sum() <= obj[np.where(obj[1] > obj[0], 0, 1), np.arange(L)].sum() + 1e-9
