@@ -52,7 +52,7 @@ def main() -> None:
                 times = []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    pl, _ = greedy_placement(w, topo, num_groups=8, policy=policy)
+                    pl, _ = greedy_placement(w, topo, num_groups=8, mode=policy)
                     times.append((time.perf_counter() - t0) * 1e3)
                 par = balance_stats(expected_gpu_load(pl, w))["par"]
                 print(

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from solver.costmodel import CostOptions, load_model
-from solver.hardware import cluster_preset
-from solver.layout import compare_phases
+from solver.planner.costmodel import CostOptions
+from solver.planner.hardware import cluster_preset
+from solver.planner.layout import compare_phases
+from solver.planner.modelspec import load_model
 
 
 def main() -> None:

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
                 ("placement", "placement"),
                 ("num_everywhere", "everywhere"),
                 ("slack", "slack"),
-                ("policy", "policy"),
+                ("dispatch", "dispatch"),
                 ("par", "held PAR"),
                 ("par_vs_greedy", "/greedy"),
                 ("step_par", "step PAR"),

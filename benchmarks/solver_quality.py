@@ -40,8 +40,8 @@ from placement.metrics import expected_gpu_load  # noqa: E402
 from placement.model import Placement  # noqa: E402
 from placement.topology import Topology  # noqa: E402
 from profiling.readers import default_traces_dir, read_trace  # noqa: E402
+from solver.api import solve  # noqa: E402
 from solver.exact import solve_exact  # noqa: E402
-from solver.greedy import greedy_placement  # noqa: E402
 
 
 def par_per_layer(gpu: np.ndarray) -> np.ndarray:
@@ -91,7 +91,7 @@ def run_config(
     except ValueError:
         pass
     t0 = time.perf_counter()
-    g_pl, _ = greedy_placement(fit, topo, policy="global")
+    g_pl, _ = solve("greedy", topology=topo, load=fit, options={"policy": "global"})
     gw = time.perf_counter() - t0
     g_fit = par_per_layer(expected_gpu_load(g_pl, fit))
     rows.append(("greedy", g_fit, par_per_layer(expected_gpu_load(g_pl, held)), None, None, gw))
@@ -188,7 +188,9 @@ def run_config(
             )
         )
     if "node" in extra_rows and num_groups:
-        h_pl, _ = greedy_placement(fit, topo, num_groups, policy="hierarchical")
+        h_pl, _ = solve(
+            "greedy", topology=topo, load=fit, num_groups=num_groups, options={"policy": "hierarchical"}
+        )
         rows.append(
             (
                 "greedy-hier",

@@ -67,7 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args, phase: str):
-    from solver.costmodel import CostOptions
+    from solver.planner.costmodel import CostOptions
 
     b = (
         args.batch_per_rank
@@ -106,7 +106,7 @@ def _table(plan, top: int) -> list[str]:
 def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     from placement.formats import write_placement
     from profiling.fileio import atomic_write_json, atomic_write_text
-    from solver.layout import launch_flags
+    from solver.planner.layout import launch_flags
 
     best = plan.best
     out.mkdir(parents=True, exist_ok=True)
@@ -164,8 +164,8 @@ def _q(a: str) -> str:
 
 def _read_inputs(args):
     """Check the cluster flags -> (model, cluster, trace or None); a trace's expert count may differ."""
-    from solver.costmodel import load_model
-    from solver.hardware import cluster_preset
+    from solver.planner.hardware import cluster_preset
+    from solver.planner.modelspec import load_model
 
     if args.nodes < 1 or args.gpus_per_node < 1:
         raise CliError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
@@ -187,7 +187,7 @@ def _read_inputs(args):
 
 def _plan(args, model, cluster, trace):
     """The ranked layouts for ``--phase`` and, unless ``--no-phase-compare``, the other phase's verdict."""
-    from solver.layout import compare_phases, plan_layout
+    from solver.planner.layout import compare_phases, plan_layout
 
     opts = _options(args, args.phase)
     plan = plan_layout(

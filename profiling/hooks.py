@@ -269,7 +269,6 @@ class RoutingRecorder:
                     f"chunk_tokens={self.chunk_tokens} exceeds capacity_tokens={self.capacity_tokens}; "
                     "use chunk_tokens <= capacity_tokens (half of it leaves room for one forward pass)"
                 )
-        self._row = {lid: i for i, lid in enumerate(self.layer_ids)}
         self._id_dtype = torch.int16 if self.num_logical_experts < 32767 else torch.int32
         self._handles: list = []
         self._windows: list[np.ndarray] = []
@@ -306,11 +305,6 @@ class RoutingRecorder:
     def tokens_seen(self) -> int:
         """Tokens routed through every recorded layer so far (minimum over layers)."""
         return min(self._seen)
-
-    def row_of_layer(self, layer_id: int) -> int:
-        if layer_id not in self._row:
-            raise ValueError(f"layer {layer_id} is not recorded; recorded layers: {list(self.layer_ids)}")
-        return self._row[layer_id]
 
     # ---- the hot path --------------------------------------------------------------------------
     def record(self, layer_index: int, topk_ids: torch.Tensor) -> None:

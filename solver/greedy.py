@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -189,7 +190,7 @@ def _inverse(perm: np.ndarray) -> np.ndarray:
 
 
 def _hierarchical(weight: np.ndarray, P: int, num_groups: int, num_nodes: int, num_gpus: int, parity: bool):
-    """Returns phy2log ``[L, P]``. With ``num_groups = num_nodes = 1`` this is the global policy."""
+    """Returns phy2log ``[L, P]``. With ``num_groups = num_nodes = 1`` this is the global mode."""
     L, E = weight.shape
     group_size = E // num_groups
     groups_per_node = num_groups // num_nodes
@@ -229,26 +230,34 @@ def greedy_placement(
     topology: Topology,
     num_groups: int | None = None,
     *,
-    policy: Literal["auto", "hierarchical", "global"] = "auto",
+    mode: Literal["auto", "hierarchical", "global"] = "auto",
     parity: bool = False,
     layer_ids: Sequence[int] | None = None,
+    policy: str | None = None,
 ) -> tuple[Placement, SolveReport]:
-    """The greedy baseline: check the load -> choose the policy and place -> report peak vs bound.
+    """The greedy baseline: check the load -> choose the mode and place -> report peak vs bound.
 
     Args:
         load: ``[L, E]`` tokens per logical expert (any non-negative numbers).
         topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
-        num_groups: expert groups (DeepSeek's group-limited routing); the hierarchical policy is used
-            when it divides over the nodes (``policy="auto"``), as the engines do.
-        policy: force ``hierarchical`` or ``global``.
+        num_groups: expert groups (DeepSeek's group-limited routing); the hierarchical mode is used
+            when it divides over the nodes (``mode="auto"``), as the engines do.
+        mode: force ``hierarchical`` or ``global``.
         parity: reproduce the published algorithm exactly (may co-locate replicas of one expert).
+        policy: deprecated name of ``mode``.
 
     Returns:
-        (Placement, SolveReport) with the policy used in ``params["policy"]``.
+        (Placement, SolveReport) with the mode used in ``params["policy"]`` (the key keeps its former
+        name, so placement files stay byte-identical).
     """
+    if policy is not None:
+        warnings.warn(
+            "greedy_placement(policy=...) is deprecated; use mode=", DeprecationWarning, stacklevel=2
+        )
+        mode = policy
     t0 = time.perf_counter()
     w = _checked_load(load, topology, parity)
-    used, phy2log, notes = _place_by_policy(w, topology, num_groups, policy, parity)
+    used, phy2log, notes = _place_by_mode(w, topology, num_groups, mode, parity)
     placement = Placement(
         phy2log,
         w.shape[1],
@@ -259,7 +268,7 @@ def greedy_placement(
     )
     wall = time.perf_counter() - t0
     report = _greedy_report(placement, w, wall, used, parity, num_groups, notes)
-    log.debug("greedy: policy=%s %d layers in %.3fs", used, w.shape[0], wall)
+    log.debug("greedy: mode=%s %d layers in %.3fs", used, w.shape[0], wall)
     return placement, report
 
 
@@ -282,18 +291,18 @@ def _checked_load(load: np.ndarray, topology: Topology, parity: bool) -> np.ndar
     return w
 
 
-def _place_by_policy(
-    w: np.ndarray, topology: Topology, groups: int | None, policy: str, parity: bool
+def _place_by_mode(
+    w: np.ndarray, topology: Topology, groups: int | None, mode: str, parity: bool
 ) -> tuple[str, np.ndarray, list[str]]:
-    """``(policy used, phy2log int64 [L, P], notes)``: hierarchical when asked for or when ``auto`` finds
+    """``(mode used, phy2log int64 [L, P], notes)``: hierarchical when asked for or when ``auto`` finds
     the groups dividing over the nodes, else global (one group on one node)."""
     E = w.shape[1]
     P, G, N = topology.num_physical_experts, topology.ep_size, topology.num_nodes
     notes: list[str] = []
-    if policy == "hierarchical" or (policy == "auto" and groups and groups % N == 0 and E % groups == 0):
+    if mode == "hierarchical" or (mode == "auto" and groups and groups % N == 0 and E % groups == 0):
         if not groups or E % groups or groups % N:
             raise ValueError(
-                f"the hierarchical policy needs num_groups dividing the {E} experts and divisible by "
+                f"the hierarchical mode needs num_groups dividing the {E} experts and divisible by "
                 f"num_nodes={N}, got num_groups={groups}"
             )
         if not parity and (P // N) > (E // N) * topology.gpus_per_node:
@@ -301,11 +310,11 @@ def _place_by_policy(
                 f"{P // N} slots per node exceed what {E // N} experts x {topology.gpus_per_node} GPUs can hold"
             )
         return "hierarchical", _hierarchical(w, P, groups, N, G, parity), notes
-    if policy in ("auto", "global"):
-        if policy == "auto" and groups:
-            notes.append(f"num_groups={groups} does not divide over num_nodes={N}: global policy used")
+    if mode in ("auto", "global"):
+        if mode == "auto" and groups:
+            notes.append(f"num_groups={groups} does not divide over num_nodes={N}: global mode used")
         return "global", _hierarchical(w, P, 1, 1, G, parity), notes
-    raise ValueError(f"unknown greedy policy {policy!r}; use auto, hierarchical or global")
+    raise ValueError(f"unknown greedy mode {mode!r}; use auto, hierarchical or global")
 
 
 def _greedy_report(
@@ -343,10 +352,10 @@ def _greedy_report(
 
 @dataclass(frozen=True)
 class GreedyOptions:
-    """How the greedy baseline runs: ``policy`` (``auto``: hierarchical when the expert groups divide
+    """How the greedy baseline runs: ``mode`` (``auto``: hierarchical when the expert groups divide
     over the nodes, else global) and ``parity`` (reproduce the published slots exactly)."""
 
-    policy: Literal["auto", "hierarchical", "global"] = "auto"
+    mode: Literal["auto", "hierarchical", "global"] = "auto"
     parity: bool = False
 
 
@@ -356,7 +365,7 @@ def run_greedy(problem: Problem, options: GreedyOptions) -> tuple[Placement, Sol
         problem.load,
         problem.topology,
         problem.num_groups,
-        policy=options.policy,
+        mode=options.mode,
         parity=options.parity,
         layer_ids=problem.layer_id_list,
     )

@@ -347,7 +347,7 @@ def solve_weighted(
     P = topology.num_physical_experts
     if E > P:
         raise ValueError(f"{E} logical experts do not fit in {P} physical slots; add {E - P} or more slots")
-    g_pl, _ = greedy_placement(w_all, topology, policy="global", layer_ids=layer_ids)
+    g_pl, _ = greedy_placement(w_all, topology, mode="global", layer_ids=layer_ids)
     gmap = g_pl.physical_to_logical_map
     bounds = weighted_bound(w_all, topology.ep_size, P)
     rows, shares, layers = [], [], []

@@ -12,18 +12,10 @@ import pytest
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
-from solver.costmodel import (
-    CostOptions,
-    a2a_time,
-    analytic_workload,
-    gemm_time,
-    load_model,
-    memory_per_gpu,
-    model_from_hf_config,
-    step_cost,
-    trace_workload,
-)
-from solver.hardware import GPUS, LINKS, cluster_preset
+from solver.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
+from solver.planner.hardware import GPUS, LINKS, cluster_preset
+from solver.planner.modelspec import load_model, model_from_hf_config
+from solver.planner.workload import analytic_workload, trace_workload
 
 DSV3 = load_model("deepseek-v3")
 
@@ -129,7 +121,7 @@ def test_memory_each_redundant_slot_costs_one_expert_per_moe_layer():
 
 
 def test_too_many_redundant_slots_rejected_with_numbers():
-    from solver.layout import LayoutCandidate, evaluate_candidate
+    from solver.planner.layout import LayoutCandidate, evaluate_candidate
 
     cl = cluster_preset("h200")
     load = np.ones((DSV3.num_moe_layers, 256))

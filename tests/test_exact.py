@@ -41,7 +41,7 @@ def _peak(pl: Placement, load: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("backend", ["cpsat", "milp"])
 def test_flashlb_example_reaches_optimum(backend):
     topo = Topology(8, 16, 1)
-    g_pl, _ = greedy_placement(FLASHLB, topo, policy="global")
+    g_pl, _ = greedy_placement(FLASHLB, topo, mode="global")
     greedy_peak = float(_peak(g_pl, FLASHLB)[0])
     # HiGHS needs about 2 s here idle and 10 s on a loaded 2-core machine; both stop as soon as optimality
     # is proven, so the generous limit only matters on a slow machine
@@ -74,7 +74,7 @@ def _random_instances(n, seed=0):
 
 def test_never_worse_than_greedy_and_bounds_hold():
     for w, topo in _random_instances(8, seed=1):
-        g_pl, _ = greedy_placement(w, topo, policy="global")
+        g_pl, _ = greedy_placement(w, topo, mode="global")
         pl, rep = solve_exact(w, topo, time_limit=2.0)
         _check_valid(pl, w.shape[1])
         lr = rep.layers[0]
@@ -121,7 +121,7 @@ def test_node_constraint_inside_the_model():
     w = np.round(rng.pareto(1.0, size=(1, 8)) * 80 + 1)
     topo = Topology(4, 12, 2)  # 2 nodes x 2 GPUs x 3 slots
     num_groups = 4
-    h_pl, _ = greedy_placement(w, topo, num_groups, policy="hierarchical")
+    h_pl, _ = greedy_placement(w, topo, num_groups, mode="hierarchical")
     pl, rep = solve_exact(w, topo, num_groups=num_groups, node_constraint=True, time_limit=5.0)
     _check_valid(pl, 8)
     node_of_slot = topo.node_of_slot
@@ -189,7 +189,7 @@ def test_weighted_placement_valid_and_not_worse_than_even():
         np.round((np.arange(1, E + 1) ** -1.2)[None, :] * rng.uniform(0.5, 1.5, size=(3, E)) * 1e4) + 1
     )  # [3, E]
     topo = Topology(G, 32, 2)  # P = 32 >= E + G - 1 = 31
-    g_pl, _ = greedy_placement(w, topo, policy="global")
+    g_pl, _ = greedy_placement(w, topo, mode="global")
     pl, rep = solve_exact(w, topo, weighted=True, time_limit=10.0)
     _check_valid(pl, E)
     assert rep.solver == "weighted" and rep.params["weighted"] is True
@@ -267,7 +267,7 @@ def test_large_layer_path_is_valid_and_not_worse():
     E, G = 160, 64
     w = (np.arange(1, E + 1) ** -1.2)[rng.permutation(E)][None] * 1e6
     topo = Topology(G, 320, 8)
-    g_pl, _ = greedy_placement(w, topo, policy="global")
+    g_pl, _ = greedy_placement(w, topo, mode="global")
     pl, rep = solve_exact(w, topo, time_limit=2.0, workers=1)
     _check_valid(pl, E)
     lr = rep.layers[0]
@@ -296,7 +296,7 @@ def test_validation_guard_reports_and_falls_back_to_greedy():
     wins = np.stack([np.round(base * rng.uniform(0.3, 1.7, size=base.shape)) for _ in range(W)])  # [W, L, E]
     topo = Topology(4, 16, 1)
     agg = wins.sum(axis=0)
-    g_pl, _ = greedy_placement(agg, topo, policy="global")
+    g_pl, _ = greedy_placement(agg, topo, mode="global")
     pl, rep = solve_exact(wins, topo, time_limit=3.0, workers=1, validation="auto")
     _check_valid(pl, E)
     assert rep.params["validation"] == "last 2 of 10 windows"
@@ -346,7 +346,7 @@ def test_noise_gate_keeps_greedy_on_pure_noise():
         float
     )  # [W, L, E]
     topo = Topology(8, 72, 1)
-    g_pl, _ = greedy_placement(wins.sum(axis=0), topo, policy="global")
+    g_pl, _ = greedy_placement(wins.sum(axis=0), topo, mode="global")
     pl, rep = solve_exact(wins, topo, time_limit=2.0, workers=1)
     assert rep.params["noise_gate"].startswith("windows")
     assert np.array_equal(pl.physical_to_logical_map, g_pl.physical_to_logical_map)
@@ -368,7 +368,7 @@ def test_noise_gate_takes_a_real_imbalance():
     ].astype(float)
     topo = Topology(8, 16, 1)
     agg = wins.sum(axis=0)
-    g_pl, _ = greedy_placement(agg, topo, policy="global")
+    g_pl, _ = greedy_placement(agg, topo, mode="global")
     pl, rep = solve_exact(wins, topo, time_limit=2.0, workers=1)
     _check_valid(pl, 8)
     lr = rep.layers[0]

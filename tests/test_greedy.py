@@ -45,7 +45,7 @@ def test_default_mode_never_colocates_and_reports_policy():
 def test_global_used_when_groups_do_not_divide_nodes():
     _, rep = greedy_placement(EPLB_WEIGHT, Topology(8, 16, 2), num_groups=3)
     assert rep.params["policy"] == "global"
-    assert any("global policy used" in n for n in rep.notes)
+    assert any("global mode used" in n for n in rep.notes)
 
 
 def test_replicate_gives_extra_copies_to_highest_load_per_replica():
@@ -96,12 +96,26 @@ def test_api_solve_matches_greedy_placement():
 
     w = np.random.default_rng(3).lognormal(0, 1.0, (3, 16)) * 100
     topo = Topology.from_redundant(16, 8, 4, 2)
-    direct, drep = greedy_placement(w, topo, 4, policy="global", layer_ids=[5, 6, 7])
+    direct, drep = greedy_placement(w, topo, 4, mode="global", layer_ids=[5, 6, 7])
     via, vrep = solve(
-        "greedy", topology=topo, load=w, num_groups=4, layer_ids=[5, 6, 7], options={"policy": "global"}
+        "greedy", topology=topo, load=w, num_groups=4, layer_ids=[5, 6, 7], options={"mode": "global"}
     )
     np.testing.assert_array_equal(via.physical_to_logical_map, direct.physical_to_logical_map)
     assert via.layer_ids == direct.layer_ids and vrep.params == drep.params
     np.testing.assert_array_equal(vrep.per_layer("objective"), drep.per_layer("objective"))
     with pytest.raises(ValueError, match="bogus"):
         solve("greedy", topology=topo, load=w, options={"bogus": 1})
+
+
+def test_policy_keyword_is_a_deprecated_alias_of_mode():
+    w = np.random.default_rng(4).lognormal(0, 1.0, (2, 16)) * 100
+    topo = Topology.from_redundant(16, 8, 4, 2)
+    hier, _ = greedy_placement(w, topo, 4, mode="hierarchical")
+    flat, _ = greedy_placement(w, topo, 4, mode="global")
+    with pytest.warns(DeprecationWarning, match="use mode="):
+        old, rep = greedy_placement(w, topo, 4, policy="global")
+    np.testing.assert_array_equal(old.physical_to_logical_map, flat.physical_to_logical_map)
+    assert rep.params["policy"] == "global"
+    assert not np.array_equal(hier.physical_to_logical_map, flat.physical_to_logical_map)
+    with pytest.raises(ValueError, match="unknown greedy mode 'flat'"):
+        greedy_placement(w, topo, 4, mode="flat")

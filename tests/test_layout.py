@@ -7,9 +7,16 @@ import json
 import numpy as np
 
 from cli.main import main
-from solver.costmodel import CostOptions, load_model
-from solver.hardware import cluster_preset
-from solver.layout import compare_phases, enumerate_candidates, plan_layout, synthetic_load, workload_load
+from solver.planner.costmodel import CostOptions
+from solver.planner.hardware import cluster_preset
+from solver.planner.layout import (
+    compare_phases,
+    enumerate_candidates,
+    plan_layout,
+    synthetic_load,
+    workload_load,
+)
+from solver.planner.modelspec import load_model
 
 DSV3 = load_model("deepseek-v3")
 

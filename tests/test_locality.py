@@ -13,17 +13,11 @@ from solver.api import solve
 from solver.budget import Budget
 from solver.greedy import greedy_placement
 from solver.locality import pack_node_gpus, solve_locality
-from solver.locality_partition import LayerProblem, expected_remote_nodes
-from solver.locality_replicated import (
-    _pack_peak,
-    choose_everywhere,
-    everywhere_trades,
-    pack_node_exact,
-    pair_pack,
-    partition_nodes,
-    remote_nodes_fit,
-    replicated_counts,
-)
+from solver.locality.nodes import partition_nodes
+from solver.locality.pack import pack_node_exact, pack_peak, pair_pack
+from solver.locality.partition import LayerProblem, expected_remote_nodes
+from solver.locality.reach import remote_nodes_fit
+from solver.locality.replicated import choose_everywhere, everywhere_trades, replicated_counts
 
 
 def _two_cluster_trace(num_tokens=800, seed=0):
@@ -222,7 +216,7 @@ def test_pack_node_exact_keeps_slots_and_beats_start():
         assert len(set(se[g].tolist())) == 2  # one replica of an expert per GPU
     assert np.array_equal(np.bincount(se.ravel(), minlength=10), r)  # r replicas, each on its own GPU
     ref = base.sum(axis=1) / 8
-    assert _pack_peak(base, r, se, ref) <= _pack_peak(base, r0, start, ref) + 1e-12
+    assert pack_peak(base, r, se, ref) <= pack_peak(base, r0, start, ref) + 1e-12
 
 
 def _brute_pairs(w, G, cap):
@@ -431,17 +425,17 @@ def test_partition_descent_ends_at_a_local_optimum():
 
 
 def test_fit_sources_deal_tokens_when_prompts_were_dealt():
-    from solver.locality import _fit_sources
+    from solver.locality.sources import fit_sources
 
     src = np.repeat(np.arange(5) % 4, [10, 1, 1, 1, 30])  # prompts dealt round-robin: rank shares uneven
-    out, how = _fit_sources(src, "round-robin by prompt", "auto", 4, 2)
+    out, how = fit_sources(src, "round-robin by prompt", "auto", 4, 2)
     assert np.bincount(out, minlength=4).tolist() == [11, 11, 11, 10] and "tokens round-robin" in how
     assert "node token shares 5%-95%" in how  # node 0 (ranks 0-1) holds 10 + 1 + 30 of the 43 tokens
-    same, how2 = _fit_sources(src, "trace", "auto", 4)
+    same, how2 = fit_sources(src, "trace", "auto", 4)
     assert same is src and how2 == "trace"
-    assert _fit_sources(src, "round-robin by prompt", "trace", 4)[0] is src
+    assert fit_sources(src, "round-robin by prompt", "trace", 4)[0] is src
     with pytest.raises(ValueError, match="source_model"):
-        _fit_sources(src, "trace", "sometimes", 4)
+        fit_sources(src, "trace", "sometimes", 4)
 
 
 def test_everywhere_trade_moves_the_hub_and_its_gain_is_exact():
@@ -497,7 +491,8 @@ def test_choose_everywhere_never_worse_and_keeps_h(deepseek_slice):
 
 
 def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deepseek_slice):
-    from solver.locality_replicated import gpu_repair, solve_replicated_layer
+    from solver.locality.repair import gpu_repair
+    from solver.locality.replicated import solve_replicated_layer
 
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 32, 32, 4)
@@ -568,13 +563,13 @@ def test_default_everywhere_caps_the_share_overload():
 
 def test_expected_share_excess_follows_how_prompts_can_be_dealt():
     from placement.metrics import source_ranks
-    from solver.locality import _expected_share_excess
+    from solver.locality.sources import expected_share_excess
 
     ids = np.zeros((160, 1, 2), dtype=np.int64)
 
     def excess(trace):
         src, how = source_ranks(trace, 8)
-        return _expected_share_excess(trace, src, how, 4, 2)
+        return expected_share_excess(trace, src, how, 4, 2)
 
     # 16 equal prompts on 8 ranks (2 nodes): every dealing gives each rank two: equal shares
     even = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.arange(0, 161, 10))
@@ -625,7 +620,7 @@ def _pairing_layer(fit: RoutingTrace):
 
 
 def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice):
-    from solver.locality_replicated import solve_replicated_layer
+    from solver.locality.replicated import solve_replicated_layer
 
     topo, ids, src, win = _pairing_layer(deepseek_slice[0])
     N, m, E, S = 8, 8, 64, 2
@@ -662,7 +657,7 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
 
 
 def test_hot_everywhere_experts_can_be_traded_for_hubs(deepseek_slice):
-    from solver.locality_replicated import replicated_counts, solve_replicated_layer
+    from solver.locality.replicated import replicated_counts, solve_replicated_layer
 
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 64, 64, 8)  # ep64: every start everywhere expert is above a GPU's mean
@@ -683,7 +678,7 @@ def test_hot_everywhere_experts_can_be_traded_for_hubs(deepseek_slice):
 
 
 def test_load_drift_follows_how_bursty_an_expert_is():
-    from solver.locality import _load_drift
+    from solver.locality.sources import load_drift
 
     # 40 prompts of 50 tokens, top-2 of 4 experts. Expert 0 fires in every token of every 4th prompt
     # only; expert 1 in a quarter of every prompt's tokens: the same total, very different spread.
@@ -695,20 +690,20 @@ def test_load_drift_follows_how_bursty_an_expert_is():
     quarter = rng.permutation(2000)[:500]
     ids[quarter, 0, 1] = 1
     t = RoutingTrace(num_logical_experts=4, topk_ids=ids, seq_offsets=np.arange(0, 2001, 50))
-    d = _load_drift(t, seed=0)
+    d = load_drift(t, seed=0)
     assert d.shape == (1, 4)
     assert t.counts()[0, 0] == t.counts()[0, 1] == 500
     assert d[0, 0] > 3 * d[0, 1] > 0
-    np.testing.assert_array_equal(d, _load_drift(t, seed=0))  # seeded: reproducible
+    np.testing.assert_array_equal(d, load_drift(t, seed=0))  # seeded: reproducible
     # without prompt boundaries: 64-token chunks are resampled instead
-    chunks = _load_drift(RoutingTrace(num_logical_experts=4, topk_ids=ids))
+    chunks = load_drift(RoutingTrace(num_logical_experts=4, topk_ids=ids))
     assert chunks[0, 0] > 3 * chunks[0, 1] > 0
     short = RoutingTrace(num_logical_experts=4, topk_ids=ids[:60], seq_offsets=np.array([0, 60]))
-    assert not _load_drift(short).any()  # one unit: nothing to resample
+    assert not load_drift(short).any()  # one unit: nothing to resample
 
 
 def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
-    from solver.locality_replicated import solve_replicated_layer
+    from solver.locality.replicated import solve_replicated_layer
 
     topo, ids, src, win = _pairing_layer(deepseek_slice[0])
     N, m, E, S = 8, 8, 64, 2
@@ -755,7 +750,7 @@ def test_pareto_table_has_baselines_and_redealt_ratios():
     fit, held = t.split(0.5)
     topo = Topology.from_redundant(16, 8, 8, 2)
     rows = pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 100}, redeal=3)
-    kinds = [(r["placement"], r["policy"]) for r in rows]
+    kinds = [(r["placement"], r["dispatch"]) for r in rows]
     assert (
         kinds[:3] == [("greedy", "local"), ("greedy", "even"), ("trivial", "local")]
         and kinds[3][0] == "locality"

@@ -8,7 +8,7 @@ on a different GPU). Expert ``e`` has ``c_e`` replicas in all (from the greedy r
 on ``k_e = min(c_e, N)`` nodes: one replica per node, and where ``c_e > N`` the extra replicas
 (fixed before the search) sit on nodes that already hold it.
 
-Load model under the ``local`` replica-selection policy (the one the placement is scored with):
+Load model under the ``local`` dispatch model (the one the placement is scored with):
 a token from node ``s`` that picks ``e`` stays on ``s`` when ``s`` holds ``e`` and otherwise spreads
 evenly over all ``c_e`` replicas, so node ``n`` receives from expert ``e``
 
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.locality_reach import token_sample
+from solver.locality.reach import token_sample
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class LayerProblem:
         src_count: float64 ``[N, E]`` picks of each expert by tokens from each node.
         count: int64 ``[E]`` replicas per expert (``c_e``).
         num_nodes: ``N``; slots_per_node: ``P / N``; gpus_per_node: ``m``.
-        policy: ``"local"`` or ``"even"`` (how tokens choose among replicas).
+        dispatch: ``"local"`` or ``"even"`` (how tokens choose among replicas).
     """
 
     ids: np.ndarray
@@ -75,7 +75,7 @@ class LayerProblem:
     num_nodes: int
     slots_per_node: int
     gpus_per_node: int
-    policy: str = "local"
+    dispatch: str = "local"
 
     @property
     def num_experts(self) -> int:
@@ -97,10 +97,10 @@ class LayerProblem:
 
 
 def node_loads(prob: LayerProblem, reps: np.ndarray) -> np.ndarray:
-    """float64 ``[N]`` node loads of a replica layout ``reps [E, N]`` under ``prob.policy`` (see module doc)."""
+    """float64 ``[N]`` node loads of a replica layout ``reps [E, N]`` under ``prob.dispatch`` (see module doc)."""
     member = reps > 0
     c = prob.count.astype(np.float64)
-    if prob.policy == "even":
+    if prob.dispatch == "even":
         return (reps / c[:, None] * prob.load[:, None]).sum(axis=0)
     remote = (prob.src_count.T * ~member).sum(axis=1)  # [E] picks from nodes without the expert
     return (member * prob.src_count.T + reps / c[:, None] * remote[:, None]).sum(axis=0)
@@ -121,7 +121,7 @@ def expected_remote_nodes(
     e = np.where(valid, ids, 0)
     q = _pick_probs(prob, reps)[e]  # [T', k, N]
     q = np.where(valid[:, :, None], q, 0.0)
-    if prob.policy == "local":
+    if prob.dispatch == "local":
         home = (reps[e, src[:, None]] > 0) & valid  # [T', k] picks served on the own node
         q = np.where(home[:, :, None], 0.0, q)
     miss = np.prod(1.0 - q, axis=1)  # [T', N] probability that no pick lands on node n
@@ -146,7 +146,7 @@ def source_weights(prob: LayerProblem) -> np.ndarray:
     (0 for experts on all nodes, and under ``even``): tokens then find ``e`` on their own node."""
     s = prob.src_count.T / prob.homes[:, None]
     s[prob.homes >= prob.num_nodes] = 0.0
-    if prob.policy == "even":
+    if prob.dispatch == "even":
         s[:] = 0.0
     return s
 
@@ -226,7 +226,7 @@ def _membership_load(prob: LayerProblem) -> np.ndarray:
     a = np.repeat((w / k)[:, None], prob.num_nodes, axis=1)
     everywhere = k >= prob.num_nodes
     a[everywhere] = prob.src_count.T[everywhere]
-    if prob.policy == "even":
+    if prob.dispatch == "even":
         a = np.repeat((w / k)[:, None], prob.num_nodes, axis=1)
     return a
 
@@ -544,7 +544,7 @@ def swap_search(
 
     A swap moves ``e`` from node ``a`` to ``b`` and ``f`` from ``b`` to ``a`` (slot counts kept); it is
     taken when the expected remote nodes on a token sample drop and the node loads stay within
-    ``load_cap`` (exact local-policy loads). A start above the cap is first brought under it (large
+    ``load_cap`` (exact local-dispatch loads). A start above the cap is first brought under it (large
     penalty on the excess). ``balance_weight`` adds ``w * (max node load / mean - 1)``.
     """
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""GPU-peak repair of one layer's row, for the replicated locality method (:mod:`solver.locality_replicated`).
+"""GPU-peak repair of one layer's row, for the replicated locality method (:mod:`solver.locality.replicated`).
 
 Shapes: P physical slots, G GPUs, N nodes, m GPUs per node, S slots per GPU, E logical experts,
 V load views (fit total, windows), T tokens, k top-k.
@@ -14,7 +14,7 @@ import numpy as np
 
 from placement.topology import Topology
 from solver.budget import Budget, as_budget
-from solver.locality_reach import _NodeReach, token_sample
+from solver.locality.reach import NodeReach, token_sample
 
 __all__ = ["gpu_repair"]
 
@@ -53,7 +53,7 @@ def gpu_repair(
     rep = _Repair(row, every, load, src_tot, topology, gpu_cap)
     tok = token_sample(rng, ids.shape[0], sample)
     sid, ssrc = ids[tok], src_node[tok]
-    rep.reach = _NodeReach(sid, ssrc, every, rep.node_of, topology.num_nodes)
+    rep.reach = NodeReach(sid, ssrc, every, rep.node_of, topology.num_nodes)
     rep.scale = 1.0 / max(sid.shape[0], 1)
     budget = as_budget(time_limit)
     steps, cost_sum = 0, 0.0
@@ -122,7 +122,7 @@ class _Repair:
         self.gl = np.stack([np.bincount(slot_gpu, weights=x, minlength=self.G) for x in self.sl])  # [V, G]
         self.node_of = np.full(self.E, -1, dtype=np.int64)
         self.node_of[row[~every[row]]] = slot_node[~every[row]]
-        self.reach: _NodeReach | None = None
+        self.reach: NodeReach | None = None
         self.scale = 1.0
 
     def excess(self, x: np.ndarray) -> float:

@@ -5,7 +5,7 @@ T tokens, k top-k, W fit windows, V load views (the fit total, then each window 
 
 Steps: check the method's options -> the sources to fit with and the fit windows -> greedy's GPU peak
 on every view (the GPU caps) -> everywhere experts per layer and the experts' load drift
-(:mod:`solver.locality_sources`) -> one :func:`solver.locality_replicated.solve_replicated_layer` per
+(:mod:`solver.locality.sources`) -> one :func:`solver.locality.replicated.solve_replicated_layer` per
 layer -> placement and report.
 """
 
@@ -22,16 +22,16 @@ from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.budget import Budget
 from solver.greedy import greedy_placement
-from solver.locality_options import LocalityOptions
-from solver.locality_reach import remote_nodes_fit
-from solver.locality_replicated import solve_replicated_layer
-from solver.locality_sources import (
-    _expected_share_excess,
-    _fit_sources,
-    _load_drift,
-    _share_excess,
-    _window_of_tokens,
+from solver.locality.options import LocalityOptions
+from solver.locality.reach import remote_nodes_fit
+from solver.locality.replicated import solve_replicated_layer
+from solver.locality.sources import (
     default_everywhere,
+    expected_share_excess,
+    fit_sources,
+    load_drift,
+    node_share_excess,
+    window_of_tokens,
 )
 from solver.report import LayerReport, SolveReport
 
@@ -41,7 +41,7 @@ __all__ = ["solve_replicated"]
 def solve_replicated(
     trace: RoutingTrace, topology: Topology, options: LocalityOptions, t0: float
 ) -> tuple[Placement, SolveReport]:
-    """``method="replicated"`` of :func:`solver.locality.solve_locality` (policy ``local``), on a trace
+    """``method="replicated"`` of :func:`solver.locality.solve_locality` (dispatch ``local``), on a trace
     already cut to the layers to solve. ``t0``: ``time.perf_counter()`` when the solve began."""
     o = options
     _check_options(trace, topology, o)
@@ -54,6 +54,7 @@ def solve_replicated(
         )
     fit = _fit_model(trace, topology, src, how, o)
     rows, reports = _solve_layers(trace, topology, fit, o, share_margin)
+    # recorded under its former key "policy", so placement files stay byte-identical
     params = {
         "balance_slack": o.balance_slack,
         "policy": "local",
@@ -119,7 +120,7 @@ def _share_margin(share_margin: float | None, src: np.ndarray, m: int, N: int) -
     """``share_margin`` checked, or its default: the busiest node's token share under the scoring sources
     ``src`` int64 ``[T]``, over the mean, minus 1."""
     if share_margin is None:  # the busiest node's token share under the scoring sources, over the mean
-        return _share_excess(src, m, N)
+        return node_share_excess(src, m, N)
     if not (0.0 <= float(share_margin) <= 10.0):
         raise ValueError(
             f"share_margin must be in [0, 10] (0.3 = pair everywhere replicas as 30% heavier), "
@@ -160,12 +161,12 @@ def _fit_model(
     """Fit sources (from the scoring sources ``src`` int64 ``[T]``), windows, greedy's GPU peaks, the
     everywhere counts and the load drift."""
     P, G, N, m = topology.num_physical_experts, topology.ep_size, topology.num_nodes, topology.gpus_per_node
-    src_fit, how_fit = _fit_sources(src, how, o.source_model, G, m)
-    win = _window_of_tokens(trace, o.num_windows)
+    src_fit, how_fit = fit_sources(src, how, o.source_model, G, m)
+    win = window_of_tokens(trace, o.num_windows)
     W = int(win.max()) + 1 if win.size else 1
     load = trace.counts().astype(np.float64)
     greedy, _ = greedy_placement(load, topology, layer_ids=trace.layer_ids)
-    # greedy's GPU peaks on the fit total and on every window: the GPU caps (same policy, same sources)
+    # greedy's GPU peaks on the fit total and on every window: the GPU caps (same dispatch, same sources)
     g_views = [trace_gpu_load(greedy, trace, "local", src=src_fit)]
     if W > 1:
         for w in range(W):
@@ -175,7 +176,7 @@ def _fit_model(
     g_peak = np.stack([v.max(axis=1) for v in g_views], axis=1)  # [L, V]
     # expected share excess of unseen traffic: only the default everywhere count needs it
     share_excess = (
-        None if o.num_everywhere is not None else _expected_share_excess(trace, src, how, m, N, o.seed)
+        None if o.num_everywhere is not None else expected_share_excess(trace, src, how, m, N, o.seed)
     )
     hs = [
         int(o.num_everywhere)
@@ -187,7 +188,7 @@ def _fit_model(
     ]
     # expected load drift of every expert (used by the two-slot pairing, which runs on one view only)
     pairs = topology.slots_per_gpu == 2 and W == 1
-    drift = _load_drift(trace, o.seed) * float(o.drift_z) if o.drift_z and pairs else None  # [L, E]
+    drift = load_drift(trace, o.seed) * float(o.drift_z) if o.drift_z and pairs else None  # [L, E]
     return _FitModel(src_fit, how_fit, win, W, load, greedy, g_peak, share_excess, hs, drift)
 
 

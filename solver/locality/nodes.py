@@ -6,7 +6,7 @@ balance views (the fit total, then every window).
 :func:`partition_nodes` assigns every expert that is not on all nodes to one node: a greedy affinity
 start, a descent over every plain move and every equal-size swap (scored at once, best improvement:
 balance violation first, then fitted remote nodes), then iterated local search (random swaps, descend
-again, keep improvements) while the budget lasts. Used by :mod:`solver.locality_replicated`.
+again, keep improvements) while the budget lasts. Used by :mod:`solver.locality.replicated`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.budget import Budget, as_budget
-from solver.locality_reach import _NodeReach, token_sample
+from solver.locality.reach import NodeReach, token_sample
 
 __all__ = ["partition_nodes"]
 
@@ -56,7 +56,7 @@ def partition_nodes(
     Args:
         ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``; r: int64 ``[E]``.
         win_load: float64 ``[W, E]``; win_src: float64 ``[W, N, E]`` (see
-            :func:`solver.locality_replicated.window_node_loads`).
+            :func:`solver.locality.replicated.window_node_loads`).
         init: optional int64 ``[E]`` start layout (node of each single-node expert) instead of the greedy start.
         perturb: run the kicks after the first descent.
 
@@ -69,7 +69,7 @@ def partition_nodes(
     cap_slots = _single_slots(every, r, single, N, slots_per_node, single_margin)
     tok = token_sample(rng, ids.shape[0], sample)
     sid, ssrc = ids[tok], src_node[tok]
-    reach = _NodeReach(sid, ssrc, every, np.full(every.size, -1, dtype=np.int64), N)
+    reach = NodeReach(sid, ssrc, every, np.full(every.size, -1, dtype=np.int64), N)
     views = _Views.build(win_load, win_src, every, N, slack, window_slack, window_weight)
     search = _PartitionSearch(reach, views, r, single, cap_slots, N)
     if init is not None:  # a given start (e.g. a perturbed earlier result): same slot accounting
@@ -165,7 +165,7 @@ class _PartitionSearch:
     """
 
     def __init__(
-        self, reach: _NodeReach, views: _Views, r: np.ndarray, single: np.ndarray, cap_slots: int, N: int
+        self, reach: NodeReach, views: _Views, r: np.ndarray, single: np.ndarray, cap_slots: int, N: int
     ):
         self.reach, self.views, self.r, self.single = reach, views, r, single
         self.cap_slots, self.N = cap_slots, N
@@ -248,7 +248,7 @@ class _PartitionSearch:
 
     def best_swap(self, move: np.ndarray, kp: np.ndarray, c_now: np.ndarray, best: tuple) -> tuple:
         """``best`` or a better swap of two equal-size experts on nodes ``a < b``:
-        ``(key, ("swap", e, f, b))``; ``kp`` float ``[E, E]`` pair corrections (:meth:`_NodeReach.deltas`)."""
+        ``(key, ("swap", e, f, b))``; ``kp`` float ``[E, E]`` pair corrections (:meth:`NodeReach.deltas`)."""
         single, wl, nl, node_of, r = self.single, self.views.wl, self.nl, self.node_of, self.r
         for a in range(self.N):  # swaps between nodes a < b
             ea = single[node_of[single] == a]

@@ -2,7 +2,7 @@
 
 Shapes: E logical experts, N nodes, m GPUs per node, S slots per GPU, T tokens, k top-k, W windows.
 
-Under the ``local`` replica-selection policy an expert with a replica on every node is always served on
+Under the ``local`` dispatch model an expert with a replica on every node is always served on
 the token's own node, and its load splits over nodes exactly as the tokens' sources do (round-robin
 prompts: evenly). So the ``h`` hottest experts get one replica per node ("everywhere" experts); they leave
 cross-node traffic and the node-balance problem. Every other expert lives on exactly one node, with
@@ -39,21 +39,14 @@ import numpy as np
 
 from placement.topology import Topology
 from solver.budget import Budget, as_budget
-from solver.locality_nodes import partition_nodes
-from solver.locality_pack import _pack_peak, pack_node_exact, pack_node_gpus, pair_pack
-from solver.locality_reach import _NodeReach, remote_nodes_fit
-from solver.locality_repair import gpu_repair
+from solver.locality.nodes import partition_nodes
+from solver.locality.pack import pack_node_exact, pack_node_gpus, pack_peak, pair_pack
+from solver.locality.reach import NodeReach, remote_nodes_fit
+from solver.locality.repair import gpu_repair
 
-# pack_node_exact, pair_pack, _pack_peak (solver.locality_pack), partition_nodes (solver.locality_nodes),
-# remote_nodes_fit (solver.locality_reach) and gpu_repair (solver.locality_repair) are importable from here
 __all__ = [
     "choose_everywhere",
     "everywhere_trades",
-    "gpu_repair",
-    "pack_node_exact",
-    "pair_pack",
-    "partition_nodes",
-    "remote_nodes_fit",
     "replicated_counts",
     "solve_replicated_layer",
     "window_node_loads",
@@ -135,7 +128,7 @@ def everywhere_trades(
         ids: int64 ``[T, k]`` picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``;
             node_of: int64 ``[E]`` (node of each single-node expert).
     """
-    reach = _NodeReach(ids, src_node, every, node_of, num_nodes)
+    reach = NodeReach(ids, src_node, every, node_of, num_nodes)
     X, T = reach.X, ids.shape[0]
     single = np.flatnonzero(~every)
     z0, z1 = reach.reach()
@@ -384,7 +377,7 @@ def _pack_nodes(
     scores every split with the optimal pairing, on loads with margins for what unseen traffic changes:
     everywhere replicas at ``(1 + share_margin) x`` (their load follows their node's token share), and
     ``drift`` float64 ``[E]`` (picks, optional) added to every single-node expert (the change of its load
-    that unseen traffic can be expected to bring, see ``solver.locality_sources._load_drift``); the pairs
+    that unseen traffic can be expected to bring, see ``solver.locality.sources.load_drift``); the pairs
     are kept only if no worse than the start on the fitted loads. Else (``exact_pack``)
     :func:`pack_node_exact` (CP-SAT hinted with the start).
 
@@ -406,7 +399,7 @@ def _pack_nodes(
                 seen = seen + np.where(every[on_n], 0.0, drift[on_n])
             r2, se2, _, exhaustive = pair_pack(seen, m, max_split=min(3, m))
             ref = np.maximum(base.sum(axis=1) / m, 1e-12)
-            if _pack_peak(base, r2, se2, ref) <= _pack_peak(base, rr, slot_expert, ref):
+            if pack_peak(base, r2, se2, ref) <= pack_peak(base, rr, slot_expert, ref):
                 rr, slot_expert = r2, se2
         if exhaustive:
             statuses.append("pairs")

@@ -3,11 +3,11 @@
 Shapes: L layers, E logical experts, T tokens, U prompts (or other natural windows), G attention-DP
 ranks (= EP ranks), m GPUs per node, N nodes.
 
-- Sources: which rank each token comes from when fitting (:func:`_fit_sources`), the nodes' token
-  shares (:func:`_node_shares`, :func:`_share_excess`) and the share excess that a random dealing of
-  the prompts gives on average (:func:`_expected_share_excess`, :func:`_dealt_prompt_ranks`).
-- Windows of the fit trace used as extra balance views (:func:`_window_of_tokens`).
-- The expected load drift of every expert (:func:`_load_drift`, a bootstrap over prompts).
+- Sources: which rank each token comes from when fitting (:func:`fit_sources`), the nodes' token
+  shares (:func:`_node_shares`, :func:`node_share_excess`) and the share excess that a random dealing of
+  the prompts gives on average (:func:`expected_share_excess`, :func:`dealt_prompt_ranks`).
+- Windows of the fit trace used as extra balance views (:func:`window_of_tokens`).
+- The expected load drift of every expert (:func:`load_drift`, a bootstrap over prompts).
 - The default number of everywhere experts per layer (:func:`default_everywhere`).
 """
 
@@ -17,10 +17,18 @@ import numpy as np
 
 from profiling.trace import RoutingTrace
 
-__all__ = ["default_everywhere"]
+__all__ = [
+    "dealt_prompt_ranks",
+    "default_everywhere",
+    "expected_share_excess",
+    "fit_sources",
+    "load_drift",
+    "node_share_excess",
+    "window_of_tokens",
+]
 
 
-def _window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
+def window_of_tokens(trace: RoutingTrace, num_windows: int) -> np.ndarray:
     """int64 ``[T]``: consecutive prompt groups (or token chunks without prompt boundaries), ``0..W-1``."""
     T = trace.num_tokens
     W = max(1, int(num_windows))
@@ -72,7 +80,7 @@ def default_everywhere(
     return best
 
 
-def _load_drift(trace: RoutingTrace, seed: int = 0, draws: int = 64) -> np.ndarray:
+def load_drift(trace: RoutingTrace, seed: int = 0, draws: int = 64) -> np.ndarray:
     """Expected change of each expert's load from the fit trace to unseen traffic: float64 ``[L, E]``.
 
     Bootstrap over the trace's natural windows (prompts, else steps; 64-token chunks when it has fewer
@@ -109,21 +117,21 @@ def _node_shares(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> np.ndar
     return np.bincount(src // int(gpus_per_node), minlength=int(num_nodes)) / max(src.size, 1)
 
 
-def _share_excess(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> float:
+def node_share_excess(src: np.ndarray, gpus_per_node: int, num_nodes: int) -> float:
     """The busiest node's token share over the mean, minus 1, under source ranks ``src`` int64 ``[T]``."""
     return (
         float(_node_shares(src, gpus_per_node, num_nodes).max() * int(num_nodes) - 1.0) if src.size else 0.0
     )
 
 
-def _dealt_prompt_ranks(num_prompts: int, ep_size: int, rng: np.random.Generator) -> np.ndarray:
+def dealt_prompt_ranks(num_prompts: int, ep_size: int, rng: np.random.Generator) -> np.ndarray:
     """Rank of every prompt, int64 ``[U]``, when prompts in a random order are dealt round-robin."""
     rank = np.empty(int(num_prompts), dtype=np.int64)
     rank[rng.permutation(int(num_prompts))] = np.arange(int(num_prompts)) % int(ep_size)
     return rank
 
 
-def _expected_share_excess(
+def expected_share_excess(
     trace: RoutingTrace,
     src: np.ndarray,
     how: str,
@@ -135,26 +143,25 @@ def _expected_share_excess(
     """The busiest node's token share over the mean, minus 1, that unseen traffic should be expected to give.
 
     Prompts dealt round-robin (``how == "round-robin by prompt"``): the mean over ``draws`` random orders of
-    the fit trace's prompts dealt round-robin to the ranks (the realized dealing is one draw of that; on
-    DeepSeek-V2-Lite's halves at 8 nodes it was 0.34 and 0.61 where the mean is 0.38 and 0.36). Otherwise the
-    shares under ``src`` int64 ``[T]`` (the trace's own ranks; 0 for tokens dealt round-robin).
+    the fit trace's prompts dealt round-robin to the ranks (the realized dealing is one draw of that).
+    Otherwise the shares under ``src`` int64 ``[T]`` (the trace's own ranks; 0 for tokens dealt round-robin).
     """
     N, m = int(num_nodes), int(gpus_per_node)
     if not src.size:
         return 0.0
     if how != "round-robin by prompt" or trace.seq_offsets is None:
-        return _share_excess(src, m, N)
+        return node_share_excess(src, m, N)
     lengths = np.diff(trace.seq_offsets).astype(np.float64)  # [U]
     rng = np.random.default_rng(seed)
     out = 0.0
     for _ in range(int(draws)):
-        rank = _dealt_prompt_ranks(lengths.size, N * m, rng)
+        rank = dealt_prompt_ranks(lengths.size, N * m, rng)
         share = np.bincount(rank // m, weights=lengths, minlength=N) / lengths.sum()
         out += float(share.max() * N - 1.0)
     return out / int(draws)
 
 
-def _fit_sources(
+def fit_sources(
     src: np.ndarray, how: str, source_model: str, ep_size: int, gpus_per_node: int = 1
 ) -> tuple[np.ndarray, str]:
     """Source ranks the solver fits with: int64 ``[T]`` and a description.

@@ -11,7 +11,7 @@ Three packers, from fast to exact:
 - :func:`pack_node_exact`: CP-SAT over replica counts and GPUs at once, minimising the worst
   GPU/mean ratio over all views.
 
-Both :mod:`solver.locality_grouped` and :mod:`solver.locality_replicated` use them; this module imports
+Both :mod:`solver.locality.grouped` and :mod:`solver.locality.replicated` use them; this module imports
 neither.
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from solver.budget import Budget, as_budget
 from solver.greedy import balanced_packing, greedy_replica_counts
 
-__all__ = ["pack_node_exact", "pack_node_gpus", "pair_pack"]
+__all__ = ["pack_node_exact", "pack_node_gpus", "pack_peak", "pair_pack"]
 
 
 def pack_node_gpus(
@@ -315,7 +315,7 @@ def pack_node_exact(
     for g in range(G):
         here = [i for i in range(n) for j in range(R) if solver.value(x[i][j][g])]
         slot_expert[g] = sorted(here)
-    if hint is not None and _pack_peak(base, hint[0], hint[1], ref) < _pack_peak(base, r, slot_expert, ref):
+    if hint is not None and pack_peak(base, hint[0], hint[1], ref) < pack_peak(base, r, slot_expert, ref):
         return np.asarray(hint[0]), np.asarray(hint[1]), name
     return r, slot_expert, name
 
@@ -383,7 +383,7 @@ def _add_pack_hint(model, s: list, x: list, hint: tuple[np.ndarray, np.ndarray])
                 model.add_hint(x[i][j][g], bool(hr[i] == j + 1 and np.any(hse[g] == i)))
 
 
-def _pack_peak(base: np.ndarray, r: np.ndarray, slot_expert: np.ndarray, ref: np.ndarray) -> float:
+def pack_peak(base: np.ndarray, r: np.ndarray, slot_expert: np.ndarray, ref: np.ndarray) -> float:
     """Largest GPU load / mean over views of a node packing (see :func:`pack_node_exact`).
 
     Args:

@@ -1,8 +1,8 @@
-"""Which nodes tokens reach, for the replicated locality method (:mod:`solver.locality_replicated`).
+"""Which nodes tokens reach, for the replicated locality method (:mod:`solver.locality.replicated`).
 
 Shapes: E logical experts, N nodes, T tokens, k top-k. Every expert lives on one node (``node_of[e]``)
 or on all nodes (``every[e]``); a token reaches a remote node when one of its single-node picks lives
-there. :class:`_NodeReach` keeps per-token counts so the node partition, the everywhere trades and the
+there. :class:`NodeReach` keeps per-token counts so the node partition, the everywhere trades and the
 GPU repair can price moves exactly.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["remote_nodes_fit", "token_sample"]
+__all__ = ["NodeReach", "remote_nodes_fit", "token_sample"]
 
 
 def token_sample(rng: np.random.Generator, num_tokens: int, sample: int) -> np.ndarray:
@@ -38,7 +38,7 @@ def remote_nodes_fit(
     return hit[:, 1:].sum(axis=1).astype(np.float64)
 
 
-class _NodeReach:
+class NodeReach:
     """Which nodes a set of tokens reaches through its single-node picks, and the exact change in remote
     nodes when single-node experts move or trade nodes (shared by the partition search, the GPU repair
     and the everywhere trades).

@@ -1,12 +1,12 @@
 """``method="grouped"`` of the locality solver (:func:`solver.locality.solve_locality`): the earlier scheme,
-also used for ``policy="even"``.
+also used for ``dispatch="even"``.
 
 Shapes: L layers, E logical experts, P physical slots, G GPUs, N nodes, m GPUs per node, S slots per
 GPU, T tokens, k top-k.
 
 Per layer: replica counts ``c [E]`` (:func:`locality_replica_counts` or greedy's), then the node grouping
-of :mod:`solver.locality_partition` (agglomerate -> CP-SAT -> token-level swaps, never worse than the
-start), then each node's replicas packed onto its GPUs (:func:`solver.locality_pack.pack_node_gpus`).
+of :mod:`solver.locality.partition` (agglomerate -> CP-SAT -> token-level swaps, never worse than the
+start), then each node's replicas packed onto its GPUs (:func:`solver.locality.pack.pack_node_gpus`).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from placement.topology import Topology
 from profiling.coactivation import coactivation_counts
 from profiling.trace import RoutingTrace
 from solver.greedy import greedy_placement, greedy_replica_counts
-from solver.locality_options import LocalityOptions
-from solver.locality_pack import pack_node_gpus
-from solver.locality_partition import (
+from solver.locality.options import LocalityOptions
+from solver.locality.pack import pack_node_gpus
+from solver.locality.partition import (
     LayerProblem,
     agglomerate,
     expected_remote_nodes,
@@ -50,7 +50,7 @@ def locality_replica_counts(
        greedy counts (:func:`solver.greedy.greedy_replica_counts`): no replica is more than ``headroom``
        heavier than greedy's heaviest.
     2. Spare slots raise experts, hottest first, to one replica on every node (``N`` replicas): under the
-       ``local`` policy every token then finds such an expert on its own node, and each node serves
+       ``local`` dispatch every token then finds such an expert on its own node, and each node serves
        exactly its own tokens of it.
     3. Slots still left go by greedy replication (highest load per replica).
 
@@ -86,10 +86,10 @@ def locality_replica_counts(
 
 
 def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Replicas of node ``n`` as items: ``(expert int64 [r], load float64 [r])`` under ``prob.policy``."""
+    """Replicas of node ``n`` as items: ``(expert int64 [r], load float64 [r])`` under ``prob.dispatch``."""
     member = reps > 0
     c = prob.count.astype(np.float64)
-    if prob.policy == "even":
+    if prob.dispatch == "even":
         per = prob.load / c  # [E]
         per_n = np.repeat(per[:, None], prob.num_nodes, axis=1)
     else:
@@ -118,7 +118,7 @@ def _layer_row(
 def solve_grouped(
     trace: RoutingTrace, topology: Topology, options: LocalityOptions, t0: float
 ) -> tuple[Placement, SolveReport]:
-    """``method="grouped"`` (or ``policy="even"``) of :func:`solver.locality.solve_locality`, on a trace
+    """``method="grouped"`` (or ``dispatch="even"``) of :func:`solver.locality.solve_locality`, on a trace
     already cut to the layers to solve: replica counts -> per layer, node grouping and GPU packing ->
     placement and report. ``t0``: ``time.perf_counter()`` when the solve began.
     """
@@ -143,20 +143,23 @@ def solve_grouped(
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)  # [T, k]
-        prob = _layer_problem(ids, src_node, coact[l], counts[l].astype(np.int64), topology, o.policy)
+        prob = _layer_problem(ids, src_node, coact[l], counts[l].astype(np.int64), topology, o.dispatch)
         cap = (1.0 + o.balance_slack) * prob.mean_node_load
         found = _group_layer(prob, cap, o.refine, per_layer_t, o.seed + l, bw, topology.slots_per_gpu)
         rows[l] = _layer_row(
             prob, found["reps"], topology, 0.2 * per_layer_t if o.refine else 0.0, o.seed + l
         )
-        g_prob = _layer_problem(ids, src_node, coact[l], greedy.logical_replica_count[l], topology, o.policy)
+        g_prob = _layer_problem(
+            ids, src_node, coact[l], greedy.logical_replica_count[l], topology, o.dispatch
+        )
         g_obj = _greedy_objective(g_prob, greedy.physical_to_logical_map[l], topology)
         reports.append(
             _layer_report(trace.layer_ids[l], prob, cap, found, g_obj, float(load[l].sum() / G), tl)
         )
+    # recorded under its former key "policy", so placement files stay byte-identical
     params = {
         "balance_slack": o.balance_slack,
-        "policy": o.policy,
+        "policy": o.dispatch,
         "time_limit": o.time_limit,
         "seed": o.seed,
         "refine": o.refine,
@@ -169,7 +172,7 @@ def solve_grouped(
     placement = Placement(
         rows, E, topology, trace.layer_ids, {"solver": "locality", **params, "trace": trace.name}
     )
-    notes = _grouped_notes(placement, trace, reports, how, o.balance_slack, o.policy, o.hidden_size)
+    notes = _grouped_notes(placement, trace, reports, how, o.balance_slack, o.dispatch, o.hidden_size)
     report = SolveReport("locality", tuple(reports), time.perf_counter() - t0, params, tuple(notes))
     log.debug("locality: %d layers in %.2fs", L, report.wall_time_s)
     return placement, report
@@ -181,7 +184,7 @@ def _layer_problem(
     coact: np.ndarray,
     count: np.ndarray,
     topology: Topology,
-    policy: str,
+    dispatch: str,
 ) -> LayerProblem:
     """One layer's :class:`LayerProblem` from its picks ``ids`` int64 ``[T, k]``, the tokens' source nodes
     ``src_node`` int64 ``[T]``, co-activation counts ``coact`` ``[E, E]`` and replica counts ``count``
@@ -193,7 +196,7 @@ def _layer_problem(
     c = coact.copy()
     np.fill_diagonal(c, 0.0)
     P, m = topology.num_physical_experts, topology.gpus_per_node
-    return LayerProblem(ids, src_node, c, src_count, count, N, P // N, m, policy)
+    return LayerProblem(ids, src_node, c, src_count, count, N, P // N, m, dispatch)
 
 
 def _group_layer(
@@ -279,18 +282,18 @@ def _grouped_notes(
     reports: list[LayerReport],
     how: str,
     balance_slack: float,
-    policy: str,
+    dispatch: str,
     hidden_size: int | None,
 ) -> list[str]:
     """The report's notes: sources, what the objective is, layers over the cap, fitted bytes per token."""
     notes = [
         f"source ranks: {how}",
-        "objective = fitted expected remote nodes per token (local policy model)",
+        "objective = fitted expected remote nodes per token (local dispatch model)",
     ]
     missed = [r.layer_id for r in reports if not r.extra["node_load_cap_met"]]
     if missed:
         notes.append(f"node-load cap (1+{balance_slack}) not met in layers {missed}: best effort")
     if hidden_size is not None:
-        cm = communication(placement, trace, policy, hidden_size=hidden_size)
+        cm = communication(placement, trace, dispatch, hidden_size=hidden_size)
         notes.append(f"fitted bytes_per_token={cm['bytes_per_token']:.0f} (hidden_size={hidden_size})")
     return notes

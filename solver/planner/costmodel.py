@@ -32,38 +32,31 @@ Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-
 - memory per GPU: non-expert weights + ``slots_per_gpu x W x L_moe`` (every redundant slot costs one
   expert's weights in every MoE layer) + a runtime reserve; the rest is KV cache.
 
-Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in :mod:`solver.modelspec`,
-per-step workloads (:class:`Workload`, :func:`analytic_workload`, :func:`trace_workload`) in
-:mod:`solver.workload`; both are re-exported here, so ``from solver.costmodel import X`` keeps working.
-This module holds the options, the primitive timings, memory and the step time.
+Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in
+:mod:`solver.planner.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
+:func:`trace_workload`) in :mod:`solver.planner.workload`. This module holds the options, the
+primitive timings, memory and the step time.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike
 
-from solver.hardware import ClusterSpec, GpuSpec
-from solver.modelspec import BUILTIN_MODELS, ModelSpec, load_model, model_from_hf_config
-from solver.workload import Workload, analytic_workload, trace_workload
+from solver.planner.hardware import ClusterSpec, GpuSpec
+from solver.planner.modelspec import ModelSpec
+from solver.planner.workload import Workload
 
 if TYPE_CHECKING:
     from placement.model import Placement
 
 __all__ = [
-    "ModelSpec",
-    "load_model",
-    "model_from_hf_config",
-    "BUILTIN_MODELS",
     "CostOptions",
-    "Workload",
-    "analytic_workload",
-    "trace_workload",
     "gemm_time",
     "a2a_time",
     "LayerCost",
@@ -344,7 +337,7 @@ def step_cost(
 
     Args:
         placement: the :class:`Placement` the workload was computed for (its topology gives G and N).
-        workload: from :func:`analytic_workload` or :func:`trace_workload`.
+        workload: from ``analytic_workload`` or ``trace_workload`` (:mod:`solver.planner.workload`).
     """
     t = placement.topology
     G, N = t.ep_size, t.num_nodes
@@ -462,12 +455,3 @@ def _bottleneck(layer: LayerCost) -> str:
         if comm > compute
         else ("attention" if layer.attention > layer.compute + layer.shared else "experts")
     )
-
-
-def with_overrides(spec: Any, **kw: Any) -> Any:
-    """``dataclasses.replace`` that names the valid fields on a typo."""
-    names = {f.name for f in fields(spec)}
-    bad = set(kw) - names
-    if bad:
-        raise ValueError(f"{type(spec).__name__} has no fields {sorted(bad)}; valid: {sorted(names)}")
-    return replace(spec, **kw)

@@ -1,0 +1,19 @@
+"""Layout planner: which attention-DP x EP size x redundant-slot layout to serve a model with.
+
+It sits beside the placement solvers, not among them: for each candidate layout it asks a solver
+(greedy by default, through :mod:`solver.api`) for a placement, then prices the step with a cost model.
+The steps, one module each:
+
+- :mod:`solver.planner.modelspec`: :class:`ModelSpec`, the model's shapes (built-ins in ``models/*.json``,
+  a model JSON, or a Hugging Face ``config.json``), :func:`load_model`.
+- :mod:`solver.planner.hardware`: GPU, link and cluster presets (:func:`cluster_preset`).
+- :mod:`solver.planner.workload`: one step's per-GPU tokens, active experts and bytes, from per-expert
+  loads (analytic) or counted from a per-token trace.
+- :mod:`solver.planner.costmodel`: options (:class:`CostOptions`), primitive timings, memory per GPU and
+  the step time of a placement.
+- :mod:`solver.planner.layout`: enumerate candidates, reject those that do not fit in memory, place,
+  price and rank by throughput per GPU (:func:`plan_layout`, :func:`compare_phases`,
+  :func:`launch_flags`).
+
+Import each name from its module, e.g. ``from solver.planner.layout import plan_layout``.
+"""
