@@ -33,12 +33,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from placement.dispatch import nearest_replica
+from placement.dispatch import EVEN, SGLANG_STATIC, nearest_replica
 from placement.metrics import balance_stats, evaluate, rank_expert_counts, rank_gpu_load
 from placement.topology import Topology
 from profiling.readers import default_traces_dir, read_trace
-from solver.dispatch_fit import fit_for_dispatch
-from solver.greedy import greedy_placement
+from solver.api import solve
 
 TRACES = {
     "deepseek": (
@@ -78,17 +77,18 @@ def run(name: str, trace, ep: int, nodes: int, slots: int, with_locality: bool =
     fit, held = trace.split(0.5)
     E = trace.num_logical_experts
     topo = Topology(ep_size=ep, num_physical_experts=ep * slots, num_nodes=nodes)
-    greedy, _ = greedy_placement(fit.counts(), topo, layer_ids=fit.layer_ids)  # real ids: dense rows draw too
-    ours, res = fit_for_dispatch(greedy, fit, "sglang-static")
+    # the pipeline: greedy (real layer ids: dense rows draw too), then placed for SGLang's table
+    result = solve("greedy", topology=topo, trace=fit, dispatch=SGLANG_STATIC.name)
+    greedy, ours, res = result.baseline, result.placement, result.fit
     counts = rank_expert_counts(held, ep)  # [L, G, E]
     par = lambda pl, d: balance_stats(rank_gpu_load(pl, counts, d))["par"]  # noqa: E731
-    par_of = lambda pl, c: balance_stats(rank_gpu_load(pl, c, "sglang-static"))["par"]  # noqa: E731
+    par_of = lambda pl, c: balance_stats(rank_gpu_load(pl, c, SGLANG_STATIC.name))["par"]  # noqa: E731
     row = {
         "trace": name,
         "config": f"ep{ep}/{nodes}n, {slots}/GPU, {ep * slots - E} spare",
-        "even": par(greedy, "even"),
-        "greedy": par(greedy, "sglang-static"),
-        "ours": par(ours, "sglang-static"),
+        "even": par(greedy, EVEN.name),
+        "greedy": par(greedy, SGLANG_STATIC.name),
+        "ours": par(ours, SGLANG_STATIC.name),
         "floor": floor_par(greedy, counts),
         "layers": len(res.changed_layers),
     }
@@ -101,7 +101,7 @@ def run(name: str, trace, ep: int, nodes: int, slots: int, with_locality: bool =
         if with_locality:
             runs.append(("locality", _locality(fit, topo)))
         for label, pl in runs:
-            ev = evaluate(pl, held, "sglang-static", step_tokens=16).to_dict()
+            ev = evaluate(pl, held, SGLANG_STATIC.name, step_tokens=16).to_dict()
             row[f"{label}_step"], row[f"{label}_remote"] = ev["step_par"], ev["remote_nodes_per_token"]
             row[f"{label}_par"] = ev["par"]
     return row

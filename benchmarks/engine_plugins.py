@@ -31,7 +31,7 @@ from placement.metrics import balance_stats, moved_slots, par, rank_expert_count
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.readers import default_traces_dir, read_trace
-from runtime_hooks.engine_plugins.policy import DISPATCH, EngineCall, place
+from runtime_hooks.engine_plugins.policy import ENGINE_DISPATCH, EngineCall, place
 from runtime_hooks.engine_plugins.spec import parse_spec
 
 TRACES = {  # name: (file, EP size, nodes, redundant slots)
@@ -90,7 +90,7 @@ def rows_for(engine, default, windows, topo, groups):
             t0 = time.perf_counter()
             new = fn(windows[k].counts(), served)
             secs += time.perf_counter() - t0
-            pars.append(held_out_par(as_placement(new), windows[k + 1], DISPATCH[engine]))
+            pars.append(held_out_par(as_placement(new), windows[k + 1], ENGINE_DISPATCH[engine]))
             moved += moved_slots(as_placement(served), as_placement(new))
             served = new
         rows.append((name, float(np.mean(pars)), moved, secs / (len(windows) - 2)))
@@ -117,7 +117,7 @@ def main() -> None:
         for engine, default in (("vllm", vllm_default), ("sglang", sglang_default)):
             rows = rows_for(engine, default, windows, topo, 1)
             base_par, base_moved = rows[0][1], max(rows[0][2], 1)
-            print(f"{engine} (dispatch {DISPATCH[engine]})")
+            print(f"{engine} (dispatch {ENGINE_DISPATCH[engine]})")
             print(
                 f"{'policy':<24}{'held-out PAR':>13}{'moved':>8}{'PAR ratio':>11}{'moved ratio':>13}{'s/refit':>9}"
             )

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from placement.dispatch import DISPATCH, EVEN
 from placement.topology import Topology
 from profiling.fileio import atomic_write_text
 from profiling.readers import default_traces_dir, read_trace
@@ -98,8 +99,8 @@ def main(argv=None) -> int:
         "--dispatch",
         "--policy",
         dest="dispatch",
-        default="even",
-        choices=("even", "local", "sglang-static", "sglang-dynamic", "vllm-hash"),
+        default=EVEN.name,
+        choices=tuple(DISPATCH),
         help="dispatch model every window is scored with; all but even need source ranks (DeepSeek's "
         "token stream has them: token t of a step sits on rank t // step_tokens); counts-only streams "
         "are scored with even and say so",
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
             horizon_steps=args.horizon_steps,
         )
         expert_bytes = 3 * d * f * 2  # GLU, BF16
-        dispatch = args.dispatch if stream.rank_steps is not None else "even"
+        dispatch = args.dispatch if stream.rank_steps is not None else EVEN.name
         t0 = time.perf_counter()
         res = replay(stream, topo, cfg, window_steps=ws, expert_bytes=expert_bytes, dispatch=dispatch)
         wall = time.perf_counter() - t0

@@ -19,9 +19,10 @@ import numpy as np
 T = TypeVar("T")
 
 __all__ = [
-    "FORMAT_NAMES",
     "CliError",
+    "add_dispatch_args",
     "check_output",
+    "checked_dispatch",
     "echo",
     "elapsed_bar",
     "format_table",
@@ -32,9 +33,6 @@ __all__ = [
     "root_parser",
     "warn",
 ]
-
-# Placement file formats (placement.formats.FORMATS holds the same names; not imported to keep startup light).
-FORMAT_NAMES = ("native", "sglang", "trtllm", "vllm-ascend", "vllm")
 
 
 class CliError(ValueError):
@@ -238,12 +236,6 @@ def warn_colocated(path: Path, placement) -> None:
     )
 
 
-DISPATCH_HELP = (
-    "how the engine picks a replica: even (ideal split), local, sglang-static, sglang-dynamic, vllm-hash "
-    "(see docs/dispatch.md)"
-)
-
-
 def checked_dispatch(args: argparse.Namespace) -> str:
     """``--dispatch`` checked here rather than by argparse, so a bad name is one line (exit 2)."""
     if args.policy not in args.dispatch_choices:
@@ -253,20 +245,45 @@ def checked_dispatch(args: argparse.Namespace) -> str:
     return args.policy
 
 
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: stores like it, with one warning line on stderr."""
+
+    def __init__(self, *args, new: str, **kwargs):
+        self.new = new
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        warn(f"{option_string} is deprecated; use {self.new}")
+        setattr(namespace, self.dest, values)
+
+
 def add_dispatch_args(
     p: argparse.ArgumentParser, *, choices: Sequence[str] | None = None, extra: str = ""
 ) -> None:
-    """``--dispatch`` (``--policy`` is its alias) and ``--source-ranks``."""
-    from placement.dispatch import DISPATCH
+    """``--dispatch`` (``--policy``: its deprecated alias, which warns) and ``--source-ranks``.
+
+    ``choices``: the names accepted (default: every model in :data:`placement.dispatch.DISPATCH`);
+    the value lands in ``args.policy``.
+    """
+    from placement.dispatch import DISPATCH, EVEN
 
     names = tuple(choices or DISPATCH)
+    metavar = "{" + ",".join(names) + "}"
     p.add_argument(
         "--dispatch",
+        dest="policy",
+        default=EVEN.name,
+        metavar=metavar,
+        help=f"how the engine picks a replica: {', '.join(DISPATCH)} (see docs/dispatch.md){extra}",
+    )
+    p.add_argument(
         "--policy",
         dest="policy",
-        default="even",
-        metavar="{" + ",".join(names) + "}",
-        help=DISPATCH_HELP + extra,
+        default=argparse.SUPPRESS,
+        metavar=metavar,
+        action=_DeprecatedAlias,
+        new="--dispatch",
+        help="deprecated alias of --dispatch",
     )
     p.set_defaults(dispatch_choices=names)
     p.add_argument(

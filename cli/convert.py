@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from cli.common import FORMAT_NAMES, check_output, echo, open_placement, open_trace
+from cli.common import check_output, echo, open_placement, open_trace
 
 __all__ = ["add_parser", "cmd_convert"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """The ``convert`` sub-command's arguments."""
+    """The ``convert`` sub-command's arguments (``--format`` choices: :data:`placement.formats.FORMATS`)."""
+    from placement.formats import FORMATS
+
     p = sub.add_parser(
         "convert", help="convert placements between engine formats (or a trace to the native format)"
     )
     p.add_argument("input")
     p.add_argument("-o", "--output", required=True)
-    p.add_argument("--format", choices=FORMAT_NAMES + ("trace",), required=True)
-    p.add_argument("--from-format", choices=FORMAT_NAMES)
+    p.add_argument("--format", choices=(*FORMATS, "trace"), required=True)
+    p.add_argument("--from-format", choices=FORMATS)
     p.add_argument("--ep-size", type=int)
     p.add_argument("--num-nodes", type=int)
     p.add_argument("--num-logical-experts", type=int)

@@ -101,14 +101,12 @@ def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Steps: read placement, trace and source ranks -> evaluate under one or every dispatch -> print."""
-    from placement.dispatch import DISPATCH
+    from placement.dispatch import DISPATCH, EVEN
 
     checked_dispatch(args)
     placement, trace, src, how = _read_inputs(args)
     names = (
-        [n for n in DISPATCH if n == "even" or trace.has_tokens]
-        if args.policy == "all"
-        else [args.policy]
+        [n for n in DISPATCH if n == EVEN.name or trace.has_tokens] if args.policy == "all" else [args.policy]
     )
     with elapsed_bar("evaluating"):
         results = {name: _evaluate(args, placement, trace, name, src, how) for name in names}

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from cli import convert, demo, evaluate, inspect_trace, solve
-from cli.common import FORMAT_NAMES, root_parser
+from cli.common import root_parser
 from cli.convert import cmd_convert
 from cli.demo import cmd_demo
 from cli.evaluate import cmd_evaluate
@@ -24,7 +24,6 @@ from cli.inspect_trace import cmd_inspect
 from cli.solve import cmd_solve
 
 __all__ = [
-    "FORMAT_NAMES",
     "build_parser",
     "cmd_convert",
     "cmd_demo",

@@ -1,8 +1,10 @@
 """``moe-placement solve``: compute a placement, compare it with greedy (and trivial), write it.
 
-Steps of :func:`cmd_solve`: read the problem (trace or load, topology, the placement in service) ->
-greedy -> the named solver, gated against greedy -> balance rows (fitted and held-out PAR) ->
-write the placement and the report -> print (table or JSON).
+Steps of :func:`cmd_solve`: read the problem (trace or load, topology, the placement in service,
+the dispatch model) -> :func:`solver.api.run`, the one pipeline (baseline, the named solver, fit
+for the dispatch model, gate against the baseline, report) -> balance rows (fitted and held-out
+PAR) -> write the placement and the report -> print (table or JSON). What differs between solvers
+(which flags feed their options, what is printed) is read from their :class:`solver.api.SolverSpec`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from cli.common import (
-    FORMAT_NAMES,
     CliError,
     add_dispatch_args,
     check_output,
@@ -36,20 +37,11 @@ if TYPE_CHECKING:
     from placement.model import Placement
     from placement.topology import Topology
     from profiling.trace import RoutingTrace
+    from solver.api import SolveResult, SolverSpec
+    from solver.problem import Problem
     from solver.report import SolveReport
 
 __all__ = ["add_parser", "cmd_solve"]
-
-# (flag attribute, locality option) copied into the options when the flag is given
-_LOCALITY_FLAGS = (
-    ("everywhere", "num_everywhere"),
-    ("gpu_slack", "gpu_slack"),
-    ("source_model", "source_model"),
-    ("work_limit", "work_limit"),
-    ("share_margin", "share_margin"),
-    ("drift_z", "drift_z"),
-    ("share_overload", "share_overload"),
-)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,7 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_problem_args(p: argparse.ArgumentParser) -> None:
-    """What to place and on what: the load, the topology, the solver and its budget."""
+    """What to place and on what: the load, the topology, the solver (``solver.api.SOLVERS``, but
+    those that need the placement in service: ``--previous`` picks that one) and its budget."""
+    from solver.api import BASELINE, solver_names
+
     p.add_argument("--trace", help="routing trace to fit on")
     p.add_argument("--load", help=".npy load matrix [layers, experts] (instead of --trace)")
     p.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs)")
@@ -76,7 +71,7 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-groups", type=int, help="expert groups (hierarchical greedy when they divide over nodes)"
     )
-    p.add_argument("--solver", choices=("greedy", "cpsat", "milp", "locality"), default="greedy")
+    p.add_argument("--solver", choices=solver_names(needs_previous=False), default=BASELINE)
     p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole solve (all layers)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, help="solver worker threads")
@@ -165,7 +160,10 @@ def _add_migration_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
-    """Held-out scoring, the placement file, the report, JSON output."""
+    """Held-out scoring, the placement file (``--format``: ``placement.formats.FORMATS``), the report,
+    JSON output."""
+    from placement.formats import FORMATS
+
     p.add_argument(
         "--fit-fraction",
         type=float,
@@ -178,42 +176,21 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         "SGLang's table (greedy, cpsat, milp)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
-    p.add_argument("--format", choices=FORMAT_NAMES, default="native")
+    p.add_argument("--format", choices=FORMATS, default="native")
     p.add_argument("--report", help="write the solve report JSON here")
     p.add_argument("--json", action="store_true")
 
 
-LOCALITY_STEPS_PER_LAYER = 100  # the default step budget: the same placement on any machine
-
-
-def _solver_options(args, num_layers: int) -> dict:
+def _solver_options(args, spec: SolverSpec, num_layers: int) -> dict:
+    """The options the flags set: every ``spec.flags`` argument given (not None, not a false switch),
+    and the default work limit (``spec.work_per_layer`` steps per layer) unless ``--wall-clock``."""
     opts: dict = {}
-    if args.solver in ("cpsat", "milp"):
-        if args.objective != "tokens":
-            opts["objective"] = args.objective
-        if args.robust:
-            opts["robust"] = args.robust
-            opts["num_windows"] = args.num_windows
-        if args.weighted:
-            opts["weighted"] = True
-        if args.node_constraint:
-            opts["node_constraint"] = True
-        if args.workers:
-            opts["workers"] = args.workers
-    if args.solver == "locality":
-        opts["balance_slack"] = args.balance_slack
-        if args.hidden_size:
-            opts["hidden_size"] = args.hidden_size
-        for flag, key in _LOCALITY_FLAGS:
-            if getattr(args, flag) is not None:
-                opts[key] = getattr(args, flag)
-        if args.work_limit is None and not args.wall_clock:
-            opts["work_limit"] = LOCALITY_STEPS_PER_LAYER * num_layers
-    if args.previous:
-        if args.max_moves is not None:
-            opts["max_moves"] = args.max_moves
-        if args.move_cost is not None:
-            opts["move_cost"] = args.move_cost
+    for key, flag in spec.flags.items():
+        value = getattr(args, flag)
+        if value is not None and value is not False:
+            opts[key] = value
+    if spec.work_per_layer and args.work_limit is None and not args.wall_clock:
+        opts["work_limit"] = spec.work_per_layer * num_layers
     return opts
 
 
@@ -289,79 +266,53 @@ def _read_problem(args) -> _Problem:
     if args.num_groups is not None and (args.num_groups < 1 or E % args.num_groups):
         raise CliError(f"--num-groups {args.num_groups} must divide the {E} experts")
     previous = _read_previous(args, L, topo)
-    name = "migration" if previous is not None else args.solver
+    from solver.api import solver_names
+
+    name = solver_names(needs_previous=True)[0] if previous is not None else args.solver
     return _Problem(name, load, fit, held, layer_ids, topo, previous)
 
 
 # ---------------------------------------------------------------------------------------------
 # solving
 # ---------------------------------------------------------------------------------------------
-def _solve_named(args, prob: _Problem, greedy: Placement, greedy_report: SolveReport):
-    """The named solver (greedy's own result for ``greedy``), never worse than greedy for cpsat/milp."""
-    from solver.api import solve
+def _solver_problem(args, prob: _Problem) -> Problem:
+    """The frozen problem the pipeline solves: the fitted load and trace, the topology, the layers,
+    the placement in service, the dispatch model and its source ranks."""
+    from solver.problem import Problem
 
-    options = _solver_options(args, prob.load.shape[0])
-    name = prob.name
-    if name == "greedy":
-        return greedy, greedy_report
-    with elapsed_bar(f"{name}", args.time_limit):
-        placement, report = solve(
-            name,
-            topology=prob.topo,
-            load=prob.load,
-            trace=prob.fit,
-            num_groups=args.num_groups,
-            layer_ids=prob.layer_ids,
-            previous=prob.previous,
-            time_limit=args.time_limit,
-            seed=args.seed,
-            options=options,
+    return Problem.build(
+        prob.topo,
+        load=prob.load,
+        trace=prob.fit,
+        layer_ids=prob.layer_ids,
+        num_groups=args.num_groups,
+        previous=prob.previous,
+        dispatch=args.policy,
+        source_ranks=args.source_ranks,
+    )
+
+
+def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
+    """The pipeline (:func:`solver.api.run`) under a time bar; a warning when the gate kept greedy."""
+    from solver.api import BASELINE, make_options, run
+
+    values = _solver_options(args, spec, prob.load.shape[0])
+    options = make_options(prob.name, values, seed=args.seed, time_limit=args.time_limit)
+    limit = args.time_limit if "time_limit" in spec.option_names else None
+    with elapsed_bar(prob.name, limit):
+        result = run(prob.name, _solver_problem(args, prob), options)
+    if result.objective_fallback:
+        warn(
+            f"{prob.name} found nothing better than {BASELINE} within {args.time_limit}s; "
+            f"writing the {BASELINE} placement"
         )
-    if name in ("cpsat", "milp"):
-        placement = _gate_against_greedy(name, placement, greedy, prob.load, args.time_limit)
-    return placement, report
+    return result
 
 
-def _place_for_dispatch(args, prob: _Problem, greedy: Placement, placement: Placement, report: SolveReport):
-    """Under SGLang's table, move replicas where that lowers the peak (fit and validation), then keep
-    greedy if the result is no better than greedy's under the same table on the fit trace."""
-    from dataclasses import replace
-
-    from placement.metrics import rank_expert_counts, rank_gpu_load
-    from solver.dispatch_fit import ENGINE_TABLES, fit_for_dispatch
-
-    if args.policy not in ENGINE_TABLES or prob.name not in ("greedy", "cpsat", "milp") or prob.fit is None:
-        return placement, report
-    placement, fitted = fit_for_dispatch(placement, prob.fit, args.policy, args.source_ranks)
-    counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
-    peak = lambda pl: rank_gpu_load(pl, counts, args.policy).max(axis=1).sum()  # noqa: E731
-    notes = [fitted.note()]
-    if prob.name != "greedy" and peak(placement) > peak(greedy) * (1 + 1e-9):
-        placement = greedy.with_provenance(fallback_from=prob.name, dispatch=args.policy)
-        notes.append(
-            f"{prob.name} placed worse than greedy under {args.policy} on the fit trace: greedy kept"
-        )
-    return placement, replace(report, notes=(*report.notes, *notes))
-
-
-def _gate_against_greedy(
-    name: str, placement: Placement, greedy: Placement, load: np.ndarray, time_limit: float
-) -> Placement:
-    """Never worse than greedy on the fitted objective (even split, ``load [L, E]``); fall back with a warning."""
-    from placement.metrics import expected_gpu_load
-
-    peak_new = expected_gpu_load(placement, load).max(axis=1).sum()
-    peak_greedy = expected_gpu_load(greedy, load).max(axis=1).sum()
-    if peak_new > peak_greedy * (1 + 1e-9):
-        warn(f"{name} found nothing better than greedy within {time_limit}s; writing the greedy placement")
-        return greedy.with_provenance(fallback_from=name)
-    return placement
-
-
-def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement) -> tuple[list[dict], bool]:
+def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -> tuple[list[dict], bool]:
     """Fitted (and held-out) PAR of trivial, greedy and the solver's placement; whether to show remote nodes."""
+    from placement.dispatch import get_dispatch
     from placement.metrics import (
-        ENGINE_RULES,
         balance_stats,
         evaluate,
         expected_gpu_load,
@@ -370,6 +321,7 @@ def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement)
         resolve_source_ranks,
     )
     from placement.model import Placement
+    from solver.api import BASELINE
 
     L, E = prob.load.shape
     trivial = None
@@ -384,19 +336,16 @@ def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement)
         held_src, _ = resolve_source_ranks(held, prob.topo.ep_size, args.source_ranks)
     fit_counts = None
     if (
-        args.policy in ENGINE_RULES
+        get_dispatch(args.policy).engine  # an engine's rule: fitted PAR scored under it
         and prob.fit is not None
         and (prob.fit.has_tokens or prob.fit.window_counts is not None)
     ):
         fit_counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
-    # locality trades balance for fewer remote nodes: show both, scored with the policy asked for
-    comm_view = prob.name == "locality" and held is not None and held.has_tokens
-    label = (
-        f"greedy, placed for {args.policy}"
-        if prob.name == "greedy" and placement is not greedy
-        else prob.name
-    )
-    candidates = {"trivial": trivial, "greedy": greedy, label: placement}
+    # a solver that trades balance for fewer remote nodes: show both, scored with the dispatch asked for
+    comm_view = spec.shows_remote and held is not None and held.has_tokens
+    placed = result.is_baseline and result.fit is not None
+    label = f"{BASELINE}, placed for {args.policy}" if placed else prob.name
+    candidates = {"trivial": trivial, BASELINE: result.baseline, label: result.placement}
     for label, pl in candidates.items():
         if pl is None:
             continue
@@ -418,14 +367,16 @@ def _balance_rows(args, prob: _Problem, greedy: Placement, placement: Placement)
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
-def _write_files(args, out: Path | None, prob: _Problem, placement: Placement, payload: dict) -> list[str]:
+def _write_files(
+    args, out: Path | None, prob: _Problem, spec: SolverSpec, placement: Placement, payload: dict
+) -> list[str]:
     """The placement file (and weighted-dispatch weights), then the report JSON; the paths written."""
     written = []
     if out is not None:
         from placement.formats import write_placement
 
         written = [str(p) for p in write_placement(placement, out, args.format)]
-        if args.weighted and prob.name in ("cpsat", "milp"):
+        if args.weighted and "weighted" in spec.flags:
             try:
                 from solver.exact import replica_weights, write_replica_weights
 
@@ -461,24 +412,28 @@ def _print_header(prob: _Problem, report: SolveReport, wall: float) -> None:
         echo(f"note: ... {len(per_layer) - 3} more per-layer notes (see --json or --report)")
 
 
-def _print_balance(args, prob: _Problem, rows: list[dict], comm_view: bool) -> None:
+def _print_balance(args, prob: _Problem, spec: SolverSpec, rows: list[dict], comm_view: bool) -> None:
     """The balance table: fitted PAR, held-out PAR and remote nodes when scored."""
+    from placement.dispatch import EVEN, LOCAL, get_dispatch
+
     echo("balance (peak-to-average GPU load, mean over layers; 1.0 is perfect):")
-    fit_rule = args.policy if args.policy in ("sglang-static", "sglang-dynamic", "vllm-hash") else "even"
+    fit_rule = args.policy if get_dispatch(args.policy).engine else EVEN.name
     cols = [("placement", "placement", -1), ("fit_par", f"fitted PAR ({fit_rule})", 4)]
     if prob.held is not None:
         cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
     if comm_view:
         cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))
     echo(format_table(rows, cols))
-    if prob.name == "locality" and prob.held is None:
+    if spec.shows_remote and prob.held is None:
         echo(
-            "tip: --fit-fraction 0.5 --policy local scores held-out PAR and remote nodes per token side by side"
+            f"tip: --fit-fraction 0.5 --dispatch {LOCAL.name} scores held-out PAR and remote nodes per token "
+            "side by side"
         )
 
 
 def _print_per_layer(prob: _Problem, report: SolveReport, greedy_report: SolveReport) -> None:
-    """Per-layer peak load of greedy and the solver, bound, gap, status (and moves), then the overall line."""
+    """Per-layer peak load of greedy (the pipeline's baseline) and the solver, bound, gap, status (and
+    moves), then the overall line."""
     name = prob.name
     lrows = []
     for g, lr in zip(greedy_report.layers, report.layers):
@@ -515,21 +470,20 @@ def _print_per_layer(prob: _Problem, report: SolveReport, greedy_report: SolveRe
 # the command
 # ---------------------------------------------------------------------------------------------
 def cmd_solve(args: argparse.Namespace) -> int:
-    """Steps: read the problem -> greedy -> named solver (gated) -> balance rows -> write -> print."""
-    from placement.metrics import moved_slots
-    from solver.api import solve
+    """Steps: read the problem -> the pipeline (baseline, solver, fit, gate, report) -> balance rows ->
+    write -> print."""
+    from placement.metrics import arrived_experts, moved_slots
+    from solver.api import SOLVERS
 
     checked_dispatch(args)
     out = check_output(args.output)
     prob = _read_problem(args)
+    spec = SOLVERS[prob.name]
     t0 = time.perf_counter()
-    greedy, greedy_report = solve(
-        "greedy", topology=prob.topo, load=prob.load, num_groups=args.num_groups, layer_ids=prob.layer_ids
-    )
-    placement, report = _solve_named(args, prob, greedy, greedy_report)
-    placement, report = _place_for_dispatch(args, prob, greedy, placement, report)
+    result = _solve(args, prob, spec)
     wall = time.perf_counter() - t0
-    rows, comm_view = _balance_rows(args, prob, greedy, placement)
+    placement, report = result.placement, result.report
+    rows, comm_view = _balance_rows(args, prob, spec, result)
     L, E = prob.load.shape
     payload = {
         "solver": prob.name,
@@ -542,15 +496,16 @@ def cmd_solve(args: argparse.Namespace) -> int:
     }
     if prob.previous is not None:
         payload["moved_slots"] = moved_slots(prob.previous, placement)
-    written = _write_files(args, out, prob, placement, payload)
+        payload["arrived_experts"] = arrived_experts(prob.previous, placement)
+    written = _write_files(args, out, prob, spec, placement, payload)
     payload["written"] = written
     if args.json:
         echo(json.dumps(payload, indent=1, default=str))
         return 0
     _print_header(prob, report, wall)
-    _print_balance(args, prob, rows, comm_view)
-    if prob.name not in ("greedy", "locality"):
-        _print_per_layer(prob, report, greedy_report)
+    _print_balance(args, prob, spec, rows, comm_view)
+    if spec.shows_per_layer:
+        _print_per_layer(prob, report, result.baseline_report)
     if prob.previous is not None:
         echo(f"moved slots: {payload['moved_slots']} of {placement.physical_to_logical_map.size}")
     for p in written:

@@ -37,8 +37,10 @@ only then re-solves. Either way a finished re-solve is applied only when its gai
 window beats its ``T_move`` (``always_apply=True`` skips that gate). The first full window under the
 ``gain`` trigger calibrates the reachable peak with one solve.
 
-Importing this module needs numpy only: the solver (and its scipy/ortools stack) is imported inside
-the worker function.
+The re-solve goes through the one pipeline, :func:`solver.api.run` (solver ``migration`` on a
+:class:`solver.problem.Problem` holding the window's load, the placement in service and
+``config.dispatch``). Importing this module needs numpy (and the dispatch registry) only: the
+solver (and its scipy/ortools stack) is imported inside the worker function.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
+
+from placement.dispatch import EVEN, check_dispatch
 
 __all__ = [
     "LINKS",
@@ -97,7 +101,10 @@ class RebalancerConfig:
             compute time (defaults: DeepSeek-V3 on Hopper FP8).
         move_cost_scale: multiplies the solver's per-slot move cost (> 1: more conservative).
         max_moves: total moved slots per re-placement (None: no budget).
-        method, time_limit, drift_guard: passed to :func:`solver.migration.solve_migration`.
+        method, time_limit, drift_guard: the migration solver's options
+            (:class:`solver.migration.MigrationOptions`).
+        dispatch: the dispatch model the runtime serves with (a name in
+            :data:`placement.dispatch.DISPATCH`; default ``even``), passed to the solve pipeline.
         noise_z: under the ``gain`` trigger a layer's peak saving counts only beyond ``noise_z``
             standard deviations of sampling noise of the peak GPU's window load (Poisson: ``sqrt(peak)``),
             so moves that chase noise are not predicted to pay (0 disables). The ``interval`` trigger,
@@ -125,6 +132,7 @@ class RebalancerConfig:
     method: str = "incremental"
     time_limit: float = 2.0
     drift_guard: float = 1.5
+    dispatch: str = EVEN.name
     noise_z: float = 3.0
     always_apply: bool = False
     executor: Literal["thread", "process"] = "thread"
@@ -150,6 +158,7 @@ class RebalancerConfig:
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if not (np.isfinite(self.noise_z) and self.noise_z >= 0):
             raise ValueError(f"noise_z must be a finite number >= 0, got {self.noise_z!r}")
+        check_dispatch(self.dispatch)
         if self.max_moves is not None and (int(self.max_moves) != self.max_moves or self.max_moves < 0):
             raise ValueError(f"max_moves must be a non-negative integer or None, got {self.max_moves!r}")
 
@@ -229,12 +238,20 @@ def _gpu_peaks(p2l: np.ndarray, load: np.ndarray, ep_size: int) -> tuple[np.ndar
     return gpu.max(axis=1), gpu.mean(axis=1)
 
 
-def _resolve_job(load: np.ndarray, placement, kwargs: dict) -> tuple[Any, Any, float, str]:
-    """Worker body (module level so a process pool can run it): the lazy solver import lives here."""
-    from solver.migration import solve_migration
+RESOLVER = "migration"  # the solver of solver.api.SOLVERS the rebalancer re-places with
+
+
+def _resolve_job(
+    load: np.ndarray, placement, kwargs: dict, dispatch: str = EVEN.name
+) -> tuple[Any, Any, float, str]:
+    """Worker body (module level so a process pool can run it): the pipeline re-places ``load [L, E]``
+    from ``placement`` with the migration solver's ``kwargs``; the lazy solver import lives here."""
+    from solver.api import make_options, run
+    from solver.problem import Problem
 
     t0 = time.perf_counter()
-    new, report = solve_migration(load, placement, **kwargs)
+    problem = Problem.build(placement.topology, load=load, previous=placement, dispatch=dispatch)
+    new, report = run(RESOLVER, problem, make_options(RESOLVER, kwargs))
     return new, report, time.perf_counter() - t0, threading.current_thread().name
 
 
@@ -422,7 +439,9 @@ class Rebalancer:
             drift_guard=cfg.drift_guard,
         )
         self._pending_meta = {"step": self.step, "trigger": cfg.trigger, "fit_load": self._sum.copy()}
-        self._future = self._executor.submit(_resolve_job, self._sum.copy(), self._placement, kwargs)
+        self._future = self._executor.submit(
+            _resolve_job, self._sum.copy(), self._placement, kwargs, cfg.dispatch
+        )
         self.num_solves += 1
         log.debug("rebalancer: re-solve submitted at step %d (%s trigger)", self.step, cfg.trigger)
 

@@ -1,8 +1,31 @@
-"""One registry of solvers by name, used by the CLI, the benchmarks, the rebalancer and the plugins.
+"""One registry of solvers and the one pipeline every caller reaches a placement through.
+
+The CLI, the engine plugins, the online rebalancer, the benchmarks and library callers all call
+:func:`solve` (arrays in) or :func:`run` (a built :class:`Problem` in). Both run the same named
+steps, each a short function below:
+
+    baseline (greedy) -> the named solver -> gate on its objective -> fit for the dispatch model
+    -> gate under the dispatch model -> report
+
+- baseline: :data:`BASELINE` with its default options on ``problem.load`` (reused as the named
+  solver's result when that is the baseline itself).
+- solver: ``SOLVERS[name].run(problem, options)``.
+- gate, objective (``gated`` solvers): keep the baseline when the solver's even-split peak on the
+  fitted load is higher (the solvers' own objective; under ``even`` it is the dispatch gate too).
+- fit (``fittable`` solvers, dispatch models with a fixed per-rank ``table``): move replicas for the
+  engine's table (:func:`solver.dispatch_fit.fit_for_dispatch`, or
+  :func:`~solver.dispatch_fit.fit_for_dispatch_load` when the problem has no per-token or per-window
+  routing: the counts are then taken as split evenly over the ranks).
+- gate, dispatch (``gated`` solvers, after a fit): keep the baseline when the fitted placement's peak
+  under the table is higher than the baseline's on the same tokens per (rank, expert).
+- report: the solver's :class:`SolveReport` with the notes of every step, in a :class:`SolveResult`
+  that also holds the baseline and its report (and unpacks as ``placement, report``).
 
 Every solver is ``run(problem: Problem, options: <Solver>Options) -> (Placement, SolveReport)``.
-The registry names the module, the options class and the function, and imports them only when a
-solver is used, so importing this module stays cheap (no ortools, no networkx).
+:class:`SolverSpec` holds the function and the options class themselves and what the pipeline and
+the CLI read (what it needs, whether it is gated or fitted, which CLI flags feed its options, what
+the CLI shows). Importing this module imports neither ortools nor networkx (the solvers import them
+where they use them).
 
 Adding a solver: write ``<Name>Options`` (a frozen dataclass) and ``run_<name>`` in its module, then
 add one :class:`SolverSpec` line to :data:`SOLVERS`.
@@ -10,53 +33,129 @@ add one :class:`SolverSpec` line to :data:`SOLVERS`.
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
 
+from placement.dispatch import EVEN, DispatchModel, get_dispatch
+from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
+from solver.dispatch_fit import DispatchFit, even_rank_counts, fit_for_dispatch, fit_for_dispatch_load
+from solver.exact import ExactOptions, run_exact
+from solver.greedy import GreedyOptions, run_greedy
+from solver.locality.options import LocalityOptions
+from solver.locality.solve import run_locality
+from solver.migration import MigrationOptions, run_migration
 from solver.problem import Problem, options_from
 from solver.report import SolveReport
 
-__all__ = ["SOLVERS", "SolverSpec", "make_options", "run", "solve"]
+__all__ = [
+    "BASELINE",
+    "FitOptions",
+    "SOLVERS",
+    "SolveResult",
+    "SolverSpec",
+    "make_options",
+    "run",
+    "run_solver",
+    "solve",
+    "solver_names",
+]
+
+log = logging.getLogger(__name__)
+
+RunFn = Callable[[Problem, Any], tuple[Placement, SolveReport]]
+
+_EXACT_FLAGS = {
+    f: f for f in ("objective", "robust", "num_windows", "weighted", "node_constraint", "workers")
+}
+_LOCALITY_FLAGS = {
+    "balance_slack": "balance_slack",
+    "hidden_size": "hidden_size",
+    "num_everywhere": "everywhere",
+    "gpu_slack": "gpu_slack",
+    "source_model": "source_model",
+    "work_limit": "work_limit",
+    "share_margin": "share_margin",
+    "drift_z": "drift_z",
+    "share_overload": "share_overload",
+}
 
 
 @dataclass(frozen=True)
 class SolverSpec:
-    """Where a solver lives and what it needs.
+    """One solver: its function, its options class, and what the pipeline and the CLI read.
 
-    ``fixed`` options are set by the name (``cpsat`` and ``milp`` are one solver with two backends);
-    ``needs`` is ``"tokens"`` (a per-token trace), ``"previous"`` (the placement in service) or empty.
+    Attributes:
+        options: the frozen options class (every knob, seed and budget included).
+        run: ``run(problem, options) -> (Placement, SolveReport)``.
+        fixed: options set by the name (``cpsat`` and ``milp`` are one solver with two backends).
+        needs_tokens: needs a per-token trace (``topk_ids``), not counts only.
+        needs_previous: needs the placement in service (the CLI picks it with ``--previous``).
+        gated: never worse than the baseline: the pipeline keeps the baseline otherwise.
+        fittable: its replicas may be moved for an engine's dispatch table (the fit step).
+        flags: option field -> the CLI argument (``argparse`` dest) that sets it when given.
+        work_per_layer: the CLI's default work limit in steps per layer (the same placement on any
+            machine) unless asked for the wall clock; None: the solver has no work limit.
+        shows_per_layer: the CLI prints its per-layer table against the baseline.
+        shows_remote: it trades balance for fewer remote nodes: the CLI shows held-out remote nodes.
     """
 
-    module: str
-    options: str
-    run: str
-    needs: str = ""
+    options: type
+    run: RunFn
     fixed: Mapping[str, Any] = field(default_factory=dict)
+    needs_tokens: bool = False
+    needs_previous: bool = False
+    gated: bool = False
+    fittable: bool = False
+    flags: Mapping[str, str] = field(default_factory=dict)
+    work_per_layer: int | None = None
+    shows_per_layer: bool = False
+    shows_remote: bool = False
 
-    def load(self) -> tuple[type, Any]:
-        mod = importlib.import_module(self.module)
-        return getattr(mod, self.options), getattr(mod, self.run)
+    @property
+    def option_names(self) -> tuple[str, ...]:
+        """The fields of :attr:`options`."""
+        return tuple(f.name for f in fields(self.options))
 
 
 SOLVERS: dict[str, SolverSpec] = {
-    "greedy": SolverSpec("solver.greedy", "GreedyOptions", "run_greedy"),
-    "cpsat": SolverSpec("solver.exact", "ExactOptions", "run_exact", fixed={"backend": "cpsat"}),
-    "milp": SolverSpec("solver.exact", "ExactOptions", "run_exact", fixed={"backend": "milp"}),
-    "locality": SolverSpec("solver.locality", "LocalityOptions", "run_locality", needs="tokens"),
-    "migration": SolverSpec("solver.migration", "MigrationOptions", "run_migration", needs="previous"),
-}
+    "greedy": SolverSpec(GreedyOptions, run_greedy, fittable=True),
+    "cpsat": SolverSpec(
+        ExactOptions, run_exact, {"backend": "cpsat"}, gated=True, fittable=True, flags=_EXACT_FLAGS,
+        shows_per_layer=True,
+    ),
+    "milp": SolverSpec(
+        ExactOptions, run_exact, {"backend": "milp"}, gated=True, fittable=True, flags=_EXACT_FLAGS,
+        shows_per_layer=True,
+    ),
+    "locality": SolverSpec(
+        LocalityOptions, run_locality, needs_tokens=True, flags=_LOCALITY_FLAGS, work_per_layer=100,
+        shows_remote=True,
+    ),
+    "migration": SolverSpec(
+        MigrationOptions, run_migration, needs_previous=True,
+        flags={"max_moves": "max_moves", "move_cost": "move_cost"}, shows_per_layer=True,
+    ),
+}  # fmt: skip
+
+BASELINE = "greedy"  # every pipeline starts from it and gates against it
 
 _NEEDS = {
-    "tokens": "the {name} solver needs a per-token trace (topk_ids), not counts only",
-    "previous": "the {name} solver needs the current placement (--previous)",
+    "needs_tokens": "the {name} solver needs a per-token trace (topk_ids), not counts only",
+    "needs_previous": "the {name} solver needs the current placement (--previous)",
 }
+
+
+def solver_names(**where: bool) -> tuple[str, ...]:
+    """Names of the solvers whose spec attributes equal ``where`` (e.g. ``needs_previous=False``)."""
+    return tuple(n for n, s in SOLVERS.items() if all(getattr(s, k) == v for k, v in where.items()))
 
 
 def _spec(name: str) -> SolverSpec:
@@ -69,23 +168,186 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
     """Solver ``name``'s frozen options from ``values``; ``common`` keys (``seed``, ``time_limit``)
     are used only where the solver has such an option. Unknown keys raise ValueError."""
     spec = _spec(name)
-    cls, _ = spec.load()
-    known = {f.name for f in fields(cls)}
+    known = set(spec.option_names)
     merged = {k: v for k, v in common.items() if k in known}
     merged.update(values or {})
     merged.update(spec.fixed)
-    return options_from(cls, name, merged)
+    return options_from(spec.options, name, merged)
 
 
-def run(name: str, problem: Problem, options: Any = None) -> tuple[Placement, SolveReport]:
-    """Run solver ``name`` on ``problem`` (``options``: its options object, default: its defaults)."""
+def run_solver(name: str, problem: Problem, options: Any = None) -> tuple[Placement, SolveReport]:
+    """Solver ``name`` alone on ``problem`` (no baseline, fit or gate): the pipeline's solver step."""
     spec = _spec(name)
-    if spec.needs == "tokens" and (problem.trace is None or not problem.trace.has_tokens):
-        raise ValueError(_NEEDS["tokens"].format(name=name))
-    if spec.needs == "previous" and problem.previous is None:
-        raise ValueError(_NEEDS["previous"].format(name=name))
-    _, fn = spec.load()
-    return fn(problem, options if options is not None else make_options(name))
+    for need, message in _NEEDS.items():
+        if getattr(spec, need) and not _has(problem, need):
+            raise ValueError(message.format(name=name))
+    return spec.run(problem, options if options is not None else make_options(name))
+
+
+def _has(problem: Problem, need: str) -> bool:
+    if need == "needs_tokens":
+        return problem.trace is not None and problem.trace.has_tokens
+    return problem.previous is not None
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    """How the fit step searches (:func:`solver.dispatch_fit.fit_for_dispatch`).
+
+    Attributes:
+        enabled: run the fit step at all (False: the solver's replicas stay where it put them).
+        steps: swap attempts per layer (``sglang-static``); seed: seeds them.
+        dealings: random dealings of the fit prompts to the ranks the search averages over (traces).
+        noise_z: standard errors the mean gain over those dealings must exceed to change a layer.
+    """
+
+    enabled: bool = True
+    steps: int = 60
+    seed: int = 0
+    dealings: int = 16
+    noise_z: float = 0.0
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """What the pipeline returns; unpacks as ``placement, report``.
+
+    Attributes:
+        placement: the placement to serve (``physical_to_logical_map`` int64 ``[L, P]``).
+        report: the named solver's report, with the notes of every step.
+        baseline: the baseline's placement (greedy, before any fit), and baseline_report its report.
+        fit: what the fit step did, or None when it did not run.
+        is_baseline: the named solver is the baseline (its step reused the baseline's result).
+        objective_fallback: the objective gate kept the baseline.
+        dispatch_fallback: the dispatch gate kept the baseline.
+    """
+
+    placement: Placement
+    report: SolveReport
+    baseline: Placement
+    baseline_report: SolveReport
+    fit: DispatchFit | None = None
+    is_baseline: bool = False
+    objective_fallback: bool = False
+    dispatch_fallback: bool = False
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.placement, self.report))
+
+
+def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None = None) -> SolveResult:
+    """The pipeline on ``problem`` with solver ``name`` (``options``: its options object, default:
+    its defaults; ``fit``: the fit step's, default :class:`FitOptions`): baseline -> solver -> gate
+    (objective) -> fit -> gate (dispatch) -> report."""
+    spec = _spec(name)
+    options = options if options is not None else make_options(name)
+    t0 = time.perf_counter()
+    baseline, baseline_report = _baseline(problem)
+    is_baseline = name == BASELINE and options == make_options(BASELINE)
+    if is_baseline:
+        placement, report = baseline, baseline_report
+    else:
+        placement, report = run_solver(name, problem, options)
+    notes: list[str] = []
+    placement, objective_fallback = _gate_objective(name, spec, problem, placement, baseline, notes)
+    placement, fitted = _fit(spec, problem, placement, fit or FitOptions(), notes)
+    placement, dispatch_fallback = _gate_dispatch(name, spec, problem, fitted, placement, baseline, notes)
+    if notes:
+        report = replace(report, notes=(*report.notes, *notes))
+    log.debug("%s pipeline under %s: %.3fs", name, problem.dispatch, time.perf_counter() - t0)
+    return SolveResult(
+        placement,
+        report,
+        baseline,
+        baseline_report,
+        fitted,
+        is_baseline,
+        objective_fallback,
+        dispatch_fallback,
+    )
+
+
+def _baseline(problem: Problem) -> tuple[Placement, SolveReport]:
+    """Step 1: the baseline solver with its default options on ``problem.load [L, E]``."""
+    return SOLVERS[BASELINE].run(problem, make_options(BASELINE))
+
+
+def _gate_objective(
+    name: str, spec: SolverSpec, problem: Problem, placement: Placement, baseline: Placement, notes: list
+) -> tuple[Placement, bool]:
+    """Step 3: a gated solver's even-split peak (summed over layers, on ``problem.load [L, E]``) no
+    higher than the baseline's, else the baseline (with ``fallback_from`` in its provenance)."""
+    if not spec.gated or placement is baseline:
+        return placement, False
+    peak_new = expected_gpu_load(placement, problem.load).max(axis=1).sum()
+    peak_base = expected_gpu_load(baseline, problem.load).max(axis=1).sum()
+    if peak_new > peak_base * (1 + 1e-9):
+        notes.append(f"{name} placed worse than {BASELINE} on the fitted load: {BASELINE} kept")
+        return baseline.with_provenance(fallback_from=name), True
+    return placement, False
+
+
+def _routed(trace: RoutingTrace | None) -> bool:
+    """The trace says which rank each token (or window) comes from."""
+    return trace is not None and (trace.has_tokens or trace.window_counts is not None)
+
+
+def _fit(
+    spec: SolverSpec, problem: Problem, placement: Placement, o: FitOptions, notes: list
+) -> tuple[Placement, DispatchFit | None]:
+    """Step 4: under a dispatch model with a fixed per-rank table, a fittable solver's replicas moved
+    for it (from the trace's source ranks, else the counts split evenly over the ranks)."""
+    if not (o.enabled and spec.fittable and get_dispatch(problem.dispatch).table):
+        return placement, None
+    if _routed(problem.trace):
+        placement, fit = fit_for_dispatch(
+            placement,
+            problem.trace,
+            problem.dispatch,
+            problem.source_ranks,
+            steps=o.steps,
+            seed=o.seed,
+            dealings=o.dealings,
+            noise_z=o.noise_z,
+        )
+    else:
+        placement, fit = fit_for_dispatch_load(
+            placement, problem.load, problem.dispatch, steps=o.steps, seed=o.seed
+        )
+    notes.append(fit.note())
+    return placement, fit
+
+
+def _rank_counts(problem: Problem) -> np.ndarray:
+    """Tokens per (source rank, expert) ``[L, G, E]`` the fit placed for."""
+    G = problem.topology.ep_size
+    if _routed(problem.trace):
+        return rank_expert_counts(problem.trace, G, problem.source_ranks)
+    return even_rank_counts(problem.load, G)
+
+
+def _gate_dispatch(
+    name: str,
+    spec: SolverSpec,
+    problem: Problem,
+    fit: DispatchFit | None,
+    placement: Placement,
+    baseline: Placement,
+    notes: list,
+) -> tuple[Placement, bool]:
+    """Step 5: after a fit, a gated solver's peak under the table (summed over layers) no higher than
+    the baseline's on the same tokens per (rank, expert), else the baseline."""
+    if fit is None or not spec.gated:
+        return placement, False
+    counts = _rank_counts(problem)  # [L, G, E]
+    dispatch = problem.dispatch
+    peak = lambda pl: rank_gpu_load(pl, counts, dispatch).max(axis=1).sum()  # noqa: E731
+    if peak(placement) > peak(baseline) * (1 + 1e-9):
+        notes.append(
+            f"{name} placed worse than {BASELINE} under {dispatch} on the fit trace: {BASELINE} kept"
+        )
+        return baseline.with_provenance(fallback_from=name, dispatch=dispatch), True
+    return placement, False
 
 
 def solve(
@@ -94,19 +356,32 @@ def solve(
     topology: Topology,
     load: np.ndarray | None = None,
     trace: RoutingTrace | None = None,
+    dispatch: str | DispatchModel = EVEN.name,
+    source_ranks: str | None = None,
     num_groups: int | None = None,
     layer_ids: Sequence[int] | None = None,
     previous: Placement | None = None,
     time_limit: float = 10.0,
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
-) -> tuple[Placement, SolveReport]:
-    """Run solver ``name`` on a load ``[L, E]`` (or a trace, whose counts are the load).
+) -> SolveResult:
+    """The pipeline (:func:`run`) with solver ``name`` on a load ``[L, E]`` (or a trace, whose counts
+    are the load), placed for ``dispatch`` (a name in :data:`placement.dispatch.DISPATCH`).
 
-    ``options`` carries solver-specific keywords (the fields of its options class, e.g. ``objective``,
-    ``robust``, ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError.
+    ``source_ranks``: where ``dispatch`` needs them, how the trace's tokens map to ranks (a
+    ``--source-ranks`` spec; None: the trace's own, else prompts round-robin; without per-token or
+    per-window routing the counts are split evenly over the ranks). ``options`` carries
+    solver-specific keywords (the fields of its options class, e.g. ``objective``, ``robust``,
+    ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError.
     """
     problem = Problem.build(
-        topology, load=load, trace=trace, layer_ids=layer_ids, num_groups=num_groups, previous=previous
+        topology,
+        load=load,
+        trace=trace,
+        layer_ids=layer_ids,
+        num_groups=num_groups,
+        previous=previous,
+        dispatch=dispatch,
+        source_ranks=source_ranks,
     )
     return run(name, problem, make_options(name, options, seed=seed, time_limit=time_limit))

@@ -17,6 +17,10 @@ replica served by few ranks is noisier). A layer changes only if the change lowe
 part's real dealing, does not raise it on a validation part (the last fifth of the fit windows), and
 its mean gain over the dealings exceeds ``noise_z`` standard errors (0 by default: on the shared
 traces a 2-sigma demand, with bootstrap resamples of the prompts, cost more gains than it saved).
+
+Without per-token or per-window routing (an engine's rebalance call, a bare load ``[L, E]``),
+:func:`fit_for_dispatch_load` takes every expert's tokens as split evenly over the source ranks
+(each rank sends ``load / G``): the one dealing, and the fit and validation parts are all that split.
 """
 
 from __future__ import annotations
@@ -27,16 +31,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.dispatch import SGLANG_STATIC_SEED, layer_draws, nearest_in_row
+from placement.dispatch import (
+    DISPATCH,
+    SGLANG_STATIC,
+    SGLANG_STATIC_SEED,
+    get_dispatch,
+    layer_draws,
+    nearest_in_row,
+)
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement, compute_logical_maps, hidden_layer_rows
 from profiling.trace import RoutingTrace
 
-__all__ = ["DispatchFit", "fit_for_dispatch", "spread_over_nodes"]
+__all__ = [
+    "DispatchFit",
+    "even_rank_counts",
+    "fit_for_dispatch",
+    "fit_for_dispatch_load",
+    "spread_over_nodes",
+]
 
 log = logging.getLogger(__name__)
-
-ENGINE_TABLES = ("sglang-static", "sglang-dynamic")
 
 
 @dataclass(frozen=True)
@@ -101,10 +116,16 @@ def _spread_layer(placement: Placement, layer: int, load: np.ndarray) -> np.ndar
     return np.array([e for g in range(G) for e in sorted(slots[g])], dtype=np.int64)
 
 
-def _peaks(placement: Placement, trace: RoutingTrace, dispatch: str, spec: str | None) -> np.ndarray:
-    """Peak GPU load per layer ``[L]`` under ``dispatch`` with the trace's source ranks."""
-    counts = rank_expert_counts(trace, placement.topology.ep_size, spec)  # [L, G, E]
+def _peaks(placement: Placement, counts: np.ndarray, dispatch: str) -> np.ndarray:
+    """Peak GPU load per layer ``[L]`` under ``dispatch`` from tokens per (rank, expert) ``[L, G, E]``."""
     return rank_gpu_load(placement, counts, dispatch).max(axis=1)
+
+
+def even_rank_counts(load: np.ndarray, ep_size: int) -> np.ndarray:
+    """Tokens per (source rank, expert) float64 ``[L, G, E]`` when every expert's ``load [L, E]`` is
+    split evenly over the ``ep_size`` ranks (what is assumed without routing per token or window)."""
+    w = np.asarray(load, dtype=np.float64)
+    return np.repeat(w[:, None, :] / ep_size, ep_size, axis=1)
 
 
 def _mix(base: Placement, other: Placement, take: np.ndarray) -> Placement:
@@ -190,6 +211,8 @@ def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: flo
     gain = np.array(
         [layer.gpu_load(t_base, d).max() - layer.gpu_load(t_cand, d).max() for d in layer.share]
     )  # [K] paired: the same dealing under both tables
+    if gain.size < 2:  # one dealing (counts split evenly over the ranks): no spread to measure
+        return bool(gain.mean() > 0)
     return bool(gain.mean() > z * gain.std(ddof=1) / np.sqrt(gain.size))
 
 
@@ -236,14 +259,24 @@ def _random_dealings(trace: RoutingTrace, ep_size: int, num: int, seed: int) -> 
 
 
 def _mixed(
-    placement: Placement, spread: Placement, train, check, dispatch: str, spec
+    placement: Placement, spread: Placement, train, check, dispatch: str
 ) -> tuple[Placement, np.ndarray]:
     """``sglang-dynamic``: each layer from ``spread`` where its expected peak is lower on the fit part
-    and not higher on the validation part; the bool ``[L]`` of the layers taken."""
-    before, after = _peaks(placement, train, dispatch, spec), _peaks(spread, train, dispatch, spec)
-    v_before, v_after = _peaks(placement, check, dispatch, spec), _peaks(spread, check, dispatch, spec)
+    and not higher on the validation part (``train``, ``check``: ``[L, G, E]``); the bool ``[L]`` of
+    the layers taken."""
+    before, after = _peaks(placement, train, dispatch), _peaks(spread, train, dispatch)
+    v_before, v_after = _peaks(placement, check, dispatch), _peaks(spread, check, dispatch)
     take = (after < before) & (v_after <= v_before)
     return (_mix(placement, spread, take) if take.any() else placement), take
+
+
+def _check_table(dispatch: str) -> str:
+    """The name of ``dispatch``, a model with a fixed per-rank table (ValueError otherwise)."""
+    model = get_dispatch(dispatch)
+    if not model.table:
+        tables = [n for n, m in DISPATCH.items() if m.table]
+        raise ValueError(f"placing for a dispatch table needs one of {tables}, not {model.name!r}")
+    return model.name
 
 
 def fit_for_dispatch(
@@ -273,33 +306,62 @@ def fit_for_dispatch(
         The placement (its peaks summed over layers never higher than the input's on the fit part nor
         on the validation part) and what changed.
     """
-    if dispatch not in ENGINE_TABLES:
-        raise ValueError(f"fit_for_dispatch places for {ENGINE_TABLES}, not {dispatch!r}")
+    dispatch = _check_table(dispatch)
     if not fit.has_tokens and fit.window_counts is None:
         raise ValueError(
-            f"placing for {dispatch} needs per-token or per-window routing (source ranks decide it)"
+            f"placing for {dispatch} from a trace needs per-token or per-window routing (source ranks "
+            "decide it); for counts only use fit_for_dispatch_load"
         )
     train, check = fit.split(0.8) if len(fit.natural_windows()) >= 5 else (fit, fit)
-    spread = spread_over_nodes(placement, train.counts())
-    if dispatch == "sglang-static":
-        G = placement.topology.ep_size
-        dealt = _random_dealings(train, G, dealings, seed)  # [K, L, G, E]
-        parts = (
-            dealt,
-            rank_expert_counts(train, G, source_ranks),
-            rank_expert_counts(check, G, source_ranks),
-        )
-        chosen, take = _searched(placement, spread, parts, steps, seed, noise_z)
+    G = placement.topology.ep_size
+    parts = (rank_expert_counts(train, G, source_ranks), rank_expert_counts(check, G, source_ranks))
+    static = dispatch == SGLANG_STATIC.name
+    dealt = _random_dealings(train, G, dealings, seed) if static else None  # [K, L, G, E]
+    return _fit(placement, train.counts(), dealt, parts, dispatch, steps, seed, noise_z)
+
+
+def fit_for_dispatch_load(
+    placement: Placement, load: np.ndarray, dispatch: str, *, steps: int = 60, seed: int = 0
+) -> tuple[Placement, DispatchFit]:
+    """:func:`fit_for_dispatch` for counts only: ``load [L, E]`` taken as split evenly over the ranks
+    (:func:`even_rank_counts`), which is then the one dealing, the fit part and the validation part."""
+    dispatch = _check_table(dispatch)
+    counts = even_rank_counts(load, placement.topology.ep_size)  # [L, G, E]
+    dealt = counts[None] if dispatch == SGLANG_STATIC.name else None  # [1, L, G, E]
+    return _fit(placement, np.asarray(load, dtype=np.float64), dealt, (counts, counts), dispatch, steps, seed)
+
+
+def _fit(
+    placement: Placement,
+    train_load: np.ndarray,
+    dealt: np.ndarray | None,
+    parts: tuple[np.ndarray, np.ndarray],
+    dispatch: str,
+    steps: int,
+    seed: int,
+    noise_z: float = 0.0,
+) -> tuple[Placement, DispatchFit]:
+    """Spread over nodes, then search layer by layer (``sglang-static``, ``dealt [K, L, G, E]``) or
+    take the spread layers that help (``sglang-dynamic``), then check the whole.
+
+    ``train_load [L, E]``: the fit part's tokens per expert; ``parts``: tokens per (rank, expert)
+    ``[L, G, E]`` of the fit part and of the validation part.
+    """
+    train, check = parts
+    spread = spread_over_nodes(placement, train_load)
+    if dealt is not None:
+        chosen, take = _searched(placement, spread, (dealt, train, check), steps, seed, noise_z)
     else:
-        chosen, take = _mixed(placement, spread, train, check, dispatch, source_ranks)
-    return _checked(placement, chosen, take, train, check, dispatch, source_ranks)
+        chosen, take = _mixed(placement, spread, train, check, dispatch)
+    return _checked(placement, chosen, take, train, check, dispatch)
 
 
-def _checked(placement, chosen, take, train, check, dispatch, spec) -> tuple[Placement, DispatchFit]:
+def _checked(placement, chosen, take, train, check, dispatch) -> tuple[Placement, DispatchFit]:
     """Keep ``chosen`` only if its peaks summed over layers are no higher than the input's on the fit
-    part and on the validation part (SGLang's draws carry from layer to layer: score the whole)."""
-    before, v_before = _peaks(placement, train, dispatch, spec), _peaks(placement, check, dispatch, spec)
-    got, v_got = _peaks(chosen, train, dispatch, spec), _peaks(chosen, check, dispatch, spec)
+    part and on the validation part (``[L, G, E]`` each; SGLang's draws carry from layer to layer:
+    score the whole)."""
+    before, v_before = _peaks(placement, train, dispatch), _peaks(placement, check, dispatch)
+    got, v_got = _peaks(chosen, train, dispatch), _peaks(chosen, check, dispatch)
     if got.sum() > before.sum() or v_got.sum() > v_before.sum():
         chosen, take, got, v_got = placement, np.zeros_like(take), before, v_before
     result = DispatchFit(

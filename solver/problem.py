@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from placement.dispatch import EVEN, DispatchModel, check_dispatch
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
@@ -32,7 +33,12 @@ class Problem:
         layer_ids: the model's real layer index of each of the ``L`` rows (empty: ``0..L-1``).
         num_groups: expert groups of group-limited routing (DeepSeek), or None.
         previous: the placement in service (migration-aware re-placement), or None.
-        dispatch: how the engine picks a replica (``placement.metrics`` dispatch models).
+        dispatch: the name of the dispatch model the placement will be served with
+            (:data:`placement.dispatch.DISPATCH`); the pipeline fits and gates for it.
+        source_ranks: how the trace's tokens map to source ranks, where the dispatch model needs
+            them (a ``--source-ranks`` spec: ``round-robin``, ``random[:SEED]``, a ``.npy`` path; None:
+            the trace's own ranks, else prompts round-robin). Without per-token or per-window routing
+            the counts are taken as split evenly over the ranks.
     """
 
     topology: Topology
@@ -41,7 +47,8 @@ class Problem:
     layer_ids: tuple[int, ...] = ()
     num_groups: int | None = None
     previous: Placement | None = field(default=None, repr=False)
-    dispatch: str = "even"
+    dispatch: str = EVEN.name
+    source_ranks: str | None = None
 
     @classmethod
     def build(
@@ -53,9 +60,11 @@ class Problem:
         layer_ids: Sequence[int] | None = None,
         num_groups: int | None = None,
         previous: Placement | None = None,
-        dispatch: str = "even",
+        dispatch: str | DispatchModel = EVEN.name,
+        source_ranks: str | None = None,
     ) -> Problem:
-        """A problem from a load ``[L, E]`` or a trace (whose counts and layer ids are then used)."""
+        """A problem from a load ``[L, E]`` or a trace (whose counts and layer ids are then used);
+        ``dispatch`` is checked (ValueError listing the models)."""
         if load is None:
             if trace is None:
                 raise ValueError("a placement problem needs a load [layers, experts] or a trace")
@@ -63,9 +72,8 @@ class Problem:
             if layer_ids is None:
                 layer_ids = trace.layer_ids
         load = np.asarray(load, dtype=np.float64)
-        return cls(
-            topology, load, trace, tuple(int(i) for i in (layer_ids or ())), num_groups, previous, dispatch
-        )
+        ids = tuple(int(i) for i in (layer_ids or ()))
+        return cls(topology, load, trace, ids, num_groups, previous, check_dispatch(dispatch), source_ranks)
 
     @property
     def layer_id_list(self) -> list[int] | None:

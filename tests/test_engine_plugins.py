@@ -62,6 +62,7 @@ def _skewed_load(seed: int, L: int = 6, E: int = 32) -> np.ndarray:
     "text, kind, time_limit, max_moves, path",
     [
         ("greedy", "greedy", 2.0, None, ""),
+        ("greedy:time_limit=5", "greedy", 5.0, None, ""),
         (" exact ", "exact", 2.0, None, ""),
         ("exact:time_limit=0.5", "exact", 0.5, None, ""),
         ("migration", "migration", 2.0, None, ""),
@@ -79,7 +80,7 @@ def test_parse_spec(text, kind, time_limit, max_moves, path):
     "text, says",
     [
         ("bogus", "unknown policy 'bogus'"),
-        ("greedy:time_limit=1", "greedy takes no options"),
+        ("greedy:max_moves=1", "greedy takes time_limit"),
         ("exact:time_limit=-1", "time_limit must be > 0"),
         ("exact:time_limit=abc", "time_limit must be a number"),
         ("exact:max_moves=3", "exact takes time_limit"),
@@ -221,7 +222,8 @@ def test_failures_fall_back_to_the_engine_default():
     phy2log, log2phy, logcnt = sglang_plugin.make_hook(parse_spec("greedy"))(
         None, tokens_per_expert=weight[None], algorithm=Algorithm, **args
     )
-    assert phy2log.tolist() == README_PHY2LOG and log2phy.shape[:2] == (2, 12) and logcnt.sum() == 32
+    fitted = place(parse_spec("greedy"), _call(engine="sglang"))  # greedy placed for SGLang's table
+    assert phy2log.tolist() == fitted.tolist() and log2phy.shape[:2] == (2, 12) and logcnt.sum() == 32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,21 +233,36 @@ _SOLVE_SNIPPET = """
 import sys, hashlib, numpy as np
 from runtime_hooks.engine_plugins.policy import EngineCall, place
 from runtime_hooks.engine_plugins.spec import parse_spec
+engine = sys.argv[2]
 load = np.random.default_rng(7).gamma(0.6, 500.0, (6, 32)).round()
-prev = place(parse_spec("greedy"), EngineCall("vllm", load, 48, 8, 2, 4, None))
-out = place(parse_spec(sys.argv[1]), EngineCall("vllm", load[:, ::-1].copy(), 48, 8, 2, 4, prev))
+prev = place(parse_spec("greedy"), EngineCall(engine, load, 48, 8, 2, 4, None))
+out = place(parse_spec(sys.argv[1]), EngineCall(engine, load[:, ::-1].copy(), 48, 8, 2, 4, prev))
 print(hashlib.sha256(out.tobytes()).hexdigest())
 """
 
 
-@pytest.mark.parametrize("text", ["greedy", "migration:max_moves=16", "exact:time_limit=1"])
-def test_same_map_in_every_process_and_thread_count(text):
+@pytest.mark.parametrize(
+    "text, engine",
+    [
+        ("greedy", "vllm"),
+        ("migration:max_moves=16", "vllm"),
+        ("exact:time_limit=1", "vllm"),
+        ("greedy", "sglang"),  # fitted for SGLang's static table: its draws replayed in every process
+        ("exact:time_limit=1", "sglang"),
+    ],
+)
+def test_same_map_in_every_process_and_thread_count(text, engine):
     digests = set()
     for threads in ("1", "2"):
         env = {**os.environ, "OMP_NUM_THREADS": threads, "OPENBLAS_NUM_THREADS": threads}
         env["MKL_NUM_THREADS"] = threads
+        env["PYTHONHASHSEED"] = threads  # dict and set order must not matter either
         run = subprocess.run(
-            [sys.executable, "-c", _SOLVE_SNIPPET, text], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-c", _SOLVE_SNIPPET, text, engine],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert run.returncode == 0, run.stderr
         digests.add(run.stdout.strip())
@@ -403,6 +420,33 @@ def test_plugin_through_the_engine_loader(engine, tmp_path):
     assert out == {**out, "unset_untouched": True, "ours_installed": True, "ours_equals_policy": True}
     assert out["repeatable"] and out["file_map"]
     assert "accepted specs" in out["bad_spec"] and "\n" not in out["bad_spec"]
+
+
+@pytest.mark.parametrize("text", ["greedy", "exact:time_limit=1"])
+def test_sglang_maps_are_fitted_for_its_table(text):
+    from placement.metrics import rank_gpu_load
+    from placement.model import Placement
+    from placement.topology import Topology
+    from solver.dispatch_fit import even_rank_counts
+
+    load = _skewed_load(5)
+    kw = dict(load=load, P=48, G=8, N=2, groups=4)
+    unfitted = place(parse_spec(text), _call(engine="vllm", **kw))  # vLLM: no table, same solve
+    fitted = place(parse_spec(text), _call(engine="sglang", **kw))
+    check_map(fitted, 32, 48, 8, 6)
+    topo = Topology(8, 48, 2)
+    counts = even_rank_counts(load, 8)  # [L, G, E]: the engine's counts split evenly over the ranks
+    peak = lambda m: rank_gpu_load(Placement(m, 32, topo), counts, "sglang-static").max(axis=1).sum()  # noqa: E731
+    assert peak(fitted) < peak(unfitted)  # SGLang's table sends less to the busiest GPU
+    assert (np.sort(fitted, axis=1) == np.sort(unfitted, axis=1)).all()  # replica counts kept
+
+
+def test_fit_budget_comes_from_the_shapes():
+    from runtime_hooks.engine_plugins.policy import fit_options
+
+    assert fit_options(2.0, 6, 32, 8).steps == 60  # small: the full search
+    assert not fit_options(2.0, 61, 256, 32).enabled  # DeepSeek-V3 on 32 ranks: over a 2 s budget
+    assert 0 < fit_options(20.0, 61, 256, 32).steps < 60
 
 
 def test_migration_budget_is_work_not_wall_time(monkeypatch):

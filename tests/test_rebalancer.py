@@ -198,3 +198,28 @@ def test_replay_domain_switch_policies():
     assert s["greedy+align"]["mean_par"] == pytest.approx(s["greedy"]["mean_par"])
     assert s["migration"]["mean_par"] < s["static"]["mean_par"]  # rebalancing helps across domain switches
     assert all(r["par"] >= 1.0 and r["step_par"] >= r["par"] - 1e-9 for r in res.rows)
+
+
+def test_the_dispatch_model_is_checked_and_reaches_the_solve_pipeline(monkeypatch):
+    import solver.api
+
+    with pytest.raises(ValueError, match="unknown dispatch model 'bogus'"):
+        RebalancerConfig(dispatch="bogus")
+    seen = []
+    real_run = solver.api.run
+
+    def spy(name, problem, options=None, fit=None):
+        seen.append((name, problem.dispatch, problem.previous is not None))
+        return real_run(name, problem, options, fit)
+
+    monkeypatch.setattr(solver.api, "run", spy)
+    from placement.model import Placement
+    from placement.topology import Topology
+    from runtime_hooks.rebalancer import _resolve_job
+
+    topo = Topology(4, 8, 2)
+    load = np.random.default_rng(0).gamma(0.6, 100.0, (2, 6)).round()
+    current = Placement(np.tile(np.arange(8) % 6, (2, 1)), 6, topo)
+    new, report, _, _ = _resolve_job(load, current, {"max_moves": 4}, "local")
+    assert seen == [("migration", "local", True)]
+    assert int((new.physical_to_logical_map != current.physical_to_logical_map).sum()) <= 4

@@ -3,7 +3,11 @@
 Shapes: L layers, E logical experts, P physical slots, G EP ranks, S = P // G slots per rank.
 
 :func:`place` is what both engines' hooks call. It raises on any failure; the hooks catch that and
-run the engine's own algorithm instead (they never raise inside the engine). Everything in it is
+run the engine's own algorithm instead (they never raise inside the engine). It solves through the
+one pipeline, :func:`solver.api.run`, with the engine's dispatch model (:data:`ENGINE_DISPATCH`):
+under SGLang's static table the greedy and exact maps are fitted for the table, with every expert's
+load taken as split evenly over the ranks (the engine passes all-reduced counts, no source ranks;
+``docs/serving.md``). Everything in it is
 deterministic: the greedy and migration searches are plain numpy with fixed tie-breaking, the
 migration search stops on a work limit (``max_steps``, :func:`migration_steps`), the exact solver
 runs one CP-SAT worker with a fixed seed and a deterministic-time limit. Every rank calls the
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from placement.dispatch import SGLANG_STATIC, VLLM_HASH
 from runtime_hooks.engine_plugins.spec import PolicySpec
 
 if TYPE_CHECKING:
@@ -28,11 +33,12 @@ if TYPE_CHECKING:
     from placement.topology import Topology
 
 __all__ = [
-    "DISPATCH",
+    "ENGINE_DISPATCH",
     "EngineCall",
     "PolicyError",
     "check_map",
     "exact_seconds",
+    "fit_options",
     "logical_maps",
     "migration_steps",
     "place",
@@ -40,7 +46,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DISPATCH = {"vllm": "vllm-hash", "sglang": "sglang-static"}  # each engine's replica choice
+ENGINE_DISPATCH = {"vllm": VLLM_HASH.name, "sglang": SGLANG_STATIC.name}  # each engine's replica choice
 _FILE_CACHE: dict[tuple, np.ndarray] = {}
 # Migration search steps per second of budget. Measured at DeepSeek-V3 shape (58 x 256 -> 288 slots
 # on 32 ranks and 320 on 64) on the 2-core dev machine: 20-24 ns a step, so 2e7 steps take 0.4-0.5 s
@@ -55,6 +61,27 @@ MIGRATION_SAFETY_CAP = 60.0
 # the 2-core dev machine whatever the limit; scaled by the expert count, this decides (from the shapes
 # alone, so every rank decides alike) whether ``exact`` can answer within its budget.
 EXACT_SECONDS_PER_LAYER_256 = 0.7
+
+
+# One replay of SGLang's static draws for one layer (every rank's Python generator) takes about
+# 0.035 s at DeepSeek-V3 shape (256 experts, 32 ranks) on the 2-core dev machine, and grows with
+# ranks^2 (each rank without a near replica shuffles a list as long as the ranks in that case). The fit
+# step replays it about ``steps + FIT_FIXED_DRAWS`` times per layer; from the shapes alone (so every
+# rank decides alike) this picks the steps that fit the budget, or no fit.
+FIT_SECONDS_PER_DRAW_256x32 = 0.035
+FIT_FIXED_DRAWS = 5
+FIT_MAX_STEPS = 60
+
+
+def fit_options(time_limit: float, num_layers: int, num_experts: int, num_ranks: int):
+    """The fit step's :class:`solver.api.FitOptions` for a budget of ``time_limit`` seconds."""
+    from solver.api import FitOptions
+
+    draw = FIT_SECONDS_PER_DRAW_256x32 * (num_ranks / 32) ** 2 * max(1.0, num_experts / 256)
+    steps = int(time_limit / max(draw * num_layers, 1e-12)) - FIT_FIXED_DRAWS
+    if steps < 0:
+        return FitOptions(enabled=False)
+    return FitOptions(steps=min(steps, FIT_MAX_STEPS))
 
 
 def exact_seconds(num_layers: int, num_experts: int) -> float:
@@ -81,6 +108,7 @@ class EngineCall:
         num_physical: ``P``; num_ranks: ``G``; num_nodes: ``N``.
         num_groups: expert groups of group-limited routing, or None (global policy).
         previous: int64 ``[L, P]`` map in service (``-1``: empty slot), or None.
+        dispatch: the dispatch model the engine serves the map with (None: ``ENGINE_DISPATCH[engine]``).
     """
 
     engine: str
@@ -90,6 +118,12 @@ class EngineCall:
     num_nodes: int
     num_groups: int | None = None
     previous: np.ndarray | None = None
+    dispatch: str | None = None
+
+    @property
+    def dispatch_model(self) -> str:
+        """The name of the dispatch model the map is placed for."""
+        return self.dispatch or ENGINE_DISPATCH[self.engine]
 
     def topology(self) -> Topology:
         """``Topology`` of the call; nodes that do not divide the ranks become one (as vLLM does)."""
@@ -139,15 +173,15 @@ def _previous(call: EngineCall, topo: Topology, E: int) -> Placement | None:
 def _solve(
     spec: PolicySpec, call: EngineCall, topo: Topology, w: np.ndarray, previous: Placement | None
 ) -> np.ndarray:
-    """``greedy``/``exact``/``migration`` through the solver registry; int64 ``[L, P]``."""
+    """``greedy``/``exact``/``migration`` through the pipeline under the engine's dispatch model;
+    int64 ``[L, P]``."""
+    from placement.dispatch import get_dispatch
     from solver.api import make_options, run
     from solver.migration_slots import keep_slots_batched
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
-    problem = Problem.build(
-        topo, load=w, num_groups=groups, previous=previous, dispatch=DISPATCH[call.engine]
-    )
+    problem = Problem.build(topo, load=w, num_groups=groups, previous=previous, dispatch=call.dispatch_model)
     if spec.kind == "exact":
         need = exact_seconds(*w.shape)
         if need > spec.time_limit:
@@ -170,13 +204,22 @@ def _solve(
         name = "migration"
     else:
         name, values = "greedy", {}
-    placement, report = run(name, problem, make_options(name, values, seed=0))
+    fit = fit_options(spec.time_limit, w.shape[0], w.shape[1], topo.ep_size)
+    if not fit.enabled and get_dispatch(problem.dispatch).table:
+        log.info(
+            "moe_placement %s: fitting %d layers x %d experts on %d ranks for %s would exceed the %g s "
+            "budget; the map is not fitted (raise time_limit)",
+            spec.text, w.shape[0], w.shape[1], topo.ep_size, problem.dispatch, spec.time_limit,
+        )  # fmt: skip
+    result = run(name, problem, make_options(name, values, seed=0), fit)
+    placement, report = result.placement, result.report
     for note in report.notes:
         wall_cut = "time limit" in note or "safety cap" in note  # ranks may disagree
         level = logging.WARNING if wall_cut else logging.DEBUG
         log.log(level, "moe_placement %s: %s", spec.text, note)
-    if previous is not None and name != "migration":
-        placement = keep_slots_batched(placement, previous)  # experts staying on a GPU keep their slot
+    if previous is not None and name != "migration" and result.fit is None:
+        # experts staying on a GPU keep their slot (not after a fit: slot order decides a table's draws)
+        placement = keep_slots_batched(placement, previous)
     return placement.physical_to_logical_map
 
 

@@ -11,6 +11,8 @@ num_local_physical_experts S, num_groups (or None), num_nodes, algorithm: EplbAl
 ``(phy2log int64 [L, P], log2phy int64 [L, E, R] padded with -1, logcnt int64 [L, E])``; the engine
 moves them to its device and pads ``log2phy`` to ``P`` itself. ``L`` is every hidden layer.
 
+Our maps are placed for SGLang's static dispatch table (``sglang-static``), every expert's load taken
+as split evenly over the ranks (SGLang passes all-reduced counts, no source ranks; docs/serving.md).
 Differences from vLLM: SGLang passes no map in service, so ``migration`` reads the one in the
 global ``ExpertLocationMetadata`` (none at start-up: greedy then); the ``elasticity_aware``
 algorithms (which depend on the live ranks) are left to SGLang. SGLang logs and swallows a plugin's
@@ -91,6 +93,7 @@ def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
     """``(phy2log, log2phy, logcnt)`` CPU int64 tensors from our policy."""
     import torch
 
+    from placement.dispatch import SGLANG_STATIC
     from runtime_hooks.engine_plugins.policy import EngineCall, logical_maps, place
 
     t0 = time.perf_counter()
@@ -107,6 +110,7 @@ def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
         num_nodes=int(bound["num_nodes"]),
         num_groups=bound["num_groups"] if hierarchical else None,
         previous=_map_in_service() if spec.kind == "migration" else None,
+        dispatch=SGLANG_STATIC.name,  # maps are fitted for SGLang's static table
     )
     phy2log = place(spec, call)  # [L, P]
     log2phy, logcnt = logical_maps(phy2log, call.load.shape[1])  # [L, E, R], [L, E]

@@ -2,8 +2,9 @@
 
 Specs (one line each in :data:`ACCEPTED`):
 
-- ``greedy``: our greedy balancer (the engines' algorithm without its co-location hazard), slots of
-  experts that stay on a GPU kept in place.
+- ``greedy[:time_limit=S]``: our greedy balancer (the engines' algorithm without its co-location
+  hazard), slots of experts that stay on a GPU kept in place; for SGLang's static table, replicas then
+  moved for the table within about ``S`` seconds (default 2; too small a budget: not fitted).
 - ``exact[:time_limit=S]``: the exact CP-SAT solver, one worker, deterministic-time limit derived
   from ``S`` seconds (default 2).
 - ``migration[:max_moves=M][,time_limit=S]``: re-place from the map in service, at most ``M`` moved
@@ -26,10 +27,10 @@ from typing import Literal
 __all__ = ["ACCEPTED", "ENV_VAR", "PolicySpec", "SpecError", "parse_spec", "spec_from_env"]
 
 ENV_VAR = "MOE_PLACEMENT_EPLB"
-ACCEPTED = "greedy, exact[:time_limit=S], migration[:max_moves=M][,time_limit=S], file:PATH"
+ACCEPTED = "greedy[:time_limit=S], exact[:time_limit=S], migration[:max_moves=M][,time_limit=S], file:PATH"
 DEFAULT_TIME_LIMIT = 2.0
 
-_OPTIONS = {"greedy": (), "exact": ("time_limit",), "migration": ("max_moves", "time_limit")}
+_OPTIONS = {"greedy": ("time_limit",), "exact": ("time_limit",), "migration": ("max_moves", "time_limit")}
 
 
 class SpecError(ValueError):

@@ -77,6 +77,7 @@ def _ours(spec: PolicySpec, weight, num_replicas, num_groups, num_nodes, num_ran
     """Our map as vLLM wants it: int64 ``[L, P]`` CPU tensor."""
     import torch
 
+    from placement.dispatch import VLLM_HASH
     from runtime_hooks.engine_plugins.policy import EngineCall, place
 
     t0 = time.perf_counter()
@@ -88,6 +89,7 @@ def _ours(spec: PolicySpec, weight, num_replicas, num_groups, num_nodes, num_ran
         num_nodes=int(num_nodes),
         num_groups=int(num_groups) if num_groups else None,
         previous=None if old is None else old.detach().cpu().numpy(),  # [L, P]
+        dispatch=VLLM_HASH.name,  # vLLM's EPLB hash: even in expectation, no table to fit
     )
     phy2log = torch.from_numpy(place(spec, call))
     log.debug("moe_placement %s: %s map in %.3fs", spec.text, tuple(phy2log.shape), time.perf_counter() - t0)

@@ -197,19 +197,17 @@ def _noise_gate(
 def _gate_choice(gate: _Gate, l: int, lr: LayerReport, rows: np.ndarray) -> tuple[np.ndarray, dict]:
     """Layer ``l``'s map ``[P]`` (the exact row of ``rows [L, P]`` or the migration's from greedy) and
     the gate's record of the choice."""
-    from solver.migration import moved_pairs, solve_migration
+    from solver.migration import MigrationOptions, moved_pairs, run_migration  # SOLVERS["migration"]
+    from solver.problem import Problem
 
     topology, g_pl, w = gate.topology, gate.greedy, gate.agg[l]
     G, S, E = topology.ep_size, topology.slots_per_gpu, gate.agg.shape[1]
     mc = gate.k * float(gate.sigma[l])
     g_row = g_pl.physical_to_logical_map[l]
-    m_pl, m_rep = solve_migration(
-        gate.agg[l : l + 1],
-        g_pl.select_layers([l]),
-        move_cost=mc,
-        time_limit=gate.per_layer_s,
-        seed=gate.seed,
-    )
+    prev = g_pl.select_layers([l])
+    problem = Problem.build(topology, load=gate.agg[l : l + 1], previous=prev)
+    m_opts = MigrationOptions(move_cost=mc, time_limit=gate.per_layer_s, seed=gate.seed)
+    m_pl, m_rep = run_migration(problem, m_opts)
     m_row = m_pl.physical_to_logical_map[0]
     m_obj = even_split_peak(m_row, w, G, S) + mc * int(m_rep.layers[0].extra["moved_slots"])
     e_obj = lr.objective + mc * int(gate.exact_moved[l])
