@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.dispatch import LOCAL
 from placement.metrics import communication, source_ranks, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
@@ -57,7 +58,7 @@ def solve_replicated(
     # recorded under its former key "policy", so placement files stay byte-identical
     params = {
         "balance_slack": o.balance_slack,
-        "policy": "local",
+        "policy": LOCAL.name,
         "time_limit": o.time_limit,
         "seed": o.seed,
         "work_limit": o.work_limit,
@@ -167,12 +168,12 @@ def _fit_model(
     load = trace.counts().astype(np.float64)
     greedy, _ = greedy_placement(load, topology, layer_ids=trace.layer_ids)
     # greedy's GPU peaks on the fit total and on every window: the GPU caps (same dispatch, same sources)
-    g_views = [trace_gpu_load(greedy, trace, "local", src=src_fit)]
+    g_views = [trace_gpu_load(greedy, trace, LOCAL.name, src=src_fit)]
     if W > 1:
         for w in range(W):
             idx = np.flatnonzero(win == w)
             sub = trace.slice_tokens(int(idx[0]), int(idx[-1]) + 1)
-            g_views.append(trace_gpu_load(greedy, sub, "local", src=src_fit[idx]))
+            g_views.append(trace_gpu_load(greedy, sub, LOCAL.name, src=src_fit[idx]))
     g_peak = np.stack([v.max(axis=1) for v in g_views], axis=1)  # [L, V]
     # expected share excess of unseen traffic: only the default everywhere count needs it
     share_excess = (
@@ -284,8 +285,8 @@ def _notes(
     """The report's notes: sources, the everywhere counts and fitted remote nodes against greedy's,
     fitted bytes per token, and the layers left above the GPU cap."""
     src, how, hs = fit.src, fit.how, fit.hs
-    g_comm = communication(fit.greedy, trace, "local", src=src, hidden_size=hidden_size)
-    comm = communication(placement, trace, "local", src=src, hidden_size=hidden_size)
+    g_comm = communication(fit.greedy, trace, LOCAL.name, src=src, hidden_size=hidden_size)
+    comm = communication(placement, trace, LOCAL.name, src=src, hidden_size=hidden_size)
     h_txt = str(hs[0]) if len(set(hs)) == 1 else f"{min(hs)}-{max(hs)} (per layer)"
     fitted = (
         f"method replicated: {h_txt} experts on every node; fitted remote_nodes_per_token "

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from placement.dispatch import EVEN
 from placement.metrics import communication, source_ranks
 from placement.model import Placement
 from placement.topology import Topology
@@ -89,7 +90,7 @@ def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.nda
     """Replicas of node ``n`` as items: ``(expert int64 [r], load float64 [r])`` under ``prob.dispatch``."""
     member = reps > 0
     c = prob.count.astype(np.float64)
-    if prob.dispatch == "even":
+    if prob.dispatch == EVEN.name:
         per = prob.load / c  # [E]
         per_n = np.repeat(per[:, None], prob.num_nodes, axis=1)
     else:

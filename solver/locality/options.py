@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from placement.dispatch import LOCAL
+
 __all__ = ["LocalityOptions"]
 
 
@@ -86,7 +88,7 @@ class LocalityOptions:
     """
 
     balance_slack: float = 0.02
-    dispatch: str = "local"
+    dispatch: str = LOCAL.name
     time_limit: float = 10.0
     seed: int = 0
     num_redundant: int | None = None

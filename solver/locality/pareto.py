@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from placement.dispatch import EVEN, LOCAL
 from placement.metrics import balance_stats, communication, step_par, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
@@ -51,7 +52,7 @@ def pareto(
     held_trace: RoutingTrace,
     topology: Topology,
     slacks: Sequence[float] = DEFAULT_SLACKS,
-    dispatch: str = "local",
+    dispatch: str = LOCAL.name,
     seed: int = 0,
     time_limit: float = 10.0,
     hidden_size: int | None = None,
@@ -145,12 +146,12 @@ def _baseline_rows(
         }
     ]
     placements = [greedy]
-    if dispatch != "even":
+    if dispatch != EVEN.name:
         rows.append(
             {
                 "placement": "greedy",
                 "slack": None,
-                **_score(greedy, held_trace, "even", step_tokens, hidden_size),
+                **_score(greedy, held_trace, EVEN.name, step_tokens, hidden_size),
                 "solve_s": g_s,
             }
         )

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from placement.dispatch import EVEN, LOCAL
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
@@ -30,7 +31,7 @@ def solve_locality(
     topology: Topology,
     *,
     balance_slack: float = 0.02,
-    dispatch: str = "local",
+    dispatch: str = LOCAL.name,
     time_limit: float = 10.0,
     seed: int = 0,
     layer_ids: Sequence[int] | None = None,
@@ -118,12 +119,12 @@ def _solve(
         trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
     if o.method not in ("replicated", "grouped"):
         raise ValueError(f"method must be 'replicated' or 'grouped', got {o.method!r}")
-    if o.work_limit is not None and not (o.method == "replicated" and o.dispatch == "local"):
+    if o.work_limit is not None and not (o.method == "replicated" and o.dispatch == LOCAL.name):
         raise ValueError(
             f"work_limit applies to method='replicated' with dispatch='local' only (got method={o.method!r}, "
             f"dispatch={o.dispatch!r}); use time_limit"
         )
-    if o.method == "replicated" and o.dispatch == "local":
+    if o.method == "replicated" and o.dispatch == LOCAL.name:
         return solve_replicated(trace, topology, o, t0)
     return solve_grouped(trace, topology, o, t0)
 
@@ -149,5 +150,5 @@ def _validate(
         raise ValueError(
             f"balance_slack must be in [0, 10] (0.02 = node loads within 2% of the mean), got {balance_slack}"
         )
-    if dispatch not in ("local", "even"):
+    if dispatch not in (LOCAL.name, EVEN.name):
         raise ValueError(f"dispatch must be 'local' or 'even', got {dispatch!r}")

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from placement.dispatch import EVEN
+
 if TYPE_CHECKING:
     from placement.model import Placement
     from profiling.trace import RoutingTrace
@@ -134,7 +136,7 @@ def trace_workload(
     batch_per_rank: int,
     mode: str,
     max_steps: int = 4,
-    policy: str = "even",
+    policy: str = EVEN.name,
 ) -> Workload:
     """Workload counted token by token from a per-token trace.
 
