@@ -234,6 +234,9 @@ class SolveResult:
     def __iter__(self) -> Iterator[Any]:
         return iter((self.placement, self.report))
 
+    def __getitem__(self, i: int) -> Any:
+        return (self.placement, self.report)[i]
+
 
 def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None = None) -> SolveResult:
     """The pipeline on ``problem`` with solver ``name`` (``options``: its options object, default:
