@@ -2,6 +2,10 @@
 
 import sys
 
-from cli.main import main
+try:
+    from cli.main import main
+except KeyboardInterrupt:  # Ctrl-C while the packages load: the same one line and exit code as later
+    print("moe-placement: interrupted", file=sys.stderr)
+    sys.exit(130)
 
 sys.exit(main())

@@ -8,30 +8,56 @@ sub-command hangs from, and the checked readers for file arguments (a missing or
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 import numpy as np
+
+from profiling.limits import MAX_EXPERTS, MAX_LAYER_ID, MAX_RANKS
 
 T = TypeVar("T")
 
 __all__ = [
+    "MAX_SECONDS",
+    "MAX_SEED",
     "CliError",
     "add_dispatch_args",
+    "bounded_float",
+    "bounded_int",
+    "check_folder_outputs",
     "check_output",
+    "check_writes",
     "checked_dispatch",
     "echo",
     "elapsed_bar",
-    "format_table",
+    "ep_size_int",
+    "expert_count_int",
+    "fraction",
+    "hidden_size_int",
+    "hidden_layers_int",
+    "input_sidecars",
+    "layer_row_int",
+    "non_negative_float",
+    "non_negative_int",
+    "num_experts_int",
     "open_load",
     "open_placement",
     "open_trace",
+    "output_files",
+    "positive_int",
     "progress",
+    "reading",
     "root_parser",
+    "seconds",
+    "seed_int",
+    "source_ranks_file",
     "warn",
+    "workers_int",
 ]
 
 
@@ -128,9 +154,20 @@ class elapsed_bar:
 # ---------------------------------------------------------------------------------------------
 # the root parser
 # ---------------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one stderr line (no usage block) and exit code 2.
+
+    Sub-command parsers are made by the same class (argparse's default ``parser_class``).
+    """
+
+    def error(self, message: str) -> NoReturn:
+        msg = " ".join(message.split())
+        self.exit(2, f"moe-placement: error: {msg} (see: {self.prog} --help)\n")
+
+
 def root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """The ``moe-placement`` parser with ``--debug`` and no sub-commands yet: ``(parser, subparsers)``."""
-    ap = argparse.ArgumentParser(
+    ap = _Parser(
         prog="moe-placement",
         description="Place the experts of a mixture-of-experts model on GPUs: inspect routing, solve, evaluate, "
         "export engine files, validate on real ranks.",
@@ -138,6 +175,76 @@ def root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     ap.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     return ap, sub
+
+
+# ---------------------------------------------------------------------------------------------
+# numeric flags: argparse ``type=`` functions; a bad value is one line naming the flag, the value and
+# the accepted range (argparse prefixes "argument --flag:"), exit code 2
+# ---------------------------------------------------------------------------------------------
+MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit int
+MAX_WORKERS = 1024  # solver threads
+MAX_HIDDEN_SIZE = 1 << 20  # model hidden size (DeepSeek-V3: 7168)
+MAX_SECONDS = 1e7  # time limits and timeouts (about 115 days)
+
+
+def _int_range(lo: int, hi: int | None, limit_name: str) -> str:
+    if hi is None:
+        return f"integers >= {lo}"
+    return f"{lo}..{hi}" + (f" ({limit_name})" if limit_name else "")
+
+
+def bounded_int(lo: int, hi: int | None = None, limit_name: str = "") -> Callable[[str], int]:
+    """A ``type=`` function: an integer in ``lo..hi`` (``hi`` None: no upper bound), else one line
+    naming the value and the range (``limit_name``: the constant ``hi`` comes from)."""
+    accepted = _int_range(lo, hi, limit_name)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer; accepted: {accepted}") from None
+        if value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"{text} is not in the accepted range: {accepted}")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def bounded_float(
+    lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False
+) -> Callable[[str], float]:
+    """A ``type=`` function: a finite number in the interval ``lo..hi`` (ends open or closed); NaN and
+    infinities are refused."""
+    accepted = f"{'(' if lo_open else '['}{lo:.15g}, {hi:.15g}{')' if hi_open else ']'}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; accepted: {accepted}") from None
+        inside = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+        if not math.isfinite(value) or not inside:
+            raise argparse.ArgumentTypeError(f"{text} is not in the accepted range: {accepted}")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+positive_int = bounded_int(1)  # sizes: tokens per step, chunk, batch, sequence length
+non_negative_int = bounded_int(0)  # budgets and offsets: moves, steps between re-solves
+seed_int = bounded_int(0, MAX_SEED, "seeds are 32-bit")
+ep_size_int = bounded_int(1, MAX_RANKS, "MAX_RANKS")  # EP ranks, nodes
+expert_count_int = bounded_int(0, MAX_EXPERTS, "MAX_EXPERTS")  # redundant slots, everywhere experts
+num_experts_int = bounded_int(1, MAX_EXPERTS, "MAX_EXPERTS")  # logical experts, expert groups
+hidden_layers_int = bounded_int(1, MAX_LAYER_ID + 1, "MAX_LAYER_ID + 1")
+layer_row_int = bounded_int(0, MAX_LAYER_ID, "MAX_LAYER_ID")
+hidden_size_int = bounded_int(1, MAX_HIDDEN_SIZE, "MAX_HIDDEN_SIZE")
+workers_int = bounded_int(1, MAX_WORKERS, "MAX_WORKERS")
+fraction = bounded_float(0.0, 1.0, lo_open=True)  # (0, 1]
+seconds = bounded_float(0.0, MAX_SECONDS, lo_open=True)  # (0, 1e7]
+non_negative_float = bounded_float(0.0, 1e12)  # slacks, margins, costs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +273,24 @@ def format_table(rows: list[dict], cols: list[tuple[str, str, int]]) -> str:
 # ---------------------------------------------------------------------------------------------
 # file arguments
 # ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def reading(path) -> Iterator[None]:
+    """Turn what a hostile input file can raise past the readers (nesting deeper than the interpreter's
+    stack, a size that does not fit in memory or in a C integer) into a :class:`CliError` naming it."""
+    try:
+        yield
+    except RecursionError:
+        raise CliError(f"{path}: nested too deeply to read (RecursionError); the file is corrupt") from None
+    except MemoryError:
+        raise CliError(
+            f"{path}: does not fit in memory (MemoryError); split it or use a smaller file"
+        ) from None
+    except OverflowError as exc:
+        raise CliError(
+            f"{path}: a number in it is out of range (OverflowError: {exc}); the file is corrupt"
+        ) from None
+
+
 def open_trace(path: str, domains=None):
     """``--trace`` / a trace argument -> :class:`profiling.trace.RoutingTrace` (CliError when missing)."""
     from profiling.readers import read_trace
@@ -173,34 +298,35 @@ def open_trace(path: str, domains=None):
     p = Path(path)
     if not p.exists():
         raise CliError(f"trace {p} does not exist")
-    return read_trace(p, domains=domains)
+    with reading(p):
+        return read_trace(p, domains=domains)
 
 
 def open_load(path: str) -> np.ndarray:
-    """``--load`` -> float64 ``[layers, experts]`` (an .npy, an .npz's ``counts``, or ``[W, L, E]`` summed over W)."""
+    """``--load`` -> float64 ``[layers, experts]`` (an .npy, an .npz's ``counts``, or ``[W, L, E]`` summed
+    over W), read without pickle and checked (:func:`profiling.readers.check_load`)."""
+    from profiling.fileio import load_npy, load_npz
+    from profiling.readers import check_load
+
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise CliError(f"load file {p} does not exist")
-    try:
-        arr = np.load(p, allow_pickle=False)
-    except Exception as exc:  # numpy raises several types for corrupt files
-        raise CliError(f"{p}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
-    if hasattr(arr, "files"):  # an .npz: take 'counts' or the only array
-        keys = list(arr.files)
-        key = "counts" if "counts" in keys else (keys[0] if len(keys) == 1 else None)
-        if key is None:
-            raise CliError(
-                f"{p}: .npz with several arrays {keys}; expected a 'counts' array [layers, experts]"
-            )
-        arr = arr[key]
-    arr = np.asarray(arr)
+    with reading(p):
+        if p.suffix == ".npz":
+            arrays = load_npz(p)
+            keys = list(arrays)
+            key = "counts" if "counts" in keys else (keys[0] if len(keys) == 1 else None)
+            if key is None:
+                raise CliError(
+                    f"{p}: .npz with arrays {keys}; expected a 'counts' array [layers, experts] or one array"
+                )
+            arr = arrays[key]
+        else:
+            arr = load_npy(p)
+        arr = check_load(arr, str(p))  # float64 [L, E] or [W, L, E]
     if arr.ndim == 3:
-        arr = arr.sum(axis=0)
-    if arr.ndim != 2 or arr.dtype.kind not in "iuf":
-        raise CliError(f"{p}: load must be a numeric [layers, experts] array, got {arr.dtype} {arr.shape}")
-    if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
-        raise CliError(f"{p}: load must be finite and >= 0")
-    return arr.astype(np.float64)
+        arr = arr.sum(axis=0)  # [W, L, E] -> [L, E]
+    return arr
 
 
 def open_placement(path: str, *, engine_map: bool = False, **kw):
@@ -214,7 +340,8 @@ def open_placement(path: str, *, engine_map: bool = False, **kw):
     p = Path(path)
     if not p.exists():
         raise CliError(f"placement file {p} does not exist")
-    placement = read_placement(p, allow_colocated_replicas=engine_map, **kw)
+    with reading(p):
+        placement = read_placement(p, allow_colocated_replicas=engine_map, **kw)
     if engine_map:
         warn_colocated(p, placement)
     return placement
@@ -303,3 +430,67 @@ def check_output(path: str | None) -> Path | None:
     if not p.parent.exists():
         raise CliError(f"output folder {p.parent} does not exist; create it first")
     return p
+
+
+def check_writes(inputs: Sequence[str | Path | None], outputs: Sequence[str | Path | None]) -> None:
+    """Refuse, before anything is read or written, an output that is an input (symlinks and hard links
+    too), two outputs that are one file, and an output folder that is missing or not writable
+    (:func:`profiling.fileio.check_outputs`; ``None`` entries skipped)."""
+    from profiling.fileio import check_outputs
+
+    check_outputs(inputs, outputs)
+
+
+def input_sidecars(*paths: str | None) -> list[str]:
+    """The inputs a placement file brings: the file itself and its sidecar ``<path>.meta.json``."""
+    from placement.formats import sidecar_path
+
+    out: list[str] = []
+    for p in paths:
+        if p is not None:
+            out += [str(p), str(sidecar_path(p))]
+    return out
+
+
+def output_files(path: str | Path | None, fmt: str) -> list[Path]:
+    """The files :func:`placement.formats.write_placement` writes for ``path`` in ``fmt``: the file and,
+    for the engine formats, its sidecar (native placements carry their metadata inside)."""
+    from placement.formats import FORMATS, sidecar_path
+
+    if path is None:
+        return []
+    p = Path(path)
+    return [p] if fmt == FORMATS[0] else [p, sidecar_path(p)]
+
+
+def check_folder_outputs(
+    folder: str | Path, names: Sequence[str], inputs: Sequence[str | Path | None] = ()
+) -> Path:
+    """An output folder (created later by the command) and the files it will get: refused when it is a
+    file, when its nearest existing parent is not a writable folder, or when one of ``names`` in it is
+    an input; the folder as a Path."""
+    import os
+
+    out = Path(folder)
+    if out.exists() and not out.is_dir():
+        raise CliError(f"output folder {out} exists and is not a folder; give a folder path")
+    if out.is_dir():
+        check_writes(inputs, [out / n for n in names])
+        return out
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise CliError(f"cannot create output folder {out}: {parent} is not a writable folder")
+    return out
+
+
+def source_ranks_file(spec: str | None) -> str | None:
+    """``--source-ranks FILE.npy`` as a checked regular file (a FIFO or a folder is refused at once,
+    instead of blocking the read); None for the named rules (round-robin, random[:SEED])."""
+    from profiling.fileio import require_regular
+
+    if spec is None or not spec.endswith(".npy"):
+        return None
+    require_regular(spec)
+    return spec

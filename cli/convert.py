@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from cli.common import check_output, echo, open_placement, open_trace
+from cli.common import (
+    check_output,
+    check_writes,
+    echo,
+    ep_size_int,
+    hidden_layers_int,
+    input_sidecars,
+    num_experts_int,
+    open_placement,
+    open_trace,
+    output_files,
+)
 
 __all__ = ["add_parser", "cmd_convert"]
 
@@ -20,15 +31,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True)
     p.add_argument("--format", choices=(*FORMATS, "trace"), required=True)
     p.add_argument("--from-format", choices=FORMATS)
-    p.add_argument("--ep-size", type=int)
-    p.add_argument("--num-nodes", type=int)
-    p.add_argument("--num-logical-experts", type=int)
-    p.add_argument("--num-hidden-layers", type=int, help="SGLang: rows in the map (all hidden layers)")
+    p.add_argument("--ep-size", type=ep_size_int)
+    p.add_argument("--num-nodes", type=ep_size_int)
+    p.add_argument("--num-logical-experts", type=num_experts_int)
+    p.add_argument(
+        "--num-hidden-layers", type=hidden_layers_int, help="SGLang: rows in the map (all hidden layers)"
+    )
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """Steps: check the output -> read (trace or placement, with the shape flags given) -> write."""
+    """Steps: check the output (never the input) -> read (trace or placement, with the shape flags
+    given) -> write."""
+    outputs = [args.output] if args.format == "trace" else output_files(args.output, args.format)
+    check_writes(input_sidecars(args.input), outputs)
     out = check_output(args.output)
     assert out is not None  # -o is required
     if args.format == "trace":

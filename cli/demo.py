@@ -12,7 +12,19 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from cli.common import echo, format_table, progress, root_parser, warn
+from cli.common import (
+    bounded_int,
+    check_folder_outputs,
+    echo,
+    ep_size_int,
+    format_table,
+    output_files,
+    progress,
+    root_parser,
+    seconds,
+    seed_int,
+    warn,
+)
 from cli.inspect_trace import cmd_inspect
 
 __all__ = ["add_parser", "cmd_demo"]
@@ -46,12 +58,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``demo`` sub-command's arguments."""
     p = sub.add_parser("demo", help="the whole pipeline on the built-in synthetic workload")
     p.add_argument("--out", default="demo-out")
-    p.add_argument("--tokens", type=int, default=20000)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--time-limit", type=float, default=8.0)
-    p.add_argument("--ep-size", type=int, default=8, help="GPUs (also the gloo ranks of the validate step)")
-    p.add_argument("--num-nodes", type=int, default=2)
+    p.add_argument("--tokens", type=bounded_int(100, 10**7, "the demo workload"), default=20000)
+    p.add_argument("--layers", type=bounded_int(1, 128, "the demo workload"), default=4)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--time-limit", type=seconds, default=8.0)
+    p.add_argument(
+        "--ep-size", type=ep_size_int, default=8, help="GPUs (also the gloo ranks of the validate step)"
+    )
+    p.add_argument("--num-nodes", type=ep_size_int, default=2)
     p.add_argument("--quick", action="store_true", help="greedy only")
     p.add_argument("--skip-validate", action="store_true")
     p.set_defaults(func=cmd_demo)
@@ -178,13 +192,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from placement.dispatch import LOCAL
     from placement.topology import Topology
 
-    out = Path(args.out)
+    topo = Topology.from_redundant(_EXPERTS, 16, args.ep_size, args.num_nodes)  # checked before writing
+    names = ["trace.npz", *(f.name for fmt, n in _ENGINE_FILES for f in output_files(n, fmt))]
+    out = check_folder_outputs(args.out, names)
     out.mkdir(parents=True, exist_ok=True)
     trace, tpath = _write_workload(args, out)
     echo("\n== 2. moe-placement inspect")
     cmd_inspect(argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None, chunk_tokens=None))
     fit, held = trace.split(0.5)
-    topo = Topology.from_redundant(_EXPERTS, 16, args.ep_size, args.num_nodes)
     echo(
         f"\n== 3. moe-placement solve (fit on the first half of prompts; {topo.ep_size} GPUs, {topo.num_nodes} nodes, "
         f"{topo.num_physical_experts - _EXPERTS} redundant slots)"

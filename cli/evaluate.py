@@ -11,9 +11,13 @@ from cli.common import (
     checked_dispatch,
     echo,
     elapsed_bar,
+    ep_size_int,
     format_table,
+    hidden_size_int,
     open_placement,
     open_trace,
+    positive_int,
+    source_ranks_file,
 )
 
 __all__ = ["add_parser", "cmd_evaluate"]
@@ -28,11 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("trace")
     add_dispatch_args(p, choices=(*DISPATCH, "all"), extra="; all: every model side by side")
     p.add_argument(
-        "--step-tokens", type=int, help="tokens per rank per step for step_par (and vLLM's batches)"
+        "--step-tokens", type=positive_int, help="tokens per rank per step for step_par (and vLLM's batches)"
     )
-    p.add_argument("--hidden-size", type=int, help="model hidden size for bytes_per_token")
-    p.add_argument("--ep-size", type=int, help="EP ranks, for an engine file without a sidecar")
-    p.add_argument("--num-nodes", type=int, help="nodes, for an engine file without a sidecar")
+    p.add_argument("--hidden-size", type=hidden_size_int, help="model hidden size for bytes_per_token")
+    p.add_argument("--ep-size", type=ep_size_int, help="EP ranks, for an engine file without a sidecar")
+    p.add_argument("--num-nodes", type=ep_size_int, help="nodes, for an engine file without a sidecar")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -69,7 +73,9 @@ def _read_inputs(args: argparse.Namespace):
     """Placement (engine maps with co-located replicas accepted, with a warning) and the trace, rows
     matched to the placement's layers; the source ranks ``[T]`` and how they were made."""
     from placement.metrics import resolve_source_ranks
+    from profiling.readers import require_data
 
+    source_ranks_file(args.source_ranks)  # a FIFO or folder refused before anything is read
     if args.step_tokens is not None and args.step_tokens < 1:
         raise CliError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     placement = open_placement(
@@ -78,6 +84,7 @@ def _read_inputs(args: argparse.Namespace):
     trace = open_trace(args.trace)
     if trace.num_layers != placement.num_layers and set(placement.layer_ids) <= set(trace.layer_ids):
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
+    require_data(trace, args.trace)
     src = None
     how = None
     if args.source_ranks is not None:
@@ -87,12 +94,23 @@ def _read_inputs(args: argparse.Namespace):
     return placement, trace, src, how
 
 
+STEP_TOKENS = 64  # tokens per rank per step for a model scored per step when --step-tokens is not given
+
+
+def _step_tokens(args, policy: str) -> int | None:
+    """``--step-tokens``, else :data:`STEP_TOKENS` for a model that splits each step's counts."""
+    from placement.dispatch import get_dispatch
+
+    if args.step_tokens is None and get_dispatch(policy).needs_step_counts:
+        return STEP_TOKENS
+    return args.step_tokens
+
+
 def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
     from placement.metrics import evaluate
 
-    ev = evaluate(
-        placement, trace, policy, step_tokens=args.step_tokens, hidden_size=args.hidden_size, src=src
-    )
+    steps = _step_tokens(args, policy)
+    ev = evaluate(placement, trace, policy, step_tokens=steps, hidden_size=args.hidden_size, src=src)
     d = ev.to_dict()
     if how is not None and "source_ranks" in d:
         d["source_ranks"] = how
@@ -122,5 +140,5 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         return 0
     echo(f"{placement!r} on {trace!r}, every dispatch model")
     rows = [{"dispatch": name, **d} for name, d in results.items()]
-    echo(format_table(rows, [c for c in _ALL_COLUMNS if all(c[0] in r for r in rows)]))
+    echo(format_table(rows, [c for c in _ALL_COLUMNS if any(c[0] in r for r in rows)]))
     return 0

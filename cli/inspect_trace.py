@@ -11,11 +11,13 @@ from pathlib import Path
 
 import numpy as np
 
-from cli.common import CliError, echo, format_table, open_trace
+from cli.common import CliError, check_folder_outputs, echo, format_table, open_trace, positive_int
 
 __all__ = ["add_parser", "cmd_inspect"]
 
 _STREAM_ABOVE_BYTES = 4 * 1024**3
+# The figures --plot may write (profiling.plots.trace_plots), checked against the trace before reading.
+_PLOT_FILES = ("load_heatmap.png", "lorenz.png", "drift.png", "domain_distance.png", "coactivation.png")
 
 _SKEW_COLUMNS = [
     ("layer_id", "layer", -1),
@@ -39,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--domains", nargs="+", help="per-domain files: domains to keep")
     p.add_argument(
         "--chunk-tokens",
-        type=int,
+        type=positive_int,
         help="read a per-token .npz in chunks of this many tokens (bounded memory; automatic above 4 GB)",
     )
     p.set_defaults(func=cmd_inspect)
@@ -149,7 +151,10 @@ def _print_skew(trace, rows: list[dict], summary: dict, plots: list[str]) -> Non
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Steps: load (or stream) the trace -> per-layer skew -> plots -> print (table or JSON)."""
+    """Steps: check the plot folder -> load (or stream) the trace -> per-layer skew -> plots -> print
+    (table or JSON)."""
+    if args.plot:
+        check_folder_outputs(args.plot, _PLOT_FILES, inputs=[args.trace])
     trace = _load_inspected(args)
     rows, summary = _skew_summary(trace)
     plots = _write_plots(args, trace)

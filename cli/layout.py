@@ -7,7 +7,32 @@ import argparse
 import json
 from pathlib import Path
 
-from cli.common import CliError, echo, open_trace, warn
+from cli.common import (
+    CliError,
+    check_folder_outputs,
+    echo,
+    ep_size_int,
+    expert_count_int,
+    non_negative_int,
+    open_trace,
+    positive_int,
+    seconds,
+    seed_int,
+    warn,
+)
+from profiling.limits import MAX_RANKS
+
+# The files --output gets (_write_outputs), checked against the inputs before anything is computed.
+_OUTPUT_FILES = (
+    "placement.json",
+    "sglang_expert_location.json",
+    "sglang_expert_location.json.meta.json",
+    "moe_load_balancer.yaml",
+    "moe_load_balancer.yaml.meta.json",
+    "trtllm_extra_llm_api_options.yaml",
+    "launch_flags.sh",
+    "layout.json",
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -25,8 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
         "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder",
     )
-    p.add_argument("--nodes", type=int, required=True, help="nodes in the cluster")
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
     p.add_argument(
         "--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)"
     )
@@ -41,13 +66,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     p.add_argument(
         "--batch-per-rank",
-        type=int,
+        type=positive_int,
         default=None,
         help="tokens per GPU per step (default 128 decode, 8192 prefill)",
     )
     p.add_argument(
         "--context-len",
-        type=int,
+        type=positive_int,
         default=4096,
         help="decode: cached tokens per sequence; prefill: prompt length",
     )
@@ -55,12 +80,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--trace", default=None, help="routing trace whose skew to use (default: synthetic Zipf skew)"
     )
     p.add_argument("--solver", choices=("greedy", "cpsat"), default="greedy")
-    p.add_argument("--max-redundant", type=int, default=None, help="cap on redundant experts per layer")
+    p.add_argument(
+        "--max-redundant", type=expert_count_int, default=None, help="cap on redundant experts per layer"
+    )
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
     p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds per exact solve (cpsat)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top", type=int, default=12, help="rows of the table to print (rejected ones follow)")
+    p.add_argument("--time-limit", type=seconds, default=10.0, help="seconds per exact solve (cpsat)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument(
+        "--top", type=non_negative_int, default=12, help="rows of the table to print (rejected ones follow)"
+    )
     p.add_argument("--output", default=None, help="folder for the best placement and launch flags")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
@@ -164,11 +193,18 @@ def _q(a: str) -> str:
 
 def _read_inputs(args):
     """Check the cluster flags -> (model, cluster, trace or None); a trace's expert count may differ."""
+    from profiling.readers import require_data
     from solver.planner.hardware import cluster_preset
     from solver.planner.modelspec import load_model
 
-    if args.nodes < 1 or args.gpus_per_node < 1:
-        raise CliError(f"--nodes and --gpus-per-node must be >= 1, got {args.nodes} and {args.gpus_per_node}")
+    if args.nodes * args.gpus_per_node > MAX_RANKS:
+        raise CliError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
+            f"GPUs, over the accepted {MAX_RANKS} (MAX_RANKS)"
+        )
+    if args.output:
+        model_files = [args.model, str(Path(args.model) / "config.json")]
+        check_folder_outputs(args.output, _OUTPUT_FILES, inputs=[*model_files, args.trace, args.hardware])
     try:
         model = load_model(args.model)
         cluster = cluster_preset(args.hardware, args.intra_link, args.inter_link, args.gpus_per_node)
@@ -177,6 +213,7 @@ def _read_inputs(args):
     trace = None
     if args.trace:
         trace = open_trace(args.trace)
+        require_data(trace, args.trace)
         if trace.num_logical_experts != model.num_logical_experts:
             warn(
                 f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "

@@ -54,34 +54,52 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the sub-command; the exit code.
 
-    0: done; 1: a bug (or a failed check, per command); 2: bad input; 130: interrupted.
+    0: done; 1: a bug (or a failed check, per command); 2: bad input; 130: interrupted (Ctrl-C at
+    any point: outputs are written atomically, so nothing is left half-written).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    parser = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
+    except SystemExit as exc:  # argparse: --help (0) or a bad flag (2, its one line already printed)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     except KeyboardInterrupt:
         print("moe-placement: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, OSError) as exc:  # CliError, InputFileError and bad-input ValueErrors
+    except Exception as exc:
         if debug:
             raise
-        msg = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"moe-placement: error: {msg}", file=sys.stderr)
+        return _report(exc)
+
+
+# Errors that bad input raises past the readers: one line and exit code 2, like a ValueError.
+_INPUT_LIMITS = {
+    RecursionError: "the input is nested too deeply",
+    MemoryError: "the input does not fit in memory",
+    OverflowError: "a number in the input is out of range",
+}
+
+
+def _report(exc: Exception) -> int:
+    """One stderr line for ``exc``; its exit code (2: bad input, 1: a bug)."""
+    msg = " ".join(str(exc).split())
+    for kind, what in _INPUT_LIMITS.items():
+        if isinstance(exc, kind):
+            detail = f" ({msg[:200]})" if msg else ""
+            print(f"moe-placement: error: {what}: {kind.__name__}{detail}", file=sys.stderr)
+            return 2
+    if isinstance(exc, (ValueError, OSError)):  # CliError, InputFileError and bad-input ValueErrors
+        print(f"moe-placement: error: {msg or type(exc).__name__}", file=sys.stderr)
         return 2
-    except Exception as exc:  # a bug: say so in one line, show the traceback with --debug
-        if debug:
-            raise
-        print(
-            f"moe-placement: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-            file=sys.stderr,
-        )
-        return 1
+    print(
+        f"moe-placement: internal error: {type(exc).__name__}: {msg} (rerun with --debug for the traceback)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli.common import CliError, echo, progress, warn
+from cli.common import CliError, check_writes, echo, positive_int, progress, seed_int, warn
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -47,10 +47,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="tokens: per-token ids (co-activation, drift); counts: per-layer counts per text file",
     )
     p.add_argument(
-        "--max-tokens", type=int, default=None, help="stop after this many tokens (all files together)"
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        help="stop after this many tokens (all files together)",
     )
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per forward pass (default 512)")
-    p.add_argument("--seed", type=int, default=0, help="seed for random weights when the folder has none")
+    p.add_argument("--seq-len", type=positive_int, default=512, help="tokens per forward pass (default 512)")
+    p.add_argument(
+        "--seed", type=seed_int, default=0, help="seed for random weights when the folder has none"
+    )
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument(
         "--stream-dir", help="tokens mode: stream chunks to this folder (bounded memory on long runs)"
@@ -114,21 +119,22 @@ def byte_token_ids(data: bytes, vocab_size: int) -> np.ndarray:
 
 
 def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
-    """Check the numeric flags and the paths -> (output, text files, stream folder or None).
+    """Check the paths -> (output, text files, stream folder or None): the texts regular files, the
+    output none of the inputs (the texts, the model's config) and in an existing folder.
 
     Creates ``--stream-dir`` (it must hold no ``chunk_*.npz`` yet).
     """
-    if args.seq_len < 1:
-        raise CliError(f"--seq-len must be >= 1, got {args.seq_len}")
-    if args.max_tokens is not None and args.max_tokens < 1:
-        raise CliError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    from profiling.fileio import require_regular
+
     out = Path(args.output)
-    if not out.parent.exists():
-        raise CliError(f"output folder {out.parent} does not exist; create it first")
     texts = [Path(t) for t in args.text]
     for t in texts:
-        if not t.is_file():
+        if not t.exists():
             raise CliError(f"--text {t} does not exist")
+        require_regular(t)  # a FIFO or folder is refused instead of read forever
+    model = Path(args.model)
+    model_files = sorted(model.iterdir()) if model.is_dir() else [model]  # config, weights, tokenizer
+    check_writes([*texts, *model_files], [out])
     stream_dir = Path(args.stream_dir) if args.stream_dir else None
     if stream_dir is not None:
         if args.mode != "tokens":

@@ -13,7 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from cli.common import CliError, echo, elapsed_bar, open_placement
+from cli.common import (
+    CliError,
+    echo,
+    elapsed_bar,
+    layer_row_int,
+    non_negative_int,
+    open_placement,
+    positive_int,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -33,9 +41,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR_OR_CONFIG",
         help="a checkpoint folder, or a config.json for seeded random weights",
     )
-    p.add_argument("--ranks", type=int, default=4, help=f"gloo ranks to launch (1..{MAX_RANKS}; default 4)")
     p.add_argument(
-        "--rebalance-every", type=int, default=4, help="steps between re-solves (0: never; default 4)"
+        "--ranks",
+        type=int,
+        default=4,
+        help=f"gloo ranks to launch (1..{MAX_RANKS}; default 4)",
+    )
+    p.add_argument(
+        "--rebalance-every",
+        type=non_negative_int,
+        default=4,
+        help="steps between re-solves (0: never; default 4)",
     )
     p.add_argument(
         "--placement", help="initial placement file (default: contiguous blocks plus --redundant replicas)"
@@ -43,14 +59,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--redundant", type=int, help="redundant slots per layer (default: --ranks)")
     p.add_argument(
         "--layers",
-        type=int,
+        type=layer_row_int,
         nargs="+",
         help="with --placement: the placement row (0-based) serving each MoE layer of the model, in model "
         "order (default: rows matched by layer id)",
     )
     p.add_argument("--new-tokens", type=int, default=16, help="greedy steps per prompt (default 16)")
-    p.add_argument("--prompts-per-rank", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--prompts-per-rank", type=positive_int, default=2)
+    p.add_argument("--prompt-len", type=positive_int, default=8)
     p.add_argument(
         "--dispatch",
         metavar="{" + ",".join(dispatch_names(runtime=True)) + "}",
@@ -140,7 +156,14 @@ def _print_report(rep) -> None:
                 f" -> new {_loads(round(x, 1) for x in e.predicted_after)}"
             )
     echo(f"per-rank load over the run: {_loads(rep.load_per_rank.tolist())}")
-    verdict = "PASS" if rep.tokens_match and rep.weights_match else "FAIL"
+    if rep.quotas_match is not None:
+        us = rep.balanced_collective_us_per_layer
+        echo(
+            f"per-step quotas: picks per slot {'equal' if rep.quotas_match else 'DIFFER from'} the numpy "
+            f"quotas of every step; counts all-gather {rep.balanced_collective_bytes_per_layer} bytes, "
+            f"{sum(us) / max(len(us), 1):.0f} us per layer call (median, slowest rank)"
+        )
+    verdict = "PASS" if rep.tokens_match and rep.weights_match and rep.quotas_match is not False else "FAIL"
     echo(
         f"{verdict}: generated tokens {'equal' if rep.tokens_match else 'DIFFER from'} the single-process "
         f"model; slot weights {'match' if rep.weights_match else 'DO NOT match'} the final placement; "
@@ -163,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         echo(json.dumps(rep.to_dict()))
     else:
         _print_report(rep)
-    return 0 if rep.tokens_match and rep.weights_match else 1
+    return 0 if rep.tokens_match and rep.weights_match and rep.quotas_match is not False else 1
 
 
 if __name__ == "__main__":  # pragma: no cover

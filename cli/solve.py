@@ -21,14 +21,29 @@ from cli.common import (
     CliError,
     add_dispatch_args,
     check_output,
+    check_writes,
     checked_dispatch,
     echo,
     elapsed_bar,
+    ep_size_int,
+    expert_count_int,
     format_table,
+    fraction,
+    hidden_size_int,
+    input_sidecars,
+    non_negative_float,
+    non_negative_int,
+    num_experts_int,
     open_load,
     open_placement,
     open_trace,
+    output_files,
+    positive_int,
+    seconds,
+    seed_int,
+    source_ranks_file,
     warn,
+    workers_int,
 )
 
 if TYPE_CHECKING:
@@ -65,23 +80,27 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--trace", help="routing trace to fit on")
     p.add_argument("--load", help=".npy load matrix [layers, experts] (instead of --trace)")
-    p.add_argument("--ep-size", type=int, required=True, help="EP ranks (GPUs)")
-    p.add_argument("--num-nodes", type=int, default=1)
-    p.add_argument("--num-redundant", type=int, default=0, help="redundant slots per layer")
+    p.add_argument("--ep-size", type=ep_size_int, required=True, help="EP ranks (GPUs)")
+    p.add_argument("--num-nodes", type=ep_size_int, default=1)
+    p.add_argument("--num-redundant", type=expert_count_int, default=0, help="redundant slots per layer")
     p.add_argument(
-        "--num-groups", type=int, help="expert groups (hierarchical greedy when they divide over nodes)"
+        "--num-groups",
+        type=num_experts_int,
+        help="expert groups (hierarchical greedy when they divide over nodes)",
     )
     p.add_argument("--solver", choices=solver_names(needs_previous=False), default=BASELINE)
-    p.add_argument("--time-limit", type=float, default=10.0, help="seconds for the whole solve (all layers)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, help="solver worker threads")
+    p.add_argument(
+        "--time-limit", type=seconds, default=10.0, help="seconds for the whole solve (all layers)"
+    )
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument("--workers", type=workers_int, help="solver worker threads")
 
 
 def _add_exact_args(p: argparse.ArgumentParser) -> None:
     """cpsat / milp: objective, robust fit, weighted dispatch, node constraint."""
     p.add_argument("--objective", choices=("tokens", "decode"), default="tokens")
     p.add_argument("--robust", help="robust fit over windows: 'max' or a quantile like q90")
-    p.add_argument("--num-windows", type=int, default=4)
+    p.add_argument("--num-windows", type=positive_int, default=4)
     p.add_argument(
         "--weighted", action="store_true", help="also choose per-replica token shares (weighted dispatch)"
     )
@@ -93,17 +112,20 @@ def _add_exact_args(p: argparse.ArgumentParser) -> None:
 def _add_locality_args(p: argparse.ArgumentParser) -> None:
     """locality: balance slack, everywhere experts, GPU slack, sources, work limit, pairing margins."""
     p.add_argument(
-        "--balance-slack", type=float, default=0.02, help="locality: allowed node-load excess over the mean"
+        "--balance-slack",
+        type=non_negative_float,
+        default=0.02,
+        help="locality: allowed node-load excess over the mean",
     )
     p.add_argument(
         "--everywhere",
-        type=int,
+        type=expert_count_int,
         metavar="H",
         help="locality: the H hottest experts get a replica on every node (default: chosen from the slots)",
     )
     p.add_argument(
         "--gpu-slack",
-        type=float,
+        type=non_negative_float,
         metavar="X",
         help="locality: GPU peaks at most (1 + X) x greedy's on the fit trace (default 0.05)",
     )
@@ -115,7 +137,7 @@ def _add_locality_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--work-limit",
-        type=int,
+        type=positive_int,
         metavar="STEPS",
         help="locality: bound the search by counted steps instead of --time-limit, so the same seed "
         "gives the same placement on any machine (a step is about 1-10 ms; default 100 per layer)",
@@ -128,34 +150,38 @@ def _add_locality_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--share-margin",
-        type=float,
+        type=non_negative_float,
         metavar="X",
         help="locality, 2 slots per GPU: pair everywhere replicas as if (1 + X) x their fitted load "
         "(default: the busiest node's token share in the fit trace over the mean, minus 1)",
     )
     p.add_argument(
         "--drift-z",
-        type=float,
+        type=non_negative_float,
         metavar="Z",
         help="locality, 2 slots per GPU: pair single-node experts as if their fitted load plus Z x their "
         "expected drift to unseen traffic (bootstrap over the fit prompts; default 1, 0: off)",
     )
     p.add_argument(
         "--share-overload",
-        type=float,
+        type=non_negative_float,
         metavar="X",
         help="locality: the default --everywhere keeps (the busiest node's token share over the mean, "
         "minus 1) x (the everywhere experts' load share) at most X (default 0.08)",
     )
-    p.add_argument("--hidden-size", type=int, help="model hidden size for bytes per token")
+    p.add_argument("--hidden-size", type=hidden_size_int, help="model hidden size for bytes per token")
 
 
 def _add_migration_args(p: argparse.ArgumentParser) -> None:
     """Re-placing the placement in service with few moves."""
     p.add_argument("--previous", help="current placement: re-place with few moves")
-    p.add_argument("--max-moves", type=int, help="with --previous: at most this many moved slots")
     p.add_argument(
-        "--move-cost", type=float, help="with --previous: cost of one moved slot in tokens of peak load"
+        "--max-moves", type=non_negative_int, help="with --previous: at most this many moved slots"
+    )
+    p.add_argument(
+        "--move-cost",
+        type=non_negative_float,
+        help="with --previous: cost of one moved slot in tokens of peak load",
     )
 
 
@@ -166,7 +192,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--fit-fraction",
-        type=float,
+        type=fraction,
         default=1.0,
         help="fit on this leading fraction of the trace's windows and score the rest (held-out)",
     )
@@ -174,6 +200,13 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         p,
         extra="; scores fitted and held-out PAR, and sglang-static/sglang-dynamic also place replicas for "
         "SGLang's table (greedy, cpsat, milp)",
+    )
+    p.add_argument(
+        "--step-tokens",
+        type=int,
+        default=64,
+        help="tokens per rank per step the placement is fitted for under a per-step dispatch model "
+        "(balanced, sglang-lp; default 64)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
     p.add_argument("--format", choices=FORMATS, default="native")
@@ -220,18 +253,35 @@ class _Problem:
     previous: Placement | None = None
 
 
+def _check_files(args) -> Path | None:
+    """Every file ``solve`` reads and writes, checked before anything is read: no output is an input
+    or another output, every output folder exists; ``-o`` as a Path (None when not given)."""
+    outputs: list = output_files(args.output, args.format)
+    if args.output is not None and args.weighted:
+        outputs.append(args.output + ".weights.json")
+    outputs.append(args.report)
+    inputs = [args.trace, args.load, source_ranks_file(args.source_ranks), *input_sidecars(args.previous)]
+    check_writes(inputs, outputs)
+    return check_output(args.output)
+
+
 def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | None, tuple[int, ...]]:
     """``--trace`` (split by ``--fit-fraction``) or ``--load`` -> (load [L, E] float64, fit, held, layer_ids)."""
+    from profiling.readers import require_data
+
     if (args.trace is None) == (args.load is None):
         raise CliError("give exactly one of --trace T or --load L.npy")
     held = None
     if args.trace:
         trace = open_trace(args.trace)
+        require_data(trace, args.trace)
         fit = trace
         if args.fit_fraction < 1.0:
             fit, held = trace.split(args.fit_fraction)
+            require_data(fit, f"{args.trace} (the part fitted on, --fit-fraction {args.fit_fraction})")
         return fit.counts().astype(np.float64), fit, held, trace.layer_ids
     load = open_load(args.load)
+    require_data(load, args.load)
     return load, None, held, tuple(range(load.shape[0]))
 
 
@@ -294,13 +344,14 @@ def _solver_problem(args, prob: _Problem) -> Problem:
 
 def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
     """The pipeline (:func:`solver.api.run`) under a time bar; a warning when the gate kept greedy."""
-    from solver.api import BASELINE, make_options, run
+    from solver.api import BASELINE, FitOptions, make_options, run
 
     values = _solver_options(args, spec, prob.load.shape[0])
     options = make_options(prob.name, values, seed=args.seed, time_limit=args.time_limit)
     limit = args.time_limit if "time_limit" in spec.option_names else None
     with elapsed_bar(prob.name, limit):
-        result = run(prob.name, _solver_problem(args, prob), options)
+        fit = FitOptions(step_tokens=args.step_tokens)
+        result = run(prob.name, _solver_problem(args, prob), options, fit)
     if result.objective_fallback:
         warn(
             f"{prob.name} found nothing better than {BASELINE} within {args.time_limit}s; "
@@ -476,7 +527,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     from solver.api import SOLVERS
 
     checked_dispatch(args)
-    out = check_output(args.output)
+    out = _check_files(args)
     prob = _read_problem(args)
     spec = SOLVERS[prob.name]
     t0 = time.perf_counter()

@@ -22,7 +22,18 @@ import json
 import time
 from pathlib import Path
 
-from cli.common import CliError, echo, open_placement, open_trace
+from cli.common import (
+    MAX_SECONDS,
+    MAX_SEED,
+    CliError,
+    echo,
+    ep_size_int,
+    hidden_size_int,
+    layer_row_int,
+    non_negative_int,
+    open_placement,
+    open_trace,
+)
 
 __all__ = ["MAX_RANKS", "add_parser", "check_numbers", "run"]
 
@@ -55,20 +66,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         f"own rules ({', '.join(offline)}) are scored by `evaluate --dispatch`",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
-    p.add_argument("--offset", type=int, default=0, help="first replayed token of the trace (default 0)")
+    p.add_argument(
+        "--offset", type=non_negative_int, default=0, help="first replayed token of the trace (default 0)"
+    )
     p.add_argument(
         "--layers",
-        type=int,
+        type=layer_row_int,
         nargs="+",
         help="placement rows to validate (0-based; default all); with --model, the row serving each MoE "
         "layer of the model, in model order (default: rows matched by layer id)",
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument("--hidden", type=int, default=32, help="hidden size of the test experts (default 32)")
+    p.add_argument(
+        "--hidden", type=hidden_size_int, default=32, help="hidden size of the test experts (default 32)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds (> 0) before the ranks are stopped")
-    p.add_argument("--ep-size", type=int, help="ep_size for engine formats that do not store it")
-    p.add_argument("--num-nodes", type=int, help="nodes for engine formats that do not store it")
+    p.add_argument("--ep-size", type=ep_size_int, help="ep_size for engine formats that do not store it")
+    p.add_argument("--num-nodes", type=ep_size_int, help="nodes for engine formats that do not store it")
     p.add_argument(
         "--model",
         metavar="DIR_OR_CONFIG",
@@ -93,8 +108,9 @@ def check_numbers(
 ) -> None:
     """The numeric flags in range (None: not given), else one :class:`CliError` line naming the flag.
 
-    ``positive``: finite and > 0 (seconds); ``at_least_one``: integers >= 1 (``ranks`` also at most
-    :data:`MAX_RANKS`); ``non_negative``: integers >= 0.
+    ``positive``: finite and > 0 (seconds, at most ``cli.common.MAX_SECONDS``); ``at_least_one``:
+    integers >= 1 (``ranks`` also at most :data:`MAX_RANKS`); ``non_negative``: integers >= 0 (``seed``
+    also at most ``cli.common.MAX_SEED``).
     """
     import math
 
@@ -113,6 +129,10 @@ def check_numbers(
         v = getattr(args, name, None)
         if v is not None and v < 0:
             raise CliError(f"{flag(name)} must be >= 0, got {v}")
+    for name, limit in (("seed", MAX_SEED), *((n, MAX_SECONDS) for n in positive)):
+        v = getattr(args, name, None)
+        if v is not None and v > limit:
+            raise CliError(f"{flag(name)} {v} is outside the accepted range 0..{limit:.0f}")
     ranks = getattr(args, "ranks", None)
     if ranks is not None and ranks > MAX_RANKS:
         raise CliError(f"--ranks {ranks} is above the limit of {MAX_RANKS} ranks per launch; use fewer ranks")
@@ -161,8 +181,11 @@ def _load_trace(args, placement):
             seed=args.seed,
             layer_ids=placement.layer_ids,
         )
+    from profiling.readers import require_data
+
     path = Path(args.trace)
     trace = open_trace(args.trace)
+    require_data(trace, args.trace)
     if not trace.has_tokens:
         raise CliError(f"trace {path} has counts only; validate replays per-token routing (topk_ids)")
     if trace.num_logical_experts != placement.num_logical_experts:
@@ -232,6 +255,12 @@ def run(args: argparse.Namespace) -> int:
         )
     for line in rep.checksum_mismatches[:10]:
         echo(f"checksum mismatch: {line}")
+    if rep.balanced_collective_us_per_layer is not None:
+        us = rep.balanced_collective_us_per_layer
+        echo(
+            f"step counts all-gather: {rep.balanced_collective_bytes_per_layer} bytes per layer, "
+            f"{sum(us) / max(len(us), 1):.0f} us per layer (slowest rank)"
+        )
     verdict = "PASS" if rep.ok else "FAIL"
     echo(
         f"{verdict}: per-rank tokens {'equal' if rep.tokens_match else 'DIFFER from'} the prediction; "
@@ -250,7 +279,11 @@ def _layer_report_dict(rep, rows: list[int], wall: float) -> dict:
         "rows": rows,
         "predicted": rep.predicted.tolist(),
         "measured": rep.measured.tolist(),
+        "predicted_slots": rep.predicted_slots.tolist(),
+        "measured_slots": rep.measured_slots.tolist(),
         "tokens_match": rep.tokens_match,
+        "balanced_collective_us_per_layer": rep.balanced_collective_us_per_layer,
+        "balanced_collective_bytes_per_layer": rep.balanced_collective_bytes_per_layer,
         "max_abs_error": rep.max_abs_error,
         "atol": rep.atol,
         "checksum_mismatches": list(rep.checksum_mismatches),

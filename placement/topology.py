@@ -18,7 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profiling.limits import MAX_EXPERTS, MAX_RANKS
+
 __all__ = ["Topology"]
+
+# Upper bound of each size (the limit and its name): a corrupt file or a typo cannot make a topology
+# whose derived maps (``gpu_of_slot [P]``, a placement's ``[L, P]``) take gigabytes.
+_LIMITS = {
+    "ep_size": (MAX_RANKS, "MAX_RANKS"),
+    "num_physical_experts": (MAX_EXPERTS, "MAX_EXPERTS"),
+    "num_nodes": (MAX_RANKS, "MAX_RANKS"),
+}
 
 
 def _divisors_near(n: int, limit: int = 6) -> list[int]:
@@ -46,6 +56,11 @@ class Topology:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+            limit, limit_name = _LIMITS[name]
+            if value > limit:
+                raise ValueError(
+                    f"{name} is {value}, outside the accepted range 1..{limit} ({limit_name} in profiling/limits.py)"
+                )
             object.__setattr__(self, name, int(value))
         if self.num_physical_experts % self.ep_size:
             lo = self.num_physical_experts - self.num_physical_experts % self.ep_size
@@ -70,8 +85,17 @@ class Topology:
         """Topology with ``num_logical_experts + num_redundant`` slots per layer."""
         if num_redundant < 0:
             raise ValueError(f"num_redundant must be >= 0, got {num_redundant}")
-        if num_logical_experts < 1:
-            raise ValueError(f"num_logical_experts must be >= 1, got {num_logical_experts}")
+        if not 1 <= num_logical_experts <= MAX_EXPERTS:
+            raise ValueError(
+                f"num_logical_experts is {num_logical_experts}, outside the accepted range 1..{MAX_EXPERTS} "
+                f"(MAX_EXPERTS)"
+            )
+        if num_logical_experts + num_redundant > MAX_EXPERTS:
+            raise ValueError(
+                f"{num_logical_experts} logical + {num_redundant} redundant = {num_logical_experts + num_redundant} "
+                f"physical experts per layer, over the accepted {MAX_EXPERTS} (MAX_EXPERTS); use at most "
+                f"{MAX_EXPERTS - num_logical_experts} redundant experts"
+            )
         total = num_logical_experts + num_redundant
         if isinstance(ep_size, int) and ep_size >= 1 and total % ep_size:
             up = num_redundant + (-total) % ep_size

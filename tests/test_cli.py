@@ -105,7 +105,7 @@ def test_evaluate_json(small_trace, tmp_path, capsys):
             ["solve", "--load", "{load}", "--ep-size", "4", "--num-nodes", "3"],
             "does not divide over num_nodes=3",
         ),
-        (["solve", "--load", "{bad}", "--ep-size", "4"], "load must be"),
+        (["solve", "--load", "{bad}", "--ep-size", "4"], "NaN, inf or negative entries"),
         (["solve", "--ep-size", "4"], "exactly one of --trace"),
         (["solve", "--load", "{load}", "--ep-size", "4", "-o", "/no/such/dir/p.json"], "does not exist"),
         (["solve", "--load", "{load}", "--ep-size", "4", "--max-moves", "3"], "need --previous"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -329,3 +330,36 @@ def test_stream_counts_rejects_truncated_and_out_of_range(tmp_path):
     (tmp_path / "cut.npz").write_bytes(data[: len(data) // 2])
     with pytest.raises(InputFileError):
         stream_counts(tmp_path / "cut.npz", 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# topology sizes bounded by profiling.limits (issue 25)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "build, fragment",
+    [
+        (
+            lambda: Topology(70_000, 70_000),
+            "ep_size is 70000, outside the accepted range 1..65536 (MAX_RANKS",
+        ),
+        (lambda: Topology(1, 70_000), "num_physical_experts is 70000, outside the accepted range 1..65536"),
+        (
+            lambda: Topology(2, 4, 70_000),
+            "num_nodes is 70000, outside the accepted range 1..65536 (MAX_RANKS",
+        ),
+        (lambda: Topology.from_redundant(65_000, 1_000, 1), "use at most 536 redundant experts"),
+        (lambda: Topology.from_redundant(70_000, 0, 1), "num_logical_experts is 70000"),
+        (lambda: Topology(0, 4), "ep_size must be >= 1, got 0"),
+    ],
+)
+def test_topology_sizes_are_bounded_with_the_limit_named(build, fragment):
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        build()
+
+
+def test_topology_at_the_limits_is_accepted():
+    from profiling.limits import MAX_EXPERTS, MAX_RANKS
+
+    t = Topology(MAX_RANKS, MAX_EXPERTS, MAX_RANKS)
+    assert t.slots_per_gpu == 1 and t.gpus_per_node == 1
+    assert Topology.from_redundant(MAX_EXPERTS - 8, 8, 8).num_physical_experts == MAX_EXPERTS
