@@ -12,6 +12,17 @@ moved slots, wall time per re-fit, and the ratios to the engine default.
 Run with the engines' side environment (it needs their code; see docs/serving.md)::
 
     PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py [--windows 6]
+
+``--shift`` (issue 26's done-when figures) runs one domain shift instead: DeepSeek-V2-Lite, 16 GPUs /
+2 nodes / 80 slots, vLLM's own default policy's map of prompts 0-199 in service (vLLM's code from the
+side environment; without it our greedy in engine-parity mode, ``greedy_placement(parity=True)``),
+re-placed for prompts 1000-1499 by vLLM's default and by our plugin's specs from that map, scored on
+prompts 1500-1998 under ``vllm-hash``. Columns: moved slots and arrived experts against the map in
+service, held-out PAR, its ratio to vLLM's default, the share of the gap from the old map's held-out
+PAR to fresh greedy's that the map closes, and the rebalance rule's verdict (``expert_bytes`` of
+DeepSeek-V2-Lite in BF16, NVLink, stall 1, vLLM's horizon of 3 windows) with its break-even in windows::
+
+    PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py --shift
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -27,6 +39,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np
 import torch
 
+from placement.dispatch import VLLM_HASH
 from placement.metrics import balance_stats, moved_slots, par, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
@@ -38,7 +51,11 @@ TRACES = {  # name: (file, EP size, nodes, redundant slots)
     "deepseek-v2-lite": ("deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz", 32, 4, 32),
     "mixtral-mmlu": ("mixtral-8x7b-mmlu/mixtral_mmlu_counts.npz", 8, 2, 8),
 }
-SPECS = ("greedy", "migration", "migration:max_moves=64")
+SPECS = (
+    "greedy:always=1",
+    "migration:always=1",
+    "migration:max_moves=64,always=1",
+)  # rule off: balance vs moves
 
 
 def vllm_default(load, topo, groups, previous):
@@ -97,10 +114,100 @@ def rows_for(engine, default, windows, topo, groups):
     return rows
 
 
+SHIFT_SPECS = ("greedy:always=1", "migration", "migration:always=1", "migration:max_moves=300,always=1")
+V2_LITE_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # DeepSeek-V2-Lite: d=2048, f=1408, BF16
+
+
+def _old_map(load, topo, groups):
+    """``(map in service [L, P], how it was built)``: vLLM's own default policy, else greedy parity."""
+    try:
+        return vllm_default(load, topo, groups, None), "vLLM DefaultEplbPolicy"
+    except ImportError:
+        from solver.greedy import greedy_placement
+
+        return greedy_placement(load, topo, parity=True)[0].physical_to_logical_map, "greedy parity=True"
+
+
+def shift_rows(root: str) -> tuple[str, list[dict]]:
+    """The ``--shift`` case: one row per policy from vLLM's own map in service."""
+    from placement.churn import arrived_experts
+    from runtime_hooks.engine_plugins.policy import rebalance_verdict
+
+    tr = read_trace(os.path.join(root, TRACES["deepseek-v2-lite"][0]))
+    old_load = tr.select_windows(range(0, 200)).counts()
+    fit, held = tr.select_windows(range(1000, 1500)).counts(), tr.select_windows(range(1500, tr.num_windows))
+    topo = Topology.from_redundant(64, 16, 16, 2)
+    E, P, G, N = 64, topo.num_physical_experts, topo.ep_size, topo.num_nodes
+    old, source = _old_map(old_load, topo, 1)
+    as_pl = lambda m: Placement(m, E, topo, allow_colocated_replicas=True)  # noqa: E731
+    maps = {"old map (kept)": old}
+    t0 = time.perf_counter()
+    try:
+        maps["vLLM default"] = vllm_default(fit, topo, 1, old)
+    except ImportError:
+        pass
+    secs = {"vLLM default": time.perf_counter() - t0}
+    verdicts = {}
+    for text in SHIFT_SPECS:
+        spec = parse_spec(
+            f"{text},expert_bytes={V2_LITE_EXPERT_BYTES}"
+            if ":" in text
+            else f"{text}:expert_bytes={V2_LITE_EXPERT_BYTES}"
+        )
+        t0 = time.perf_counter()
+        maps[text] = place(spec, EngineCall("vllm", fit, P, G, N, 1, old))
+        secs[text] = time.perf_counter() - t0
+        judged = replace(spec, always=False)  # the rule's own verdict, also where always=1 overrides it
+        verdicts[text] = (
+            rebalance_verdict(judged, as_pl(old), maps[text], fit) if (maps[text] != old).any() else None
+        )
+    pars = {k: held_out_par(as_pl(m), held, VLLM_HASH.name) for k, m in maps.items()}
+    p_old, p_greedy = pars["old map (kept)"], pars["greedy:always=1"]
+    base = pars.get("vLLM default", p_greedy)
+    rows = []
+    for k, m in maps.items():
+        v = verdicts.get(k)
+        rows.append(
+            {
+                "policy": k,
+                "moved": int((m != old).sum()),
+                "arrived": arrived_experts(as_pl(old), as_pl(m)),
+                "par": pars[k],
+                "par_ratio": pars[k] / base,
+                "closed": (p_old - pars[k]) / (p_old - p_greedy) if p_old > p_greedy else float("nan"),
+                "seconds": secs.get(k, 0.0),
+                "rule": "-"
+                if v is None
+                else ("pays" if v.rebalance else "keeps") + f", {v.break_even_windows:.2f} win",
+            }
+        )
+    name = f"deepseek-v2-lite 0-199 -> 1000-1499 (held out 1500-1998), 16 GPUs / 2 nodes / 80 slots; in service: {source}"
+    return name, rows
+
+
+def print_shift(root: str) -> None:
+    name, rows = shift_rows(root)
+    print(
+        f"\n{name}\n(held-out PAR under {VLLM_HASH.name}; ratio to vLLM's default; closed: share of the gap old -> fresh greedy)"
+    )
+    print(
+        f"{'policy':<40}{'moved':>7}{'arrived':>9}{'held-out PAR':>14}{'ratio':>8}{'closed':>8}{'s':>7}  rule (break-even)"
+    )
+    for r in rows:
+        print(
+            f"{r['policy']:<40}{r['moved']:>7d}{r['arrived']:>9d}{r['par']:>14.4f}{r['par_ratio']:>8.4f}"
+            f"{100 * r['closed']:>7.1f}%{r['seconds']:>7.2f}  {r['rule']}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=6, help="consecutive windows per trace (>= 3)")
+    ap.add_argument("--shift", action="store_true", help="the domain-shift case from vLLM's map (issue 26)")
     args = ap.parse_args()
+    if args.shift:
+        print_shift(default_traces_dir())
+        return
     for label, (rel, ep, nodes, redundant) in TRACES.items():
         path = os.path.join(default_traces_dir(), rel)
         if not os.path.exists(path):

@@ -9,7 +9,8 @@ For every replay it prints, per policy: mean held-out PAR and step PAR (each win
 placement chosen before it), moved slots, moved bytes and migration time (cost model), and the ratios
 that the done criterion of issue 7 names: PAR migration / greedy, moved migration / greedy, and the
 same against greedy + align_to_previous (the fair from-scratch baseline). Baselines run in the same
-process on the same windows.
+process on the same windows. Per policy also: arrived experts and the break-even rebalance interval in
+steps (held out; runtime_hooks.replay.break_even: "never" when its re-placements saved nothing).
 """
 
 from __future__ import annotations
@@ -150,12 +151,19 @@ def main(argv=None) -> int:
         )
         print(
             f"   {'policy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}"
+            f"{'arrived':>9}{'break-even steps':>18}"
         )
         for p, v in s.items():
+            be = v["break_even_steps"]
+            be = "-" if be is None else be if isinstance(be, str) else f"{be:.1f}"
             print(
                 f"   {p:<14}{v['mean_par']:>8.4f}{v['mean_step_par']:>9.4f}{v['moved_slots']:>8d}"
                 f"{v['moved_fraction']:>9.3f}{v['moved_bytes'] / 1e9:>9.2f}{v['migration_time_s']:>10.4f}"
+                f"{v['arrived_experts']:>9d}{be:>18}"
             )
+        print(
+            f"   (break-even: the rebalance interval at which re-placements pay, held out; rebalanced every {ws})"
+        )
         m, g, a = s["migration"], s["greedy"], s["greedy+align"]
         ratios = {
             "par_vs_greedy": m["mean_par"] / g["mean_par"],

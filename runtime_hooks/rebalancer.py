@@ -33,8 +33,12 @@ Trigger policies: ``interval`` re-solves every ``step_interval`` steps (as vLLM/
 ``gain`` checks every ``check_interval`` steps whether the predicted gain (current peak minus the
 peak the last solve reached on its window, per layer, less ``noise_z`` Poisson standard deviations
 of the window's peak so that sampling noise alone never looks like a gain) exceeds the migration cost of one slot, and
-only then re-solves. Either way a finished re-solve is applied only when its gain on the current
-window beats its ``T_move`` (``always_apply=True`` skips that gate). The first full window under the
+only then re-solves. Either way a finished re-solve is applied only when the rebalance rule
+(:mod:`runtime_hooks.rebalance_rule`, shared with the engine plugins) says it pays: its gain on the
+current window over the horizon at least ``margin`` (hysteresis, default 1.5) times its cost, the
+busiest GPU's ARRIVED experts (what crosses a link) x ``expert_bytes`` / ``B_link`` + ``alpha``, times
+``stall`` (``always_apply=True`` skips that gate; the event still carries the figures and the
+break-even in steps). The first full window under the
 ``gain`` trigger calibrates the reachable peak with one solve.
 
 The re-solve goes through the one pipeline, :func:`solver.api.run` (solver ``migration`` on a
@@ -56,6 +60,7 @@ from typing import Any, Literal
 import numpy as np
 
 from placement.dispatch import EVEN, check_dispatch
+from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
 
 __all__ = [
     "LINKS",
@@ -109,6 +114,9 @@ class RebalancerConfig:
             standard deviations of sampling noise of the peak GPU's window load (Poisson: ``sqrt(peak)``),
             so moves that chase noise are not predicted to pay (0 disables). The ``interval`` trigger,
             like the engines, applies whatever beats its cost on the window (no discount).
+        stall: share of a migration's copy time serving waits for (1: blocking; 0: fully overlapped).
+        margin: hysteresis band of the apply gate: the predicted gain must reach ``margin`` x the
+            migration cost (:mod:`runtime_hooks.rebalance_rule`).
         always_apply: apply every finished re-solve that moves something, without the gain gate.
         executor: ``thread`` or ``process`` (where the re-solve runs, off the serving thread).
     """
@@ -134,6 +142,8 @@ class RebalancerConfig:
     drift_guard: float = 1.5
     dispatch: str = EVEN.name
     noise_z: float = 3.0
+    stall: float = 1.0
+    margin: float = 1.5
     always_apply: bool = False
     executor: Literal["thread", "process"] = "thread"
 
@@ -156,6 +166,10 @@ class RebalancerConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and np.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
+        if not (0.0 <= self.stall <= 1.0):
+            raise ValueError(f"stall must be in [0, 1], got {self.stall!r}")
+        if not (np.isfinite(self.margin) and self.margin >= 1.0):
+            raise ValueError(f"margin must be a finite number >= 1, got {self.margin!r}")
         if not (np.isfinite(self.noise_z) and self.noise_z >= 0):
             raise ValueError(f"noise_z must be a finite number >= 0, got {self.noise_z!r}")
         check_dispatch(self.dispatch)
@@ -201,6 +215,8 @@ class RebalanceEvent:
     solve_wall_s: float
     solve_thread: str
     reason: str = ""
+    arrived_experts: int = 0
+    break_even_steps: float = 0.0
 
 
 def slots_copied_per_gpu(previous_map: np.ndarray, new_map: np.ndarray, ep_size: int) -> np.ndarray:
@@ -358,6 +374,32 @@ class Rebalancer:
         seconds_per_load = cfg.seconds_per_assignment * cfg.effective_horizon / max(self._filled, 1)
         return cfg.move_cost_scale * per_slot_s / seconds_per_load
 
+    def rule_params(self) -> RuleParams:
+        """The rebalance rule's constants (:mod:`runtime_hooks.rebalance_rule`) from the config: the
+        horizon in windows of the current window's length, the noise discount under ``gain`` only."""
+        cfg = self.config
+        return RuleParams(
+            seconds_per_assignment=cfg.seconds_per_assignment,
+            expert_bytes=self.expert_bytes,
+            bandwidth=cfg.bandwidth,
+            latency=cfg.latency,
+            stall=cfg.stall,
+            horizon=cfg.effective_horizon / max(self._filled, 1),
+            margin=cfg.margin,
+            noise_z=cfg.noise_z if cfg.trigger == "gain" else 0.0,
+            always=cfg.always_apply,
+        )
+
+    def verdict(self, new) -> Decision:
+        """The rule's verdict on switching from the placement in service to ``new`` (a Placement) for
+        the current window: gain over the horizon against the arrived experts' copy time."""
+        from placement.churn import arrived_per_gpu
+
+        G = self._placement.topology.ep_size
+        now = _gpu_peaks(self._placement.physical_to_logical_map, self._sum, G)[0]  # [L]
+        after = _gpu_peaks(new.physical_to_logical_map, self._sum, G)[0]  # [L]
+        return decide(now, after, arrived_per_gpu(self._placement, new), self.rule_params())
+
     def predicted_gain_s(self, new_map: np.ndarray | None = None) -> float:
         """Seconds saved over the horizon by ``new_map`` (or, without one, by reaching the last solve's
         PAR in every layer) on the current window."""
@@ -474,18 +516,14 @@ class Rebalancer:
             self._reachable_par = np.where(fit_mean > 0, fit_peak / np.where(fit_mean > 0, fit_mean, 1), 1.0)
         old_map = self._placement.physical_to_logical_map
         moved = int((old_map != new.physical_to_logical_map).sum())
-        t_move = migration_time(
-            old_map, new.physical_to_logical_map, G, self.expert_bytes, cfg.bandwidth, cfg.latency
-        )
-        gain = self.predicted_gain_s(new.physical_to_logical_map)
+        verdict = self.verdict(new)
+        t_move, gain = verdict.cost_s, verdict.gain_s
         peak_before = float(_gpu_peaks(old_map, self._sum, G)[0].sum())
         peak_after = float(_gpu_peaks(new.physical_to_logical_map, self._sum, G)[0].sum())
         if moved == 0:
             applied, reason = False, "no move pays for itself"
-        elif cfg.always_apply or gain > t_move:
-            applied, reason = True, "gain exceeds migration cost" if not cfg.always_apply else "always_apply"
         else:
-            applied, reason = False, f"gain {gain * 1e3:.3f} ms <= migration {t_move * 1e3:.3f} ms"
+            applied, reason = verdict.rebalance, verdict.reason
         if applied and self.apply_fn is not None:
             try:
                 self.apply_fn(new)
@@ -500,6 +538,8 @@ class Rebalancer:
             moved_bytes=moved * self.expert_bytes,
             migration_time_s=t_move,
             predicted_gain_s=gain,
+            arrived_experts=verdict.arrived,
+            break_even_steps=verdict.break_even_windows * max(self._filled, 1),
             peak_before=peak_before,
             peak_after=peak_after,
             solve_wall_s=wall,

@@ -37,6 +37,7 @@ from placement.dispatch import EVEN, DispatchModel, get_dispatch
 
 __all__ = [
     "POLICIES",
+    "break_even",
     "ReplayResult",
     "ReplayStream",
     "domain_stream",
@@ -165,9 +166,15 @@ class ReplayResult:
 
     ``rows``: one dict per (window, policy) with ``window``, ``policy``, ``par``, ``step_par`` (held out:
     scored on that window's traffic with the placement chosen before it), ``moved_slots``, ``moved_bytes``,
-    ``migration_time_s`` (for the re-placement made before the window), ``label``.
+    ``migration_time_s`` (for the re-placement made before the window), ``label``, and the rebalance
+    rule's held-out figures (:mod:`runtime_hooks.rebalance_rule`): ``arrived_experts``,
+    ``saved_s_per_step`` (peak-GPU compute seconds saved per step against the map before) and
+    ``rebalance_cost_s`` (the busiest GPU's arrivals' copy time x the config's ``stall``).
     ``summary``: per policy ``mean_par``, ``mean_step_par``, ``moved_slots``, ``moved_bytes``,
-    ``migration_time_s``, ``moved_fraction`` (of all slots per re-placement, mean).
+    ``migration_time_s``, ``moved_fraction`` (of all slots per re-placement, mean), ``arrived_experts``
+    and ``break_even_steps``: the rebalance interval in steps at which its re-placements pay (mean cost
+    over mean held-out saving per step; ``"never"`` when they saved nothing; None when nothing moved);
+    ``params["window_steps"]`` is the interval the replay rebalanced at.
     """
 
     name: str
@@ -260,6 +267,7 @@ def _score_window(
         par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
         spar = float(_par_rows(gl_steps).mean())
         moved = moved_slots(current[p], pl)
+        pays = _held_out_payback(current[p], pl, gl_steps, dispatch, held, held_ranks, expert_bytes, cfg)
         t_move = migration_time(
             current[p].physical_to_logical_map,
             pl.physical_to_logical_map,
@@ -278,10 +286,52 @@ def _score_window(
                 "moved_slots": moved,
                 "moved_bytes": moved * expert_bytes,
                 "migration_time_s": t_move,
+                **pays,
             }
         )
         current[p] = pl
     return rows
+
+
+def _held_out_payback(old, new, gl_new, dispatch, held, held_ranks, expert_bytes: float, cfg) -> dict:
+    """What re-placing ``old`` by ``new`` saved and cost on the held-out window (the rule's model,
+    :mod:`runtime_hooks.rebalance_rule`): ``arrived_experts``, ``saved_s_per_step`` (peak-GPU compute
+    seconds per step, from both maps' peaks on the window, ``gl_new [w, L, G]``) and
+    ``rebalance_cost_s`` (the busiest GPU's arrived experts' copy time x ``cfg.stall``)."""
+    from placement.churn import arrived_per_gpu
+    from runtime_hooks.rebalance_rule import RuleParams, peak_saving, transfer_seconds
+
+    params = RuleParams(
+        seconds_per_assignment=cfg.seconds_per_assignment,
+        expert_bytes=expert_bytes,
+        bandwidth=cfg.bandwidth,
+        latency=cfg.latency,
+        stall=cfg.stall,
+    )
+    arrived = arrived_per_gpu(old, new)  # [L, G]
+    if not arrived.any():
+        return {"arrived_experts": 0, "saved_s_per_step": 0.0, "rebalance_cost_s": 0.0}
+    gl_old = _window_gpu_load(old, dispatch, held, held_ranks)  # [w, L, G]
+    saved = peak_saving(gl_old.sum(axis=0).max(axis=1), gl_new.sum(axis=0).max(axis=1))  # per window
+    return {
+        "arrived_experts": int(arrived.sum()),
+        "saved_s_per_step": saved * params.seconds_per_assignment / held.shape[0],
+        "rebalance_cost_s": transfer_seconds(arrived, params),
+    }
+
+
+def break_even(rows: list[dict]) -> float | str | None:
+    """The rebalance interval, in steps, at which a policy's re-placements pay (held out): the mean
+    cost of a re-placement that moved something over the mean saving per step it realized on the
+    window after it; ``"never"`` when they saved nothing on average; None when nothing ever moved."""
+    from runtime_hooks.rebalance_rule import break_even_steps
+
+    moved = [r for r in rows if r.get("arrived_experts", 0) > 0]
+    if not moved:
+        return None
+    cost = float(np.mean([r["rebalance_cost_s"] for r in moved]))
+    steps = break_even_steps(cost, float(np.mean([r["saved_s_per_step"] for r in moved])))
+    return "never" if steps == float("inf") else steps
 
 
 def _needs_rank_steps(model: DispatchModel) -> bool:
@@ -316,6 +366,8 @@ def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dic
             "moved_bytes": float(sum(x["moved_bytes"] for x in r)),
             "migration_time_s": float(sum(x["migration_time_s"] for x in r)),
             "moved_fraction": float(np.mean([x["moved_slots"] for x in r]) / (P * L)),
+            "arrived_experts": int(sum(x.get("arrived_experts", 0) for x in r)),
+            "break_even_steps": break_even(r),
         }
     return summary
 

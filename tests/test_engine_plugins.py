@@ -340,13 +340,15 @@ _ENGINE_SCRIPT = textwrap.dedent(
 
         out["unset_untouched"] = load_with(None) is eplb.DefaultEplbPolicy
         default_map = eplb.DefaultEplbPolicy.rebalance_experts(weight, P, GROUPS, N, G, None)
-        ours = load_with("migration")
+        kept = load_with("migration").rebalance_experts(weight, P, GROUPS, N, G, default_map)
+        out["kept"] = bool((kept == default_map).all())  # the same load again: a move does not pay
+        ours = load_with("migration:always=1")
         out["ours_installed"] = ours is not eplb.DefaultEplbPolicy and issubclass(ours, eplb.AbstractEplbPolicy)
         first = checked(ours.rebalance_experts(weight, P, GROUPS, N, G, default_map))
         again = checked(ours.rebalance_experts(weight, P, GROUPS, N, G, default_map))
         out["repeatable"] = bool((first == again).all())
         call = EngineCall("vllm", load, P, G, N, GROUPS, default_map.numpy())
-        out["ours_equals_policy"] = bool((first == place(parse_spec("migration"), call)).all())
+        out["ours_equals_policy"] = bool((first == place(parse_spec("migration:always=1"), call)).all())
         out["file_map"] = bool((checked(load_with("file:" + file_path).rebalance_experts(weight, P, GROUPS, N, G, None)) == file_map).all())
         try:
             load_with("bogus")
@@ -418,7 +420,7 @@ def test_plugin_through_the_engine_loader(engine, tmp_path):
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT ") :])
     assert out == {**out, "unset_untouched": True, "ours_installed": True, "ours_equals_policy": True}
-    assert out["repeatable"] and out["file_map"]
+    assert out["repeatable"] and out["file_map"] and out.get("kept", True)
     assert "accepted specs" in out["bad_spec"] and "\n" not in out["bad_spec"]
 
 
@@ -472,3 +474,193 @@ def test_exact_declines_a_call_it_cannot_finish_within_its_budget():
     with pytest.raises(PolicyError, match="over its 2 s budget"):
         place(parse_spec("exact"), call)
     assert exact_seconds(58, 256) > 2 >= exact_seconds(6, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# From any map in service (issue 26), the rebalance rule, validation of every call (issue 25)
+# ---------------------------------------------------------------------------------------------
+def _colocated(load: np.ndarray, P: int = 48, G: int = 8, copies: int = 1) -> np.ndarray:
+    """Greedy's map with ``copies`` extra copies per layer written over another slot of the same GPU
+    (an expert that keeps another replica loses that slot): an engine-style map, int64 ``[L, P]``."""
+    rows = place(parse_spec("greedy"), EngineCall("vllm", load, P, G, 2, None, None)).copy()
+    S = P // G
+    for row in rows:
+        done = 0
+        for g in range(G):
+            a, b = row[g * S], row[g * S + 1]
+            if done < copies and a != b and (row == b).sum() >= 2:
+                row[g * S + 1], done = a, done + 1
+        assert done == copies
+    return rows
+
+
+def _shifted(seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    old = _skewed_load(seed) * 50
+    return old, old[:, np.random.default_rng(seed + 1).permutation(old.shape[1])]  # a domain shift
+
+
+def test_migration_starts_from_a_colocated_map_and_max_moves_is_a_hard_cap():
+    old, new = _shifted()
+    prev = _colocated(old, copies=2)  # 2 extra copies per layer: a repair of 12 slots in 6 layers
+    call = EngineCall("vllm", new, 48, 8, 2, None, prev)
+    fresh = place(parse_spec("migration:always=1"), EngineCall("vllm", new, 48, 8, 2, None, None))
+    free = place(parse_spec("migration:always=1"), call)
+    assert 12 <= (free != prev).sum() < (fresh != prev).sum()  # from the map in service, not from scratch
+    for M in (12, 40, 100):
+        out = place(parse_spec(f"migration:max_moves={M},always=1"), call)
+        assert (out != prev).sum() <= M
+        check_map(out, 32, 48, 8, 6)  # the co-located copies are repaired
+    with pytest.raises(ValueError, match="max_moves=11"):
+        place(parse_spec("migration:max_moves=11,always=1"), call)
+
+
+def test_a_repair_over_the_budget_falls_back_to_the_engine_with_a_reason(caplog):
+    torch = pytest.importorskip("torch")
+    old, new = _shifted()
+    prev = _colocated(old, copies=2)
+
+    class EngineDefault:
+        @classmethod
+        def rebalance_experts(cls, weight, num_replicas, num_groups, num_nodes, num_ranks, old=None):
+            return "engine default"
+
+    policy = vllm_plugin.policy_class(parse_spec("migration:max_moves=5"), EngineDefault)
+    weight = torch.from_numpy(new.astype(np.int32))
+    with caplog.at_level("WARNING"):
+        assert policy.rebalance_experts(weight, 48, 1, 2, 8, torch.from_numpy(prev)) == "engine default"
+    assert "needs at least 12 moved slot" in caplog.text and "max_moves=5" in caplog.text
+
+
+def test_a_rebalance_that_does_not_pay_keeps_the_map_in_service(caplog):
+    old, new = _shifted()
+    prev = _colocated(old)
+    call = EngineCall("vllm", new / 1000, 48, 8, 2, None, prev)  # a tiny window: no gain pays a copy
+    with caplog.at_level("INFO"):
+        kept = place(parse_spec("migration"), call)
+    assert (kept == prev).all() and kept.dtype == np.int64
+    assert "map in service kept (does not pay: gain" in caplog.text and "arrived experts" in caplog.text
+    moved = place(parse_spec("migration:always=1"), call)
+    assert (moved != prev).any()
+    big = EngineCall("vllm", new * 1000, 48, 8, 2, None, prev)  # a heavy window pays for the same copy
+    assert (place(parse_spec("migration"), big) != prev).any()
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (EngineCall("vllm", README_WEIGHT, 17, 8, 2, 4, None), "do not divide over 8 GPUs"),
+        (EngineCall("vllm", README_WEIGHT, 16, 0, 2, 4, None), "num_ranks"),
+        (EngineCall("vllm", np.ones(12), 16, 8, 2, 4, None), "layers, experts"),
+        (EngineCall("vllm", README_WEIGHT * np.nan, 16, 8, 2, 4, None), "finite"),
+        (EngineCall("vllm", np.ones((2, 20)), 16, 8, 2, 4, None), "do not fit"),
+        (EngineCall("vllm", README_WEIGHT, 16, 8, 2, 1.5, None), "num_groups"),
+    ],
+)
+def test_calls_are_validated_first(call, says):
+    with pytest.raises(PolicyError, match=says):
+        place(parse_spec("greedy"), call)
+
+
+def test_file_loads_are_bounded(tmp_path, monkeypatch):
+    from runtime_hooks.engine_plugins import policy
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    with pytest.raises(PolicyError, match="not a regular file"):  # would block on open
+        place(parse_spec(f"file:{fifo}"), _call())
+    with pytest.raises(PolicyError, match="not a regular file"):
+        place(parse_spec(f"file:{tmp_path}"), _call())
+    big = tmp_path / "bomb.yaml"
+    big.write_text("a: &a [x, x, x, x, x, x, x, x, x]\n" * 64)
+    monkeypatch.setattr(policy, "MAX_FILE_BYTES", 1024)
+    with pytest.raises(PolicyError, match="over the 1024-byte cap"):
+        place(parse_spec(f"file:{big}"), _call())
+
+
+def test_sglang_calls_it_cannot_answer_go_to_sglang_with_a_reason(caplog):
+    torch = pytest.importorskip("torch")
+    weight = torch.from_numpy(README_WEIGHT.astype(np.int32))[None]
+    seen = []
+
+    def original(**kw):
+        seen.append(kw["algorithm"])
+        return "engine"
+
+    class Unknown:
+        name = "deepseek_next"
+
+    class Ours:
+        name = "deepseek"
+
+    hook = sglang_plugin.make_hook(parse_spec("greedy"))
+    args = dict(tokens_per_expert=weight, num_groups=4, num_nodes=2)
+    with caplog.at_level("INFO"):
+        assert hook(original, num_physical_experts=16, num_local_physical_experts=2, algorithm=None, **args)
+        assert hook(
+            original, num_physical_experts=16, num_local_physical_experts=2, algorithm=Unknown, **args
+        )
+        assert hook(original, num_physical_experts=16, num_local_physical_experts=3, algorithm=Ours, **args)
+    assert "algorithm=None" in caplog.text and "unknown EPLB algorithm 'deepseek_next'" in caplog.text
+    assert "16 physical slots do not divide into 3" in caplog.text
+    assert seen[1:] == [Unknown, Ours]  # None became SGLang's own choice where SGLang is there
+
+
+def test_fallback_reasons_are_never_empty(caplog):
+    pytest.importorskip("torch")
+    from runtime_hooks.engine_plugins.spec import failure_reason
+
+    assert failure_reason(KeyError()) == "KeyError (no message)"
+    assert failure_reason(ValueError("a\nb")) == "ValueError: a b"
+
+    class EngineDefault:
+        @classmethod
+        def rebalance_experts(cls, *args):
+            return "engine default"
+
+    policy = vllm_plugin.policy_class(parse_spec("greedy"), EngineDefault)
+    with caplog.at_level("WARNING"):
+        assert policy.rebalance_experts(object(), 16, 4, 2, 8, None) == "engine default"
+    assert "failed (AttributeError" in caplog.text and "()" not in caplog.text
+
+
+@pytest.mark.parametrize("text", ["greedy", "exact:time_limit=1", "migration", "migration:max_moves=8"])
+def test_no_signal_handler_is_installed(text, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import signal
+
+    calls = []
+    monkeypatch.setattr(signal, "signal", lambda *args: calls.append(args))  # recorded, not raised:
+    old, new = _shifted()  # the hooks catch every exception
+    prev = place(parse_spec("greedy"), EngineCall("vllm", old, 48, 8, 2, None, None))
+
+    class EngineDefault:
+        @classmethod
+        def rebalance_experts(cls, *args):
+            return "engine default"
+
+    class Algorithm:
+        name = "deepseek"
+
+    weight = torch.from_numpy(new.astype(np.int32))
+    vllm_plugin.policy_class(parse_spec(text), EngineDefault).rebalance_experts(
+        weight, 48, 1, 2, 8, torch.from_numpy(prev)
+    )
+    sglang_plugin.make_hook(parse_spec(text))(
+        lambda **kw: "engine", tokens_per_expert=weight[None], num_physical_experts=48,
+        num_local_physical_experts=6, num_groups=None, num_nodes=2, algorithm=Algorithm,
+    )  # fmt: skip
+    assert calls == []
+
+
+def test_rule_options_parse():
+    spec = parse_spec("migration:max_moves=9,always=1,horizon=3,stall=0.2,expert_bytes=1e6")
+    assert (spec.max_moves, spec.always, spec.horizon, spec.stall, spec.expert_bytes) == (
+        9,
+        True,
+        3,
+        0.2,
+        1e6,
+    )
+    for bad in ("greedy:always=2", "migration:stall=1.5", "exact:horizon=0"):
+        with pytest.raises(SpecError, match="must be"):
+            parse_spec(bad)

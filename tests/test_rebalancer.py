@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -223,3 +224,39 @@ def test_the_dispatch_model_is_checked_and_reaches_the_solve_pipeline(monkeypatc
     new, report, _, _ = _resolve_job(load, current, {"max_moves": 4}, "local")
     assert seen == [("migration", "local", True)]
     assert int((new.physical_to_logical_map != current.physical_to_logical_map).sum()) <= 4
+
+
+def test_rebalance_rule_pays_only_past_its_margin():
+    import math
+
+    from runtime_hooks.rebalance_rule import RuleParams, break_even_steps, decide, transfer_seconds
+
+    p = RuleParams(seconds_per_assignment=1e-6, expert_bytes=1e6, bandwidth=1e9, latency=0.0, margin=1.5)
+    arrived = np.array([[2, 0], [1, 0]])  # [L, G]: 3 experts arrive on GPU 0
+    assert transfer_seconds(arrived, p) == pytest.approx(3e-3)  # the busiest GPU: 3 x 1 ms
+    now, new = np.array([5000.0, 5000.0]), np.array([3000.0, 5000.0])  # 2000 assignments saved: 2 ms
+    d = decide(now, new, arrived, p)
+    assert not d.rebalance and d.gain_s == pytest.approx(2e-3) and "does not pay" in d.reason
+    assert d.break_even_windows == pytest.approx(1.5) and d.arrived == 3 and d.busiest_gpu == 3
+    # inside the band (gain 1.2x the cost) it keeps; past 1.5x it switches; always overrides
+    assert not decide(now, new, arrived, replace(p, horizon=1.8)).rebalance
+    assert decide(now, new, arrived, replace(p, horizon=2.3)).rebalance
+    assert decide(now, new, arrived, replace(p, always=True)).rebalance
+    assert decide(now, new, arrived, replace(p, stall=0.3)).rebalance  # mostly overlapped copies
+    assert not decide(now, now + 1, arrived, replace(p, horizon=100)).rebalance  # worse never pays
+    assert break_even_steps(1.0, 0.0) == math.inf and break_even_steps(0.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="margin"):
+        RuleParams(margin=0.5)
+
+
+def test_rebalancer_gate_is_the_rule_and_counts_arrived_experts():
+    pop = _popularity(1)
+    placement = _placement_for(pop)
+    cfg = RebalancerConfig(window_size=20, step_interval=20, margin=1000.0)
+    with Rebalancer(placement, cfg) as reb:
+        for c in _steps(pop[::-1].copy(), 20, 4000, seed=2):
+            reb.observe(c)
+        assert reb.wait(timeout=60) is None  # a 1000x margin: the gain never clears the band
+    ev = reb.history[-1]
+    assert not ev.applied and "does not pay" in ev.reason and 0 < ev.arrived_experts <= ev.moved_slots
+    assert ev.break_even_steps > 0

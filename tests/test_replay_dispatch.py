@@ -108,3 +108,22 @@ def test_a_per_step_model_scores_a_counts_only_stream_from_the_step_counts():
     row = [r for r in res.rows if r["window"] == 1][0]
     assert row["par"] == pytest.approx(balance_stats(per_step.sum(axis=0)[None])["par"], rel=1e-12)
     assert row["step_par"] == pytest.approx(balance_stats(per_step)["par"], rel=1e-12)
+
+
+def test_replay_reports_the_break_even_interval(stream):
+    from runtime_hooks.replay import break_even
+
+    _, stream = stream
+    topo = Topology.from_redundant(stream.steps.shape[2], 8, 8)
+    res = replay(stream, topo, window_steps=8, policies=("greedy", "static"))
+    static, greedy = res.summary["static"], res.summary["greedy"]
+    assert static["break_even_steps"] is None and static["arrived_experts"] == 0  # it never moves
+    rows = [r for r in res.rows if r["policy"] == "greedy" and r["arrived_experts"] > 0]
+    cost = np.mean([r["rebalance_cost_s"] for r in rows])
+    saved = np.mean([r["saved_s_per_step"] for r in rows])
+    want = "never" if saved <= 0 else cost / saved
+    assert greedy["break_even_steps"] == (want if saved <= 0 else pytest.approx(want))
+    assert all(r["rebalance_cost_s"] > 0 for r in rows)
+    fake = [{"arrived_experts": 3, "rebalance_cost_s": 2.0, "saved_s_per_step": 0.5}]
+    assert break_even(fake) == 4.0
+    assert break_even([{**fake[0], "saved_s_per_step": -0.1}]) == "never"

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from placement.dispatch import SGLANG_STATIC, VLLM_HASH
-from runtime_hooks.engine_plugins.spec import PolicySpec
+from runtime_hooks.engine_plugins.spec import MAX_FILE_BYTES, PolicySpec
+from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 
 if TYPE_CHECKING:
     from placement.model import Placement
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENGINE_DISPATCH",
+    "ENGINE_HORIZON",
     "EngineCall",
     "PolicyError",
     "check_map",
@@ -42,12 +44,18 @@ __all__ = [
     "logical_maps",
     "migration_steps",
     "place",
+    "rebalance_verdict",
+    "rule_params",
+    "validate_call",
 ]
 
 log = logging.getLogger(__name__)
 
 ENGINE_DISPATCH = {"vllm": VLLM_HASH.name, "sglang": SGLANG_STATIC.name}  # each engine's replica choice
 _FILE_CACHE: dict[tuple, np.ndarray] = {}
+# Windows of load a new map serves before the next rebalance, by default: the engine's rebalance
+# interval over its load window (vLLM: step_interval 3000 / window_size 1000; SGLang: taken as 1).
+ENGINE_HORIZON = {"vllm": 3.0, "sglang": 1.0}
 # Migration search steps per second of budget. Measured at DeepSeek-V3 shape (58 x 256 -> 288 slots
 # on 32 ranks and 320 on 64) on the 2-core dev machine: 20-24 ns a step, so 2e7 steps take 0.4-0.5 s
 # per budget second and the rest of a call (full re-solve, alignment, checks: 0.3-0.6 s) fits too.
@@ -134,39 +142,108 @@ class EngineCall:
 
 
 def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
-    """The map our policy ``spec`` answers ``call`` with: int64 ``[L, P]``, checked by :func:`check_map`."""
-    w = np.asarray(call.load, dtype=np.float64)
-    if w.ndim != 2:
-        raise PolicyError(f"load must be [layers, experts], got shape {w.shape}")
+    """The map our policy ``spec`` answers ``call`` with: int64 ``[L, P]``.
+
+    Steps: validate the call -> the map in service as it is (co-located replicas allowed) -> solve
+    (``migration`` starts from that map; the solver repairs it and counts the repair toward
+    ``max_moves``) -> check -> the rebalance rule: with a map in service, a new map that does not pay
+    for its migration is dropped and the map in service is returned unchanged (``always=1``: never).
+    """
+    w = validate_call(call)
     topo = call.topology()
-    previous = _previous(call, topo, w.shape[1])
+    in_service = _previous(call, topo, w.shape[1])
     if spec.kind == "file":
         phy2log = _from_file(spec.path, call, topo, w.shape)
-    elif spec.kind == "migration" and previous is not None:
-        phy2log = _solve(spec, call, topo, w, previous)
     else:
-        if spec.kind == "migration":
-            log.info("moe_placement migration: no valid map in service; greedy from scratch instead")
-        phy2log = _solve(spec, call, topo, w, previous)
+        phy2log = _solve(spec, call, topo, w, in_service)
     phy2log = np.array(phy2log, dtype=np.int64, order="C")  # a writable copy the engine may own
     check_map(phy2log, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+    if in_service is not None and spec.kind != "file":
+        verdict = rebalance_verdict(spec, in_service, phy2log, w, call.engine)
+        if not verdict.rebalance:
+            log.info("moe_placement %s: map in service kept (%s)", spec.text, verdict.reason)
+            return np.array(in_service.physical_to_logical_map, dtype=np.int64, order="C")
+        log.info("moe_placement %s: rebalancing (%s)", spec.text, verdict.reason)
     return phy2log
 
 
+def rule_params(spec: PolicySpec, engine: str) -> RuleParams:
+    """The rebalance rule's constants for ``spec`` (its ``always``, ``horizon``, ``stall``,
+    ``expert_bytes``; else the rule's defaults, the horizon :data:`ENGINE_HORIZON`)."""
+    given = {"horizon": spec.horizon, "stall": spec.stall, "expert_bytes": spec.expert_bytes}
+    values = {k: float(v) for k, v in given.items() if v is not None}
+    values.setdefault("horizon", ENGINE_HORIZON[engine])
+    return RuleParams(always=spec.always, **values)
+
+
+def rebalance_verdict(
+    spec: PolicySpec, in_service: Placement, new_map: np.ndarray, load: np.ndarray, engine: str = "vllm"
+) -> Decision:
+    """The rule's verdict on switching from ``in_service`` to ``new_map [L, P]`` for the window
+    ``load [L, E]`` (the engine's window, split evenly over replicas: vLLM's hash in expectation; for
+    SGLang's static table an approximation)."""
+    from placement.churn import arrived_per_gpu
+    from placement.model import Placement
+
+    topo = in_service.topology
+    new = Placement(new_map, in_service.num_logical_experts, topo)
+    peak_now = gpu_peaks(in_service.physical_to_logical_map, load, topo.ep_size)  # [L]
+    peak_new = gpu_peaks(new_map, load, topo.ep_size)  # [L]
+    return decide(peak_now, peak_new, arrived_per_gpu(in_service, new), rule_params(spec, engine))
+
+
+def validate_call(call: EngineCall) -> np.ndarray:
+    """The call's load as float64 ``[L, E]``, or :class:`PolicyError` naming what the engine passed
+    that our policy cannot answer (the hook then runs the engine's own algorithm)."""
+    if call.engine not in ENGINE_DISPATCH:
+        raise PolicyError(f"unknown engine {call.engine!r}; expected one of {sorted(ENGINE_DISPATCH)}")
+    for name in ("num_physical", "num_ranks", "num_nodes"):
+        v = getattr(call, name)
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise PolicyError(f"{name} must be a positive integer, got {v!r}")
+    P, G = int(call.num_physical), int(call.num_ranks)
+    if P % G:
+        raise PolicyError(f"{P} physical slots do not divide over {G} GPUs")
+    try:
+        w = np.asarray(call.load, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"load is not numeric ({exc})") from None
+    if w.ndim != 2 or 0 in w.shape:
+        raise PolicyError(f"load must be [layers, experts], got shape {w.shape}")
+    if not np.all(np.isfinite(w)) or w.min() < 0:
+        raise PolicyError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    if w.shape[1] > P:
+        raise PolicyError(f"{w.shape[1]} experts do not fit on {P} physical slots")
+    groups = call.num_groups
+    if groups is not None and (
+        isinstance(groups, bool) or not isinstance(groups, (int, np.integer)) or groups < 1
+    ):
+        raise PolicyError(f"num_groups must be a positive integer or None, got {groups!r}")
+    return w
+
+
 def _previous(call: EngineCall, topo: Topology, E: int) -> Placement | None:
-    """The map in service as a valid ``Placement`` of the same shape, else None (logged at debug)."""
+    """The map in service as a ``Placement`` of the same shape, whatever it holds (two replicas of one
+    expert on one GPU included: the solvers repair it), else None: no map, another shape, an id
+    outside ``[0, E)`` (``-1``: an empty slot under elastic EP) or an expert on no slot (logged)."""
     from placement.model import Placement
 
     if call.previous is None:
         return None
-    prev = np.asarray(call.previous, dtype=np.int64)
-    if prev.shape != (call.load.shape[0], topo.num_physical_experts):
-        log.debug("map in service has shape %s, not [L, P]: ignored", prev.shape)
+    prev = np.asarray(call.previous)
+    if prev.shape != (call.load.shape[0], topo.num_physical_experts) or not np.issubdtype(
+        prev.dtype, np.integer
+    ):
+        log.info(
+            "moe_placement: map in service is %s %s, not int [L, P]: placed from scratch",
+            prev.dtype,
+            prev.shape,
+        )
         return None
     try:
-        return Placement(prev, E, topo)
-    except ValueError as exc:  # empty slots (-1), a missing expert, co-located replicas
-        log.debug("map in service is not a valid placement (%s): ignored", exc)
+        return Placement(prev.astype(np.int64), E, topo, allow_colocated_replicas=True)
+    except ValueError as exc:  # empty slots (-1), a missing expert
+        log.info("moe_placement: map in service is not a placement (%s): placed from scratch", exc)
         return None
 
 
@@ -177,7 +254,7 @@ def _solve(
     int64 ``[L, P]``."""
     from placement.dispatch import get_dispatch
     from solver.api import make_options, run
-    from solver.migration_slots import keep_slots_batched
+    from solver.migration_slots import keep_slots_batched, repair_colocated
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
@@ -192,6 +269,9 @@ def _solve(
             )
         name, values = "cpsat", {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
     elif spec.kind == "migration" and previous is not None:
+        # from the map in service whatever it holds: co-located replicas are repaired by the solver
+        # (one moved slot each), counted toward max_moves (a hard cap: ValueError when the repair alone
+        # exceeds it, and the engine's algorithm answers)
         values = {
             "method": "incremental",
             "max_moves": spec.max_moves,
@@ -203,6 +283,8 @@ def _solve(
         }
         name = "migration"
     else:
+        if spec.kind == "migration":
+            log.info("moe_placement migration: no map in service; greedy from scratch instead")
         name, values = "greedy", {}
     fit = fit_options(spec.time_limit, w.shape[0], w.shape[1], topo.ep_size)
     if not fit.enabled and get_dispatch(problem.dispatch).table:
@@ -218,9 +300,16 @@ def _solve(
         level = logging.WARNING if wall_cut else logging.DEBUG
         log.log(level, "moe_placement %s: %s", spec.text, note)
     if previous is not None and name != "migration" and result.fit is None:
-        # experts staying on a GPU keep their slot (not after a fit: slot order decides a table's draws)
-        placement = keep_slots_batched(placement, previous)
-    return placement.physical_to_logical_map
+        # experts staying on a GPU keep their slot (not after a fit: slot order decides a table's draws);
+        # against the cheapest repair of a map with co-located replicas
+        valid = repair_colocated(previous, w)[0] if previous.allow_colocated_replicas else previous
+        placement = keep_slots_batched(placement, valid)
+    phy2log = placement.physical_to_logical_map
+    if name == "migration" and spec.max_moves is not None:
+        moved = int((phy2log != previous.physical_to_logical_map).sum())
+        if moved > spec.max_moves:  # the solver asserts this too; never hand the engine more
+            raise PolicyError(f"migration moved {moved} slots, over max_moves={spec.max_moves}")
+    return phy2log
 
 
 def _from_file(path: str, call: EngineCall, topo: Topology, shape: tuple[int, int]) -> np.ndarray:
@@ -228,7 +317,7 @@ def _from_file(path: str, call: EngineCall, topo: Topology, shape: tuple[int, in
     from placement.formats import read_placement
 
     L, E = shape
-    stat = os.stat(path)
+    stat = _file_stat(path)
     key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, call.engine, L, E, topo)
     if key not in _FILE_CACHE:
         placement = read_placement(
@@ -237,6 +326,24 @@ def _from_file(path: str, call: EngineCall, topo: Topology, shape: tuple[int, in
         _FILE_CACHE[key] = _engine_rows(placement, call.engine, L, E, topo.num_physical_experts)
         log.info("moe_placement file:%s: %d layers x %d slots", path, L, topo.num_physical_experts)
     return _FILE_CACHE[key]
+
+
+def _file_stat(path: str) -> os.stat_result:
+    """``os.stat`` of a placement file we may read: a regular file (no FIFO, device or folder, which
+    could block or never end) of at most :data:`MAX_FILE_BYTES`; else :class:`PolicyError`."""
+    import stat as st
+
+    try:
+        info = os.stat(path)
+    except OSError as exc:
+        raise PolicyError(f"file:{path}: cannot stat ({exc.strerror or exc})") from None
+    if not st.S_ISREG(info.st_mode):
+        raise PolicyError(f"file:{path}: not a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise PolicyError(
+            f"file:{path}: {info.st_size} bytes, over the {MAX_FILE_BYTES}-byte cap of a placement file"
+        )
+    return info
 
 
 def _engine_rows(placement: Placement, engine: str, L: int, E: int, P: int) -> np.ndarray:

@@ -17,6 +17,11 @@ Differences from vLLM: SGLang passes no map in service, so ``migration`` reads t
 global ``ExpertLocationMetadata`` (none at start-up: greedy then); the ``elasticity_aware``
 algorithms (which depend on the live ranks) are left to SGLang. SGLang logs and swallows a plugin's
 exception, so a bad spec stops the process with ``SystemExit`` and a one-line message instead.
+
+Every call is validated first (:func:`_declined`, then
+:func:`runtime_hooks.engine_plugins.policy.validate_call`): ``algorithm=None`` or an algorithm we do
+not know, slots that do not divide into the slots per GPU, a load that is not counts; each is answered
+by SGLang's own algorithm with a logged, non-empty reason. Nothing here installs a signal handler.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import logging
 import time
 from typing import Any
 
-from runtime_hooks.engine_plugins.spec import PolicySpec, SpecError, spec_from_env
+from runtime_hooks.engine_plugins.spec import PolicySpec, SpecError, failure_reason, spec_from_env
 
 __all__ = ["TARGET", "make_hook", "register"]
 
@@ -49,25 +54,65 @@ def register() -> None:
     log.info("moe_placement: SGLang EPLB rebalance_experts is now %s", spec.text)
 
 
+# SGLang's EplbAlgorithm members our policy answers; elasticity-aware ones stay SGLang's (live ranks)
+OURS = ("deepseek", "deepseek_hierarchical", "deepseek_vec", "deepseek_vec_hierarchical")
+ENGINE_ONLY = ("elasticity_aware", "elasticity_aware_hierarchical")
+
+
 def make_hook(spec: PolicySpec):
-    """The AROUND hook ``hook(original, **engine_arguments)``: ours, or ``original`` on any failure."""
+    """The AROUND hook ``hook(original, **engine_arguments)``: ours, or SGLang's own algorithm (with
+    a logged, non-empty reason) on any call we do not answer or any failure."""
 
     def moe_placement_rebalance(original, *args: Any, **kwargs: Any) -> Any:
         try:
             bound = _bind(*args, **kwargs)
         except TypeError as exc:
-            log.warning("moe_placement: unexpected SGLang call (%s); SGLang's algorithm used", exc)
+            why = failure_reason(exc)
+            log.warning("moe_placement: unexpected SGLang call (%s); SGLang's algorithm used", why)
             return original(*args, **kwargs)
-        if bound["algorithm"].name.startswith("elasticity_aware"):
-            log.info("moe_placement: elasticity-aware EPLB left to SGLang (it depends on the live ranks)")
-            return original(*args, **kwargs)
+        why = _declined(bound)
+        if why:
+            log.info("moe_placement %s: %s; SGLang's EPLB algorithm used", spec.text, why)
+            return _engine(original, bound)
         try:
             return _ours(spec, **bound)
-        except Exception as exc:
-            log.warning("moe_placement %s failed (%s); SGLang's EPLB algorithm used", spec.text, exc)
-            return original(*args, **kwargs)
+        except Exception as exc:  # every failure, named, answered by SGLang's own algorithm
+            why = failure_reason(exc)
+            log.warning("moe_placement %s failed (%s); SGLang's EPLB algorithm used", spec.text, why)
+            return _engine(original, bound)
 
     return moe_placement_rebalance
+
+
+def _declined(bound: dict[str, Any]) -> str:
+    """Why our policy does not answer this call (empty: it does). Checked before anything runs."""
+    name = getattr(bound["algorithm"], "name", None)
+    if not isinstance(name, str):
+        return f"algorithm={bound['algorithm']!r} is not an EplbAlgorithm"
+    if name in ENGINE_ONLY:
+        return f"{name} is left to SGLang (it depends on the live ranks)"
+    if name not in OURS:
+        return f"unknown EPLB algorithm {name!r} (ours answers {', '.join(OURS)})"
+    P, S = bound["num_physical_experts"], bound["num_local_physical_experts"]
+    for label, v in (("num_physical_experts", P), ("num_local_physical_experts", S)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            return f"{label}={v!r} is not a positive integer"
+    if P % S:
+        return f"{P} physical slots do not divide into {S} slots per GPU"
+    return ""
+
+
+def _engine(original, bound: dict[str, Any]) -> Any:
+    """SGLang's own algorithm on the call; without a valid algorithm, the one SGLang picks itself
+    (``compute_algorithm("auto", ...)``), so the engine never gets our error."""
+    if not isinstance(getattr(bound["algorithm"], "name", None), str):
+        try:
+            from sglang.srt.eplb.eplb_algorithms import compute_algorithm
+
+            bound = {**bound, "algorithm": compute_algorithm("auto", bound["num_groups"], bound["num_nodes"])}
+        except Exception as exc:  # no SGLang (offline use): pass the call through unchanged
+            log.debug("moe_placement: SGLang's auto algorithm unavailable (%s)", failure_reason(exc))
+    return original(**bound)
 
 
 def _bind(
@@ -109,7 +154,7 @@ def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
         num_ranks=P // S,
         num_nodes=int(bound["num_nodes"]),
         num_groups=bound["num_groups"] if hierarchical else None,
-        previous=_map_in_service() if spec.kind == "migration" else None,
+        previous=_map_in_service() if spec.kind != "file" else None,  # the rule compares with it
         dispatch=SGLANG_STATIC.name,  # maps are fitted for SGLang's static table
     )
     phy2log = place(spec, call)  # [L, P]

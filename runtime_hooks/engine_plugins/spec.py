@@ -10,7 +10,14 @@ Specs (one line each in :data:`ACCEPTED`):
 - ``migration[:max_moves=M][,time_limit=S]``: re-place from the map in service, at most ``M`` moved
   slots over all layers (default: no budget), the search bounded by a work limit (steps) sized to
   finish in about ``S`` seconds (default 2) at DeepSeek-V3 shape.
-- ``file:PATH``: the placement in ``PATH`` (any format :func:`placement.formats.read_placement` reads).
+- ``file:PATH``: the placement in ``PATH`` (any format :func:`placement.formats.read_placement` reads;
+  a regular file of at most :data:`MAX_FILE_BYTES`).
+
+With a map in service, ``greedy``, ``exact`` and ``migration`` switch to their new map only when the
+predicted gain pays for the migration (:mod:`runtime_hooks.rebalance_rule`); the rule's options,
+accepted by all three: ``always=1`` (rebalance whenever anything moves), ``horizon=H`` (windows of
+the same load the new map serves, default 1), ``stall=F`` (share of the copy serving waits for,
+default 1), ``expert_bytes=B`` (one expert's weight bytes in one layer, default DeepSeek-V3 FP8).
 - ``locality``: refused. It needs per-token routing (top-k ids); the engines hand their balancer
   expert counts only. Solve offline (``moe-placement solve --solver locality``) and serve the file.
 
@@ -24,13 +31,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["ACCEPTED", "ENV_VAR", "PolicySpec", "SpecError", "parse_spec", "spec_from_env"]
+__all__ = [
+    "ACCEPTED",
+    "ENV_VAR",
+    "MAX_FILE_BYTES",
+    "PolicySpec",
+    "SpecError",
+    "failure_reason",
+    "parse_spec",
+    "spec_from_env",
+]
 
 ENV_VAR = "MOE_PLACEMENT_EPLB"
-ACCEPTED = "greedy[:time_limit=S], exact[:time_limit=S], migration[:max_moves=M][,time_limit=S], file:PATH"
+ACCEPTED = (
+    "greedy[:time_limit=S], exact[:time_limit=S], migration[:max_moves=M][,time_limit=S], file:PATH; "
+    "greedy/exact/migration also take always=1, horizon=H, stall=F, expert_bytes=B"
+)
 DEFAULT_TIME_LIMIT = 2.0
+MAX_FILE_BYTES = 64 << 20  # a placement file larger than this is refused (DeepSeek-V3's is ~0.2 MB)
 
-_OPTIONS = {"greedy": ("time_limit",), "exact": ("time_limit",), "migration": ("max_moves", "time_limit")}
+_RULE = ("always", "horizon", "stall", "expert_bytes")
+_OPTIONS = {
+    "greedy": ("time_limit", *_RULE),
+    "exact": ("time_limit", *_RULE),
+    "migration": ("max_moves", "time_limit", *_RULE),
+}
 
 
 class SpecError(ValueError):
@@ -48,6 +73,9 @@ class PolicySpec:
             work limit (search steps); neither is cut by the wall clock (ranks would then disagree).
         max_moves: migration's total moved-slot budget over all layers (None: none).
         path: the placement file of ``file:PATH``.
+        always: switch to every new map that moves something (the rule's figures still logged).
+        horizon, stall, expert_bytes: the rebalance rule's
+            (:class:`runtime_hooks.rebalance_rule.RuleParams`); None: the rule's default.
     """
 
     kind: Literal["greedy", "exact", "migration", "file"]
@@ -55,21 +83,35 @@ class PolicySpec:
     time_limit: float = DEFAULT_TIME_LIMIT
     max_moves: int | None = None
     path: str = ""
+    always: bool = False
+    horizon: float | None = None
+    stall: float | None = None
+    expert_bytes: float | None = None
 
 
 def _fail(text: str, why: str) -> SpecError:
     return SpecError(f"{ENV_VAR}={text!r}: {why}; accepted specs: {ACCEPTED}")
 
 
+_INTEGER = ("max_moves", "always")
+_CHECKS = {  # key: (accepts the value, what it must be)
+    "max_moves": (lambda v: v >= 0, ">= 0"),
+    "always": (lambda v: v in (0, 1), "0 or 1"),
+    "time_limit": (lambda v: 0 < v < float("inf"), "> 0 seconds"),
+    "horizon": (lambda v: 0 < v < float("inf"), "> 0 windows"),
+    "stall": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "expert_bytes": (lambda v: 0 < v < float("inf"), "> 0 bytes"),
+}
+
+
 def _number(text: str, key: str, raw: str) -> float | int:
     try:
-        value: float | int = int(raw) if key == "max_moves" else float(raw)
+        value: float | int = int(raw) if key in _INTEGER else float(raw)
     except ValueError:
         raise _fail(text, f"{key} must be a number, got {raw!r}") from None
-    if key == "max_moves" and value < 0:
-        raise _fail(text, f"max_moves must be >= 0, got {value}")
-    if key == "time_limit" and not (0 < value < float("inf")):
-        raise _fail(text, f"time_limit must be > 0 seconds, got {raw!r}")
+    accepts, must = _CHECKS[key]
+    if not accepts(value):
+        raise _fail(text, f"{key} must be {must}, got {raw!r}")
     return value
 
 
@@ -106,7 +148,15 @@ def parse_spec(text: str) -> PolicySpec:
     if kind not in _OPTIONS:
         raise _fail(text, f"unknown policy {kind!r}")
     values = _options(text, kind, rest)
+    if "always" in values:
+        values["always"] = bool(values["always"])
     return PolicySpec(kind, spec, **values)  # type: ignore[arg-type]
+
+
+def failure_reason(exc: BaseException) -> str:
+    """A one-line, never empty reason for a log line: the exception's message, else its type."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else f"{type(exc).__name__} (no message)"
 
 
 def spec_from_env(environ: Mapping[str, str] | None = None) -> PolicySpec | None:

@@ -11,8 +11,13 @@ num_ranks G, old_global_expert_indices int64 [L, P] CPU or None)`` returns ``phy
 ``[L, P]`` on CPU. Every rank calls it on the all-reduced load and nothing broadcasts the result.
 
 With ``MOE_PLACEMENT_EPLB`` unset nothing is touched. A bad spec raises :class:`SpecError` (vLLM lets
-a plugin's exception stop the start). Any failure inside a rebalance is logged and answered by
-vLLM's own default policy.
+a plugin's exception stop the start). Every call is validated first
+(:func:`runtime_hooks.engine_plugins.policy.validate_call`: slots that do not divide over the ranks, a
+load that is not ``[L, E]`` finite counts); any failure inside a rebalance is logged with a non-empty
+reason and answered by vLLM's own default policy. The map in service (``old_global_expert_indices``)
+is the migration's start whatever it holds (vLLM's own map may hold two replicas of one expert on one
+GPU); a new map that does not pay for its migration is dropped and the map in service returned
+(:mod:`runtime_hooks.rebalance_rule`). Nothing here installs a signal handler.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import logging
 import time
 from typing import Any
 
-from runtime_hooks.engine_plugins.spec import PolicySpec, spec_from_env
+from runtime_hooks.engine_plugins.spec import PolicySpec, failure_reason, spec_from_env
 
 __all__ = ["register"]
 
@@ -60,8 +65,9 @@ def policy_class(spec: PolicySpec, engine_default: type) -> type:
         args = (weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
         try:
             return _ours(spec, *args)
-        except Exception as exc:
-            log.warning("moe_placement %s failed (%s); vLLM's default EPLB policy used", spec.text, exc)
+        except Exception as exc:  # every failure, named, answered by vLLM's own policy
+            why = failure_reason(exc)
+            log.warning("moe_placement %s failed (%s); vLLM's default EPLB policy used", spec.text, why)
             return engine_default.rebalance_experts(*args)
 
     attrs = {
