@@ -108,6 +108,8 @@ def _spread_layer(placement: Placement, layer: int, load: np.ndarray) -> np.ndar
         allowed = (free > 0) & ~holds[:, e]
         fresh = allowed & ~np.repeat(node_has, m)
         pool = fresh if fresh.any() else allowed
+        if not pool.any():  # the heaviest-first packing painted itself into a corner: keep the layer
+            return placement.physical_to_logical_map[layer].copy()
         g = int(np.flatnonzero(pool)[np.argmin(gpu_load[pool])])
         slots[g].append(int(e))
         holds[g, e] = True

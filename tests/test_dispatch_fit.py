@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from placement.metrics import rank_expert_counts, rank_gpu_load
+from placement.model import Placement
 from placement.topology import Topology
 from profiling.synthetic import synthetic_trace
 from solver.dispatch_fit import fit_for_dispatch, spread_over_nodes
@@ -88,3 +89,14 @@ def test_search_replays_the_same_draws_as_the_dispatch_model():
         table, states = _draw(states, row, 8, TOPO)
         tables.append(table)
     assert np.array_equal(np.stack(tables, axis=1)[:, [1, 3, 4]], sglang_static_tables(pl))
+
+
+def test_spreading_keeps_a_layer_it_cannot_pack():
+    """The heaviest-first spread can run out of GPUs that lack an expert (here the last replica of
+    expert 3 or 1 finds only its own GPU free); the layer is then kept as it was, never broken."""
+    topo = Topology.from_redundant(6, 2, ep_size=2, num_nodes=2)  # 8 slots, 4 per GPU
+    p2l = np.array([[0, 4, 3, 1, 3, 1, 5, 2]])
+    pl = Placement(p2l, 6, topo)
+    load = np.array([[6.67, 0.34, 0.43, 0.97, 56.22, 0.26]])
+    out = spread_over_nodes(pl, load)
+    np.testing.assert_array_equal(out.physical_to_logical_map, p2l)
