@@ -36,7 +36,7 @@ __all__ = [
 # Built-in subcommands, in the order ``--help`` lists them.
 _COMMANDS = (inspect_trace, solve, evaluate, convert, demo)
 # Subcommands owned by optional modules: each exposes add_parser(subparsers) and run(args).
-_EXTENSIONS = ("cli.profile", "cli.validate", "cli.layout", "cli.serve_demo")
+_EXTENSIONS = ("cli.profile", "cli.validate", "cli.layout", "cli.serve_demo", "cli.advise")
 
 
 def build_parser() -> argparse.ArgumentParser:

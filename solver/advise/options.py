@@ -1,0 +1,157 @@
+"""What ``advise`` is asked: the frozen :class:`AdviseOptions`, the engines it knows (read from the
+dispatch registry), and which model the cost side uses for a trace.
+
+Shapes: L MoE layers, E logical experts, G EP ranks (GPUs), r redundant slots per GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from placement.dispatch import DISPATCH, DispatchModel
+from profiling.trace import RoutingTrace
+from solver.planner.modelspec import BUILTIN_MODELS, ModelSpec, load_model
+
+__all__ = [
+    "AUTO_MODEL",
+    "AdviseOptions",
+    "engine_dispatches",
+    "engine_flag_value",
+    "engine_names",
+    "resolve_model",
+    "runtime_step_dispatches",
+]
+
+AUTO_MODEL = "auto"
+_FLAG_RE = re.compile(r"--ep-dispatch-algorithm (\w+)")
+
+
+def engine_names() -> tuple[str, ...]:
+    """Engines with a registered dispatch model, lower case (``sglang``, ``vllm``), registry order."""
+    out: list[str] = []
+    for m in DISPATCH.values():
+        if m.engine and m.engine.lower() not in out:
+            out.append(m.engine.lower())
+    return tuple(out)
+
+
+def engine_dispatches(engine: str) -> tuple[DispatchModel, ...]:
+    """The dispatch models of ``engine`` (its EPLB options), in registry order."""
+    return tuple(m for m in DISPATCH.values() if m.engine.lower() == engine.lower())
+
+
+def runtime_step_dispatches() -> tuple[DispatchModel, ...]:
+    """Per-step models our own runtime executes (``balanced`` when registered): no engine runs them."""
+    return tuple(m for m in DISPATCH.values() if not m.engine and m.runtime and m.needs_step_counts)
+
+
+def engine_flag_value(model: DispatchModel) -> str | None:
+    """The value of SGLang's ``--ep-dispatch-algorithm`` a model stands for (read from its ``models``)."""
+    hit = _FLAG_RE.search(model.models)
+    return hit.group(1) if hit else None
+
+
+@dataclass(frozen=True)
+class AdviseOptions:
+    """Every knob of one advice run.
+
+    Attributes:
+        engine: one of :func:`engine_names` (``sglang``, ``vllm``).
+        nodes / gpus_per_node: the cluster; ``G = nodes x gpus_per_node`` EP ranks.
+        decode_batch: tokens per rank per decode step (also the per-step PAR's batch).
+        prefill_chunk: tokens per rank per prefill step (capped by the held-out tokens).
+        redundant_per_gpu: the redundant slots per GPU compared (``r``).
+        context_len: cached tokens per decode sequence (memory side).
+        windows: windows the drift is measured over (window ``i`` fit, ``i + 1`` scored).
+        move_fractions: migration budgets, as fractions of a full re-placement's moved slots
+            (1.0 is the unbudgeted re-placement).
+        solver: our solver (``greedy`` keeps the advice deterministic; the pipeline fits it for
+            table dispatch models).
+        fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
+        quick: fewer prompts (``quick_prompts``), fewer options and budgets; for notebooks and tests.
+        hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
+    """
+
+    engine: str
+    nodes: int
+    gpus_per_node: int = 8
+    decode_batch: int = 64
+    prefill_chunk: int = 8192
+    redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
+    context_len: int = 4096
+    windows: int = 8
+    move_fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
+    solver: str = "greedy"
+    fit_steps: int = 60
+    fit_dealings: int = 16
+    quick: bool = False
+    quick_prompts: int = 300
+    seed: int = 0
+    hardware_calibrated: bool = False
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.engine.lower() not in engine_names():
+            raise ValueError(f"unknown engine {self.engine!r}; use one of {', '.join(engine_names())}")
+        for name in ("nodes", "gpus_per_node", "decode_batch", "prefill_chunk", "context_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        r = tuple(self.redundant_per_gpu)
+        if not r or min(r) < 0 or len(set(r)) != len(r):
+            raise ValueError(f"redundant_per_gpu must be distinct integers >= 0, got {list(r)}")
+        if self.windows < 2:
+            raise ValueError(f"windows must be >= 2 (drift compares window i with i + 1), got {self.windows}")
+        if not self.move_fractions or any(not 0 <= f <= 1 for f in self.move_fractions):
+            raise ValueError(f"move_fractions must lie in [0, 1], got {list(self.move_fractions)}")
+        object.__setattr__(self, "engine", self.engine.lower())
+        object.__setattr__(self, "redundant_per_gpu", tuple(sorted(int(x) for x in r)))
+
+    @property
+    def ep_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @classmethod
+    def quick_form(cls, engine: str, nodes: int, **kw) -> AdviseOptions:
+        """The ``--quick`` settings: 300 prompts, 0 and 2 redundant slots, 4 windows, 3 budgets."""
+        base = dict(
+            redundant_per_gpu=(0, 2),
+            windows=4,
+            move_fractions=(0.0, 0.25, 1.0),
+            fit_steps=15,
+            fit_dealings=4,
+            quick=True,
+        )
+        base.update(kw)
+        return cls(engine=engine, nodes=nodes, **base)
+
+
+def resolve_model(spec: str, trace: RoutingTrace) -> tuple[ModelSpec, bool, str | None]:
+    """The cost-side model for ``trace``: ``(model, exact, assumption)``.
+
+    ``auto`` picks the built-in model with the trace's expert count, top-k and layer count. A model
+    whose expert count or top-k differs is used for the cost and memory side only (``exact`` False):
+    balance always comes from the trace's own experts, never from experts mapped onto the model's.
+    """
+    E, k, L = trace.num_logical_experts, trace.top_k, trace.num_layers
+    if spec.lower() == AUTO_MODEL:
+        for name in BUILTIN_MODELS:
+            m = load_model(name)
+            if (m.num_logical_experts, m.top_k, m.num_moe_layers) == (E, k, L):
+                return m, True, None
+        raise ValueError(
+            f"--model auto: no built-in model has the trace's {E} experts, top-{k} and {L} MoE layers; "
+            f"name one of {', '.join(BUILTIN_MODELS)} or a model JSON"
+        )
+    model = load_model(spec)
+    if (model.num_logical_experts, model.top_k) == (E, k):
+        return model, True, None
+    why = (
+        f"the trace has {E} experts (top-{k}, {L} layers), {model.name} has {model.num_logical_experts} "
+        f"(top-{model.top_k}, {model.num_moe_layers} MoE layers): balance (PAR) is measured on the trace's "
+        f"own {E} experts; {model.name} is used only for step time and memory, with the trace's PAR applied "
+        f"to its per-GPU load and its {model.num_moe_layers} layers (not exact; use --model auto or a "
+        f"model with {E} experts for exact figures)"
+    )
+    return model, False, why
