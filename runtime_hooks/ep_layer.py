@@ -17,15 +17,20 @@ S = slots per rank, G = ranks, n = picks sent by this rank, m = picks received b
 
 Replica selection is :func:`placement.metrics.route_tokens` ported to torch (:func:`route_slots`,
 tested equal): pick ``j`` of the token with global index ``t`` takes replica ``(t + j) mod c`` of its
-tier (own rank, own node, any: ``local``; any: ``even``). The dispatch models the runtime executes
-are those :mod:`placement.dispatch` marks ``runtime`` (:func:`runtime_dispatch` checks a name). Hence the picks each rank computes are exactly
-``placement.metrics.routed_gpu_tokens`` of the same ids, policy and token indices.
+tier (own rank, own node, any: ``local``; any: ``even``). ``balanced`` splits each step's picks by the
+quotas every rank computes from the all-gathered counts (:class:`runtime_hooks.step_dispatch.StepDispatch`,
+one small collective per forward; ``forward`` is then one step). The dispatch models the runtime
+executes are those :mod:`placement.dispatch` marks ``runtime`` (:func:`runtime_dispatch` checks a
+name). Hence the picks each rank computes are exactly ``placement.metrics.routed_gpu_tokens`` of the
+same ids, policy and token indices (``balanced``: the model's ``step_load`` of the step's counts).
 
 Public API (used by :mod:`runtime_hooks.validate`, the benchmark and the online rebalancer)::
 
     layer = EPMoELayer(placement, layer_index, weights, policy=EVEN.name)  # inside a launched rank
     y = layer.forward(x, topk_ids, topk_weights, token_index)            # one step (replayed ids)
     layer.last_tokens_processed                                          # picks computed this step
+    layer.last_slot_tokens                                               # [S] of them per local slot
+    layer.step                                                           # StepDispatch or None
     result = layer.migrate_to(new_placement, timeout=10.0)               # -> MigrationResult
     layer.slot_checksums()                                               # [S] content hashes
 
@@ -44,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from placement.dispatch import EVEN, LOCAL, DispatchModel, dispatch_names, get_dispatch
+from placement.dispatch import BALANCED, EVEN, LOCAL, DispatchModel, dispatch_names, get_dispatch
 from placement.model import Placement
 
 __all__ = [
@@ -232,6 +237,11 @@ def route_slots(
         int64 ``[T, k]`` slot ids, -1 where the id was -1.
     """
     model = runtime_dispatch(policy)
+    if model is BALANCED:
+        raise ValueError(
+            f"dispatch model {model.name!r} splits each step by the counts of every rank; route it with "
+            f"runtime_hooks.step_dispatch.StepDispatch (collective), not route_slots"
+        )
     if model is not EVEN and model is not LOCAL:
         raise ValueError(
             f"dispatch model {model.name!r} is marked runtime but route_slots has no rule for it"
@@ -328,6 +338,7 @@ class EPMoELayer:
         self.migration_epoch = 0
         self.last_tokens_processed = 0
         self.tokens_processed_total = 0
+        self.last_slot_tokens = torch.zeros(0, dtype=torch.int64)
         self._set_placement(placement.select_layers([layer]))
         S = self.slots_per_gpu
         local = self.placement.physical_to_logical_map[0, self.rank * S : (self.rank + 1) * S]  # [S]
@@ -341,6 +352,11 @@ class EPMoELayer:
         self.placement = placement
         self.slots_per_gpu = placement.topology.slots_per_gpu
         self.tables = build_routing_tables(placement, 0, self.device)
+        self.step = None  # per-step quotas, rebuilt for every placement (after a migration too)
+        if self.policy == BALANCED.name:
+            from runtime_hooks.step_dispatch import StepDispatch
+
+            self.step = StepDispatch(placement, self.device, self.group)
 
     @property
     def local_experts(self) -> np.ndarray:
@@ -415,7 +431,10 @@ class EPMoELayer:
         ids = topk_ids.to(dev).long()
         if token_index is None:
             token_index = self.rank * T + torch.arange(T, device=dev)
-        slots = route_slots(self.tables, ids, token_index.to(dev), self.rank, self.policy)  # [T, k]
+        if self.step is not None:
+            slots = self.step.slots(ids)  # [T, k] this step's quotas (collective)
+        else:
+            slots = route_slots(self.tables, ids, token_index.to(dev), self.rank, self.policy)  # [T, k]
         return exchange(
             x, slots, topk_weights.to(dev), self.slots_per_gpu, self._compute_received, self.group
         )
@@ -424,6 +443,7 @@ class EPMoELayer:
         """Picks this rank received: ``x [m, d]``, ``local_slot`` int64 ``[m]`` -> ``[m, d]``; counts them."""
         y = self.expert_compute(x, local_slot)  # [m, d]
         m = int(x.shape[0])
+        self.last_slot_tokens = torch.bincount(local_slot.cpu(), minlength=self.slots_per_gpu)  # [S]
         if self.simulated_seconds_per_token > 0 and m:
             time.sleep(self.simulated_seconds_per_token * m)
         self.last_tokens_processed = m

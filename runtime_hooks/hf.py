@@ -26,7 +26,10 @@ Routing: pick ``j`` of the token with global index ``t`` goes to the replica tha
 ``runtime``: :func:`runtime_hooks.ep_layer.runtime_dispatch`), through
 :func:`runtime_hooks.ep_layer.route_slots` (its torch port). Global indices number the tokens of one
 experts call rank by rank (rank 0's tokens first), continuing across calls, so a trace of the recorded
-ids in that order replays the same choices. Picks travel through the shared
+ids in that order replays the same choices. Under ``balanced`` one experts call of a layer is one step:
+the ranks all-gather their counts per expert and split each expert's picks by the step's quotas
+(:class:`runtime_hooks.step_dispatch.StepDispatch`, built once per placement row and rebuilt after a
+migration; it replaces the gather of token counts the rotation needs). Picks travel through the shared
 :func:`runtime_hooks.exchange.exchange` (``all_to_all_single``, uneven splits) and come back weighted,
 summed over ``K`` like transformers' own forwards (``[T, K, H].sum(1)``).
 
@@ -37,6 +40,8 @@ Public API::
     logits = model(input_ids).logits                                           # every rank, lockstep
     slot_token_counts(model)  # int64 [L, S] picks this rank's slots computed
     recorded_ids(model)       # per layer, the top-k ids of each call, when record=True
+    step_quota_tokens(model)  # balanced, record=True: int64 [L, P] the numpy quotas of the recorded steps
+    balanced_collective(model, repeats)  # balanced: ([L] median us per counts all-gather, bytes per call)
 
 Inference only (no autograd through the exchange). Every rank must call the model the same number of
 times (the exchange is collective); a rank with no tokens passes an empty batch.
@@ -52,19 +57,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from placement.dispatch import EVEN
+from placement.dispatch import BALANCED, EVEN
 from placement.model import Placement
 
 __all__ = [
     "IMPLEMENTATION",
     "AppliedPlacement",
     "apply_placement_to_model",
+    "balanced_collective",
     "expert_bytes",
     "moe_experts",
     "match_layers",
     "recorded_ids",
     "served_placement",
     "slot_token_counts",
+    "step_quota_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -119,6 +126,9 @@ class _SlotState:
     tokens_seen: int = 0  # global tokens of earlier calls (rotation offset)
     record: bool = False
     ids: list = field(default_factory=list)  # int64 [T, K] per call, when recording
+    step: object = None  # step_dispatch.StepDispatch of ``placement`` (balanced), built at the first call
+    timer: object = None  # step_dispatch.CollectiveTimer kept across migrations (balanced)
+    steps: list = field(default_factory=list)  # (row, counts [E] tensor) per call, balanced and recording
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -376,6 +386,8 @@ def _route(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
 
     from runtime_hooks.ep_layer import route_slots
 
+    if state.dispatch == BALANCED.name:
+        return _route_step(state, top_k_index)
     T = top_k_index.shape[0]
     sizes = torch.zeros(state.ranks, dtype=torch.int64)
     mine = torch.tensor([T], dtype=torch.int64)
@@ -388,6 +400,26 @@ def _route(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
     if state.record:
         state.ids.append(top_k_index.detach().to("cpu", torch.int64).numpy().copy())
     return route_slots(state.tables, top_k_index, token_index, state.rank, state.dispatch)
+
+
+def _step_dispatch(state: _SlotState, device):
+    """The state's :class:`~runtime_hooks.step_dispatch.StepDispatch`, (re)built when its row changed."""
+    from runtime_hooks.step_dispatch import CollectiveTimer, StepDispatch
+
+    if state.step is None or state.step.placement is not state.placement:  # first call, or migrated
+        state.timer = state.timer or CollectiveTimer(device)
+        state.step = StepDispatch(state.placement, device, state.group, timer=state.timer)
+    return state.step
+
+
+def _route_step(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
+    """``balanced``: slots ``[T, K]`` by this call's quotas (one counts all-gather, no host sync)."""
+    step = _step_dispatch(state, top_k_index.device)
+    slots = step.slots(top_k_index)  # [T, K]
+    if state.record:
+        state.ids.append(top_k_index.detach().to("cpu", torch.int64).numpy().copy())
+        state.steps.append((state.placement, step.last_counts.sum(0)))  # [E] stays on the device
+    return slots
 
 
 def _compute_slots(module, state: _SlotState, x: torch.Tensor, local_slot: torch.Tensor) -> torch.Tensor:
@@ -439,6 +471,40 @@ def slot_token_counts(model: torch.nn.Module) -> np.ndarray:
 def recorded_ids(model: torch.nn.Module) -> list[list[np.ndarray]]:
     """Per MoE layer, the int64 ``[T, K]`` top-k ids of each call on this rank (``record=True``)."""
     return [list(_state(m).ids) for m in moe_experts(model).values()]
+
+
+def step_quota_tokens(model: torch.nn.Module) -> np.ndarray | None:
+    """int64 ``[L, P]``: picks per slot the numpy quotas give for every recorded step (the oracle of
+    :func:`placement.step_balance.balanced_quotas` on the all-gathered counts, on the row served at
+    that step); None unless ``balanced`` with ``record=True``."""
+    from runtime_hooks.step_dispatch import quota_slot_tokens
+
+    states = [_state(m) for m in moe_experts(model).values()]
+    if not states or states[0].dispatch != BALANCED.name or not states[0].record:
+        return None
+    out = np.zeros((len(states), states[0].placement.num_physical_experts), dtype=np.int64)
+    for l, state in enumerate(states):
+        for row, counts in state.steps:
+            out[l] += quota_slot_tokens(row, counts.cpu().numpy()[None], BALANCED)[0]
+    return out
+
+
+def balanced_collective(model: torch.nn.Module, repeats: int = 0) -> tuple[tuple[float, ...], int] | None:
+    """``([L] median microseconds per counts all-gather, bytes it gathers per call)`` of each MoE layer
+    under ``balanced`` (None otherwise). ``repeats`` more gathers per layer are timed first (collective:
+    every rank passes the same number)."""
+    states = [_state(m) for m in moe_experts(model).values()]
+    if not states or states[0].dispatch != BALANCED.name:
+        return None
+    us, nbytes = [], 0
+    for module, state in zip(moe_experts(model).values(), states):
+        step = _step_dispatch(state, module.down_proj.device)
+        empty = torch.empty((0, 1), dtype=torch.int64, device=step.device)
+        for _ in range(int(repeats)):
+            step.gather_counts(empty)
+        us.append(step.timer.median_us())
+        nbytes = step.bytes_per_call
+    return tuple(us), nbytes
 
 
 def _state(module) -> _SlotState:

@@ -15,6 +15,12 @@ After every step:
    expert tensors move between ranks and every rank commits, or none does and the old placement keeps
    serving (rank 0 then tells the rebalancer so).
 
+Under ``balanced`` every experts call is one step split by the quotas of the all-gathered counts
+(:mod:`runtime_hooks.step_dispatch`); each rank then checks that its slots computed exactly what the
+numpy quotas (:func:`placement.step_balance.balanced_quotas`) give for the recorded counts of every
+step, on the row served at that step (``ServeReport.quotas_match``), and reports the counts
+all-gather's median time and bytes per layer call.
+
 Placement changes never change what a token computes (every replica holds the same weights), so the
 generated tokens equal those of the single-process model without any placement (fp32, greedy), which
 each rank decodes first as the reference.
@@ -38,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from placement.dispatch import EVEN
+from placement.dispatch import EVEN, get_dispatch
 from placement.model import Placement
 from runtime_hooks.migration_core import FaultSpec
 
@@ -157,6 +163,9 @@ class ServeReport:
     serve_seconds: float
     weights_match: bool = False
     solves: tuple[dict, ...] = field(default=())
+    quotas_match: bool | None = None
+    balanced_collective_us_per_layer: tuple[float, ...] | None = None
+    balanced_collective_bytes_per_layer: int | None = None
 
     @property
     def tokens_match(self) -> bool:
@@ -371,7 +380,10 @@ def _serve_job(rank: int, ranks: int, spec: ServeSpec) -> dict:
     prompts = _prompts(spec, ranks, info.vocab_size)[rank * B : (rank + 1) * B]  # [B, T0]
     reference = greedy_decode(model, prompts, spec.new_tokens).numpy() if spec.reference else None
     expected = row_checksums(model)  # [L, E, 2] of every logical expert, before sharding
-    applied = apply_placement_to_model(model, spec.placement, dispatch=spec.dispatch, rows=spec.rows)
+    step = get_dispatch(spec.dispatch).needs_step_counts  # record each step's counts to check the quotas
+    applied = apply_placement_to_model(
+        model, spec.placement, dispatch=spec.dispatch, rows=spec.rows, record=step
+    )
     rows = served_rows(model)
     live = _LiveRebalance(model, rows, applied.layer_ids, spec, rank)
     try:
@@ -400,6 +412,23 @@ def _serve_job(rank: int, ranks: int, spec: ServeSpec) -> dict:
         "bytes": {"before": applied.expert_bytes_before, "after": applied.expert_bytes_after},
         "wall": wall,
         "history": history,
+        **_step_checks(model, rank, ranks),
+    }
+
+
+def _step_checks(model, rank: int, ranks: int) -> dict:
+    """``balanced``: this rank's picks per slot against the numpy quotas of the recorded steps, and the
+    counts all-gather's cost; empty for the other models."""
+    from runtime_hooks.hf import balanced_collective, slot_token_counts, step_quota_tokens
+
+    quota = step_quota_tokens(model)  # [L, P] or None
+    if quota is None:
+        return {}
+    S = quota.shape[1] // ranks
+    us, nbytes = balanced_collective(model)
+    return {
+        "quotas_ok": bool(np.array_equal(quota[:, rank * S : (rank + 1) * S], slot_token_counts(model))),
+        "collective": (us, nbytes),
     }
 
 
@@ -481,6 +510,15 @@ def _report(spec: ServeSpec, results: list[dict]) -> ServeReport:
             )
         )
     ref = first["reference"]
+    step = {}
+    if "quotas_ok" in first:
+        step = {
+            "quotas_match": all(r["quotas_ok"] for r in results),
+            "balanced_collective_us_per_layer": tuple(
+                float(u) for u in np.array([r["collective"][0] for r in results]).max(axis=0)
+            ),
+            "balanced_collective_bytes_per_layer": int(first["collective"][1]),
+        }
     return ServeReport(
         model_class=first["model_class"],
         ranks=len(results),
@@ -496,4 +534,5 @@ def _report(spec: ServeSpec, results: list[dict]) -> ServeReport:
         serve_seconds=max(float(r["wall"]) for r in results),
         weights_match=all(r["weights_ok"] for r in results),
         solves=tuple(first["history"]),
+        **step,
     )

@@ -4,7 +4,10 @@ Every rank loads the same model (a checkpoint folder, or a config with seeded ra
 the single-process logits of the whole batch, applies the placement with
 :func:`runtime_hooks.hf.apply_placement_to_model`, runs its own ``B`` prompts (attention data-parallel:
 rank ``r`` owns prompts ``[r*B, (r+1)*B)``) and compares. The parent then replays the top-k ids the ranks saw
-through :func:`placement.metrics.route_tokens` and compares the picks per slot with those computed.
+through :func:`placement.metrics.route_tokens` and compares the picks per slot with those computed;
+under ``balanced`` (one experts call of a layer is one step) the prediction is the model's numpy
+``step_load`` (:func:`placement.step_balance.balanced_quotas`) of each call's counts over all ranks, and
+the report gives the median time and the bytes of the counts all-gather per layer call.
 
 Public API::
 
@@ -23,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from placement.dispatch import EVEN
+from placement.dispatch import EVEN, get_dispatch
 from placement.metrics import route_tokens
 from placement.model import Placement
 
@@ -208,6 +211,8 @@ class HFValidationReport:
     expert_bytes_per_rank: tuple[dict, ...]
     atol: float
     wall_seconds: float
+    balanced_collective_us_per_layer: tuple[float, ...] | None = None
+    balanced_collective_bytes_per_layer: int | None = None
 
     @property
     def tokens_match(self) -> bool:
@@ -259,7 +264,13 @@ def _validate_job(rank: int, ranks: int, job: _Job) -> dict:
     """One model: single-process logits of the whole batch, then this rank's prompts sharded; compare."""
     import torch
 
-    from runtime_hooks.hf import apply_placement_to_model, recorded_ids, slot_token_counts
+    from runtime_hooks.hf import (
+        apply_placement_to_model,
+        balanced_collective,
+        recorded_ids,
+        slot_token_counts,
+    )
+    from runtime_hooks.validate import TIMING_REPEATS
 
     model = load_model(job.source, job.seed, job.dtype)
     ids = _inputs(job, ranks)  # [G*B, seq]
@@ -272,6 +283,7 @@ def _validate_job(rank: int, ranks: int, job: _Job) -> dict:
         out = model(ids[rank * B : (rank + 1) * B]).logits.float()  # [B, seq, V] sharded
     diff = float((out - ref).abs().max()) if out.numel() else 0.0
     return {
+        "collective": balanced_collective(model, repeats=TIMING_REPEATS),
         "diff": diff,
         "counts": slot_token_counts(model),
         "ids": recorded_ids(model),
@@ -290,6 +302,8 @@ def predicted_slot_tokens(
             global token order is call by call, rank by rank (as :mod:`runtime_hooks.hf` numbers them).
     """
     L, P = rows.num_layers, rows.num_physical_experts
+    if get_dispatch(dispatch).needs_step_counts:
+        return _predicted_step_tokens(rows, per_rank_ids, dispatch)
     pred = np.zeros((L, P), dtype=np.int64)
     for l in range(L):
         calls = len(per_rank_ids[0][l])
@@ -302,6 +316,23 @@ def predicted_slot_tokens(
         flat = slots.reshape(-1)
         pred[l] = np.bincount(flat[flat >= 0], minlength=P)
     return pred
+
+
+def _predicted_step_tokens(rows: Placement, per_rank_ids, dispatch: str) -> np.ndarray:
+    """int64 ``[L, P]``: a step-counts model's numpy ``step_load`` of each call's counts (all ranks)."""
+    from runtime_hooks.step_dispatch import quota_slot_tokens
+
+    E = rows.num_logical_experts
+    out = []
+    for l in range(rows.num_layers):
+        calls = len(per_rank_ids[0][l])
+        counts = np.zeros((calls, E), dtype=np.int64)  # [calls, E] valid picks of every rank per call
+        for ids in per_rank_ids:
+            for c in range(calls):
+                a = ids[l][c]
+                counts[c] += np.bincount(a[a >= 0], minlength=E)
+        out.append(quota_slot_tokens(rows.select_layers([l]), counts, dispatch).sum(axis=0))
+    return np.stack(out)
 
 
 @dataclass(frozen=True)
@@ -396,4 +427,16 @@ def _report(case: HFCase, info: ModelInfo, rows: list[int], results: list[dict],
         expert_bytes_per_rank=bytes_per_rank,
         atol=float(atol),
         wall_seconds=wall,
+        **_collective_fields(results),
     )
+
+
+def _collective_fields(results: list[dict]) -> dict:
+    """The report's ``balanced_collective_*`` fields from the ranks' readings (slowest rank per layer)."""
+    if results[0]["collective"] is None:
+        return {}
+    us = np.array([r["collective"][0] for r in results], dtype=np.float64).max(axis=0)  # [L]
+    return {
+        "balanced_collective_us_per_layer": tuple(float(u) for u in us),
+        "balanced_collective_bytes_per_layer": int(results[0]["collective"][1]),
+    }

@@ -6,8 +6,11 @@ For each placement row (one MoE layer) the check runs :class:`~runtime_hooks.ep_
 - outputs against :func:`~runtime_hooks.ep_layer.reference_moe` (single process, no replication),
   max absolute error within fp32 tolerance (``atol``);
 - every slot's weight checksum against its logical expert's;
-- the picks each rank computed against ``placement.metrics.routed_gpu_tokens(placement,
-  route_tokens(...))`` for the same ids, source ranks, policy and token indices, EXACTLY.
+- the picks each rank and each slot computed against ``placement.metrics.routed_gpu_tokens(placement,
+  route_tokens(...))`` for the same ids, source ranks, policy and token indices, EXACTLY; under
+  ``balanced`` (one forward per layer is one step) against the model's numpy ``step_load`` of the
+  slice's counts (:func:`runtime_hooks.step_dispatch.quota_slot_tokens`), and the per-layer cost of its
+  counts all-gather is reported (``collective_us_per_layer``, ``collective_bytes_per_layer``).
 
 Token layout: the replayed slice has ``G * tokens_per_rank`` tokens; token ``t`` (0-based in the slice)
 lives on rank ``t // tokens_per_rank`` and its global index (the replica rotation) is ``offset + t``.
@@ -18,6 +21,7 @@ Public API::
     spec = ValidationSpec.from_trace(placement, trace, tokens_per_rank=8)   # even dispatch
     report = validate_placement(spec, backend="gloo", timeout=120)   # -> ValidationReport
     report.ok, report.predicted [L, G], report.measured [L, G], report.max_abs_error
+    report.predicted_slots [L, P], report.measured_slots [L, P]
     validate_rank(rank, world_size, spec)   # the per-rank body, reusable inside another launched world
 """
 
@@ -27,12 +31,21 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from placement.dispatch import EVEN
-from placement.metrics import route_tokens, routed_gpu_tokens
+from placement.dispatch import EVEN, get_dispatch
+from placement.metrics import route_tokens
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 
-__all__ = ["ValidationReport", "ValidationSpec", "predicted_tokens", "validate_placement", "validate_rank"]
+TIMING_REPEATS = 8  # extra counts all-gathers per row after the forward, timed with it (balanced)
+
+__all__ = [
+    "ValidationReport",
+    "ValidationSpec",
+    "predicted_slot_tokens",
+    "predicted_tokens",
+    "validate_placement",
+    "validate_rank",
+]
 
 
 @dataclass(frozen=True)
@@ -113,13 +126,48 @@ class ValidationSpec:
 
 def predicted_tokens(spec: ValidationSpec) -> np.ndarray:
     """int64 ``[L, G]``: picks per rank and layer that placement.metrics predicts for the spec."""
-    slots = route_tokens(spec.placement, spec.topk_ids, spec.src, spec.policy, token_index=spec.token_index)
-    return routed_gpu_tokens(spec.placement, slots)
+    L, P = spec.placement.num_layers, spec.placement.num_physical_experts
+    G = spec.placement.topology.ep_size
+    return predicted_slot_tokens(spec).reshape(L, G, P // G).sum(axis=2)
+
+
+def predicted_slot_tokens(spec: ValidationSpec) -> np.ndarray:
+    """int64 ``[L, P]``: picks per slot and layer predicted for the spec.
+
+    ``even``/``local``: :func:`placement.metrics.route_tokens`, counted per slot; a model that needs
+    step counts (``balanced``): its numpy ``step_load`` of the slice's counts (the slice is one step).
+    """
+    pl = spec.placement
+    if not get_dispatch(spec.policy).needs_step_counts:
+        slots = route_tokens(pl, spec.topk_ids, spec.src, spec.policy, token_index=spec.token_index)
+        return _slot_counts(slots, pl.num_physical_experts)
+    from runtime_hooks.step_dispatch import quota_slot_tokens
+
+    E = pl.num_logical_experts
+    out = []
+    for l in range(pl.num_layers):
+        ids = spec.topk_ids[:, l, :]
+        counts = np.bincount(ids[ids >= 0], minlength=E)[None]  # [1, E] the step's valid picks
+        out.append(quota_slot_tokens(pl.select_layers([l]), counts, spec.policy)[0])
+    return np.stack(out)
+
+
+def _slot_counts(slots: np.ndarray, num_slots: int) -> np.ndarray:
+    """``slots`` int ``[T, L, k]`` (-1 = none) -> picks per slot int64 ``[L, P]``."""
+    return np.stack([np.bincount(s[s >= 0], minlength=num_slots) for s in np.moveaxis(slots, 1, 0)])
 
 
 @dataclass(frozen=True)
 class ValidationReport:
-    """Result of :func:`validate_placement`. ``predicted``/``measured`` int64 ``[L, G]``."""
+    """Result of :func:`validate_placement`.
+
+    ``predicted``/``measured``: int64 ``[L, G]`` picks per rank; ``predicted_slots``/``measured_slots``:
+    int64 ``[L, P]`` per slot (None when not collected). ``balanced_collective_us_per_layer``: ``[L]``
+    median microseconds of the counts all-gather of each row (its forward's call and
+    :data:`TIMING_REPEATS` more; slowest rank), and
+    ``balanced_collective_bytes_per_layer`` the bytes it gathers per rank (``4 G E``); None unless the
+    dispatch gathers step counts.
+    """
 
     predicted: np.ndarray
     measured: np.ndarray
@@ -129,10 +177,15 @@ class ValidationReport:
     atol: float
     policy: str
     layer_ids: tuple[int, ...] = field(default_factory=tuple)
+    predicted_slots: np.ndarray | None = None
+    measured_slots: np.ndarray | None = None
+    balanced_collective_us_per_layer: tuple[float, ...] | None = None
+    balanced_collective_bytes_per_layer: int | None = None
 
     @property
     def tokens_match(self) -> bool:
-        return bool(np.array_equal(self.predicted, self.measured))
+        slots = self.predicted_slots is None or np.array_equal(self.predicted_slots, self.measured_slots)
+        return bool(np.array_equal(self.predicted, self.measured)) and bool(slots)
 
     @property
     def ok(self) -> bool:
@@ -140,8 +193,10 @@ class ValidationReport:
 
 
 def validate_rank(rank: int, world_size: int, spec: ValidationSpec, store=None) -> dict:
-    """Per-rank body: run every row once, return ``{"measured": [L], "max_err": [L], "bad_checksums": [...]}``."""
+    """Per-rank body: run every row once, return ``{"measured": [L], "slots": [L][S], "max_err": [L],
+    "bad_checksums": [...], "collective_us": [L] | None, "collective_bytes": int | None}``."""
     import torch
+    import torch.distributed as dist
 
     from runtime_hooks.ep_layer import (
         EPMoELayer,
@@ -156,7 +211,7 @@ def validate_rank(rank: int, world_size: int, spec: ValidationSpec, store=None) 
     T = spec.tokens_per_rank
     lo, hi = rank * T, (rank + 1) * T
     tok_index = torch.as_tensor(spec.token_index[lo:hi])
-    measured, errs, bad = [], [], []
+    measured, errs, bad, slots, us, nbytes = [], [], [], [], [], None
     for l in range(P.num_layers):
         weights = ExpertWeights.random(E, spec.hidden, spec.ffn, seed=spec.seed * 1000 + P.layer_ids[l])
         layer = EPMoELayer(P, l, weights, policy=spec.policy, store=store)
@@ -165,16 +220,30 @@ def validate_rank(rank: int, world_size: int, spec: ValidationSpec, store=None) 
         x = x_all[lo:hi].to(layer.device)
         ids = torch.as_tensor(spec.topk_ids[lo:hi, l, :])  # [T, k]
         wts = replay_weights(ids, seed=spec.seed + l, token_index=tok_index, num_experts=E)
+        dist.barrier()  # the ranks enter the step together: the collectives' times exclude set-up skew
         y = layer.forward(x, ids, wts, tok_index)
         ref = reference_moe(x.cpu(), ids, wts, weights)
         errs.append(float((y.cpu() - ref).abs().max()) if y.numel() else 0.0)
         measured.append(layer.last_tokens_processed)
+        slots.append(layer.last_slot_tokens.tolist())
+        if layer.step is not None:
+            for _ in range(TIMING_REPEATS):  # the same gather again, so one slow call does not decide
+                layer.step.gather_counts(ids)
+            us.append(layer.step.timer.median_us())
+            nbytes = layer.step.bytes_per_call
         got = layer.slot_checksums()
         for s, e in enumerate(layer.local_experts.tolist()):
             want = tensor_checksum(weights.w1[e]) + tensor_checksum(weights.w2[e])
             if got[s] != want:
                 bad.append(f"layer row {l} rank {rank} slot {rank * layer.slots_per_gpu + s} (expert {e})")
-    return {"measured": measured, "max_err": errs, "bad_checksums": bad}
+    return {
+        "measured": measured,
+        "slots": slots,
+        "max_err": errs,
+        "bad_checksums": bad,
+        "collective_us": us if nbytes is not None else None,
+        "collective_bytes": nbytes,
+    }
 
 
 def _validate_worker(rank: int, world_size: int, spec: ValidationSpec) -> dict:
@@ -197,6 +266,10 @@ def collect_report(spec: ValidationSpec, results: list[dict]) -> ValidationRepor
     measured = np.array([r["measured"] for r in results], dtype=np.int64).T  # [L, G]
     errs = np.array([r["max_err"] for r in results], dtype=np.float64).max(axis=0)  # [L]
     bad = tuple(b for r in results for b in r["bad_checksums"])
+    measured_slots = np.concatenate([np.array(r["slots"], dtype=np.int64) for r in results], axis=1)  # [L, P]
+    us = None
+    if results[0]["collective_us"] is not None:
+        us = tuple(float(u) for u in np.array([r["collective_us"] for r in results]).max(axis=0))  # [L]
     return ValidationReport(
         predicted=predicted_tokens(spec),
         measured=measured,
@@ -206,4 +279,8 @@ def collect_report(spec: ValidationSpec, results: list[dict]) -> ValidationRepor
         atol=spec.atol,
         policy=spec.policy,
         layer_ids=spec.placement.layer_ids,
+        predicted_slots=predicted_slot_tokens(spec),
+        measured_slots=measured_slots,
+        balanced_collective_us_per_layer=us,
+        balanced_collective_bytes_per_layer=results[0]["collective_bytes"],
     )

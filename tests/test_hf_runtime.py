@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 import transformers as tf  # noqa: E402
 
+from placement.dispatch import BALANCED  # noqa: E402
 from placement.model import Placement  # noqa: E402
 from runtime_hooks.hf import match_layers, moe_experts, served_placement  # noqa: E402
 from runtime_hooks.hf_validate import HFCase, describe_model, validate_many  # noqa: E402
@@ -122,6 +123,11 @@ def reports(tmp_path_factory):
     cases["qwen3_vl_moe"] = HFCase(vision_language(), placement_for(2), seed=6)
     # four rows for two MoE layers: row 3 serves layer 0, row 1 serves layer 1
     cases["mixtral_rows"] = HFCase(cfgs["mixtral"], placement_for(4), rows=(3, 1), seed=7)
+    # per-step quotas: same prompts and routing as "mixtral" (seed 1); a grouped router with a dense layer
+    cases["mixtral_balanced"] = HFCase(cfgs["mixtral"], placement_for(2), dispatch=BALANCED.name, seed=1)
+    cases["deepseek_v3_balanced"] = HFCase(
+        cfgs["deepseek_v3"], placement_for(2), dispatch=BALANCED.name, seed=8
+    )
     return dict(zip(cases, validate_many(list(cases.values()), timeout=240)))
 
 
@@ -138,6 +144,8 @@ NAMES = (
     "checkpoint",
     "qwen3_vl_moe",
     "mixtral_rows",
+    "mixtral_balanced",
+    "deepseek_v3_balanced",
 )
 
 
@@ -161,6 +169,23 @@ def test_layers_and_checkpoint(reports):
     assert reports["qwen3_vl_moe"].model_class == "Qwen3VLMoeForConditionalGeneration"
     assert reports["mixtral_rows"].rows == (3, 1) and reports["mixtral_rows"].layer_ids == (0, 1)
     json.dumps(reports["mixtral"].to_dict())  # the CLI's --json payload serialises
+
+
+def test_balanced_slots_take_the_numpy_quotas(reports):
+    """Same prompts and routing as ``mixtral`` (even): only the split over the replicas differs.
+
+    Measured picks per slot equal the numpy ``balanced_quotas`` of each call's all-rank counts
+    (``tokens_match`` in the test above); here the split lowers the peak and the cost is reported.
+    """
+    even, bal = reports["mixtral"], reports["mixtral_balanced"]
+    assert bal.measured.sum() == even.measured.sum()
+    peak = lambda r: r.measured.reshape(r.measured.shape[0], G, -1).sum(-1).max(-1)  # noqa: E731  [L]
+    assert (peak(bal) <= peak(even)).all() and (bal.measured != even.measured).any()
+    for rep in (bal, reports["deepseek_v3_balanced"]):
+        assert rep.dispatch == BALANCED.name and rep.balanced_collective_bytes_per_layer == 4 * G * E
+        assert len(rep.balanced_collective_us_per_layer) == 2
+        assert all(u > 0 for u in rep.balanced_collective_us_per_layer)
+    assert even.balanced_collective_us_per_layer is None
 
 
 def test_unsupported_class_is_named():
@@ -200,11 +225,14 @@ def test_cli_validate_model_json(tmp_path, capsys):
     cfg.write_text(configs()["qwen2_moe"].to_json_string())
     plan = tmp_path / "p.json"
     write_placement(placement_for(2), plan, "native")
-    code = main(["validate", str(plan), "--model", str(cfg), "--ranks", "4", "--seed", "3", "--json"])
+    argv = ["validate", str(plan), "--model", str(cfg), "--ranks", "4", "--seed", "3", "--json"]
+    code = main([*argv, "--dispatch", BALANCED.name])
     out = json.loads(capsys.readouterr().out)
     assert code == 0, out
     assert out["model_class"] == "Qwen2MoeForCausalLM" and out["ranks"] == G
     assert out["tokens_match"] is True and out["max_abs_diff"] <= 1e-5
+    assert out["dispatch"] == BALANCED.name and out["balanced_collective_bytes_per_layer"] == 4 * G * E
+    assert len(out["balanced_collective_us_per_layer"]) == 2
     assert len(out["expert_bytes_per_rank"]) == G
 
     bad = tmp_path / "bad.json"

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 
 import transformers as tf  # noqa: E402
 
+from placement.dispatch import BALANCED  # noqa: E402
 from placement.model import Placement  # noqa: E402
 from runtime_hooks.hf_serve import ServeSpec, contiguous_placement, serve_many  # noqa: E402
 from runtime_hooks.migration_core import FaultSpec  # noqa: E402
@@ -62,6 +63,7 @@ def reports():
             mixtral(), start_placement(), faults=tuple(FaultSpec(r, "corrupt") for r in range(G)), **base
         ),
         "rows": ServeSpec(mixtral(), start_placement(3), rows=(2, 0), **base),
+        "balanced": ServeSpec(mixtral(), start_placement(), dispatch=BALANCED.name, **base),
     }
     return dict(zip(specs, serve_many(list(specs.values()), timeout=240)))
 
@@ -106,6 +108,20 @@ def test_rows_map_a_longer_placement_onto_the_moe_layers(reports):
     np.testing.assert_array_equal(rep.initial_map, three[[2, 0]])  # row 2 serves layer 0, row 0 layer 1
     assert rep.layer_ids == (0, 1)
     assert rep.tokens_match and rep.weights_match and rep.committed_moves >= 1
+
+
+def test_balanced_dispatch_serves_the_quotas_across_migrations(reports):
+    """Per-step quotas while the placement changes: the tokens stay the model's, every slot computed
+    exactly the numpy quotas of every step (on the row it served then), the gather's cost is reported."""
+    rep, even = reports["balanced"], reports["clean"]
+    assert rep.tokens_match and rep.weights_match, (rep.tokens, rep.reference)
+    assert rep.committed_moves >= 1 and (rep.final_map != rep.initial_map).any()
+    assert rep.quotas_match is True and even.quotas_match is None
+    assert rep.balanced_collective_bytes_per_layer == 4 * G * E
+    assert len(rep.balanced_collective_us_per_layer) == 2
+    assert all(u > 0 for u in rep.balanced_collective_us_per_layer)
+    assert rep.load_per_rank.sum() == even.load_per_rank.sum()  # same routing, another split
+    json.dumps(rep.to_dict())
 
 
 def test_contiguous_placement_rejects_uneven_split():

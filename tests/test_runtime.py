@@ -6,6 +6,7 @@ does the same at 8 ranks. Workers must be module-level functions (they are pickl
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import time
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from placement.dispatch import BALANCED
 from placement.metrics import route_tokens
 from placement.model import Placement
 from placement.topology import Topology
@@ -24,6 +26,8 @@ from runtime_hooks.ep_layer import (
     route_slots,
 )
 from runtime_hooks.launcher import WorkerError, WorkerTimeout, launch
+from runtime_hooks.step_balance import StepBalancer
+from runtime_hooks.step_dispatch import pick_slots, quota_slot_tokens
 from runtime_hooks.validate import ValidationSpec, collect_report, validate_rank
 from solver.greedy import greedy_placement
 
@@ -102,6 +106,12 @@ def test_runtime_accepts_what_the_registry_marks_runtime():
     runtime = dispatch_names(runtime=True)
     assert runtime and set(runtime) < set(DISPATCH)
     for name, model in DISPATCH.items():
+        if model.runtime and model.needs_step_counts:  # split by every rank's counts: StepDispatch
+            assert runtime_dispatch(name) is model
+            with pytest.raises(ValueError, match="StepDispatch") as err:
+                route_slots(tab, ids, tok, src, name)
+            assert "\n" not in str(err.value)
+            continue
         if model.runtime:
             assert runtime_dispatch(name) is model
             by_name = route_slots(tab, ids, tok, src, name)
@@ -117,6 +127,46 @@ def test_runtime_accepts_what_the_registry_marks_runtime():
             ValidationSpec(pl, np.zeros((4, 1, 2), dtype=np.int64), 1, policy=name)
     with pytest.raises(ValueError, match="unknown dispatch model 'nope'"):
         runtime_dispatch("nope")
+
+
+def _step_slots(pl, ids, src, G):
+    """Every rank's picks under ``balanced`` as the runtime computes them (no process group)."""
+    from placement.dispatch.balanced import step_map
+
+    E = pl.num_logical_experts
+    l2p = torch.tensor(step_map(pl, 0))  # [E, R]
+    counts = torch.stack(
+        [torch.bincount(torch.as_tensor(ids[src == g][ids[src == g] >= 0]), minlength=E) for g in range(G)]
+    )  # [G, E]
+    q = StepBalancer(l2p, pl.topology.slots_per_gpu).quotas(counts.sum(0))  # [E, R]
+    out = np.full(ids.shape, -1, dtype=np.int64)
+    for g in range(G):
+        out[src == g] = pick_slots(torch.as_tensor(ids[src == g]), counts, q, l2p, g).numpy()
+    return out, counts.sum(0).numpy()
+
+
+def test_balanced_pick_slots_follow_the_registry_route(ds2):
+    """The torch contract == the registry's numpy route; per-slot picks == the numpy quotas."""
+    rng = np.random.default_rng(2)
+    for G, N in ((4, 2), (8, 2)):
+        topo = Topology.from_redundant(64, 16, G, N)
+        for pl in list(_placements_fast(ds2, topo)) + [_random_placement(rng, 2, 64, topo)]:
+            row = pl.select_layers([1])
+            T = int(rng.integers(1, 80)) * G
+            ids = np.asarray(ds2.topk_ids[7000 : 7000 + T, 1], dtype=np.int64)  # [T, 6] no -1
+            src = np.sort(rng.integers(0, G, T))  # ranks hold uneven shares, tokens grouped by rank
+            got, total = _step_slots(row, ids, src, G)
+            row_in_batch = np.arange(T) - np.searchsorted(src, src)  # [T] one batch (step) per rank
+            want = route_tokens(row, ids[:, None, :], src, BALANCED, batch_index=row_in_batch)[:, 0]
+            np.testing.assert_array_equal(got, want)
+            slots = np.bincount(got.ravel(), minlength=row.num_physical_experts)
+            np.testing.assert_array_equal(slots, quota_slot_tokens(row, total[None], BALANCED)[0])
+            # empty picks route nowhere and do not count
+            ids[::5, 2] = -1
+            got, total = _step_slots(row, ids, src, G)
+            assert (got[ids < 0] == -1).all() and total.sum() == (ids >= 0).sum()
+            slots = np.bincount(got[got >= 0], minlength=row.num_physical_experts)
+            np.testing.assert_array_equal(slots, quota_slot_tokens(row, total[None], BALANCED)[0])
 
 
 def test_launcher_refuses_non_positive_timeouts():
@@ -157,7 +207,7 @@ def _validate_many(rank, world_size, specs):
 def _check_world(ds2, G, tokens_per_rank):
     specs, names = [], []
     for name, pl in _placements(ds2, G).items():
-        for policy in ("even", "local"):
+        for policy in ("even", "local", BALANCED.name):
             specs.append(
                 ValidationSpec.from_trace(
                     pl,
@@ -178,7 +228,19 @@ def _check_world(ds2, G, tokens_per_rank):
         assert rep.predicted.sum() == (spec.topk_ids >= 0).sum(), name  # every pick computed exactly once
         assert rep.max_abs_error <= spec.atol, f"{name}: max |y - ref| = {rep.max_abs_error}"
         assert not rep.checksum_mismatches, f"{name}: {rep.checksum_mismatches[:3]}"
+        np.testing.assert_array_equal(
+            rep.measured_slots, rep.predicted_slots, err_msg=f"{name}: per-slot picks"
+        )
         assert rep.ok
+        step = spec.policy == BALANCED.name  # per-slot picks == numpy quotas, and the gather is timed
+        assert (
+            (rep.balanced_collective_bytes_per_layer == 4 * G * 64)
+            if step
+            else rep.balanced_collective_us_per_layer is None
+        )
+        if step:
+            assert len(rep.balanced_collective_us_per_layer) == 2
+            assert all(u > 0 for u in rep.balanced_collective_us_per_layer)
     # placements really differ in per-rank load, so equality above is not vacuous
     peaks = {
         n: collect_report(s, [r[i] for r in results]).measured.max()
@@ -264,6 +326,18 @@ def test_cli_validate_end_to_end(tmp_path, ds2, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "PASS" in out and "[ok]" in out and f"layer {ds2.layer_ids[1]} (row 1)" in out
+    # balanced, trace-driven, two rows in one launch: per-slot picks == numpy quotas, the gather's cost
+    argv = ["validate", str(tmp_path / "p.json"), "--trace", str(tmp_path / "t.npz"), "--ranks", "4"]
+    rc = main([*argv, "--dispatch", BALANCED.name, "--layers", "0", "1", "--hidden", "16", "--json"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["ok"] and rep["tokens_match"] and rep["policy"] == BALANCED.name, rep
+    assert rep["measured_slots"] == rep["predicted_slots"] and rep["max_abs_error"] <= 1e-5
+    assert rep["balanced_collective_bytes_per_layer"] == 4 * 4 * 64
+    assert len(rep["balanced_collective_us_per_layer"]) == 2
+    for bad in ("nope", "Balanced"):  # an unknown model name: one line, exit 2, nothing launched
+        assert main([*argv, "--dispatch", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"unknown dispatch model {bad!r}" in err and BALANCED.name in err and err.count("\n") == 1, err
     # bad input: exit 2 with one line naming the numbers
     assert main(["validate", str(tmp_path / "p.json"), "--ranks", "8"]) == 2
     assert "ep_size 4" in capsys.readouterr().err
