@@ -9,6 +9,11 @@ Reports, measured in the same run: torch CPU microseconds per layer (one layer p
 layers batched in one call), CUDA when available, the HiGHS LP (scipy) per layer, and the peak of our
 integer split over the LP optimum (worst and mean over steps x layers; ``optimal`` = share equal to
 ``ceil(LP)``, the integer optimum). ``--rounds 64`` trades twice the time for accuracy. Timings on a shared machine are noisy: compare them within a run.
+
+``--traces`` adds an accuracy table over the shared real traces (``$MOE_TRACES_DIR``, skipped when
+absent): DeepSeek-V2-Lite on 32 GPUs / 4 nodes and 64 GPUs / 8 nodes (steps of 64 tokens per rank, all
+26 layers), Mixtral-8x7B MMLU on 4 GPUs / 1 node and 8 GPUs / 2 nodes (150 questions as steps, all 32
+layers); greedy placements with one spare slot per GPU, every step-layer scored against HiGHS.
 """
 
 from __future__ import annotations
@@ -117,14 +122,95 @@ def run_topology(G: int, N: int, P: int, steps: int, repeats: int, rounds: int) 
     return out
 
 
+def _trace_cases():
+    """``(name, l2p [L, E, R], S, counts [B, L, E])`` per shared-trace case (none when traces are absent)."""
+    from profiling.readers import default_traces_dir, read_trace
+
+    d = default_traces_dir()
+    ds, mix = (
+        d / "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz",
+        d / "mixtral-8x7b-mmlu/mixtral_mmlu_counts.npz",
+    )
+    cases = []
+    if ds.is_file():
+        trace = read_trace(ds)
+        ids = np.asarray(trace.topk_ids, dtype=np.int64)  # [T, L, k]
+        E = trace.num_logical_experts
+        for G, nodes in ((32, 4), (64, 8)):
+            pl, _ = solve("greedy", topology=Topology.from_redundant(E, G, G, nodes), trace=trace)
+            per = TOKENS_PER_RANK * G
+            steps = ids[: ids.shape[0] // per * per].reshape(-1, per, ids.shape[1], ids.shape[2])
+            c = np.zeros(steps.shape[:1] + (ids.shape[1], E), np.int64)  # [B, L, E]
+            for l in range(ids.shape[1]):
+                c[:, l] = np.stack([np.bincount(s.ravel(), minlength=E) for s in steps[:, :, l]])
+            cases.append(
+                (
+                    f"DeepSeek-V2-Lite {G} GPUs/{nodes} nodes",
+                    pl.logical_to_physical_map,
+                    pl.topology.slots_per_gpu,
+                    c,
+                )
+            )
+    if mix.is_file():
+        trace = read_trace(mix)
+        raw = np.load(mix)["counts"]  # [questions, L, E]
+        pick = np.random.default_rng(0).choice(raw.shape[0], 150, replace=False)
+        for G, nodes in ((4, 1), (8, 2)):
+            pl, _ = solve("greedy", topology=Topology.from_redundant(8, G, G, nodes), trace=trace)
+            cases.append(
+                (
+                    f"Mixtral-8x7B {G} GPUs/{nodes} nodes",
+                    pl.logical_to_physical_map,
+                    pl.topology.slots_per_gpu,
+                    raw[pick].astype(np.int64),
+                )
+            )
+    return cases
+
+
+def trace_accuracy(rounds: int) -> list[dict]:
+    """Peak over the LP optimum on every step-layer of the shared traces (torch CPU, batched)."""
+    rows = []
+    for name, l2p, S, c in _trace_cases():
+        B, Ln, _ = c.shape
+        peak = (
+            StepBalancer(l2p, S, rounds=rounds).gpu_load(torch.from_numpy(c), validate=False).numpy().max(-1)
+        )
+        lp = np.array([[highs_peak(c[b, l], l2p[l], S) for l in range(Ln)] for b in range(B)])  # [B, L]
+        ratio = peak / lp
+        rows.append(
+            {
+                "case": name,
+                "step_layers": int(B * Ln),
+                "share_within_0.5pct": float((ratio <= 1.005).mean()),
+                "share_integer_optimal": float((peak == np.ceil(lp - 1e-6)).mean()),
+                "worst_ratio_to_lp": float(ratio.max()),
+            }
+        )
+    return rows
+
+
+def print_trace_table(rows: list[dict]) -> None:
+    note = "" if rows else "; none found: set MOE_TRACES_DIR"
+    print(f"\nshared traces (greedy, 1 spare slot per GPU{note})")
+    print(f"{'case':<34}{'step-layers':>12}{'<=0.5%':>9}{'optimal':>9}{'worst/LP':>10}")
+    for r in rows:
+        print(
+            f"{r['case']:<34}{r['step_layers']:>12}{r['share_within_0.5pct']:>9.4f}"
+            f"{r['share_integer_optimal']:>9.4f}{r['worst_ratio_to_lp']:>10.4f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--steps", type=int, default=4, help="steps scored against HiGHS per topology")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="push rounds (more: closer to the LP, slower)")
+    ap.add_argument("--traces", action="store_true", help="add the accuracy table over the shared traces")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    traces = trace_accuracy(args.rounds) if args.traces else []
     rows = [
         run_topology(G, N, P, args.steps, args.repeats, args.rounds)
         for G, N, P in ((32, 4, 288), (64, 8, 320))
@@ -132,7 +218,14 @@ def main() -> None:
     if args.json:
         print(
             json.dumps(
-                {"dispatch": "balanced", "threads": 1, "rounds": args.rounds, "results": rows}, indent=2
+                {
+                    "dispatch": "balanced",
+                    "threads": 1,
+                    "rounds": args.rounds,
+                    "results": rows,
+                    "traces": traces,
+                },
+                indent=2,
             )
         )
         return
@@ -151,6 +244,8 @@ def main() -> None:
         if "cuda_us_per_layer" in r:
             line += f"{r['cuda_us_per_layer'][f'batched_{L}_layers']:>10.0f}"
         print(line)
+    if args.traces:
+        print_trace_table(traces)
 
 
 if __name__ == "__main__":
