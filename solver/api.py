@@ -16,8 +16,12 @@ steps, each a short function below:
   engine's table (:func:`solver.dispatch_fit.fit_for_dispatch`, or
   :func:`~solver.dispatch_fit.fit_for_dispatch_load` when the problem has no per-token or per-window
   routing: the counts are then taken as split evenly over the ranks).
+- fit (``fittable`` solvers, dispatch models that split each step's counts, ``needs_step_counts``):
+  re-choose which experts hold the redundant slots and where, for the flattest per-step split of
+  sampled fit steps (:func:`solver.step_fit.fit_for_steps`; needs a per-token trace).
 - gate, dispatch (``gated`` solvers, after a fit): keep the baseline when the fitted placement's peak
-  under the table is higher than the baseline's on the same tokens per (rank, expert).
+  under the table is higher than the baseline's on the same tokens per (rank, expert) (per-step
+  models: its mean step peak on the fit's validation steps).
 - report: the solver's :class:`SolveReport` with the notes of every step, in a :class:`SolveResult`
   that also holds the baseline and its report (and unpacks as ``placement, report``).
 
@@ -54,6 +58,7 @@ from solver.locality.solve import run_locality
 from solver.migration import MigrationOptions, run_migration
 from solver.problem import Problem, options_from
 from solver.report import SolveReport
+from solver.step_fit import StepFit, StepFitOptions, fit_for_steps, step_scores
 
 __all__ = [
     "BASELINE",
@@ -199,6 +204,8 @@ class FitOptions:
         steps: swap attempts per layer (``sglang-static``); seed: seeds them.
         dealings: random dealings of the fit prompts to the ranks the search averages over (traces).
         noise_z: standard errors the mean gain over those dealings must exceed to change a layer.
+        step_tokens: tokens per rank per step for models that split each step (``--step-tokens``);
+            step_moves: move attempts per layer of :func:`solver.step_fit.fit_for_steps`.
     """
 
     enabled: bool = True
@@ -206,6 +213,8 @@ class FitOptions:
     seed: int = 0
     dealings: int = 16
     noise_z: float = 0.0
+    step_tokens: int = 64
+    step_moves: int = 600
 
 
 @dataclass(frozen=True)
@@ -226,7 +235,7 @@ class SolveResult:
     report: SolveReport
     baseline: Placement
     baseline_report: SolveReport
-    fit: DispatchFit | None = None
+    fit: DispatchFit | StepFit | None = None
     is_baseline: bool = False
     objective_fallback: bool = False
     dispatch_fallback: bool = False
@@ -299,8 +308,12 @@ def _fit(
     spec: SolverSpec, problem: Problem, placement: Placement, o: FitOptions, notes: list
 ) -> tuple[Placement, DispatchFit | None]:
     """Step 4: under a dispatch model with a fixed per-rank table, a fittable solver's replicas moved
-    for it (from the trace's source ranks, else the counts split evenly over the ranks)."""
-    if not (o.enabled and spec.fittable and get_dispatch(problem.dispatch).table):
+    for it (from the trace's source ranks, else the counts split evenly over the ranks); under one
+    that splits each step's counts, its slots re-chosen for per-step balance (:func:`_fit_steps`)."""
+    model = get_dispatch(problem.dispatch)
+    if o.enabled and spec.fittable and model.needs_step_counts:
+        return _fit_steps(problem, placement, o, notes)
+    if not (o.enabled and spec.fittable and model.table):
         return placement, None
     if _routed(problem.trace):
         placement, fit = fit_for_dispatch(
@@ -321,6 +334,19 @@ def _fit(
     return placement, fit
 
 
+def _fit_steps(
+    problem: Problem, placement: Placement, o: FitOptions, notes: list
+) -> tuple[Placement, StepFit | None]:
+    """Step 4 for a per-step model: :func:`solver.step_fit.fit_for_steps` on the fit trace's tokens."""
+    if problem.trace is None or not problem.trace.has_tokens:
+        notes.append(f"{problem.dispatch}: no per-token trace, so no steps to place for: replicas kept")
+        return placement, None
+    options = StepFitOptions(step_tokens=o.step_tokens, moves=o.step_moves, seed=o.seed)
+    placement, fit = fit_for_steps(placement, problem.trace, problem.dispatch, options)
+    notes.append(fit.note())
+    return placement, fit
+
+
 def _rank_counts(problem: Problem) -> np.ndarray:
     """Tokens per (source rank, expert) ``[L, G, E]`` the fit placed for."""
     G = problem.topology.ep_size
@@ -333,7 +359,7 @@ def _gate_dispatch(
     name: str,
     spec: SolverSpec,
     problem: Problem,
-    fit: DispatchFit | None,
+    fit: DispatchFit | StepFit | None,
     placement: Placement,
     baseline: Placement,
     notes: list,
@@ -342,9 +368,12 @@ def _gate_dispatch(
     the baseline's on the same tokens per (rank, expert), else the baseline."""
     if fit is None or not spec.gated:
         return placement, False
-    counts = _rank_counts(problem)  # [L, G, E]
     dispatch = problem.dispatch
-    peak = lambda pl: rank_gpu_load(pl, counts, dispatch).max(axis=1).sum()  # noqa: E731
+    if isinstance(fit, StepFit):  # per-step model: mean step peak on the validation steps
+        peak = lambda pl: step_scores(pl, fit.validation_counts, dispatch).sum()  # noqa: E731
+    else:
+        counts = _rank_counts(problem)  # [L, G, E]
+        peak = lambda pl: rank_gpu_load(pl, counts, dispatch).max(axis=1).sum()  # noqa: E731
     if peak(placement) > peak(baseline) * (1 + 1e-9):
         notes.append(
             f"{name} placed worse than {BASELINE} under {dispatch} on the fit trace: {BASELINE} kept"
@@ -367,6 +396,7 @@ def solve(
     time_limit: float = 10.0,
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
+    fit: FitOptions | None = None,
 ) -> SolveResult:
     """The pipeline (:func:`run`) with solver ``name`` on a load ``[L, E]`` (or a trace, whose counts
     are the load), placed for ``dispatch`` (a name in :data:`placement.dispatch.DISPATCH`).
@@ -375,7 +405,8 @@ def solve(
     ``--source-ranks`` spec; None: the trace's own, else prompts round-robin; without per-token or
     per-window routing the counts are split evenly over the ranks). ``options`` carries
     solver-specific keywords (the fields of its options class, e.g. ``objective``, ``robust``,
-    ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError.
+    ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError. ``fit``: the fit
+    step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`.
     """
     problem = Problem.build(
         topology,
@@ -387,4 +418,4 @@ def solve(
         dispatch=dispatch,
         source_ranks=source_ranks,
     )
-    return run(name, problem, make_options(name, options, seed=seed, time_limit=time_limit))
+    return run(name, problem, make_options(name, options, seed=seed, time_limit=time_limit), fit)

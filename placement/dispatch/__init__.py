@@ -5,7 +5,9 @@ one module per family of models registers them:
 
 - :mod:`placement.dispatch.ideal`: ``even`` and ``local`` (ideals our runtime executes);
 - :mod:`placement.dispatch.sglang`: ``sglang-static`` and ``sglang-dynamic`` (SGLang 0.5.23, DeepEP);
-- :mod:`placement.dispatch.vllm`: ``vllm-hash`` (vLLM 0.33 EPLB).
+- :mod:`placement.dispatch.vllm`: ``vllm-hash`` (vLLM 0.33 EPLB);
+- :mod:`placement.dispatch.sglang_lp`: ``sglang-lp`` (SGLang 0.5.23 LPLB, per-step LP shares);
+- :mod:`placement.dispatch.balanced`: ``balanced`` (ours: per-step integer quotas, runtime-executable).
 
 TensorRT-LLM's wide-EP balancer is not modelled: see ``docs/dispatch.md``. Adding a model: a module
 here that registers a :class:`DispatchModel`, imported below.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from placement.dispatch.balanced import BALANCED
 from placement.dispatch.ideal import EVEN, LOCAL
 from placement.dispatch.registry import (
     DISPATCH,
@@ -35,14 +38,17 @@ from placement.dispatch.sglang import (
     nearest_replica,
     sglang_static_tables,
 )
+from placement.dispatch.sglang_lp import SGLANG_LP, lp_shares
 from placement.dispatch.vllm import VLLM_HASH, VLLM_HASH_MULTIPLIER, vllm_hash_replica
 from placement.model import Placement
 
 __all__ = [
+    "BALANCED",
     "DISPATCH",
     "EVEN",
     "LOCAL",
     "SGLANG_DYNAMIC",
+    "SGLANG_LP",
     "SGLANG_STATIC",
     "SGLANG_STATIC_SEED",
     "VLLM_HASH",
@@ -52,6 +58,7 @@ __all__ = [
     "dispatch_names",
     "get_dispatch",
     "layer_draws",
+    "lp_shares",
     "nearest_in_row",
     "nearest_replica",
     "rank_choices",

@@ -1,0 +1,348 @@
+"""Placing replicas for a dispatch model that splits every step's counts (``balanced``, ``sglang-lp``).
+
+Under a per-step split a replicated expert is an edge along which load flows between GPUs: what sets
+step time is how flat the best split of each step is, not the window average. The fit here keeps the
+number of slots and searches which experts hold the redundant slots and where:
+
+    sample steps of the fit part -> per layer: local search from the given placement, scored by the
+    mean over the sampled steps of the per-step peak -> keep a layer only if it is better under the
+    dispatch model on the search steps and on a validation part -> report
+
+- steps: ``step_tokens * G`` consecutive tokens of the trace (``step_tokens`` per rank), starting at
+  random multiples of ``step_tokens`` in the first ``1 - validation`` of the fit tokens (search), and
+  in the rest (validation).
+- search: moves that re-point a slot holding a second (or later) replica to another expert, or swap
+  two slots between GPUs; a move is kept only when it lowers the score and keeps the layer's
+  even-split window peak on the fit load within ``window_slack`` of the start's (so the window
+  balance under ``even`` is not given away). The score during the search is :func:`relaxed_peak`, a
+  fast feasible fractional split (within about 0.2% of the LP optimum on the shared traces); the
+  final checks use the model's own ``step_load``.
+- deterministic for a seed and a move budget (``moves`` per layer).
+
+Shapes: L layers, E logical experts, P slots, G GPUs, S slots per GPU, N steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from placement.dispatch import DispatchModel, get_dispatch
+from placement.model import Placement, compute_logical_maps
+from profiling.trace import RoutingTrace
+
+__all__ = [
+    "StepFit",
+    "StepFitOptions",
+    "fit_for_steps",
+    "relaxed_peak",
+    "sample_step_counts",
+    "step_lower_bound_par",
+    "step_scores",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepFitOptions:
+    """How :func:`fit_for_steps` samples and searches.
+
+    Attributes:
+        step_tokens: tokens per rank per step (``--step-tokens``).
+        num_steps: steps sampled for the search (and at most as many for validation).
+        moves: move attempts per layer. seed: seeds the sampling and the moves.
+        validation: the trailing share of the fit tokens kept for validation.
+        window_slack: how far a layer's even-split window peak may rise over the start's.
+        iters: rounds of :func:`relaxed_peak` per score.
+    """
+
+    step_tokens: int = 64
+    num_steps: int = 96
+    moves: int = 200
+    seed: int = 0
+    validation: float = 0.25
+    window_slack: float = 0.005
+    iters: int = 30
+
+
+@dataclass(frozen=True, eq=False)
+class StepFit:
+    """What the step did: the layers changed, mean per-step peaks (tokens, summed over layers) before
+    and after on the search and validation steps (summed over the changed layers), and the validation steps' counts ``[N, L, E]``."""
+
+    dispatch: str
+    changed_layers: tuple[int, ...]
+    fit_peak_before: float
+    fit_peak_after: float
+    validation_peak_before: float
+    validation_peak_after: float
+    step_tokens: int
+    validation_counts: np.ndarray
+
+    def note(self) -> str:
+        return (
+            f"{self.dispatch}: replicas placed for per-step balance in {len(self.changed_layers)} layer(s) "
+            f"at {self.step_tokens} tokens per rank (mean step peak, summed over those layers: search "
+            f"{self.fit_peak_before:.0f} -> {self.fit_peak_after:.0f}, validation "
+            f"{self.validation_peak_before:.0f} -> {self.validation_peak_after:.0f} tokens)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# steps and scores
+# ---------------------------------------------------------------------------------------------
+def sample_step_counts(
+    trace: RoutingTrace, ep_size: int, step_tokens: int, num_steps: int | None, seed: int = 0
+) -> np.ndarray:
+    """Tokens per expert of sampled steps: int64 ``[N, L, E]``.
+
+    A step is ``step_tokens * ep_size`` consecutive tokens starting at a multiple of ``step_tokens``;
+    ``num_steps`` starts drawn without replacement (None: the disjoint steps from token 0).
+    """
+    if not trace.has_tokens:
+        raise ValueError("per-step placement needs a per-token trace (topk_ids), not counts only")
+    ids = trace.topk_ids
+    assert ids is not None
+    T, L, _ = ids.shape
+    E, b = trace.num_logical_experts, int(step_tokens)
+    C = T // b  # whole chunks of b tokens
+    if C < ep_size:
+        raise ValueError(
+            f"the trace has {T} tokens, fewer than one step of {b} tokens x {ep_size} ranks; "
+            "lower --step-tokens or give a longer trace"
+        )
+    chunk = np.repeat(np.arange(C), b)  # [C*b] chunk of each token
+    flat = ids[: C * b].astype(np.int64)  # [C*b, L, k]
+    valid = flat >= 0
+    key = (chunk[:, None, None] * L + np.arange(L)[None, :, None]) * E + np.maximum(flat, 0)
+    per_chunk = np.bincount(key[valid], minlength=C * L * E).reshape(C, L, E)
+    cum = np.concatenate([np.zeros((1, L, E), np.int64), np.cumsum(per_chunk, axis=0)])  # [C+1, L, E]
+    if num_steps is None:
+        starts = np.arange(0, C - ep_size + 1, ep_size)
+    else:
+        rng = np.random.default_rng(seed)
+        n_start = C - ep_size + 1
+        starts = np.sort(rng.choice(n_start, size=min(int(num_steps), n_start), replace=False))
+    return cum[starts + ep_size] - cum[starts]
+
+
+def step_scores(placement: Placement, counts: np.ndarray, dispatch: str | DispatchModel) -> np.ndarray:
+    """Mean over steps of the peak GPU load per layer under ``dispatch``'s ``step_load``: ``[L]``.
+
+    ``counts``: ``[N, L, E]`` each step's all-reduced tokens per expert.
+    """
+    model = get_dispatch(dispatch)
+    if model.step_load is None:
+        raise ValueError(f"dispatch model {model.name!r} is not scored per step")
+    t = placement.topology
+    out = np.zeros(placement.num_layers)
+    for l in range(placement.num_layers):
+        slot = model.step_load(placement, l, counts[:, l, :])  # [N, P]
+        out[l] = slot.reshape(counts.shape[0], t.ep_size, -1).sum(axis=2).max(axis=1).mean()
+    return out
+
+
+def step_lower_bound_par(counts: np.ndarray, ep_size: int, num_physical_experts: int) -> float:
+    """A lower bound on ``step_par`` for any placement with these slots, under any split.
+
+    Per step and layer ``max(mean, largest count / most replicas it can have)`` over the mean (the most
+    replicas: ``min(G, 1 + P - E)``), averaged like ``step_par``. ``counts``: ``[N, L, E]``.
+    """
+    c = np.asarray(counts, dtype=np.float64)
+    E = c.shape[-1]
+    mean = c.sum(axis=-1) / ep_size  # [N, L]
+    most = max(1, min(ep_size, 1 + num_physical_experts - E))
+    lb = np.maximum(mean, c.max(axis=-1) / most)
+    return float(np.where(mean > 0, lb / np.where(mean > 0, mean, 1.0), 1.0).mean(axis=0).mean())
+
+
+def relaxed_peak(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gpus: int, iters: int = 30):
+    """Best peak seen of a feasible fractional split, per step: float64 ``[N]`` (an upper bound on the
+    LP optimum, converging to it), and the last split's GPU loads ``[N, G]``.
+
+    Starts even; each round, every expert with several replicas moves a quarter of the load gap from
+    its most to its least loaded replica's GPU (all experts at once: damped to avoid overshoot).
+    ``counts``: float ``[N, E]``; ``l2p``: int ``[E, R]``, -1 padded.
+    """
+    N, E = counts.shape
+    R = l2p.shape[1]
+    valid = l2p >= 0  # [E, R]
+    gpu = np.where(valid, l2p // slots_per_gpu, 0)  # [E, R]
+    onehot = np.zeros((E * R, num_gpus))
+    onehot[np.arange(E * R), gpu.ravel()] = valid.ravel()  # replica -> its GPU
+    n = valid.sum(axis=1)
+    x = np.where(valid[None], (counts / n)[:, :, None], 0.0)  # [N, E, R] tokens per replica
+    multi = np.flatnonzero(n > 1)
+    vm, gm = valid[multi][None], gpu[multi]  # [1, M, R], [M, R]
+    best = np.full(N, np.inf)
+    for _ in range(iters):
+        ld = x.reshape(N, -1) @ onehot  # [N, G]
+        best = np.minimum(best, ld.max(axis=1))
+        if multi.size == 0:
+            break
+        gl = ld[:, gm]  # [N, M, R] load of each replica's GPU
+        xm = x[:, multi]  # [N, M, R]
+        h = np.where(vm & (xm > 0), gl, -np.inf).argmax(axis=2)[..., None]  # [N, M, 1]
+        c = np.where(vm, gl, np.inf).argmin(axis=2)[..., None]
+        xh = np.take_along_axis(xm, h, 2)
+        amt = np.clip((np.take_along_axis(gl, h, 2) - np.take_along_axis(gl, c, 2)) * 0.25, 0, xh)
+        np.put_along_axis(xm, h, xh - amt, 2)
+        np.put_along_axis(xm, c, np.take_along_axis(xm, c, 2) + amt, 2)
+        x[:, multi] = xm
+    last = x.reshape(N, -1) @ onehot  # [N, G]
+    return np.minimum(best, last.max(axis=1)), last
+
+
+# ---------------------------------------------------------------------------------------------
+# the search, one layer
+# ---------------------------------------------------------------------------------------------
+class _Layer:
+    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``."""
+
+    def __init__(self, row, counts, load, E: int, S: int, G: int, o: StepFitOptions):
+        self.row, self.counts, self.load, self.E, self.S, self.G, self.o = (
+            row.copy(),
+            counts,
+            load,
+            E,
+            S,
+            G,
+            o,
+        )
+        self.window_limit = self.window_peak(self.row) * (1 + o.window_slack)
+        self.score = self.score_of(self.row)
+        self.hot = self.last_hot  # [G] the current row's share of the peaks' excess per GPU
+        sd, mean = counts.std(axis=0), counts.mean(axis=0)  # [E] per-step spread and mean
+        self.want = (sd / max(sd.sum(), 1e-12) + mean / max(mean.sum(), 1e-12)) / 2  # [E]
+
+    def l2p(self, row) -> np.ndarray:
+        return compute_logical_maps(row[None], self.E)[0][0]  # [E, R]
+
+    def score_of(self, row) -> float:
+        peak, ld = relaxed_peak(self.counts, self.l2p(row), self.S, self.G, self.o.iters)
+        excess = np.maximum(ld - ld.mean(axis=1, keepdims=True), 0).mean(axis=0) + 1e-9  # [G]
+        self.last_hot = excess / excess.sum()  # where the peaks are: targeted moves start there
+        return float(peak.mean())
+
+    def window_peak(self, row) -> float:
+        n = np.bincount(row, minlength=self.E)
+        return float((self.load[row] / n[row]).reshape(self.G, self.S).sum(axis=1).max())
+
+    def propose(self, rng: np.random.Generator) -> np.ndarray | None:
+        """A re-pointed redundant slot or a swap of two slots between GPUs; None if the draw is illegal."""
+        row, S = self.row, self.S
+        new = row.copy()
+        n = np.bincount(row, minlength=self.E)
+        targeted = rng.random() < 0.5  # start from the GPUs that carry the peaks
+        if rng.random() < 0.5:
+            spare = np.flatnonzero(n[row] > 1)  # slots whose expert has another replica
+            if spare.size == 0:
+                return None
+            p = int(rng.choice(spare))
+            if targeted:  # a new edge out of a hot GPU: replicate one of its experts
+                g = int(rng.choice(self.G, p=self.hot))
+                b = int(row[g * S + rng.integers(S)])
+            else:
+                b = int(rng.choice(self.E, p=self.want))
+            if b in row[(p // S) * S : (p // S + 1) * S]:
+                return None
+            new[p] = b
+        else:
+            p, q = (int(v) for v in rng.choice(row.size, 2, replace=False))
+            if targeted:  # move a slot off a hot GPU
+                p = int(rng.choice(self.G, p=self.hot)) * S + int(rng.integers(S))
+            gp, gq = p // S, q // S
+            if gp == gq or row[p] == row[q]:
+                return None
+            if row[q] in row[gp * S : (gp + 1) * S] or row[p] in row[gq * S : (gq + 1) * S]:
+                return None
+            new[p], new[q] = row[q], row[p]
+        return new
+
+    def search(self, rng: np.random.Generator) -> None:
+        for _ in range(self.o.moves):
+            new = self.propose(rng)
+            if new is None or self.window_peak(new) > self.window_limit:
+                continue
+            score = self.score_of(new)
+            if score < self.score - 1e-9:
+                self.row, self.score, self.hot = new, score, self.last_hot
+
+
+# ---------------------------------------------------------------------------------------------
+# the step
+# ---------------------------------------------------------------------------------------------
+def _search_and_validation(trace: RoutingTrace, G: int, o: StepFitOptions) -> tuple[np.ndarray, np.ndarray]:
+    """Sampled step counts ``[N, L, E]`` of the search part and of the validation part (the search
+    part's own when the trailing part is shorter than a step)."""
+    T = trace.num_tokens
+    cut = int(round(T * (1.0 - o.validation)))
+    per_step = o.step_tokens * G
+    if cut < per_step or T - cut < per_step:
+        whole = sample_step_counts(trace, G, o.step_tokens, o.num_steps, o.seed)
+        return whole, whole
+    search = sample_step_counts(trace.slice_tokens(0, cut), G, o.step_tokens, o.num_steps, o.seed)
+    held = sample_step_counts(trace.slice_tokens(cut, T), G, o.step_tokens, o.num_steps, o.seed + 1)
+    return search, held
+
+
+def _scores(placement: Placement, counts: np.ndarray, model: DispatchModel, layers) -> np.ndarray:
+    """:func:`step_scores` of ``layers`` only (0 elsewhere): ``[L]``."""
+    out = np.zeros(placement.num_layers)
+    if len(layers):
+        sub = placement.select_layers(list(layers))
+        out[list(layers)] = step_scores(sub, counts[:, list(layers)], model)
+    return out
+
+
+def fit_for_steps(
+    placement: Placement,
+    trace: RoutingTrace,
+    dispatch: str | DispatchModel,
+    options: StepFitOptions | None = None,
+) -> tuple[Placement, StepFit]:
+    """``placement`` with its slots re-chosen for per-step balance under ``dispatch`` (a model with
+    ``step_load``), never worse than ``placement`` on the search or validation steps of ``trace``.
+
+    Returns the placement (``placement`` itself when no layer changed) and the :class:`StepFit`.
+    """
+    o = options or StepFitOptions()
+    model = get_dispatch(dispatch)
+    t = placement.topology
+    G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
+    search, held = _search_and_validation(trace, G, o)  # [N, L, E] each
+    load = trace.counts().astype(np.float64)  # [L, E]
+    rng = np.random.default_rng(o.seed)
+    p2l = placement.physical_to_logical_map
+    rows = p2l.copy()
+    for l in range(placement.num_layers):
+        layer = _Layer(p2l[l], search[:, l].astype(np.float64), load[l], E, S, G, o)
+        layer.search(rng)
+        rows[l] = layer.row
+    moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]
+    cand = Placement(rows, E, t, placement.layer_ids, placement.provenance)
+    fit0, fit1 = _scores(placement, search, model, moved), _scores(cand, search, model, moved)
+    val0, val1 = _scores(placement, held, model, moved), _scores(cand, held, model, moved)
+    keep = [l for l in moved if fit1[l] < fit0[l] and val1[l] < val0[l]]
+    log.debug("step fit: %d layers moved in the search, %d kept", len(moved), len(keep))
+    out = placement
+    if keep:
+        final = p2l.copy()
+        final[keep] = rows[keep]
+        out = Placement(final, E, t, placement.layer_ids, placement.provenance).with_provenance(
+            dispatch=model.name, step_fit={"step_tokens": o.step_tokens, "moves": o.moves, "seed": o.seed}
+        )
+    fit = StepFit(
+        model.name,
+        tuple(keep),
+        float(fit0[keep].sum()),
+        float(fit1[keep].sum()),
+        float(val0[keep].sum()),
+        float(val1[keep].sum()),
+        o.step_tokens,
+        held,
+    )
+    return out, fit

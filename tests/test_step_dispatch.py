@@ -1,0 +1,222 @@
+"""The per-step dispatch models (``balanced``, ``sglang-lp``) and the placement fitted for them."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from placement.dispatch import BALANCED, DISPATCH, SGLANG_LP, lp_shares
+from placement.formats import read_placement
+from placement.metrics import route_tokens, routed_gpu_tokens, step_par
+from placement.model import Placement
+from placement.step_balance import balanced_quotas
+from placement.topology import Topology
+from profiling.trace import RoutingTrace
+from solver.step_fit import StepFitOptions, fit_for_steps, sample_step_counts, step_scores
+
+
+def _case(seed: int, G: int = 8, E: int = 16, spare: int = 8, T: int = 1200, k: int = 2):
+    """G GPUs on 2 nodes, (E + spare) / G slots each, 2 layers, T tokens with skewed picks."""
+    rng = np.random.default_rng(seed)
+    P = E + spare
+    topo = Topology(ep_size=G, num_physical_experts=P, num_nodes=2)
+    S = P // G
+    rows = []
+    while len(rows) < 2:
+        row = np.r_[np.arange(E), rng.choice(E, spare, replace=False)]
+        rng.shuffle(row)
+        if all(len(set(row[g * S : (g + 1) * S])) == S for g in range(G)):
+            rows.append(row)
+    pl = Placement(np.array(rows), E, topo)
+    pop = rng.dirichlet(np.full(E, 0.5))
+    ids = np.stack([rng.choice(E, k, replace=False, p=pop) for _ in range(T)])[:, None, :].repeat(2, axis=1)
+    ids[:, 1] = (ids[:, 1] * 5 + 3) % E
+    return pl, RoutingTrace(num_logical_experts=E, topk_ids=ids, source_rank=rng.integers(0, G, T))
+
+
+def test_models_are_registered_with_their_attributes():
+    assert DISPATCH["balanced"] is BALANCED and DISPATCH["sglang-lp"] is SGLANG_LP
+    b, lp = BALANCED, SGLANG_LP
+    assert b.needs_step_counts and b.runtime and not b.fractional and b.step_load and b.route
+    assert (b.engine, b.version) == ("", "")
+    assert lp.needs_step_counts and not lp.runtime and not lp.fractional and lp.step_load and lp.route
+    assert (lp.engine, lp.version) == ("SGLang", "0.5.23")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balanced_route_puts_exactly_the_quotas_on_each_replica(seed):
+    pl, tr = _case(seed)
+    rng = np.random.default_rng(seed)
+    T = tr.num_tokens
+    src = rng.integers(0, 8, T)
+    batch = 20
+    rows = np.zeros(T, np.int64)
+    for g in range(8):  # each rank's tokens in batches of 20 rows
+        mine = np.flatnonzero(src == g)
+        rows[mine] = np.arange(mine.size) % batch
+    slots = route_tokens(pl, tr.topk_ids, src, BALANCED, batch_index=rows)  # [T, L, k]
+    pos = np.zeros(T, np.int64)
+    for g in range(8):
+        mine = np.flatnonzero(src == g)
+        pos[mine] = np.arange(mine.size)
+    step = pos // batch
+    for l in range(2):
+        l2p = pl.logical_to_physical_map[l]
+        for s in range(step.max() + 1):
+            ids = tr.topk_ids[step == s, l].astype(np.int64)
+            counts = np.bincount(ids[ids >= 0], minlength=16)
+            q = balanced_quotas(counts, l2p, 3)  # [E, R]
+            got = np.bincount(slots[step == s, l].ravel(), minlength=24)
+            want = np.zeros(24, np.int64)
+            for e in range(16):
+                for r in range(pl.logical_replica_count[l, e]):
+                    want[l2p[e, r]] = q[e, r]
+            assert np.array_equal(got, want)
+            # the order: source rank, then row: the replica index never decreases along that order
+            sel = np.flatnonzero(step == s)
+            for e in range(16):
+                tok, j = np.nonzero(tr.topk_ids[sel, l] == e)
+                order = np.lexsort((rows[sel][tok], src[sel][tok]))
+                rep = np.searchsorted(l2p[e, : pl.logical_replica_count[l, e]], slots[sel[tok], l, j])[order]
+                assert np.all(np.diff(rep) >= 0)
+
+
+def test_route_tokens_and_routed_gpu_tokens_agree_with_step_load():
+    pl, tr = _case(3)
+    src = np.arange(tr.num_tokens) % 8
+    slots = route_tokens(pl, tr.topk_ids, src, BALANCED)  # default 256-row batches
+    gpu = routed_gpu_tokens(pl, slots)  # [L, G]
+    assert gpu.sum() == (tr.topk_ids >= 0).sum()
+
+
+def test_step_par_under_balanced_is_the_peak_of_the_quotas_by_hand():
+    pl, tr = _case(7)
+    b, G = 10, 8
+    sp = step_par(pl, tr, b, BALANCED)
+    S = tr.num_tokens // (b * G)
+    pars = np.zeros((2, S))
+    for l in range(2):
+        l2p = pl.logical_to_physical_map[l]
+        for s in range(S):
+            ids = tr.topk_ids[s * b * G : (s + 1) * b * G, l].astype(np.int64)
+            q = balanced_quotas(np.bincount(ids[ids >= 0], minlength=16), l2p, 3)
+            gpu = np.zeros(G)
+            for e in range(16):
+                for r in range(pl.logical_replica_count[l, e]):
+                    gpu[l2p[e, r] // 3] += q[e, r]
+            pars[l, s] = gpu.max() / gpu.mean()
+    assert sp["num_steps"] == S
+    assert sp["step_par"] == pytest.approx(pars.mean(), rel=1e-12)
+
+
+def _highs_peak(c: np.ndarray, l2p: np.ndarray, S: int, G: int) -> float:
+    """The LP SGLang's LPLB solves, by HiGHS: min M s.t. copies sum to counts, GPU loads <= M."""
+    from scipy.optimize import linprog
+
+    e_idx, r_idx = np.nonzero(l2p >= 0)
+    n = e_idx.size
+    a_eq = np.zeros((len(c), n + 1))
+    a_eq[e_idx, np.arange(n)] = 1.0
+    a_ub = np.zeros((G, n + 1))
+    a_ub[l2p[e_idx, r_idx] // S, np.arange(n)] = 1.0
+    a_ub[:, -1] = -1.0
+    cost = np.zeros(n + 1)
+    cost[-1] = 1.0
+    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=c.astype(float), method="highs")
+    assert res.status == 0
+    return float(res.fun)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sglang_lp_expected_peak_is_the_highs_optimum(seed):
+    pytest.importorskip("scipy")
+    pl, _ = _case(seed)
+    rng = np.random.default_rng(100 + seed)
+    counts = rng.integers(0, 60, (4, 16)) * (rng.random((4, 16)) < 0.8)  # [S, E], some experts idle
+    shares = lp_shares(pl, 0, counts)  # [S, E, R]
+    l2p = pl.logical_to_physical_map[0]
+    assert np.allclose(shares.sum(axis=2), 1.0) and np.all(shares[:, l2p < 0] == 0)
+    for s in range(4):
+        gpu = np.zeros(8)
+        for e in range(16):
+            for r in range(pl.logical_replica_count[0, e]):
+                gpu[l2p[e, r] // 3] += shares[s, e, r] * counts[s, e]
+        assert gpu.max() == pytest.approx(_highs_peak(counts[s], l2p, 3, 8), rel=1e-7, abs=1e-7)
+
+
+def test_sglang_lp_draws_are_seeded_and_sum_to_the_counts():
+    pl, _ = _case(2)
+    counts = np.random.default_rng(0).integers(0, 50, (5, 16)).astype(float)
+    a = SGLANG_LP.step_load(pl, 1, counts)
+    assert np.array_equal(a, SGLANG_LP.step_load(pl, 1, counts))
+    p2l = pl.physical_to_logical_map[1]
+    for s in range(5):
+        assert np.array_equal(np.bincount(p2l, weights=a[s], minlength=16), counts[s])
+
+
+def _fit_case():
+    pl, tr = _case(5, T=4000)
+    return pl, tr, StepFitOptions(step_tokens=8, num_steps=40, moves=60, seed=1)
+
+
+def test_step_fit_is_never_worse_than_its_start_and_is_deterministic():
+    pl, tr, o = _fit_case()
+    out, fit = fit_for_steps(pl, tr, BALANCED, o)
+    again, _ = fit_for_steps(pl, tr, BALANCED, o)
+    assert np.array_equal(out.physical_to_logical_map, again.physical_to_logical_map)
+    steps = sample_step_counts(
+        tr.slice_tokens(0, int(round(tr.num_tokens * (1 - o.validation)))), 8, 8, 40, 1
+    )
+    before, after = step_scores(pl, steps, BALANCED), step_scores(out, steps, BALANCED)
+    assert np.all(after <= before + 1e-9)
+    assert (
+        fit.fit_peak_after <= fit.fit_peak_before and fit.validation_peak_after <= fit.validation_peak_before
+    )
+    assert set(fit.changed_layers) == {l for l in range(2) if not np.array_equal(
+        out.physical_to_logical_map[l], pl.physical_to_logical_map[l])}  # fmt: skip
+    assert np.all(out.logical_replica_count >= 1) and fit.dispatch == BALANCED.name
+
+
+def test_solve_pipeline_fits_for_balanced_and_gates_against_greedy():
+    from solver.api import FitOptions, solve
+
+    pl, tr, _ = _fit_case()
+    res = solve(
+        "greedy", topology=pl.topology, trace=tr, dispatch=BALANCED.name, fit=FitOptions(step_tokens=8)
+    )
+    assert res.fit is not None and res.fit.step_tokens == 8
+    assert any("per-step balance" in n for n in res.report.notes)
+    steps = res.fit.validation_counts
+    assert (
+        step_scores(res.placement, steps, BALANCED).sum() <= step_scores(res.baseline, steps, BALANCED).sum()
+    )
+
+
+def test_cli_evaluate_balanced_reports_step_par_and_solve_writes_a_placement(tmp_path, capsys):
+    from cli.main import main
+    from placement.formats import write_placement
+    from profiling.readers import write_trace
+
+    pl, tr, _ = _fit_case()
+    tpath, ppath = tmp_path / "t.npz", tmp_path / "p.json"
+    write_trace(tr, str(tpath))
+    write_placement(pl, str(ppath))
+    capsys.readouterr()
+    assert main(["evaluate", str(ppath), str(tpath), "--dispatch", "balanced", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["policy"] == "balanced" and d["step_tokens"] == 64 and 1.0 <= d["step_par"]
+    assert (
+        main(["evaluate", str(ppath), str(tpath), "--dispatch", "all", "--step-tokens", "8", "--json"]) == 0
+    )
+    every = json.loads(capsys.readouterr().out)["dispatch"]
+    assert set(every) == set(DISPATCH) and all("step_par" in v for v in every.values())
+    out = tmp_path / "solved.json"
+    args = ["solve", "--trace", str(tpath), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8"]
+    assert main([*args, "--dispatch", "balanced", "--step-tokens", "8", "-o", str(out)]) == 0
+    solved = read_placement(str(out))
+    assert solved.physical_to_logical_map.shape == (2, 24)
+    assert all(
+        len(set(r[g * 3 : (g + 1) * 3])) == 3 for r in solved.physical_to_logical_map for g in range(8)
+    )
