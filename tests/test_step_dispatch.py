@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 
 from placement.dispatch import BALANCED, DISPATCH, SGLANG_LP, lp_shares
+from placement.dispatch.balanced import balanced_step_load
 from placement.formats import read_placement
 from placement.metrics import route_tokens, routed_gpu_tokens, step_par
 from placement.model import Placement
 from placement.step_balance import balanced_quotas
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
+from solver.api import solve
 from solver.step_fit import StepFitOptions, fit_for_steps, sample_step_counts, step_scores
 
 
@@ -220,3 +222,26 @@ def test_cli_evaluate_balanced_reports_step_par_and_solve_writes_a_placement(tmp
     assert all(
         len(set(r[g * 3 : (g + 1) * 3])) == 3 for r in solved.physical_to_logical_map for g in range(8)
     )
+
+
+@pytest.mark.parametrize("model", [BALANCED, SGLANG_LP])
+def test_empty_picks_are_counted_nowhere(model):
+    """A -1 id (a token with fewer picks) is no token of expert 0: it gets no slot and the split
+    is the one of the real picks alone (what the runtime, which skips empty picks, executes)."""
+    from placement.dispatch import route_layer
+
+    topo = Topology.from_redundant(8, 4, ep_size=4, num_nodes=2)
+    rng = np.random.default_rng(1)
+    pl, _ = solve("greedy", topology=topo, load=rng.random((1, 8)) * 100)
+    ids = np.stack([np.arange(40) % 8, (np.arange(40) + 3) % 8], axis=1)
+    ids[::3, 1] = -1
+    src = np.repeat(np.arange(4), 10)
+    out = route_layer(pl, 0, ids, src, model, rng=np.random.default_rng(0))
+    assert (out[ids < 0] == -1).all() and (out[ids >= 0] >= 0).all()
+    e_of_slot = pl.physical_to_logical_map[0]
+    np.testing.assert_array_equal(e_of_slot[out[ids >= 0]], ids[ids >= 0])  # a replica of the pick
+    if model is BALANCED:
+        c = np.bincount(ids[ids >= 0], minlength=8)
+        want = balanced_step_load(pl, 0, c[None, :])[0]
+        got = np.bincount(out[out >= 0], minlength=topo.num_physical_experts)
+        np.testing.assert_array_equal(got, want)

@@ -105,6 +105,7 @@ def route_layer(
     if model.route is None:
         raise ValueError(f"route_layer models the engines' token-level rules, not {model.name!r}")
     valid = ids >= 0
-    e = np.where(valid, ids, 0).astype(np.int64)  # [T, k]
+    # a per-step split counts only real picks, so its route sees the -1s; the others index with them
+    e = np.where(valid | model.needs_step_counts, ids, 0).astype(np.int64)  # [T, k]
     out = model.route(placement, layer, e, np.asarray(src, dtype=np.int64), batch_index, rng)
     return np.where(valid, out, -1)

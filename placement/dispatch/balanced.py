@@ -86,25 +86,29 @@ def step_of_token(src: np.ndarray, batch_index: np.ndarray | None) -> tuple[np.n
 
 
 def route_balanced(placement: Placement, layer: int, ids, src, batch_index=None, rng=None) -> np.ndarray:
-    """Slots ``[T, k]`` by the contract above: ``ids`` int64 ``[T, k]`` (no -1), ``src`` int64 ``[T]``,
-    ``batch_index`` int64 ``[T]`` (row in the rank's batch; None: one step)."""
+    """Slots ``[T, k]`` by the contract above: ``ids`` int64 ``[T, k]`` (-1: no pick, counted nowhere),
+    ``src`` int64 ``[T]``, ``batch_index`` int64 ``[T]`` (row in the rank's batch; None: one step)."""
     T, k = ids.shape
     E = placement.num_logical_experts
     l2p = step_map(placement, layer)  # [E, R]
     step, rows = step_of_token(src, batch_index)  # [T], [T]
     n_steps = int(step.max()) + 1 if T else 1
-    e = ids.ravel()  # [T*k] picks, token-major
-    st = np.repeat(step, k)
-    group = st * E + e  # (step, expert) of each pick
+    flat = ids.ravel()  # [T*k] picks, token-major
+    ok = flat >= 0
+    tok = np.repeat(np.arange(T), k)[ok]  # token of each valid pick
+    e = flat[ok]
+    group = step[tok] * E + e  # (step, expert) of each pick
     counts = np.bincount(group, minlength=n_steps * E).reshape(n_steps, E)  # [steps, E]
     q = balanced_quotas(counts, l2p, placement.topology.slots_per_gpu)  # [steps, E, R]
     cum = np.cumsum(q, axis=2)  # [steps, E, R]: Q_{r+1}
-    order = np.lexsort((np.repeat(rows, k), np.repeat(src, k), group))  # by (step, e), rank, row
+    order = np.lexsort((rows[tok], src[tok], group))  # by (step, e), rank, row
     gs = group[order]
     pos = np.empty_like(order)
     pos[order] = np.arange(order.size) - np.searchsorted(gs, gs, side="left")  # position i in the order
     r = (cum.reshape(n_steps * E, -1)[group] <= pos[:, None]).sum(axis=1)  # Q_{r} <= i < Q_{r+1}
-    return l2p[e, r].reshape(T, k)
+    out = np.full(T * k, -1, dtype=np.int64)
+    out[ok] = l2p[e, r]
+    return out.reshape(T, k)
 
 
 BALANCED = register(

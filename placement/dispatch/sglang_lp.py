@@ -81,14 +81,18 @@ def route_lp(placement: Placement, layer: int, ids, src, batch_index=None, rng=N
     l2p = step_map(placement, layer)  # [E, R]
     step, _ = step_of_token(src, batch_index)  # [T]
     n_steps = int(step.max()) + 1 if T else 1
-    e = ids.ravel()  # [T*k]
-    st = np.repeat(step, k)
+    flat = ids.ravel()  # [T*k] picks, token-major; -1: no pick, counted nowhere
+    ok = flat >= 0
+    e = flat[ok]
+    st = np.repeat(step, k)[ok]
     counts = np.bincount(st * E + e, minlength=n_steps * E).reshape(n_steps, E)
     cum = np.cumsum(lp_shares(placement, layer, counts), axis=2)  # [steps, E, R]
-    u = rng.random(e.size)
+    u = rng.random(flat.size)[ok]  # one draw per pick position, as before for valid picks
     r = (cum[st, e] <= u[:, None]).sum(axis=1)
     r = np.minimum(r, (l2p >= 0).sum(axis=1)[e] - 1)  # rounding at the top end
-    return l2p[e, r].reshape(T, k)
+    out = np.full(T * k, -1, dtype=np.int64)
+    out[ok] = l2p[e, r]
+    return out.reshape(T, k)
 
 
 SGLANG_LP = register(
