@@ -91,7 +91,7 @@ def run_config(
     except ValueError:
         pass
     t0 = time.perf_counter()
-    g_pl, _ = solve("greedy", topology=topo, load=fit, options={"policy": "global"})
+    g_pl, _ = solve("greedy", topology=topo, load=fit, options={"mode": "global"})
     gw = time.perf_counter() - t0
     g_fit = par_per_layer(expected_gpu_load(g_pl, fit))
     rows.append(("greedy", g_fit, par_per_layer(expected_gpu_load(g_pl, held)), None, None, gw))
@@ -189,7 +189,7 @@ def run_config(
         )
     if "node" in extra_rows and num_groups:
         h_pl, _ = solve(
-            "greedy", topology=topo, load=fit, num_groups=num_groups, options={"policy": "hierarchical"}
+            "greedy", topology=topo, load=fit, num_groups=num_groups, options={"mode": "hierarchical"}
         )
         rows.append(
             (
