@@ -8,7 +8,8 @@ load) on 288 slots / 32 GPUs / 4 nodes and 320 slots / 64 GPUs / 8 nodes. Each s
 Reports, measured in the same run: torch CPU microseconds per layer (one layer per call, and 58
 layers batched in one call), CUDA when available, the HiGHS LP (scipy) per layer, and the peak of our
 integer split over the LP optimum (worst and mean over steps x layers; ``optimal`` = share equal to
-``ceil(LP)``, the integer optimum). ``--rounds 64`` trades twice the time for accuracy. Timings on a shared machine are noisy: compare them within a run.
+``ceil(LP)``, the integer optimum). ``--rounds 96`` trades 1.5x the time for the last integer-optimal
+step-layers. Timings on a shared machine are noisy: compare them within a run.
 
 ``--traces`` adds an accuracy table over the shared real traces (``$MOE_TRACES_DIR``, skipped when
 absent): DeepSeek-V2-Lite on 32 GPUs / 4 nodes and 64 GPUs / 8 nodes (steps of 64 tokens per rank, all

@@ -18,20 +18,22 @@ Algorithm (a fixed number of rounds, so a serving step never waits on the host):
 2. Lower bound ``T`` on the optimal peak: the largest of the mean GPU load, the largest
    ``ceil(c_e / n_e)``, and the largest load a GPU must carry from experts with one replica.
 3. ``rounds`` push rounds on the GPU graph (an edge ``u -> v`` exists when an expert has tokens on
-   ``u`` and a replica on ``v``):
-   a. breadth-first distances (``depth`` hops) from every GPU to the GPUs below ``T``;
-   b. if the GPUs that reach none form a closed set ``H`` (no expert with tokens in ``H`` has a replica
+   ``u`` and a replica on ``v``), aiming at ``Tp = T + (best - T) // 2``, halfway between the bound and
+   the lowest peak seen so far (a binary search that needs no host decision):
+   a. ``depth`` relabel sweeps of warm labels kept across rounds (``label = 1 + min`` over the
+      neighbours, 0 below ``Tp``); a label of ``min(G, CAP)`` or more means no path. Warm labels reach
+      any depth over the rounds, which the long chain-like paths of sparse replica graphs need;
+   b. if the GPUs with no path form a closed set ``H`` (no expert with tokens in ``H`` has a replica
       outside it), every split must put ``load(H)`` on ``H``, so ``T`` rises to ``ceil(load(H)/|H|)``;
-   c. each GPU above ``T`` with a path pushes 3/4 of its excess one hop downhill, replica by replica in
-      slot order, each replica to the replica of its expert on a GPU one hop nearer (lowest slot on ties).
+   c. every GPU with a path pushes all its excess over ``Tp`` one label down, replica by replica in
+      slot order, each to its expert's replica with the lowest label, then the most room below ``Tp``,
+      then the lowest slot; a GPU below ``Tp`` offered more than its room takes each offer scaled by
+      ``room / offered`` (rounded up), so excess flows on without piling up at the first sink.
 4. Return the split with the lowest peak seen.
 
 The integer optimum is ``ceil(lp_peak)`` (the max-flow polytope is integral), and ``T`` is a
-certificate: a result whose peak equals ``T`` is optimal. Measured on every step and layer of the
-shared DeepSeek-V2-Lite trace (64 tokens per rank per step, greedy placements with one spare slot per
-GPU): 64 GPUs / 8 nodes, integer optimum on 100% of 1196 step-layers; 32 GPUs / 4 nodes, integer
-optimum on 99.55% and within 0.5% of the LP on 99.59% of 2418, worst 5.9% above the LP. More rounds
-close the rest (64 rounds fix the worst cases) at proportional cost.
+certificate: a result whose peak equals ``T`` is optimal. Accuracy against HiGHS and speed are
+measured by ``benchmarks/step_balance_speed.py --traces`` (figures in docs/results.md).
 
 :func:`lp_peak` gives the exact fractional optimum ``max_A c(A) / |GPUs(A)|`` by Dinkelbach's method
 over integer max flows (a reference for tests and benchmarks, not for the serving path).
@@ -46,10 +48,12 @@ import numpy as np
 
 __all__ = ["StepPlan", "balanced_gpu_load", "balanced_quotas", "lp_peak", "step_plan"]
 
-ROUNDS = 32  # push rounds
-DEPTH = 12  # breadth-first hops per round
-PUSH_NUM, PUSH_DEN = 3, 4  # share of a GPU's excess pushed per round (rounded up)
-INF = 1 << 40  # distance of a GPU with no path to a GPU below the bound
+ROUNDS = 64  # push rounds
+DEPTH = 3  # relabel sweeps per round
+CAP = 20  # a label this high means no path (labels count up one per sweep when a path breaks)
+LCAP, RB = 1 << 12, 20  # packing of the (label, room, slot) key of a replica
+ROOM = 1 << RB
+INF = 1 << 40  # label of a GPU with no path to a GPU below the target
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,56 +171,71 @@ def _lower_bound(c, q, n, se, G: int) -> np.ndarray:
     return np.maximum(T, single)
 
 
-def _distances(ld, q, T, gpu_er, se, depth: int) -> np.ndarray:
-    """Hops ``[N, G]`` from each GPU to a GPU below ``T``.
+def _labels(dist, ld, q, Tp, gpu_er, se, hops: int) -> np.ndarray:
+    """``hops`` relabel sweeps of the warm labels ``dist [N, G]``: hops to a GPU below ``Tp [N]``.
 
     ``ld [N, G]``, ``q [N, P]``, ``gpu_er [N, E, R]`` (GPU of each replica, ``G`` on padding),
-    ``se [N, P]``. A hop goes from a GPU through an expert it holds tokens of to any of its replicas.
+    ``se [N, P]``. A hop goes from a GPU through an expert it holds tokens of to any of its replicas;
+    a sweep sets ``label = 1 + min(neighbour labels)`` (0 below ``Tp``); after the sweeps a label of
+    ``min(G, CAP)`` or more becomes ``INF`` (no path).
     """
     N, G = ld.shape
-    dist = np.full((N, G + 1), INF)  # [N, G+1]; column G (padding) is never reached
-    dist[:, :G] = np.where(ld < T[:, None], 0, INF)
+    sink = np.where(ld < Tp[:, None], 0, INF + hops)  # [N, G]
     has = q > 0
-    for _ in range(depth):
-        de = _take(dist, gpu_er).min(-1)  # [N, E] nearest GPU of each expert
-        hop = np.where(has, _take(de, se), INF)  # [N, P]
-        dist[:, :G] = np.minimum(dist[:, :G], hop.reshape(N, G, -1).min(-1) + 1)
-    return dist[:, :G]
+    pad = np.full((N, 1), INF)
+    for _ in range(hops):
+        de = _take(np.concatenate([dist, pad], axis=1), gpu_er).min(-1)  # [N, E] nearest replica
+        dist = np.minimum(np.where(has, _take(de, se), INF).reshape(N, G, -1).min(-1) + 1, sink)
+    return np.where(dist >= min(G, CAP), INF, dist)
 
 
-def _closed_bound(ld, q, dist, gslot, gpu_er, se) -> np.ndarray:
-    """``[N]``: ceil(load(H)/|H|) when the GPUs with no path, ``H``, form a closed set, else 0."""
-    N, G = ld.shape
-    stuck = np.ones((N, G + 1), dtype=bool)
-    stuck[:, :G] = dist >= INF  # [N, G+1], padding counts as stuck
-    outside = ~_take(stuck, gpu_er).all(-1)  # [N, E] expert has a replica outside H
-    leak = (q > 0) & _take(stuck, gslot) & _take(outside, se)  # [N, P] tokens that could leave H
-    ns = stuck[:, :G].sum(-1)
-    hl = np.where(stuck[:, :G], ld, 0).sum(-1)
-    return np.where((ns > 0) & ~leak.any(-1), -(-hl // np.maximum(ns, 1)), 0)
+def _targets(ld, Tp, dist, gslot, se, P: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per slot ``[N, P]``: label of its expert's best replica and that replica's slot.
+
+    Best: lowest label, then most room below ``Tp``, then lowest slot (one packed int64 key).
+    """
+    N, E = ld.shape[0], int(se.max()) + 1
+    sb = max(P - 1, 1).bit_length()
+    room = np.clip(Tp[:, None] - ld, 0, ROOM - 1)  # [N, G]
+    key = ((np.minimum(dist, LCAP) << RB) | (ROOM - 1 - room)) << sb  # [N, G]
+    best = np.full((N, E), INF << sb)
+    np.minimum.at(
+        best, (np.broadcast_to(np.arange(N)[:, None], se.shape), se), _take(key, gslot) | np.arange(P)
+    )
+    kp = _take(best, se)  # [N, P]
+    return kp >> (sb + RB), kp & ((1 << sb) - 1)
 
 
-def _push(q, ld, T, dist, gslot, gpu_er, l2p, se) -> np.ndarray:
-    """Move excess one hop downhill; ``q [N, P]`` -> new ``q [N, P]`` (same totals per expert).
+def _push(q, ld, Tp, dist, gslot, se) -> tuple[np.ndarray, np.ndarray]:
+    """Move every GPU's excess over ``Tp`` one hop downhill: new ``q [N, P]`` and a bound ``[N]``.
 
-    Each loaded slot sends to its expert's replica nearest to a GPU below ``T`` (lowest slot on ties).
+    Each loaded slot sends to its expert's best replica one label lower (:func:`_targets`), earlier
+    slots of a GPU first; a GPU below ``Tp`` offered more than its room accepts each offer scaled by
+    ``room / offered``, rounded up. The bound is ``ceil(load(H)/|H|)`` when the GPUs with no path,
+    ``H``, form a closed set (no expert with tokens in ``H`` has a replica outside it), else 0.
     """
     N, G = ld.shape
     P = q.shape[1]
-    x = np.where(dist < INF, np.maximum(ld - T[:, None], 0), 0)  # [N, G] excess with a path
-    x = (x * PUSH_NUM + PUSH_DEN - 1) // PUSH_DEN
-    dpad = np.concatenate([dist, np.full((N, 1), INF)], axis=1)  # [N, G+1]
-    ke = (_take(dpad, gpu_er) * P + np.maximum(l2p, 0)).min(-1)  # [N, E] (distance, slot) key
-    kp = _take(ke, se)  # [N, P]
-    dmin, tgt = kp // P, kp % P
-    du = _take(dist, gslot)  # [N, P]
-    adm = (q > 0) & (du < INF) & (dmin == du - 1)
-    qa = np.where(adm, q, 0).reshape(N, G, -1)  # [N, G, S]
+    rows = np.broadcast_to(np.arange(N)[:, None], q.shape)
+    dmin, tgt = _targets(ld, Tp, dist, gslot, se, P)
+    du = _take(dist, gslot)  # [N, P] label of each slot's GPU
+    stuck = dist >= INF  # [N, G]
+    leak = np.where(q > 0, du - dmin, 0).max(-1) > INF - LCAP  # a stuck slot's expert reaches out
+    ns = stuck.sum(-1)
+    bound = np.where((ns > 0) & ~leak, -(-np.where(stuck, ld, 0).sum(-1) // np.maximum(ns, 1)), 0)
+    x = np.where(stuck, 0, np.maximum(ld - Tp[:, None], 0))  # [N, G] excess with a path
+    qa = np.where(dmin == du - 1, q, 0).reshape(N, G, -1)  # [N, G, S] admissible
     before = np.cumsum(qa, -1) - qa  # admissible tokens on earlier slots of the GPU
-    a = np.clip(x[:, :, None] - before, 0, qa).reshape(N, -1)  # [N, P] tokens moved
+    a = np.clip(x[:, :, None] - before, 0, qa).reshape(N, -1)  # [N, P] offered
+    rg = _take(gslot, tgt)  # [N, P] receiving GPU
+    offered = np.zeros((N, G), np.int64)
+    np.add.at(offered, (rows, rg), a)
+    room = np.where(dist == 0, np.maximum(Tp[:, None] - ld, 0), INF)  # [N, G]
+    tot, cap = _take(offered, rg), _take(room, rg)  # [N, P]
+    a = np.where(tot > cap, -(-a * cap // np.maximum(tot, 1)), a)  # accepted
     out = q - a
-    np.add.at(out, (np.broadcast_to(np.arange(N)[:, None], a.shape), tgt), a)
-    return out
+    np.add.at(out, (rows, tgt), a)
+    return out, bound
 
 
 def solve_slots(c: np.ndarray, plan: StepPlan, rounds: int = ROUNDS, depth: int = DEPTH) -> np.ndarray:
@@ -235,14 +254,15 @@ def solve_slots(c: np.ndarray, plan: StepPlan, rounds: int = ROUNDS, depth: int 
     q = _initial(cf, se, sr, n)  # [N, P]
     T = _lower_bound(cf, q, n, se, G)
     best, best_peak = q, np.full(N, INF)
+    dist = np.full((N, G), INF)  # [N, G] warm labels
     for _ in range(rounds + 1):
         ld = q.reshape(N, G, -1).sum(-1)  # [N, G]
         peak = ld.max(-1)
         better = peak < best_peak
         best, best_peak = np.where(better[:, None], q, best), np.minimum(peak, best_peak)
-        dist = _distances(ld, q, T, gpu_er, se, depth)
-        bound = _closed_bound(ld, q, dist, gslot, gpu_er, se)
-        q = _push(q, ld, T, dist, gslot, gpu_er, l2p, se)
+        Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
+        dist = _labels(dist, ld, q, Tp, gpu_er, se, depth)
+        q, bound = _push(q, ld, Tp, dist, gslot, se)
         T = np.maximum(T, bound)
     return best.reshape(B, L, P)
 
@@ -275,7 +295,7 @@ def balanced_quotas(
             tokens of each logical expert in one step, summed over all ranks.
         logical_to_physical_map: int ``[E, R]`` or ``[L, E, R]``, ascending slots, -1 padded.
         slots_per_gpu: ``S``; GPU ``g`` owns slots ``[g*S, (g+1)*S)``.
-        rounds, depth: push rounds and breadth-first hops per round (fixed work, no early exit).
+        rounds, depth: push rounds and relabel sweeps per round (fixed work, no early exit).
 
     Returns:
         int64 ``[..., E, R]`` or ``[..., L, E, R]``: ``q >= 0``, ``q.sum(-1) == counts``, 0 on padding.

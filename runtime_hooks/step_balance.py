@@ -3,13 +3,15 @@
 Each step, every rank all-reduces the token counts ``c [L, E]`` of its MoE layers and calls
 :meth:`StepBalancer.quotas`: integer tokens per replica ``[L, E, R]`` that minimize the peak GPU load.
 The algorithm is the one documented in :mod:`placement.step_balance` (even split, lower bound, fixed
-push rounds over breadth-first distances on the GPU graph, keep the best split), written once for CPU
-and CUDA:
+push rounds toward the midpoint between the bound and the best peak, over warm labels relabelled a few
+hops per round on the GPU graph, keep the best split), written once for CPU and CUDA:
 
 - integer (int64) arithmetic only, so every rank and device gets the same bits as the numpy reference;
 - fixed iteration counts and no host synchronisation on the hot path (no ``.item()``, ``.tolist()``,
   data-dependent shapes or Python branches on tensor values);
-- ties broken by index (lowest slot).
+- ties broken by index (lowest slot);
+- per-slot work uses expand (not gather) to spread GPU values over slots and scatter-reduce or negated
+  ``amax`` for minima (``amin`` over a short last dim is ~15x slower than ``amax`` on CPU).
 
 The plan (expert and replica index of every slot) is built on the host once per placement by
 :func:`placement.step_balance.step_plan` and moved to the device.
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from placement.step_balance import DEPTH, INF, PUSH_DEN, PUSH_NUM, ROUNDS, step_plan
+from placement.step_balance import CAP, DEPTH, INF, LCAP, RB, ROOM, ROUNDS, step_plan
 
 __all__ = ["StepBalancer"]
 
@@ -46,50 +48,61 @@ def _per_expert_max(v: torch.Tensor, se: torch.Tensor, E: int, fill: int) -> tor
     return out.scatter_reduce_(1, se, v, "amax")
 
 
-def _distances(ld, q, T, gslot, se, E: int, depth: int) -> torch.Tensor:
-    """Hops ``[N, G]`` from each GPU to a GPU below ``T`` (``ld [N, G]``, ``q [N, P]``, ``se [N, P]``).
+def _per_slot(a: torch.Tensor, gslot: torch.Tensor) -> torch.Tensor:
+    """``a [N, G]`` repeated to every slot of each GPU: ``[N, P]`` (``gslot [N, P]`` gives ``P``)."""
+    return a[:, :, None].expand(-1, -1, gslot.shape[1] // a.shape[1]).reshape(gslot.shape)
 
-    Kept negated so every minimum is a max; a hop goes from a GPU through an expert it holds tokens
-    of to any replica of that expert (a scatter-max over the expert's slots, then a gather back).
+
+def _labels(dist, ld, q, Tp, gslot, se, E: int, hops: int) -> torch.Tensor:
+    """``hops`` relabel sweeps of the warm labels ``dist [N, G]`` (hops to a GPU below ``Tp [N]``).
+
+    ``ld [N, G]``, ``q [N, P]``, ``gslot, se [N, P]``. Kept negated so every minimum is a max.
     """
     N, G = ld.shape
-    nd = torch.where(ld < T[:, None], 0, -INF)  # [N, G] minus distance
-    se_has = torch.where(q > 0, se, E)  # [N, P] unloaded slots read the spare column E (never reached)
-    for _ in range(depth):
-        de = _per_expert_max(torch.gather(nd, 1, gslot), se, E + 1, -INF)  # [N, E+1] nearest GPU per expert
-        hop = torch.gather(de, 1, se_has)  # [N, P]
-        nd = torch.maximum(nd, hop.reshape(N, G, -1).amax(-1) - 1)
-    return -nd
+    sink = torch.where(ld < Tp[:, None], 0, -INF - hops)  # [N, G]
+    se_has = torch.where(q > 0, se, E)  # [N, P] unloaded slots read the spare column E
+    nd = -dist
+    for _ in range(hops):
+        de = _per_expert_max(_per_slot(nd, gslot), se, E + 1, -INF)  # [N, E+1] nearest replica
+        nd = torch.maximum(torch.gather(de, 1, se_has).reshape(N, G, -1).amax(-1) - 1, sink)
+    return torch.where(nd <= -min(G, CAP), INF, -nd)
 
 
-def _closed_bound(ld, q, dist, gslot, se, E: int) -> torch.Tensor:
-    """``[N]``: ceil(load(H)/|H|) when the GPUs with no path, ``H``, form a closed set, else 0."""
-    stuck = dist >= INF  # [N, G]
-    stuck_p = torch.gather(stuck, 1, gslot)  # [N, P]
-    outside = _per_expert_max((~stuck_p).to(torch.int64), se, E, 0)  # [N, E] a replica outside H
-    leak = (q > 0) & stuck_p & (torch.gather(outside, 1, se) > 0)  # [N, P] tokens that could leave H
-    ns = stuck.sum(-1)
-    hl = torch.where(stuck, ld, 0).sum(-1)
-    return torch.where((ns > 0) & (leak.sum(-1) == 0), -(-hl // ns.clamp(min=1)), 0)
+def _targets(ld, Tp, dist, gslot, se, slot, E: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot ``[N, P]``: label of its expert's best replica (lowest label, most room, lowest slot), slot."""
+    sb = max(P - 1, 1).bit_length()
+    room = (Tp[:, None] - ld).clamp(min=0, max=ROOM - 1)  # [N, G]
+    key = ((dist.clamp(max=LCAP) << RB) | (ROOM - 1 - room)) << sb  # [N, G]
+    best = torch.full((ld.shape[0], E), INF << sb, dtype=ld.dtype, device=ld.device)
+    kp = torch.gather(best.scatter_reduce_(1, se, _per_slot(key, gslot) | slot, "amin"), 1, se)
+    return kp >> (sb + RB), kp & ((1 << sb) - 1)
 
 
-def _push(q, ld, T, dist, gslot, se, slot, E: int) -> torch.Tensor:
-    """Move excess one hop downhill; ``q [N, P]`` -> new ``q [N, P]``. ``slot``: ``arange(P)``."""
+def _push(q, ld, Tp, dist, gslot, se, slot, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move every GPU's excess over ``Tp`` one hop downhill: new ``q [N, P]`` and the closed bound ``[N]``.
+
+    As in the numpy reference: earlier slots of a GPU first; a GPU below ``Tp`` offered more than its
+    room accepts the offers scaled down (rounded down), the rest of its room to its lowest offering slot.
+    ``slot``: ``arange(P)`` as ``[N, P]``.
+    """
     N, G = ld.shape
     P = q.shape[1]
-    x = torch.where(dist < INF, (ld - T[:, None]).clamp(min=0), 0)  # [N, G] excess with a path
-    x = (x * PUSH_NUM + PUSH_DEN - 1) // PUSH_DEN
-    du = torch.gather(dist, 1, gslot)  # [N, P]
-    ke = -_per_expert_max(
-        -(du * P + slot), se, E, -INF * P
-    )  # [N, E] (distance, slot) key of the best replica
-    kp = torch.gather(ke, 1, se)  # [N, P]
-    dmin, tgt = kp // P, kp % P
-    adm = (q > 0) & (du < INF) & (dmin == du - 1)
-    qa = torch.where(adm, q, 0).reshape(N, G, -1)  # [N, G, S]
+    dmin, tgt = _targets(ld, Tp, dist, gslot, se, slot, E, P)
+    du = _per_slot(dist, gslot)  # [N, P]
+    stuck = dist >= INF  # [N, G] no path: closed unless a loaded slot's expert has a replica outside
+    leak = torch.where(q > 0, du - dmin, 0).amax(-1) > INF - LCAP  # a stuck slot's expert reaches out
+    ns = stuck.sum(-1)
+    bound = torch.where((ns > 0) & ~leak, -(-torch.where(stuck, ld, 0).sum(-1) // ns.clamp(min=1)), 0)
+    x = torch.where(stuck, 0, (ld - Tp[:, None]).clamp(min=0))  # [N, G] excess with a path
+    qa = torch.where(dmin == du - 1, q, 0).reshape(N, G, -1)  # [N, G, S] admissible
     before = qa.cumsum(-1) - qa  # admissible tokens on earlier slots of the GPU
-    a = torch.minimum((x[:, :, None] - before).clamp(min=0), qa).reshape(N, -1)  # [N, P] tokens moved
-    return (q - a).scatter_add_(1, tgt, a)
+    a = (x[:, :, None] - before).clamp(min=torch.zeros_like(qa), max=qa).reshape(N, -1)  # [N, P] offered
+    rg = torch.gather(gslot, 1, tgt)  # [N, P] receiving GPU
+    offered = torch.zeros_like(ld).scatter_add_(1, rg, a)  # [N, G]
+    room = torch.where(dist == 0, (Tp[:, None] - ld).clamp(min=0), INF)  # [N, G]
+    tot, cap = torch.gather(offered, 1, rg), torch.gather(room, 1, rg)  # [N, P]
+    a = torch.where(tot > cap, -(-a * cap // tot.clamp(min=1)), a)  # offers scaled down, rounded up
+    return (q - a).scatter_add_(1, tgt, a), bound
 
 
 class StepBalancer:
@@ -99,7 +112,7 @@ class StepBalancer:
         logical_to_physical_map: int ``[E, R]`` or ``[L, E, R]`` (numpy or torch), ascending, -1 padded.
         slots_per_gpu: ``S``; GPU ``g`` owns slots ``[g*S, (g+1)*S)``.
         device: where the plan lives and the solve runs (CPU or CUDA).
-        rounds, depth: fixed push rounds and breadth-first hops per round (as in the numpy reference).
+        rounds, depth: fixed push rounds and relabel sweeps per round (as in the numpy reference).
     """
 
     def __init__(
@@ -176,14 +189,15 @@ class StepBalancer:
         q = ce // ne + (sr < ce % ne).to(torch.int64)  # even split, remainder to the first replicas
         T = _lower_bound(cf, q, n, se, G)
         best, best_peak = q, torch.full((N,), INF, dtype=torch.int64, device=q.device)
+        dist = torch.full((N, G), INF, dtype=torch.int64, device=q.device)  # [N, G] warm labels
         for _ in range(self.rounds + 1):
             ld = q.reshape(N, G, -1).sum(-1)  # [N, G]
             peak = ld.amax(-1)
             best = torch.where((peak < best_peak)[:, None], q, best)
             best_peak = torch.minimum(peak, best_peak)
-            dist = _distances(ld, q, T, gslot, se, E, self.depth)
-            bound = _closed_bound(ld, q, dist, gslot, se, E)
-            q = _push(q, ld, T, dist, gslot, se, slot, E)
+            Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
+            dist = _labels(dist, ld, q, Tp, gslot, se, E, self.depth)
+            q, bound = _push(q, ld, Tp, dist, gslot, se, slot, E)
             T = torch.maximum(T, bound)
         return best.reshape(B, L, -1)
 

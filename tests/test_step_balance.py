@@ -141,9 +141,10 @@ def test_real_trace_steps_near_lp(deepseek_trace):
     peak = balanced_gpu_load(c, sub, S).max(-1)  # [6, 4]
     lp = lp_peak(c, sub, S)
     assert (peak >= lp - 1e-9).all()
-    # Measured over the whole trace: 99.6% of step-layers within 0.5% of the LP, worst 5.9% above.
-    assert (peak == np.ceil(lp - 1e-9)).mean() >= 0.9, (peak, lp)
-    assert (peak <= lp * 1.02).all(), (peak, lp)
+    # Measured over the whole trace: every step-layer integer-optimal or within 0.5% of the LP (99.8%
+    # integer-optimal, worst 0.48% above the LP).
+    assert (peak == np.ceil(lp - 1e-9)).mean() >= 0.95, (peak, lp)
+    assert (peak <= np.maximum(lp * 1.005, np.ceil(lp - 1e-9))).all(), (peak, lp)
     got = StepBalancer(sub, S).quotas(torch.from_numpy(c), validate=False).numpy()
     np.testing.assert_array_equal(got, balanced_quotas(c, sub, S))
 
