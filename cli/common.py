@@ -372,7 +372,7 @@ def checked_dispatch(args: argparse.Namespace) -> str:
     return args.policy
 
 
-class _DeprecatedAlias(argparse.Action):
+class DeprecatedAlias(argparse.Action):
     """An old spelling of an option: stores like it, with one warning line on stderr."""
 
     def __init__(self, *args, new: str, **kwargs):
@@ -408,7 +408,7 @@ def add_dispatch_args(
         dest="policy",
         default=argparse.SUPPRESS,
         metavar=metavar,
-        action=_DeprecatedAlias,
+        action=DeprecatedAlias,
         new="--dispatch",
         help="deprecated alias of --dispatch",
     )

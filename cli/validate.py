@@ -26,6 +26,7 @@ from cli.common import (
     MAX_SECONDS,
     MAX_SEED,
     CliError,
+    DeprecatedAlias,
     echo,
     ep_size_int,
     hidden_size_int,
@@ -58,12 +59,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dispatch",
-        "--policy",
         dest="policy",
         metavar="{" + ",".join(runtime) + "}",
         default=EVEN.name,
         help=f"replica selection the runtime applies on real ranks (default {EVEN.name}); the engines' "
         f"own rules ({', '.join(offline)}) are scored by `evaluate --dispatch`",
+    )
+    p.add_argument(
+        "--policy",
+        dest="policy",
+        default=argparse.SUPPRESS,
+        action=DeprecatedAlias,
+        new="--dispatch",
+        help="deprecated alias of --dispatch",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
     p.add_argument(

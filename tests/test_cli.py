@@ -362,3 +362,19 @@ def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):
     )
     rows = {r["placement"]: r for r in json.loads(capsys.readouterr().out)["balance"]}
     assert rows["locality"]["heldout_remote_nodes"] < rows["greedy"]["heldout_remote_nodes"]
+
+
+@pytest.mark.parametrize("command", ["validate", "evaluate"])
+def test_policy_is_a_deprecated_alias_that_warns(command, small_trace, tmp_path, capsys):
+    """``--policy`` still sets the dispatch model, with one deprecation line on stderr."""
+    out, trace = tmp_path / "p.json", str(small_trace)
+    assert main(["solve", "--trace", trace, "--ep-size", "4", "--num-redundant", "4", "-o", str(out)]) == 0
+    capsys.readouterr()
+    argv = [command, str(out)] + (["--trace", trace] if command == "validate" else [trace])
+    rc = main([*argv, "--policy", "sglang-static" if command == "evaluate" else "nope"])
+    err = capsys.readouterr().err
+    assert "--policy is deprecated; use --dispatch" in err
+    if command == "evaluate":
+        assert rc == 0
+    else:  # the alias reaches the same check as --dispatch
+        assert rc == 2 and "nope" in err
