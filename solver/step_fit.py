@@ -12,11 +12,15 @@ number of slots and searches which experts hold the redundant slots and where:
   random multiples of ``step_tokens`` in the first ``1 - validation`` of the fit tokens (search), and
   in the rest (validation).
 - search: moves that re-point a slot holding a second (or later) replica to another expert, or swap
-  two slots between GPUs; a move is kept only when it lowers the score and keeps the layer's
-  even-split window peak on the fit load within ``window_slack`` of the start's (so the window
-  balance under ``even`` is not given away). The score during the search is :func:`relaxed_peak`, a
-  fast feasible fractional split (within about 0.2% of the LP optimum on the shared traces); the
-  final checks use the model's own ``step_load``.
+  two slots between GPUs; targeted moves replicate an expert of a GPU that carries the step peaks
+  onto a cold GPU (a new edge from hot to cold) or swap a hot GPU's slot with a cold GPU's. A move
+  is a scored proposal: illegal or guard-breaking draws are redrawn (up to ``draws``). A move is kept
+  only when it lowers the score and keeps the layer's even-split window peak within
+  ``window_slack`` of the start's on the load of each of ``window_parts`` consecutive parts of the
+  fit tokens, and within ``fit_window_slack`` on the whole fit load (so the window balance under
+  ``even`` is not given away, and the guard holds beyond the load it was fitted on). The score
+  during the search is :func:`relaxed_peak`, a fast feasible fractional split (within about 0.2% of
+  the LP optimum on the shared traces); the final checks use the model's own ``step_load``.
 - deterministic for a seed and a move budget (``moves`` per layer).
 
 Shapes: L layers, E logical experts, P slots, G GPUs, S slots per GPU, N steps.
@@ -55,7 +59,10 @@ class StepFitOptions:
         num_steps: steps sampled for the search (and at most as many for validation).
         moves: move attempts per layer. seed: seeds the sampling and the moves.
         validation: the trailing share of the fit tokens kept for validation.
-        window_slack: how far a layer's even-split window peak may rise over the start's.
+        window_slack: how far a layer's even-split window peak may rise over the start's, on the
+            load of each of ``window_parts`` consecutive parts of the fit tokens.
+        fit_window_slack: the same on the whole fit load.
+        draws: proposals drawn per move until one is legal and within the window guard.
         iters: rounds of :func:`relaxed_peak` per score.
     """
 
@@ -65,6 +72,9 @@ class StepFitOptions:
     seed: int = 0
     validation: float = 0.25
     window_slack: float = 0.005
+    fit_window_slack: float = 0.005
+    window_parts: int = 4
+    draws: int = 8
     iters: int = 30
 
 
@@ -200,19 +210,20 @@ def relaxed_peak(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gp
 # the search, one layer
 # ---------------------------------------------------------------------------------------------
 class _Layer:
-    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``."""
+    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``;
+    ``loads [K, E]`` the window loads guarded, ``slack [K]`` how far each peak may rise."""
 
-    def __init__(self, row, counts, load, E: int, S: int, G: int, o: StepFitOptions):
-        self.row, self.counts, self.load, self.E, self.S, self.G, self.o = (
+    def __init__(self, row, counts, loads, slack, E: int, S: int, G: int, o: StepFitOptions):
+        self.row, self.counts, self.loads, self.E, self.S, self.G, self.o = (
             row.copy(),
             counts,
-            load,
+            loads,
             E,
             S,
             G,
             o,
         )
-        self.window_limit = self.window_peak(self.row) * (1 + o.window_slack)
+        self.window_limit = self.window_peak(self.row) * (1 + np.asarray(slack))  # [K]
         self.score = self.score_of(self.row)
         self.hot = self.last_hot  # [G] the current row's share of the peaks' excess per GPU
         sd, mean = counts.std(axis=0), counts.mean(axis=0)  # [E] per-step spread and mean
@@ -227,9 +238,13 @@ class _Layer:
         self.last_hot = excess / excess.sum()  # where the peaks are: targeted moves start there
         return float(peak.mean())
 
-    def window_peak(self, row) -> float:
+    def window_peak(self, row) -> np.ndarray:
+        """Even-split window peak GPU load of ``row`` on each guarded load: ``[K]``."""
         n = np.bincount(row, minlength=self.E)
-        return float((self.load[row] / n[row]).reshape(self.G, self.S).sum(axis=1).max())
+        return (self.loads[:, row] / n[row]).reshape(-1, self.G, self.S).sum(axis=2).max(axis=1)
+
+    def window_ok(self, row) -> bool:
+        return bool(np.all(self.window_peak(row) <= self.window_limit))
 
     def propose(self, rng: np.random.Generator) -> np.ndarray | None:
         """A re-pointed redundant slot or a swap of two slots between GPUs; None if the draw is illegal."""
@@ -242,9 +257,12 @@ class _Layer:
             if spare.size == 0:
                 return None
             p = int(rng.choice(spare))
-            if targeted:  # a new edge out of a hot GPU: replicate one of its experts
+            if targeted:  # a new edge from a hot GPU to a cold one: replicate a hot GPU's expert there
+                cold = self.hot.max() - self.hot[spare // S] + 1e-9
+                p = int(rng.choice(spare, p=cold / cold.sum()))
                 g = int(rng.choice(self.G, p=self.hot))
-                b = int(row[g * S + rng.integers(S)])
+                w = self.want[row[g * S : (g + 1) * S]] + 1e-12  # the most varying or loaded first
+                b = int(row[g * S + rng.choice(S, p=w / w.sum())])
             else:
                 b = int(rng.choice(self.E, p=self.want))
             if b in row[(p // S) * S : (p // S + 1) * S]:
@@ -252,8 +270,10 @@ class _Layer:
             new[p] = b
         else:
             p, q = (int(v) for v in rng.choice(row.size, 2, replace=False))
-            if targeted:  # move a slot off a hot GPU
+            if targeted:  # swap a slot of a hot GPU with one of a cold GPU
                 p = int(rng.choice(self.G, p=self.hot)) * S + int(rng.integers(S))
+                cold = self.hot.max() - self.hot + 1e-9
+                q = int(rng.choice(self.G, p=cold / cold.sum())) * S + int(rng.integers(S))
             gp, gq = p // S, q // S
             if gp == gq or row[p] == row[q]:
                 return None
@@ -264,8 +284,11 @@ class _Layer:
 
     def search(self, rng: np.random.Generator) -> None:
         for _ in range(self.o.moves):
-            new = self.propose(rng)
-            if new is None or self.window_peak(new) > self.window_limit:
+            for _ in range(self.o.draws):  # a move is a scored proposal: redraw illegal ones
+                new = self.propose(rng)
+                if new is not None and self.window_ok(new):
+                    break
+            else:
                 continue
             score = self.score_of(new)
             if score < self.score - 1e-9:
@@ -287,6 +310,21 @@ def _search_and_validation(trace: RoutingTrace, G: int, o: StepFitOptions) -> tu
     search = sample_step_counts(trace.slice_tokens(0, cut), G, o.step_tokens, o.num_steps, o.seed)
     held = sample_step_counts(trace.slice_tokens(cut, T), G, o.step_tokens, o.num_steps, o.seed + 1)
     return search, held
+
+
+def _window_loads(trace: RoutingTrace, G: int, o: StepFitOptions) -> tuple[np.ndarray, np.ndarray]:
+    """The window loads the search guards, float64 ``[K, L, E]`` (the whole fit load, then those of
+    ``window_parts`` consecutive parts of the fit tokens, as many as hold a step each), and the slack
+    of each ``[K]``."""
+    loads, slack = [trace.counts().astype(np.float64)], [o.fit_window_slack]
+    T = trace.num_tokens
+    parts = max(1, min(int(o.window_parts), T // (o.step_tokens * G)))
+    if parts > 1:
+        cuts = np.linspace(0, T, parts + 1).round().astype(int)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            loads.append(trace.slice_tokens(a, b).counts().astype(np.float64))
+            slack.append(o.window_slack)
+    return np.stack(loads), np.array(slack)
 
 
 def _scores(placement: Placement, counts: np.ndarray, model: DispatchModel, layers) -> np.ndarray:
@@ -314,12 +352,12 @@ def fit_for_steps(
     t = placement.topology
     G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
     search, held = _search_and_validation(trace, G, o)  # [N, L, E] each
-    load = trace.counts().astype(np.float64)  # [L, E]
+    loads, slack = _window_loads(trace, G, o)  # [K, L, E], [K]
     rng = np.random.default_rng(o.seed)
     p2l = placement.physical_to_logical_map
     rows = p2l.copy()
     for l in range(placement.num_layers):
-        layer = _Layer(p2l[l], search[:, l].astype(np.float64), load[l], E, S, G, o)
+        layer = _Layer(p2l[l], search[:, l].astype(np.float64), loads[:, l], slack, E, S, G, o)
         layer.search(rng)
         rows[l] = layer.row
     moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]

@@ -181,6 +181,46 @@ def test_step_fit_is_never_worse_than_its_start_and_is_deterministic():
     assert np.all(out.logical_replica_count >= 1) and fit.dispatch == BALANCED.name
 
 
+def _window_peaks(pl: Placement, load: np.ndarray) -> np.ndarray:
+    """Even-split window peak GPU load per layer, by hand: ``load [L, E]`` -> ``[L]``."""
+    t, out = pl.topology, []
+    for l in range(pl.num_layers):
+        gpu = np.zeros(t.ep_size)
+        for p, e in enumerate(pl.physical_to_logical_map[l]):
+            gpu[p // t.slots_per_gpu] += load[l, e] / pl.logical_replica_count[l, e]
+        out.append(gpu.max())
+    return np.array(out)
+
+
+def _greedy_fit_case():
+    pl, tr, _ = _fit_case()
+    return solve("greedy", topology=pl.topology, trace=tr).placement, tr
+
+
+def _fit_with(pl, tr, window_slack: float, fit_window_slack: float):
+    o = StepFitOptions(8, 40, 60, 1, window_slack=window_slack, fit_window_slack=fit_window_slack)
+    return fit_for_steps(pl, tr, BALANCED, o)[0], o
+
+
+@pytest.mark.parametrize("slack, fit_slack", [(0.0, 1.0), (1.0, 0.0), (0.005, 0.005)])
+def test_step_fit_holds_the_window_peak_on_each_part_of_the_fit_tokens(slack, fit_slack):
+    pl, tr = _greedy_fit_case()
+    out, o = _fit_with(pl, tr, slack, fit_slack)
+    assert not np.array_equal(out.physical_to_logical_map, pl.physical_to_logical_map)
+    cuts = np.linspace(0, tr.num_tokens, o.window_parts + 1).round().astype(int)
+    parts = [(a, b, slack) for a, b in zip(cuts[:-1], cuts[1:])]
+    for a, b, sl in [*parts, (0, tr.num_tokens, fit_slack)]:
+        load = tr.slice_tokens(a, b).counts().astype(np.float64)
+        assert np.all(_window_peaks(out, load) <= _window_peaks(pl, load) * (1 + sl) + 1e-9)
+
+
+def test_step_fit_without_the_window_guard_gives_the_window_balance_away():
+    pl, tr = _greedy_fit_case()  # so the guard above is not idle on this case
+    loose, _ = _fit_with(pl, tr, 1.0, 1.0)
+    load = tr.counts().astype(np.float64)
+    assert np.any(_window_peaks(loose, load) > _window_peaks(pl, load) * 1.02)
+
+
 def test_solve_pipeline_fits_for_balanced_and_gates_against_greedy():
     from solver.api import FitOptions, solve
 
