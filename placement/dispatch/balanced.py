@@ -33,7 +33,7 @@ from placement.dispatch.registry import DispatchModel, register
 from placement.model import Placement
 from placement.step_balance import balanced_quotas
 
-__all__ = ["BALANCED", "balanced_step_load", "route_balanced", "step_map", "step_of_token"]
+__all__ = ["BALANCED", "balanced_step_load", "route_balanced", "step_map", "step_of_token", "step_picks"]
 
 
 def step_map(placement: Placement, layer: int) -> np.ndarray:
@@ -85,30 +85,47 @@ def step_of_token(src: np.ndarray, batch_index: np.ndarray | None) -> tuple[np.n
     return np.maximum(step, 0).astype(np.int64), rows
 
 
-def route_balanced(placement: Placement, layer: int, ids, src, batch_index=None, rng=None) -> np.ndarray:
-    """Slots ``[T, k]`` by the contract above: ``ids`` int64 ``[T, k]`` (-1: no pick, counted nowhere),
-    ``src`` int64 ``[T]``, ``batch_index`` int64 ``[T]`` (row in the rank's batch; None: one step)."""
+def step_picks(ids: np.ndarray, src: np.ndarray, batch_index, num_experts: int):
+    """The real picks of a layer grouped by step (what a per-step model counts; -1 ids count nowhere).
+
+    Args:
+        ids: int64 ``[T, k]`` logical ids (-1: no pick); src: int64 ``[T]``; batch_index: int64 ``[T]``
+            or None (:func:`step_of_token`).
+
+    Returns:
+        ``(ok bool [T*k], tok int64 [n], e int64 [n], step int64 [n], rows int64 [T], counts [S, E])``:
+        which of the token-major picks are real, each real pick's token, expert and step, each token's
+        row in its rank's batch, and the picks per (step, expert).
+    """
     T, k = ids.shape
-    E = placement.num_logical_experts
-    l2p = step_map(placement, layer)  # [E, R]
     step, rows = step_of_token(src, batch_index)  # [T], [T]
     n_steps = int(step.max()) + 1 if T else 1
     flat = ids.ravel()  # [T*k] picks, token-major
     ok = flat >= 0
-    tok = np.repeat(np.arange(T), k)[ok]  # token of each valid pick
+    tok = np.repeat(np.arange(T), k)[ok]  # token of each real pick
     e = flat[ok]
-    group = step[tok] * E + e  # (step, expert) of each pick
-    counts = np.bincount(group, minlength=n_steps * E).reshape(n_steps, E)  # [steps, E]
+    st = step[tok]
+    counts = np.bincount(st * num_experts + e, minlength=n_steps * num_experts)
+    return ok, tok, e, st, rows, counts.reshape(n_steps, num_experts)
+
+
+def route_balanced(placement: Placement, layer: int, ids, src, batch_index=None, rng=None) -> np.ndarray:
+    """Slots ``[T, k]`` by the contract above: ``ids`` int64 ``[T, k]`` (-1: no pick, counted nowhere),
+    ``src`` int64 ``[T]``, ``batch_index`` int64 ``[T]`` (row in the rank's batch; None: one step)."""
+    E = placement.num_logical_experts
+    l2p = step_map(placement, layer)  # [E, R]
+    ok, tok, e, st, rows, counts = step_picks(ids, src, batch_index, E)  # counts [steps, E]
+    group = st * E + e  # (step, expert) of each pick
     q = balanced_quotas(counts, l2p, placement.topology.slots_per_gpu)  # [steps, E, R]
     cum = np.cumsum(q, axis=2)  # [steps, E, R]: Q_{r+1}
     order = np.lexsort((rows[tok], src[tok], group))  # by (step, e), rank, row
     gs = group[order]
     pos = np.empty_like(order)
     pos[order] = np.arange(order.size) - np.searchsorted(gs, gs, side="left")  # position i in the order
-    r = (cum.reshape(n_steps * E, -1)[group] <= pos[:, None]).sum(axis=1)  # Q_{r} <= i < Q_{r+1}
-    out = np.full(T * k, -1, dtype=np.int64)
+    r = (cum.reshape(counts.size, -1)[group] <= pos[:, None]).sum(axis=1)  # Q_{r} <= i < Q_{r+1}
+    out = np.full(ok.size, -1, dtype=np.int64)
     out[ok] = l2p[e, r]
-    return out.reshape(T, k)
+    return out.reshape(ids.shape)
 
 
 BALANCED = register(

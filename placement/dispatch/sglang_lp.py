@@ -28,7 +28,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from placement.dispatch.balanced import step_map, step_of_token
+from placement.dispatch.balanced import step_map, step_picks
 from placement.dispatch.ideal import even_choices
 from placement.dispatch.registry import DispatchModel, register
 from placement.model import Placement
@@ -76,23 +76,16 @@ def route_lp(placement: Placement, layer: int, ids, src, batch_index=None, rng=N
     the LP shares from the step's counts, then one draw per pick from ``rng``."""
     if rng is None:
         raise ValueError("sglang-lp routing draws at random: pass rng")
-    T, k = ids.shape
     E = placement.num_logical_experts
     l2p = step_map(placement, layer)  # [E, R]
-    step, _ = step_of_token(src, batch_index)  # [T]
-    n_steps = int(step.max()) + 1 if T else 1
-    flat = ids.ravel()  # [T*k] picks, token-major; -1: no pick, counted nowhere
-    ok = flat >= 0
-    e = flat[ok]
-    st = np.repeat(step, k)[ok]
-    counts = np.bincount(st * E + e, minlength=n_steps * E).reshape(n_steps, E)
+    ok, _, e, st, _, counts = step_picks(ids, src, batch_index, E)  # counts [steps, E]
     cum = np.cumsum(lp_shares(placement, layer, counts), axis=2)  # [steps, E, R]
-    u = rng.random(flat.size)[ok]  # one draw per pick position, as before for valid picks
+    u = rng.random(ok.size)[ok]  # one draw per pick position, used by the real picks
     r = (cum[st, e] <= u[:, None]).sum(axis=1)
     r = np.minimum(r, (l2p >= 0).sum(axis=1)[e] - 1)  # rounding at the top end
-    out = np.full(T * k, -1, dtype=np.int64)
+    out = np.full(ok.size, -1, dtype=np.int64)
     out[ok] = l2p[e, r]
-    return out.reshape(T, k)
+    return out.reshape(ids.shape)
 
 
 SGLANG_LP = register(
