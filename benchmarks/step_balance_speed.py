@@ -29,29 +29,20 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
-import scipy.sparse as sp  # noqa: E402
 import torch  # noqa: E402
-from scipy.optimize import linprog  # noqa: E402
 
 from placement.step_balance import ROUNDS, balanced_gpu_load  # noqa: E402
 from placement.topology import Topology  # noqa: E402
 from runtime_hooks.step_balance import StepBalancer  # noqa: E402
 from solver.api import solve  # noqa: E402
+from solver.step_lp import highs_step_peak  # noqa: E402
 
 L, E, TOP_K, TOKENS_PER_RANK = 58, 256, 8, 64
 
 
 def highs_peak(c: np.ndarray, l2p: np.ndarray, S: int) -> float:
-    """LP optimum of one layer: ``c [E]``, ``l2p [E, R]``."""
-    e_idx, r_idx = np.nonzero(l2p >= 0)
-    gpu = l2p[e_idx, r_idx] // S
-    G, n = int(l2p.max()) // S + 1, len(e_idx)
-    a_eq = sp.csr_matrix((np.ones(n), (e_idx, np.arange(n))), shape=(len(c), n + 1))
-    a_ub = sp.hstack([sp.csr_matrix((np.ones(n), (gpu, np.arange(n))), shape=(G, n)), -np.ones((G, 1))])
-    cost = np.zeros(n + 1)
-    cost[-1] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=c.astype(float), method="highs")
-    return float(res.fun)
+    """LP optimum of one layer: ``c [E]``, ``l2p [E, R]`` (:func:`solver.step_lp.highs_step_peak`)."""
+    return highs_step_peak(c, l2p, S)
 
 
 def workload(G: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

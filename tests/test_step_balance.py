@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 import torch
-from scipy.optimize import linprog
 
 from placement.model import compute_logical_maps
 from placement.step_balance import balanced_gpu_load, balanced_quotas, lp_peak
 from runtime_hooks.step_balance import StepBalancer
+from solver.step_lp import highs_step_peak
 
 
 def random_map(rng, L: int, E: int, G: int, S: int) -> np.ndarray:
@@ -34,16 +33,7 @@ def random_map(rng, L: int, E: int, G: int, S: int) -> np.ndarray:
 
 def highs_peak(c: np.ndarray, l2p: np.ndarray, S: int) -> float:
     """min T s.t. sum_r x[e, r] = c[e], per-GPU sum <= T, x >= 0 (one layer: ``c [E]``, ``l2p [E, R]``)."""
-    e_idx, r_idx = np.nonzero(l2p >= 0)
-    gpu = l2p[e_idx, r_idx] // S
-    G, n = int(l2p.max()) // S + 1, len(e_idx)
-    a_eq = sp.csr_matrix((np.ones(n), (e_idx, np.arange(n))), shape=(len(c), n + 1))
-    a_ub = sp.hstack([sp.csr_matrix((np.ones(n), (gpu, np.arange(n))), shape=(G, n)), -np.ones((G, 1))])
-    cost = np.zeros(n + 1)
-    cost[-1] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=c.astype(float), method="highs")
-    assert res.status == 0
-    return float(res.fun)
+    return highs_step_peak(c, l2p, S)
 
 
 def gpu_load_of(q: np.ndarray, l2p: np.ndarray, S: int, G: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.api import solve
 from solver.step_fit import StepFitOptions, fit_for_steps, sample_step_counts, step_scores
+from solver.step_lp import highs_step_peak
 
 
 def _case(seed: int, G: int = 8, E: int = 16, spare: int = 8, T: int = 1200, k: int = 2):
@@ -115,20 +116,7 @@ def test_step_par_under_balanced_is_the_peak_of_the_quotas_by_hand():
 
 def _highs_peak(c: np.ndarray, l2p: np.ndarray, S: int, G: int) -> float:
     """The LP SGLang's LPLB solves, by HiGHS: min M s.t. copies sum to counts, GPU loads <= M."""
-    from scipy.optimize import linprog
-
-    e_idx, r_idx = np.nonzero(l2p >= 0)
-    n = e_idx.size
-    a_eq = np.zeros((len(c), n + 1))
-    a_eq[e_idx, np.arange(n)] = 1.0
-    a_ub = np.zeros((G, n + 1))
-    a_ub[l2p[e_idx, r_idx] // S, np.arange(n)] = 1.0
-    a_ub[:, -1] = -1.0
-    cost = np.zeros(n + 1)
-    cost[-1] = 1.0
-    res = linprog(cost, A_ub=a_ub, b_ub=np.zeros(G), A_eq=a_eq, b_eq=c.astype(float), method="highs")
-    assert res.status == 0
-    return float(res.fun)
+    return highs_step_peak(c, l2p, S, G)
 
 
 @pytest.mark.parametrize("seed", range(6))
