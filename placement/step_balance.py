@@ -29,7 +29,9 @@ Algorithm (a fixed number of rounds, so a serving step never waits on the host):
       slot order, each to its expert's replica with the lowest label, then the most room below ``Tp``,
       then the lowest slot; a GPU below ``Tp`` offered more than its room takes each offer scaled by
       ``room / offered`` (rounded up), so excess flows on without piling up at the first sink.
-4. Return the split with the lowest peak seen.
+4. Return the split with the lowest peak seen. A row whose best peak meets ``T`` is optimal: with
+   ``early_exit`` (the default here, and the torch code's on CPU) it leaves the batch, and the loop
+   ends when no row is left, with the same bits as the fixed rounds.
 
 The integer optimum is ``ceil(lp_peak)`` (the max-flow polytope is integral), and ``T`` is a
 certificate: a result whose peak equals ``T`` is optimal. Accuracy against HiGHS and speed are
@@ -238,8 +240,15 @@ def _push(q, ld, Tp, dist, gslot, se) -> tuple[np.ndarray, np.ndarray]:
     return out, bound
 
 
-def solve_slots(c: np.ndarray, plan: StepPlan, rounds: int = ROUNDS, depth: int = DEPTH) -> np.ndarray:
-    """Integer slot quotas ``[B, L, P]`` for counts ``c`` int64 ``[B, L, E]`` (steps 1-4 above)."""
+def solve_slots(
+    c: np.ndarray, plan: StepPlan, rounds: int = ROUNDS, depth: int = DEPTH, early_exit: bool = True
+) -> np.ndarray:
+    """Integer slot quotas ``[B, L, P]`` for counts ``c`` int64 ``[B, L, E]`` (steps 1-4 above).
+
+    ``early_exit``: a row whose best peak meets its lower bound ``T`` is optimal and can no longer
+    change, so it leaves the batch, and the loop ends when none is left (the same bits as the fixed
+    ``rounds``; the host decides, which is free here and is what the CUDA path must not do).
+    """
     B, L, E = c.shape
     P, G, S = plan.slot_expert.shape[1], plan.num_gpus, plan.slots_per_gpu
     N = B * L
@@ -253,18 +262,30 @@ def solve_slots(c: np.ndarray, plan: StepPlan, rounds: int = ROUNDS, depth: int 
     cf = c.reshape(N, E)
     q = _initial(cf, se, sr, n)  # [N, P]
     T = _lower_bound(cf, q, n, se, G)
+    out = np.empty((N, P), np.int64)
+    active = np.arange(N)  # rows still searching
     best, best_peak = q, np.full(N, INF)
     dist = np.full((N, G), INF)  # [N, G] warm labels
     for _ in range(rounds + 1):
-        ld = q.reshape(N, G, -1).sum(-1)  # [N, G]
+        ld = q.reshape(q.shape[0], G, -1).sum(-1)  # [N', G]
         peak = ld.max(-1)
         better = peak < best_peak
         best, best_peak = np.where(better[:, None], q, best), np.minimum(peak, best_peak)
+        if early_exit and (done := best_peak <= T).any():  # proven optimal: final
+            out[active[done]] = best[done]
+            keep = ~done
+            active, q, T, best, best_peak, dist, ld = (
+                a[keep] for a in (active, q, T, best, best_peak, dist, ld)
+            )
+            se, gpu_er, gslot = se[keep], gpu_er[keep], gslot[keep]
+            if active.size == 0:
+                break
         Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
         dist = _labels(dist, ld, q, Tp, gpu_er, se, depth)
         q, bound = _push(q, ld, Tp, dist, gslot, se)
         T = np.maximum(T, bound)
-    return best.reshape(B, L, P)
+    out[active] = best
+    return out.reshape(B, L, P)
 
 
 def _solve(counts, logical_to_physical_map, slots_per_gpu, rounds, depth):

@@ -7,8 +7,10 @@ push rounds toward the midpoint between the bound and the best peak, over warm l
 hops per round on the GPU graph, keep the best split), written once for CPU and CUDA:
 
 - integer (int64) arithmetic only, so every rank and device gets the same bits as the numpy reference;
-- fixed iteration counts and no host synchronisation on the hot path (no ``.item()``, ``.tolist()``,
-  data-dependent shapes or Python branches on tensor values);
+- on CUDA, fixed iteration counts and no host synchronisation on the hot path (no ``.item()``,
+  ``.tolist()``, data-dependent shapes or Python branches on tensor values); on CPU, where a host
+  decision costs nothing, rows proven optimal leave the batch and the loop stops when none is left
+  (``early_exit``: the same bits);
 - ties broken by index (lowest slot);
 - per-slot work uses expand (not gather) to spread GPU values over slots and scatter-reduce or negated
   ``amax`` for minima (``amin`` over a short last dim is ~15x slower than ``amax`` on CPU).
@@ -113,6 +115,9 @@ class StepBalancer:
         slots_per_gpu: ``S``; GPU ``g`` owns slots ``[g*S, (g+1)*S)``.
         device: where the plan lives and the solve runs (CPU or CUDA).
         rounds, depth: fixed push rounds and relabel sweeps per round (as in the numpy reference).
+        early_exit: let rows proven optimal (best peak at the lower bound) leave the batch and stop
+            when none is left; the same bits as the fixed rounds, but a host decision each round.
+            None (default): on for CPU, off for CUDA, whose loop must not synchronise.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class StepBalancer:
         *,
         rounds: int = ROUNDS,
         depth: int = DEPTH,
+        early_exit: bool | None = None,
     ) -> None:
         l2p = logical_to_physical_map
         if isinstance(l2p, torch.Tensor):
@@ -144,6 +150,7 @@ class StepBalancer:
         L, E, R = plan.l2p.shape
         self.shape = (L, E, R)
         dev = torch.device(device)
+        self.early_exit = dev.type == "cpu" if early_exit is None else bool(early_exit)
         as_t = lambda a: torch.as_tensor(a, dtype=torch.int64, device=dev)  # noqa: E731
         self.l2p = as_t(plan.l2p)  # [L, E, R]
         self.slot_expert, self.slot_rank = as_t(plan.slot_expert), as_t(plan.slot_rank)  # [L, P]
@@ -188,18 +195,34 @@ class StepBalancer:
         ce, ne = _take(cf, se), _take(n, se)  # [N, P]
         q = ce // ne + (sr < ce % ne).to(torch.int64)  # even split, remainder to the first replicas
         T = _lower_bound(cf, q, n, se, G)
+        out = torch.empty_like(q)
+        active = torch.arange(N, device=q.device)  # rows still searching (all of them on CUDA)
         best, best_peak = q, torch.full((N,), INF, dtype=torch.int64, device=q.device)
         dist = torch.full((N, G), INF, dtype=torch.int64, device=q.device)  # [N, G] warm labels
         for _ in range(self.rounds + 1):
-            ld = q.reshape(N, G, -1).sum(-1)  # [N, G]
+            ld = q.reshape(q.shape[0], G, -1).sum(-1)  # [N', G]
             peak = ld.amax(-1)
             best = torch.where((peak < best_peak)[:, None], q, best)
             best_peak = torch.minimum(peak, best_peak)
+            if self.early_exit:  # host decision: CPU only (the CUDA path never syncs in the loop)
+                done = best_peak <= T  # proven optimal: final
+                if bool(done.any()):
+                    out[active[done]] = best[done]
+                    keep = ~done
+                    active, q, T, best, best_peak, dist, ld = (
+                        a[keep] for a in (active, q, T, best, best_peak, dist, ld)
+                    )
+                    se, gslot, slot = se[keep], gslot[keep], slot[keep]
+                    if active.numel() == 0:
+                        break
             Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
             dist = _labels(dist, ld, q, Tp, gslot, se, E, self.depth)
             q, bound = _push(q, ld, Tp, dist, gslot, se, slot, E)
             T = torch.maximum(T, bound)
-        return best.reshape(B, L, -1)
+        if not self.early_exit:
+            return best.reshape(B, L, -1)
+        out[active] = best
+        return out.reshape(B, L, -1)
 
     def quotas(self, counts: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
         """Tokens per replica, int64 ``[..., E, R]`` (or ``[..., L, E, R]``), on the plan's device.

@@ -104,12 +104,40 @@ def test_numpy_and_torch_are_bit_identical_and_deterministic():
         np.testing.assert_array_equal(bal.gpu_load(torch.from_numpy(c)).numpy(), balanced_gpu_load(c, l2p, S))
 
 
+def test_early_exit_gives_the_bits_of_the_fixed_rounds_and_stops_early(monkeypatch):
+    import placement.step_balance as sb
+
+    rng = np.random.default_rng(6)
+    for E, G, S in ((16, 8, 3), (64, 16, 5)):
+        l2p = random_map(rng, 3, E, G, S)
+        c = skewed_counts(rng, (5, 3), E, 60 * G)
+        plan = sb.step_plan(l2p, S)
+        fixed = sb.solve_slots(c, plan, early_exit=False)
+        pushes: list[int] = []
+
+        def counting_push(*a, _push=sb._push, _seen=pushes):
+            _seen.append(a[0].shape[0])  # rows still searching
+            return _push(*a)
+
+        monkeypatch.setattr(sb, "_push", counting_push)
+        np.testing.assert_array_equal(sb.solve_slots(c, plan), fixed)
+        monkeypatch.undo()
+        assert len(pushes) < sb.ROUNDS and pushes[-1] < pushes[0]  # rows leave, the loop ends early
+        ct = torch.from_numpy(c)
+        for early in (True, False):
+            got = StepBalancer(l2p, S, early_exit=early).gpu_load(ct).numpy()
+            np.testing.assert_array_equal(got, balanced_gpu_load(c, l2p, S))
+    assert StepBalancer(l2p, S).early_exit and not StepBalancer(l2p, S, early_exit=False).early_exit
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CPU path is checked above")
 def test_cuda_matches_numpy():
     rng = np.random.default_rng(4)
     l2p = random_map(rng, 4, 32, 8, 5)
     c = skewed_counts(rng, (8, 4), 32, 1000)
-    got = StepBalancer(l2p, 5, "cuda").quotas(torch.from_numpy(c).cuda(), validate=False).cpu().numpy()
+    cuda = StepBalancer(l2p, 5, "cuda")
+    assert not cuda.early_exit  # no host sync in the CUDA loop
+    got = cuda.quotas(torch.from_numpy(c).cuda(), validate=False).cpu().numpy()
     np.testing.assert_array_equal(got, balanced_quotas(c, l2p, 5))
 
 
