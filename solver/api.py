@@ -214,7 +214,7 @@ class FitOptions:
     dealings: int = 16
     noise_z: float = 0.0
     step_tokens: int = 64
-    step_moves: int = 600
+    step_moves: int = 300
 
 
 @dataclass(frozen=True)

@@ -2,25 +2,32 @@
 
 Under a per-step split a replicated expert is an edge along which load flows between GPUs: what sets
 step time is how flat the best split of each step is, not the window average. The fit here keeps the
-number of slots and searches which experts hold the redundant slots and where:
+number of slots and chooses which experts hold the redundant slots and where:
 
-    sample steps of the fit part -> per layer: local search from the given placement, scored by the
-    mean over the sampled steps of the per-step peak -> keep a layer only if it is better under the
-    dispatch model on the search steps and on a validation part -> report
+    sample steps of the fit part -> per layer: guard -> start -> local search, scored by the mean over
+    the sampled steps of the per-step peak -> keep a layer only if it is better under the dispatch
+    model on the search steps and on a validation part -> report
 
 - steps: ``step_tokens * G`` consecutive tokens of the trace (``step_tokens`` per rank), starting at
   random multiples of ``step_tokens`` in the first ``1 - validation`` of the fit tokens (search), and
   in the rest (validation).
+- guard (:class:`_Guard`): on the whole fit load and on each of ``window_parts`` consecutive parts of
+  the fit tokens, the even-split window loads of every state keep the mean of the ``top_share`` most
+  loaded GPUs within ``top_slack`` of the given placement's, and the peak within ``window_slack``
+  (``fit_window_slack`` on the whole load) of the given placement's or the start's, whichever is
+  higher. The mean of the top GPUs is the robust part: rearranging replicas under a peak limit alone
+  lifts more GPUs up to the peak, and on held-out traffic the peak then rises (the window balance
+  under ``even`` would be given away beyond the load it was fitted on).
+- start (:mod:`solver.step_start`): the given placement, or replica counts that also weigh each
+  expert's high per-step load (spiking experts get replicas) packed so that the replicas link the GPUs
+  into one graph; the candidate the guard accepts with the best score.
 - search: moves that re-point a slot holding a second (or later) replica to another expert, or swap
   two slots between GPUs; targeted moves replicate an expert of a GPU that carries the step peaks
   onto a cold GPU (a new edge from hot to cold) or swap a hot GPU's slot with a cold GPU's. A move
-  is a scored proposal: illegal or guard-breaking draws are redrawn (up to ``draws``). A move is kept
-  only when it lowers the score and keeps the layer's even-split window peak within
-  ``window_slack`` of the start's on the load of each of ``window_parts`` consecutive parts of the
-  fit tokens, and within ``fit_window_slack`` on the whole fit load (so the window balance under
-  ``even`` is not given away, and the guard holds beyond the load it was fitted on). The score
-  during the search is :func:`relaxed_peak`, a fast feasible fractional split (within about 0.2% of
-  the LP optimum on the shared traces); the final checks use the model's own ``step_load``.
+  is a scored proposal: illegal or guard-breaking draws are redrawn (up to ``draws``); it is kept
+  only when it lowers the score. The score during the search is :func:`relaxed_peak`, a fast feasible
+  fractional split (within about 0.2% of the LP optimum on the shared traces); the final checks use
+  the model's own ``step_load``.
 - deterministic for a seed and a move budget (``moves`` per layer).
 
 Shapes: L layers, E logical experts, P slots, G GPUs, S slots per GPU, N steps.
@@ -28,6 +35,7 @@ Shapes: L layers, E logical experts, P slots, G GPUs, S slots per GPU, N steps.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
@@ -36,6 +44,7 @@ import numpy as np
 from placement.dispatch import DispatchModel, get_dispatch
 from placement.model import Placement, compute_logical_maps
 from profiling.trace import RoutingTrace
+from solver.step_start import start_rows
 
 __all__ = [
     "StepFit",
@@ -52,28 +61,40 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StepFitOptions:
-    """How :func:`fit_for_steps` samples and searches.
+    """How :func:`fit_for_steps` samples, starts and searches.
 
     Attributes:
         step_tokens: tokens per rank per step (``--step-tokens``).
         num_steps: steps sampled for the search (and at most as many for validation).
         moves: move attempts per layer. seed: seeds the sampling and the moves.
         validation: the trailing share of the fit tokens kept for validation.
-        window_slack: how far a layer's even-split window peak may rise over the start's, on the
-            load of each of ``window_parts`` consecutive parts of the fit tokens.
+        window_slack: how far a layer's even-split window peak may rise over the start's (or the
+            given placement's, whichever is higher), on the load of each of ``window_parts``
+            consecutive parts of the fit tokens.
         fit_window_slack: the same on the whole fit load.
+        top_share, top_slack: the robust window guard: on the same loads, the mean load of the
+            ``top_share`` most loaded GPUs may rise at most ``top_slack`` over the given placement's.
+        count_blends: the starts' replica counts weigh experts by ``(1 - b)`` x mean load + ``b`` x
+            their ``count_quantile`` per-step load, for each ``b`` here (:mod:`solver.step_start`).
+        pack_slack: the starts' packing may put a replica up to this share of the mean GPU load above
+            the lightest GPU to link two islands of the replica graph.
         draws: proposals drawn per move until one is legal and within the window guard.
         iters: rounds of :func:`relaxed_peak` per score.
     """
 
     step_tokens: int = 64
     num_steps: int = 96
-    moves: int = 200
+    moves: int = 300
     seed: int = 0
     validation: float = 0.25
     window_slack: float = 0.005
     fit_window_slack: float = 0.005
     window_parts: int = 4
+    top_share: float = 0.125
+    top_slack: float = 0.01
+    count_blends: tuple[float, ...] = (0.0, 0.5, 1.0)
+    count_quantile: float = 0.9
+    pack_slack: float = 0.03
     draws: int = 8
     iters: int = 30
 
@@ -81,7 +102,8 @@ class StepFitOptions:
 @dataclass(frozen=True, eq=False)
 class StepFit:
     """What the step did: the layers changed, mean per-step peaks (tokens, summed over layers) before
-    and after on the search and validation steps (summed over the changed layers), and the validation steps' counts ``[N, L, E]``."""
+    and after on the search and validation steps (summed over the changed layers), the validation
+    steps' counts ``[N, L, E]`` and the start each changed layer's search began from."""
 
     dispatch: str
     changed_layers: tuple[int, ...]
@@ -91,6 +113,7 @@ class StepFit:
     validation_peak_after: float
     step_tokens: int
     validation_counts: np.ndarray
+    starts: tuple[str, ...] = ()
 
     def note(self) -> str:
         return (
@@ -209,21 +232,53 @@ def relaxed_peak(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gp
 # ---------------------------------------------------------------------------------------------
 # the search, one layer
 # ---------------------------------------------------------------------------------------------
-class _Layer:
-    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``;
-    ``loads [K, E]`` the window loads guarded, ``slack [K]`` how far each peak may rise."""
+class _Guard:
+    """The window guard of one layer, on the guarded loads ``[K, E]`` (the whole fit load, then its
+    parts): the even-split GPU loads of a row may not raise the mean of the ``top_share`` most loaded
+    GPUs more than ``top_slack`` over the reference row's (the given placement's), nor the peak more
+    than ``slack [K]`` over the higher of the reference's and the start's (:meth:`around`)."""
 
-    def __init__(self, row, counts, loads, slack, E: int, S: int, G: int, o: StepFitOptions):
-        self.row, self.counts, self.loads, self.E, self.S, self.G, self.o = (
-            row.copy(),
-            counts,
-            loads,
-            E,
-            S,
-            G,
-            o,
+    def __init__(self, ref_row, loads, slack, E: int, S: int, G: int, o: StepFitOptions):
+        self.loads, self.slack, self.E, self.S, self.G = loads, np.asarray(slack), E, S, G
+        self.top = max(1, int(round(o.top_share * G)))
+        gpu = self.gpu_loads(ref_row)  # [K, G]
+        self.ref_peak = gpu.max(axis=1)  # [K]
+        self.top_limit = self.top_mean(gpu) * (1 + o.top_slack)  # [K]
+        self.peak_limit = self.ref_peak * (1 + self.slack)  # [K]
+
+    def gpu_loads(self, row) -> np.ndarray:
+        """Even-split window GPU loads of ``row`` on each guarded load: ``[K, G]``."""
+        n = np.bincount(row, minlength=self.E)
+        return (self.loads[:, row] / n[row]).reshape(-1, self.G, self.S).sum(axis=2)
+
+    def top_mean(self, gpu: np.ndarray) -> np.ndarray:
+        return np.sort(gpu, axis=1)[:, -self.top :].mean(axis=1)  # [K]
+
+    def robust_ok(self, row) -> bool:
+        """The top GPUs' mean load within ``top_slack`` of the reference's on every guarded load."""
+        return bool(np.all(self.top_mean(self.gpu_loads(row)) <= self.top_limit + 1e-9))
+
+    def ok(self, row) -> bool:
+        gpu = self.gpu_loads(row)
+        return bool(np.all(gpu.max(axis=1) <= self.peak_limit + 1e-9)) and bool(
+            np.all(self.top_mean(gpu) <= self.top_limit + 1e-9)
         )
-        self.window_limit = self.window_peak(self.row) * (1 + np.asarray(slack))  # [K]
+
+    def around(self, start_row) -> _Guard:
+        """This guard with the peak limit raised to the start's peak (plus slack) where that is higher."""
+        out = copy.copy(self)
+        start_peak = self.gpu_loads(start_row).max(axis=1)
+        out.peak_limit = np.maximum(self.ref_peak, start_peak) * (1 + self.slack)
+        return out
+
+
+class _Layer:
+    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``,
+    every state kept within ``guard`` (:class:`_Guard`)."""
+
+    def __init__(self, row, counts, guard: _Guard, o: StepFitOptions):
+        self.row, self.counts, self.guard, self.o = row.copy(), counts, guard, o
+        self.E, self.S, self.G = guard.E, guard.S, guard.G
         self.score = self.score_of(self.row)
         self.hot = self.last_hot  # [G] the current row's share of the peaks' excess per GPU
         sd, mean = counts.std(axis=0), counts.mean(axis=0)  # [E] per-step spread and mean
@@ -238,13 +293,8 @@ class _Layer:
         self.last_hot = excess / excess.sum()  # where the peaks are: targeted moves start there
         return float(peak.mean())
 
-    def window_peak(self, row) -> np.ndarray:
-        """Even-split window peak GPU load of ``row`` on each guarded load: ``[K]``."""
-        n = np.bincount(row, minlength=self.E)
-        return (self.loads[:, row] / n[row]).reshape(-1, self.G, self.S).sum(axis=2).max(axis=1)
-
     def window_ok(self, row) -> bool:
-        return bool(np.all(self.window_peak(row) <= self.window_limit))
+        return self.guard.ok(row)
 
     def propose(self, rng: np.random.Generator) -> np.ndarray | None:
         """A re-pointed redundant slot or a swap of two slots between GPUs; None if the draw is illegal."""
@@ -336,6 +386,42 @@ def _scores(placement: Placement, counts: np.ndarray, model: DispatchModel, laye
     return out
 
 
+def _pick_start(
+    row: np.ndarray, counts: np.ndarray, load: np.ndarray, guard: _Guard, o: StepFitOptions
+) -> tuple[str, np.ndarray]:
+    """The start of one layer's search: the given ``row [P]`` or a :func:`solver.step_start.start_rows`
+    candidate, whichever the robust guard accepts with the lowest score on ``counts [N, E]``."""
+    cands = [("given", row)] + start_rows(
+        load, counts, guard.G, guard.S, o.count_blends, o.count_quantile, o.pack_slack
+    )
+    ok = [(name, r) for name, r in cands if name == "given" or guard.robust_ok(r)]
+
+    def score(r: np.ndarray) -> float:
+        l2p = compute_logical_maps(r[None], guard.E)[0][0]  # [E, R]
+        return float(relaxed_peak(counts, l2p, guard.S, guard.G, o.iters)[0].mean())
+
+    return min(ok, key=lambda c: score(c[1]))
+
+
+def _search_layers(placement: Placement, search: np.ndarray, trace: RoutingTrace, o: StepFitOptions):
+    """Per layer: guard, start, search. Returns the rows ``[L, P]`` and each layer's start name."""
+    t = placement.topology
+    G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
+    loads, slack = _window_loads(trace, G, o)  # [K, L, E], [K]
+    rng = np.random.default_rng(o.seed)
+    p2l = placement.physical_to_logical_map
+    rows, starts = p2l.copy(), []
+    for l in range(placement.num_layers):
+        counts = search[:, l].astype(np.float64)
+        guard = _Guard(p2l[l], loads[:, l], slack, E, S, G, o)
+        name, start = _pick_start(p2l[l], counts, loads[0, l], guard, o)
+        layer = _Layer(start, counts, guard.around(start), o)
+        layer.search(rng)
+        rows[l] = layer.row
+        starts.append(name)
+    return rows, starts
+
+
 def fit_for_steps(
     placement: Placement,
     trace: RoutingTrace,
@@ -350,22 +436,16 @@ def fit_for_steps(
     o = options or StepFitOptions()
     model = get_dispatch(dispatch)
     t = placement.topology
-    G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
-    search, held = _search_and_validation(trace, G, o)  # [N, L, E] each
-    loads, slack = _window_loads(trace, G, o)  # [K, L, E], [K]
-    rng = np.random.default_rng(o.seed)
+    E = placement.num_logical_experts
+    search, held = _search_and_validation(trace, t.ep_size, o)  # [N, L, E] each
+    rows, starts = _search_layers(placement, search, trace, o)
     p2l = placement.physical_to_logical_map
-    rows = p2l.copy()
-    for l in range(placement.num_layers):
-        layer = _Layer(p2l[l], search[:, l].astype(np.float64), loads[:, l], slack, E, S, G, o)
-        layer.search(rng)
-        rows[l] = layer.row
     moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]
     cand = Placement(rows, E, t, placement.layer_ids, placement.provenance)
     fit0, fit1 = _scores(placement, search, model, moved), _scores(cand, search, model, moved)
     val0, val1 = _scores(placement, held, model, moved), _scores(cand, held, model, moved)
     keep = [l for l in moved if fit1[l] < fit0[l] and val1[l] < val0[l]]
-    log.debug("step fit: %d layers moved in the search, %d kept", len(moved), len(keep))
+    log.debug("step fit: %d layers moved in the search, %d kept; starts %s", len(moved), len(keep), starts)
     out = placement
     if keep:
         final = p2l.copy()
@@ -382,5 +462,6 @@ def fit_for_steps(
         float(val1[keep].sum()),
         o.step_tokens,
         held,
+        tuple(starts[l] for l in keep),
     )
     return out, fit

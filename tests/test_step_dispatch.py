@@ -185,28 +185,67 @@ def _greedy_fit_case():
     return solve("greedy", topology=pl.topology, trace=tr).placement, tr
 
 
-def _fit_with(pl, tr, window_slack: float, fit_window_slack: float):
-    o = StepFitOptions(8, 40, 60, 1, window_slack=window_slack, fit_window_slack=fit_window_slack)
+def _fit_with(pl, tr, window_slack: float, fit_window_slack: float, top_slack: float = 0.01, blends=()):
+    o = StepFitOptions(
+        8,
+        40,
+        60,
+        1,
+        window_slack=window_slack,
+        fit_window_slack=fit_window_slack,
+        top_slack=top_slack,
+        count_blends=blends,
+    )
     return fit_for_steps(pl, tr, BALANCED, o)[0], o
+
+
+def _guarded_loads(tr, o: StepFitOptions) -> list[tuple[np.ndarray, float]]:
+    """The loads the guard holds, ``[L, E]`` each, with their peak slack: each part, then the whole."""
+    cuts = np.linspace(0, tr.num_tokens, o.window_parts + 1).round().astype(int)
+    out = [
+        (tr.slice_tokens(a, b).counts().astype(np.float64), o.window_slack)
+        for a, b in zip(cuts[:-1], cuts[1:])
+    ]
+    return [*out, (tr.counts().astype(np.float64), o.fit_window_slack)]
 
 
 @pytest.mark.parametrize("slack, fit_slack", [(0.0, 1.0), (1.0, 0.0), (0.005, 0.005)])
 def test_step_fit_holds_the_window_peak_on_each_part_of_the_fit_tokens(slack, fit_slack):
     pl, tr = _greedy_fit_case()
-    out, o = _fit_with(pl, tr, slack, fit_slack)
+    out, o = _fit_with(pl, tr, slack, fit_slack, top_slack=1.0)  # starting from the given placement
     assert not np.array_equal(out.physical_to_logical_map, pl.physical_to_logical_map)
-    cuts = np.linspace(0, tr.num_tokens, o.window_parts + 1).round().astype(int)
-    parts = [(a, b, slack) for a, b in zip(cuts[:-1], cuts[1:])]
-    for a, b, sl in [*parts, (0, tr.num_tokens, fit_slack)]:
-        load = tr.slice_tokens(a, b).counts().astype(np.float64)
+    for load, sl in _guarded_loads(tr, o):
         assert np.all(_window_peaks(out, load) <= _window_peaks(pl, load) * (1 + sl) + 1e-9)
 
 
+def _top_means(pl: Placement, load: np.ndarray, top: int) -> np.ndarray:
+    """Mean even-split window load of the ``top`` most loaded GPUs per layer, by hand: ``[L]``."""
+    t, out = pl.topology, []
+    for l in range(pl.num_layers):
+        gpu = np.zeros(t.ep_size)
+        for p, e in enumerate(pl.physical_to_logical_map[l]):
+            gpu[p // t.slots_per_gpu] += load[l, e] / pl.logical_replica_count[l, e]
+        out.append(np.sort(gpu)[-top:].mean())
+    return np.array(out)
+
+
+@pytest.mark.parametrize("top_slack", [0.0, 0.01])
+def test_step_fit_holds_the_top_gpus_mean_load_from_any_start(top_slack):
+    pl, tr = _greedy_fit_case()
+    out, o = _fit_with(pl, tr, 1.0, 1.0, top_slack=top_slack, blends=(0.0, 0.5, 1.0))
+    assert not np.array_equal(out.physical_to_logical_map, pl.physical_to_logical_map)
+    top = max(1, round(o.top_share * pl.topology.ep_size))
+    for load, _ in _guarded_loads(tr, o):
+        assert np.all(_top_means(out, load, top) <= _top_means(pl, load, top) * (1 + top_slack) + 1e-9)
+
+
 def test_step_fit_without_the_window_guard_gives_the_window_balance_away():
-    pl, tr = _greedy_fit_case()  # so the guard above is not idle on this case
-    loose, _ = _fit_with(pl, tr, 1.0, 1.0)
+    pl, tr = _greedy_fit_case()  # so the guards above are not idle on this case
+    loose, o = _fit_with(pl, tr, 1.0, 1.0, top_slack=1.0)
     load = tr.counts().astype(np.float64)
     assert np.any(_window_peaks(loose, load) > _window_peaks(pl, load) * 1.02)
+    top = max(1, round(o.top_share * pl.topology.ep_size))
+    assert np.any(_top_means(loose, load, top) > _top_means(pl, load, top) * 1.01)
 
 
 def test_solve_pipeline_fits_for_balanced_and_gates_against_greedy():
