@@ -46,18 +46,23 @@ from solver.planner.hardware import GPUS  # noqa: E402
 from solver.planner.modelspec import load_model  # noqa: E402
 from solver.step_fit import sample_step_counts, step_lower_bound_par  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from online_front import HUMANITIES, STEM  # noqa: E402
+
 STEP_TOKENS, PREFILL_TOKENS = 64, 4096
 PER_STEP = next(n for n, m in DISPATCH.items() if m.needs_step_counts and m.runtime)  # ours
 
 
-def mixtral_tokens(path: Path, questions: int, seed: int = 0) -> RoutingTrace:
-    """A per-token trace from ``questions`` MMLU questions (evenly spaced) of the exact counts."""
+def mixtral_tokens(path: Path, questions: int | np.ndarray, seed: int = 0, name: str = "") -> RoutingTrace:
+    """A per-token trace from MMLU questions of the exact counts: ``questions`` evenly spaced ones of
+    the whole set, or these question indices."""
     rng = np.random.default_rng(seed)
     with np.load(path, allow_pickle=False) as z:
         counts, n_tok = z["counts"], z["n_tokens"]
-    pick = np.linspace(0, counts.shape[0] - 1, questions).astype(int)
+    if np.ndim(questions) == 0:
+        questions = np.linspace(0, counts.shape[0] - 1, int(questions)).astype(int)
     blocks = []
-    for q in pick:
+    for q in questions:
         n = int(n_tok[q])
         ids = np.empty((n, counts.shape[1], 2), np.int64)
         for l in range(counts.shape[1]):
@@ -67,7 +72,25 @@ def mixtral_tokens(path: Path, questions: int, seed: int = 0) -> RoutingTrace:
         blocks.append(ids)
     ids = np.concatenate(blocks)
     offsets = np.r_[0, np.cumsum([b.shape[0] for b in blocks])]
-    return RoutingTrace(8, topk_ids=ids, seq_offsets=offsets, name="mixtral mmlu (tokens from counts)")
+    return RoutingTrace(
+        8, topk_ids=ids, seq_offsets=offsets, name=name or "mixtral mmlu (tokens from counts)"
+    )
+
+
+def mixtral_domains(path: Path, questions: int = 400) -> dict[str, RoutingTrace]:
+    """Per-token traces of ``questions`` evenly spaced MMLU questions of the STEM subjects and of the
+    humanities (the subject lists of ``benchmarks/online_front.py``)."""
+    with np.load(path, allow_pickle=False) as z:
+        subject = z["subjects"][z["subject_index"]]  # [Q] subject of each question
+    picks = {
+        "STEM": np.flatnonzero([any(s.startswith(p) for p in STEM) for s in subject]),
+        "humanities": np.flatnonzero(np.isin(subject, HUMANITIES)),
+    }
+    out = {}
+    for name, idx in picks.items():
+        chosen = idx[np.linspace(0, idx.size - 1, questions).astype(int)]
+        out[name] = mixtral_tokens(path, chosen, name=f"mixtral mmlu {name}")
+    return out
 
 
 def step_gpu_peak(placement, layer: int, counts: np.ndarray, dispatch) -> np.ndarray:
@@ -105,9 +128,8 @@ def lp_ratio(placement, counts: np.ndarray, dispatch) -> float:
     return float(np.mean(r))
 
 
-def run_config(label: str, trace: RoutingTrace, G: int, N: int, model, moves: int) -> dict:
-    fit, held = trace.split(0.5)
-    E = trace.num_logical_experts
+def run_config(label: str, fit: RoutingTrace, held: RoutingTrace, G: int, N: int, model, moves: int) -> dict:
+    E = fit.num_logical_experts
     topo = Topology(ep_size=G, num_physical_experts=E + G, num_nodes=N)
     t0 = time.perf_counter()
     result = solve("greedy", topology=topo, trace=fit, dispatch=PER_STEP, fit=FitOptions(step_moves=moves))
@@ -167,7 +189,7 @@ def main() -> None:
     if ds.exists():
         tr, spec = read_trace(str(ds)), load_model("deepseek-v2-lite")
         for G, N in ((32, 4),) if args.quick else ((32, 4), (64, 8)):
-            rows.append(run_config("DeepSeek-V2-Lite", tr, G, N, spec, moves))
+            rows.append(run_config("DeepSeek-V2-Lite", *tr.split(0.5), G, N, spec, moves))
             print(json.dumps({k: v for k, v in rows[-1].items() if "us" not in k}), flush=True)
     else:
         print(f"skip deepseek: {ds} not found (set MOE_TRACES_DIR)")
@@ -175,7 +197,13 @@ def main() -> None:
     if mx.exists() and not args.quick:
         tr, spec = mixtral_tokens(mx, 400), load_model("mixtral-8x7b")
         for G, N in ((8, 2), (4, 1)):
-            rows.append(run_config("Mixtral-8x7B", tr, G, N, spec, moves))
+            rows.append(run_config("Mixtral-8x7B", *tr.split(0.5), G, N, spec, moves))
+        dom = mixtral_domains(mx)
+        for a, b in (("STEM", "humanities"), ("humanities", "STEM")):
+            for G, N in ((8, 2), (4, 1)):
+                rows.append(
+                    run_config(f"Mixtral-8x7B, fit {a}, held out {b}", dom[a], dom[b], G, N, spec, moves)
+                )
     print_rows(rows)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

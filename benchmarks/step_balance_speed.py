@@ -6,7 +6,9 @@
 load) on 288 slots / 32 GPUs / 4 nodes and 320 slots / 64 GPUs / 8 nodes. Each step draws
 ``64 tokens per rank x ep_size ranks x top-8`` picks from the same skewed popularity plus per-step noise.
 Reports, measured in the same run: torch CPU microseconds per layer (one layer per call, and 58
-layers batched in one call), CUDA when available, the HiGHS LP (scipy) per layer, and the peak of our
+layers batched in one call), with the CPU's early exit (rows proven optimal leave, the loop stops when
+none is left; the default on CPU) and with every round (``fixed``, what the CUDA path runs), CUDA
+when available, the HiGHS LP (scipy) per layer, and the peak of our
 integer split over the LP optimum (worst and mean over steps x layers; ``optimal`` = share equal to
 ``ceil(LP)``, the integer optimum). ``--rounds 96`` trades 1.5x the time for the last integer-optimal
 step-layers. Timings on a shared machine are noisy: compare them within a run.
@@ -83,9 +85,13 @@ def run_topology(G: int, N: int, P: int, steps: int, repeats: int, rounds: int) 
     l2p, S = placement.logical_to_physical_map, topo.slots_per_gpu
     batched = StepBalancer(l2p, S, rounds=rounds)
     single = StepBalancer(l2p[0], S, rounds=rounds)
+    fixed = StepBalancer(l2p, S, rounds=rounds, early_exit=False)  # every round, as the CUDA path runs
+    fixed_single = StepBalancer(l2p[0], S, rounds=rounds, early_exit=False)
     c_t = torch.from_numpy(counts)
     t_single = timed(lambda: single.quotas(c_t[0, 0], validate=False), repeats)
     t_batch = timed(lambda: batched.quotas(c_t[0], validate=False), repeats) / L
+    t_fixed = timed(lambda: fixed.quotas(c_t[0], validate=False), repeats) / L
+    t_fixed_single = timed(lambda: fixed_single.quotas(c_t[0, 0], validate=False), repeats)
     t0 = time.perf_counter()
     lp = np.array([[highs_peak(counts[s, l], l2p[l], S) for l in range(L)] for s in range(steps)])
     t_highs = (time.perf_counter() - t0) / (steps * L)
@@ -95,6 +101,10 @@ def run_topology(G: int, N: int, P: int, steps: int, repeats: int, rounds: int) 
     out = {
         "topology": f"{G} GPUs/{N} nodes/{P} slots",
         "ours_us_per_layer": {"single_layer_call": t_single * 1e6, f"batched_{L}_layers": t_batch * 1e6},
+        "ours_fixed_rounds_us_per_layer": {
+            "single_layer_call": t_fixed_single * 1e6,
+            f"batched_{L}_layers": t_fixed * 1e6,
+        },
         "highs_us_per_layer": t_highs * 1e6,
         "worst_ratio_to_lp": float(ratio.max()),
         "mean_ratio_to_lp": float(ratio.mean()),
@@ -224,12 +234,19 @@ def main() -> None:
     print(
         f"dispatch: balanced (per-step integer split, {args.rounds} rounds); torch CPU, 1 thread; us per layer"
     )
-    head = f"{'topology':<26}{'single':>10}{'batched':>10}{'HiGHS':>10}{'worst/LP':>10}{'mean/LP':>10}{'optimal':>9}"
+    print(
+        "single / batched: early exit on CPU (rows proven optimal stop); fixed: every round (the CUDA path)"
+    )
+    head = (
+        f"{'topology':<26}{'single':>10}{'batched':>10}{'fixed 1':>10}{'fixed 58':>10}{'HiGHS':>10}"
+        f"{'worst/LP':>10}{'mean/LP':>10}{'optimal':>9}"
+    )
     print(head + ("" if "cuda_us_per_layer" not in rows[0] else f"{'CUDA':>10}"))
     for r in rows:
-        o = r["ours_us_per_layer"]
+        o, f = r["ours_us_per_layer"], r["ours_fixed_rounds_us_per_layer"]
         line = (
             f"{r['topology']:<26}{o['single_layer_call']:>10.0f}{o[f'batched_{L}_layers']:>10.0f}"
+            f"{f['single_layer_call']:>10.0f}{f[f'batched_{L}_layers']:>10.0f}"
             f"{r['highs_us_per_layer']:>10.0f}{r['worst_ratio_to_lp']:>10.4f}{r['mean_ratio_to_lp']:>10.4f}"
             f"{r['share_integer_optimal']:>9.3f}"
         )
