@@ -316,7 +316,8 @@ def balanced_quotas(
             tokens of each logical expert in one step, summed over all ranks.
         logical_to_physical_map: int ``[E, R]`` or ``[L, E, R]``, ascending slots, -1 padded.
         slots_per_gpu: ``S``; GPU ``g`` owns slots ``[g*S, (g+1)*S)``.
-        rounds, depth: push rounds and relabel sweeps per round (fixed work, no early exit).
+        rounds, depth: push rounds and relabel sweeps per round (at most; a row proven optimal
+            stops early with the bits the full rounds give).
 
     Returns:
         int64 ``[..., E, R]`` or ``[..., L, E, R]``: ``q >= 0``, ``q.sum(-1) == counts``, 0 on padding.
