@@ -203,7 +203,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--step-tokens",
-        type=int,
+        type=positive_int,
         default=64,
         help="tokens per rank per step the placement is fitted for under a per-step dispatch model "
         "(balanced, sglang-lp; default 64)",
@@ -361,7 +361,8 @@ def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
 
 
 def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -> tuple[list[dict], bool]:
-    """Fitted (and held-out) PAR of trivial, greedy and the solver's placement; whether to show remote nodes."""
+    """Fitted (and held-out) PAR of trivial, greedy and the solver's placement (and held-out step PAR under
+    a per-step model); whether to show remote nodes."""
     from placement.dispatch import get_dispatch
     from placement.metrics import (
         balance_stats,
@@ -370,6 +371,7 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
         rank_expert_counts,
         rank_gpu_load,
         resolve_source_ranks,
+        step_par,
     )
     from placement.model import Placement
     from solver.api import BASELINE
@@ -394,6 +396,7 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
         fit_counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
     # a solver that trades balance for fewer remote nodes: show both, scored with the dispatch asked for
     comm_view = spec.shows_remote and held is not None and held.has_tokens
+    per_step = get_dispatch(args.policy).needs_step_counts and held is not None and held.has_tokens
     placed = result.is_baseline and result.fit is not None
     label = f"{BASELINE}, placed for {args.policy}" if placed else prob.name
     candidates = {"trivial": trivial, BASELINE: result.baseline, label: result.placement}
@@ -409,6 +412,8 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
         if held is not None:
             ev = evaluate(pl, held, args.policy, src=held_src).to_dict()
             row["heldout_par"] = ev["par"]
+            if per_step:  # what sets step time under a per-step split
+                row["heldout_step_par"] = step_par(pl, held, args.step_tokens, args.policy)["step_par"]
             if comm_view and "remote_nodes_per_token" in ev:
                 row["heldout_remote_nodes"] = ev["remote_nodes_per_token"]
         rows.append(row)
@@ -472,6 +477,8 @@ def _print_balance(args, prob: _Problem, spec: SolverSpec, rows: list[dict], com
     cols = [("placement", "placement", -1), ("fit_par", f"fitted PAR ({fit_rule})", 4)]
     if prob.held is not None:
         cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
+    if rows and "heldout_step_par" in rows[0]:
+        cols.append(("heldout_step_par", f"held-out step PAR ({args.policy}, {args.step_tokens}/rank)", 4))
     if comm_view:
         cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))
     echo(format_table(rows, cols))

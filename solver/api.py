@@ -216,6 +216,19 @@ class FitOptions:
     step_tokens: int = 64
     step_moves: int = 300
 
+    def __post_init__(self) -> None:
+        for name in ("steps", "dealings", "step_moves"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or int(v) != v or v < 0:
+                raise ValueError(f"FitOptions.{name} must be an integer >= 0, got {v!r}")
+        v = self.step_tokens
+        if isinstance(v, bool) or int(v) != v or v < 1:
+            raise ValueError(
+                f"FitOptions.step_tokens must be an integer >= 1 (tokens per rank per step), got {v!r}"
+            )
+        if not np.isfinite(self.noise_z) or self.noise_z < 0:
+            raise ValueError(f"FitOptions.noise_z must be a finite number >= 0, got {self.noise_z!r}")
+
 
 @dataclass(frozen=True)
 class SolveResult:

@@ -183,6 +183,7 @@ CASES = [
     ([*SOLVE, "--move-cost", "inf"], "--move-cost: inf"),
     ([*SOLVE, "--solver", "nope"], "--solver: invalid choice"),
     ([*EVAL, "--step-tokens", "0"], "--step-tokens: 0 is not in the accepted range: integers >= 1"),
+    ([*SOLVE, "--dispatch", "balanced", "--step-tokens", "0"], "--step-tokens: 0 is not in the accepted"),
     ([*EVAL, "--hidden-size", "0"], "--hidden-size: 0"),
     ([*EVAL, "--ep-size", "-2"], "--ep-size: -2"),
     (["inspect", "{d}/t.npz", "--chunk-tokens", "0"], "--chunk-tokens: 0"),

@@ -248,6 +248,17 @@ def test_step_fit_without_the_window_guard_gives_the_window_balance_away():
     assert np.any(_top_means(loose, load, top) > _top_means(pl, load, top) * 1.01)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"step_tokens": 0}, {"step_tokens": -3}, {"step_moves": -1}, {"steps": 1.5}, {"noise_z": float("nan")}],
+)
+def test_fit_options_refuse_bad_values_naming_them(bad):
+    from solver.api import FitOptions
+
+    with pytest.raises(ValueError, match=f"FitOptions.{next(iter(bad))}"):
+        FitOptions(**bad)
+
+
 def test_solve_pipeline_fits_for_balanced_and_gates_against_greedy():
     from solver.api import FitOptions, solve
 
@@ -284,11 +295,33 @@ def test_cli_evaluate_balanced_reports_step_par_and_solve_writes_a_placement(tmp
     out = tmp_path / "solved.json"
     args = ["solve", "--trace", str(tpath), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8"]
     assert main([*args, "--dispatch", "balanced", "--step-tokens", "8", "-o", str(out)]) == 0
+    assert "held-out step PAR (balanced, 8/rank)" not in capsys.readouterr().out  # no held-out part
     solved = read_placement(str(out))
     assert solved.physical_to_logical_map.shape == (2, 24)
     assert all(
         len(set(r[g * 3 : (g + 1) * 3])) == 3 for r in solved.physical_to_logical_map for g in range(8)
     )
+
+
+def test_cli_solve_reports_held_out_step_par_of_each_placement(tmp_path, capsys):
+    from cli.main import main
+    from profiling.readers import write_trace
+
+    _, tr, _ = _fit_case()
+    tpath, out = tmp_path / "t.npz", tmp_path / "solved.json"
+    write_trace(tr, str(tpath))
+    args = ["solve", "--trace", str(tpath), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8"]
+    args += ["--dispatch", "balanced", "--step-tokens", "8", "--fit-fraction", "0.5", "-o", str(out)]
+    capsys.readouterr()
+    assert main([*args, "--json"]) == 0
+    rows = {r["placement"]: r for r in json.loads(capsys.readouterr().out)["balance"]}
+    held = tr.split(0.5)[1]
+    solved = read_placement(str(out))
+    want = step_par(solved, held, 8, BALANCED.name)["step_par"]
+    assert rows["greedy, placed for balanced"]["heldout_step_par"] == pytest.approx(want)
+    assert rows["trivial"]["heldout_step_par"] > rows["greedy"]["heldout_step_par"]
+    assert main(args) == 0
+    assert "held-out step PAR (balanced, 8/rank)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model", [BALANCED, SGLANG_LP])
