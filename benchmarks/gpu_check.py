@@ -149,39 +149,30 @@ def _graph_checks(layer, hidden, dev):
 
 
 def _step_balancer_check(dev) -> tuple[bool, str]:
-    """Check 5: device bits equal numpy's; timings in the detail."""
+    """Check 5: device bits equal numpy's; timings in the detail (workload and timer of
+    ``benchmarks/step_balance_speed.py``)."""
     import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_balance_speed import L, timed, workload
 
     from placement.step_balance import balanced_quotas
     from placement.topology import Topology
     from runtime_hooks.step_balance import StepBalancer
     from solver.api import solve
 
-    rng = np.random.default_rng(0)
-    L, E, G = 58, 256, 32
-    pop = rng.dirichlet(np.full(E, 0.3), size=L)  # [L, E] skewed
-    placement, _ = solve("greedy", topology=Topology(G, 288, 4), load=pop * 1e4)
+    G = 32
+    fit, counts = workload(G, steps=3, seed=G)  # [L, E], [3, L, E]
+    placement, _ = solve("greedy", topology=Topology(G, 288, 4), load=fit)
     l2p, S = placement.logical_to_physical_map, placement.topology.slots_per_gpu
-    counts = np.stack([[rng.multinomial(64 * G * 8, p) for p in pop] for _ in range(3)])  # [3, L, E]
-    sb = StepBalancer(l2p, S, dev)
+    sb, one = StepBalancer(l2p, S, dev), StepBalancer(l2p[0], S, dev)
     c = torch.as_tensor(counts, device=dev)
     same = np.array_equal(sb.quotas(c, validate=False).cpu().numpy(), balanced_quotas(counts, l2p, S))
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-
-    def per_call(fn, n: int = 5) -> float:
-        fn()
-        sync()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        return (time.perf_counter() - t) / n
-
-    one = StepBalancer(l2p[0], S, dev)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else None
     detail = (
         f"bits equal numpy {same}; eager us per layer: one layer per call "
-        f"{per_call(lambda: one.quotas(c[0, 0], validate=False)) * 1e6:.0f}, 58 per call "
-        f"{per_call(lambda: sb.quotas(c[0], validate=False)) / L * 1e6:.0f}"
+        f"{timed(lambda: one.quotas(c[0, 0], validate=False), 5, sync) * 1e6:.0f}, {L} per call "
+        f"{timed(lambda: sb.quotas(c[0], validate=False), 5, sync) / L * 1e6:.0f}"
     )
     if dev.type == "cuda":
         detail += _graph_replay(sb, c[0], L)

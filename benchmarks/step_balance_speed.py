@@ -10,7 +10,8 @@ layers batched in one call), with the CPU's early exit (rows proven optimal leav
 none is left; the default on CPU) and with every round (``fixed``, what the CUDA path runs), CUDA
 when available, the HiGHS LP (scipy) per layer, and the peak of our
 integer split over the LP optimum (worst and mean over steps x layers; ``optimal`` = share equal to
-``ceil(LP)``, the integer optimum). ``--rounds 96`` trades 1.5x the time for the last integer-optimal
+``ceil(LP)``, the integer optimum); ``--json`` adds the top-level torch ops of one single-layer call
+(``torch_ops_single_layer_call``: each a kernel launch or a view on CUDA). ``--rounds 96`` trades 1.5x the time for the last integer-optimal
 step-layers. Timings on a shared machine are noisy: compare them within a run.
 
 ``--traces`` adds an accuracy table over the shared real traces (``$MOE_TRACES_DIR``, skipped when
@@ -78,6 +79,16 @@ def timed(fn, repeats: int, sync=None) -> float:
     return statistics.median(times)
 
 
+def torch_ops(fn) -> int:
+    """Top-level torch ops one call of ``fn`` issues (each a kernel launch or a view on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.cpu_parent is None)
+
+
 def run_topology(G: int, N: int, P: int, steps: int, repeats: int, rounds: int) -> dict:
     fit, counts = workload(G, steps, seed=G)
     topo = Topology(G, P, N)
@@ -104,6 +115,10 @@ def run_topology(G: int, N: int, P: int, steps: int, repeats: int, rounds: int) 
         "ours_fixed_rounds_us_per_layer": {
             "single_layer_call": t_fixed_single * 1e6,
             f"batched_{L}_layers": t_fixed * 1e6,
+        },
+        "torch_ops_single_layer_call": {
+            "early_exit": torch_ops(lambda: single.quotas(c_t[0, 0], validate=False)),
+            "fixed_rounds": torch_ops(lambda: fixed_single.quotas(c_t[0, 0], validate=False)),
         },
         "highs_us_per_layer": t_highs * 1e6,
         "worst_ratio_to_lp": float(ratio.max()),

@@ -256,13 +256,15 @@ class _Guard:
 
     def robust_ok(self, row) -> bool:
         """The top GPUs' mean load within ``top_slack`` of the reference's on every guarded load."""
-        return bool(np.all(self.top_mean(self.gpu_loads(row)) <= self.top_limit + 1e-9))
+        return self._top_ok(self.gpu_loads(row))
 
     def ok(self, row) -> bool:
+        """:meth:`robust_ok` and the peak within its limit on every guarded load."""
         gpu = self.gpu_loads(row)
-        return bool(np.all(gpu.max(axis=1) <= self.peak_limit + 1e-9)) and bool(
-            np.all(self.top_mean(gpu) <= self.top_limit + 1e-9)
-        )
+        return bool(np.all(gpu.max(axis=1) <= self.peak_limit + 1e-9)) and self._top_ok(gpu)
+
+    def _top_ok(self, gpu: np.ndarray) -> bool:
+        return bool(np.all(self.top_mean(gpu) <= self.top_limit + 1e-9))
 
     def around(self, start_row) -> _Guard:
         """This guard with the peak limit raised to the start's peak (plus slack) where that is higher."""
@@ -292,9 +294,6 @@ class _Layer:
         excess = np.maximum(ld - ld.mean(axis=1, keepdims=True), 0).mean(axis=0) + 1e-9  # [G]
         self.last_hot = excess / excess.sum()  # where the peaks are: targeted moves start there
         return float(peak.mean())
-
-    def window_ok(self, row) -> bool:
-        return self.guard.ok(row)
 
     def propose(self, rng: np.random.Generator) -> np.ndarray | None:
         """A re-pointed redundant slot or a swap of two slots between GPUs; None if the draw is illegal."""
@@ -336,7 +335,7 @@ class _Layer:
         for _ in range(self.o.moves):
             for _ in range(self.o.draws):  # a move is a scored proposal: redraw illegal ones
                 new = self.propose(rng)
-                if new is not None and self.window_ok(new):
+                if new is not None and self.guard.ok(new):
                     break
             else:
                 continue
@@ -394,7 +393,7 @@ def _pick_start(
     cands = [("given", row)] + start_rows(
         load, counts, guard.G, guard.S, o.count_blends, o.count_quantile, o.pack_slack
     )
-    ok = [(name, r) for name, r in cands if name == "given" or guard.robust_ok(r)]
+    ok = cands[:1] + [c for c in cands[1:] if guard.robust_ok(c[1])]  # the given row is the reference
 
     def score(r: np.ndarray) -> float:
         l2p = compute_logical_maps(r[None], guard.E)[0][0]  # [E, R]

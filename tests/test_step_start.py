@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import networkx as nx
 import numpy as np
 import pytest
 
@@ -11,19 +12,12 @@ from solver.step_start import connected_packing, spike_weights, start_rows
 
 def _islands(row: np.ndarray, G: int, S: int) -> int:
     """Connected groups of GPUs, two GPUs linked when they hold replicas of one expert."""
-    parent = list(range(G))
-
-    def find(g: int) -> int:
-        while parent[g] != g:
-            g = parent[g]
-        return g
-
-    gpu_of = {}
-    for p, e in enumerate(row):
-        if e in gpu_of:
-            parent[find(p // S)] = find(gpu_of[e])
-        gpu_of.setdefault(e, p // S)
-    return len({find(g) for g in range(G)})
+    graph = nx.Graph()
+    graph.add_nodes_from(range(G))
+    for e in np.unique(row):
+        gpus = np.flatnonzero(row == e) // S
+        graph.add_edges_from(zip(gpus[:-1], gpus[1:]))
+    return nx.number_connected_components(graph)
 
 
 def _greedy_row(load: np.ndarray, counts: np.ndarray, G: int, S: int) -> np.ndarray:
