@@ -12,7 +12,7 @@ with ``torch._scaled_mm`` where the GPU and torch support it, else BF16.
 Fit: ``t(n) = max(F(n) / C, M(n) / B) + t0`` by least squares on log-time over a grid of
 ``(C, B)`` starts (scipy.optimize.least_squares), where ``F = 6 d f n E`` and
 ``M = E (3 d f b_w) + activations``. The preset stores ``eta_compute = C / peak``,
-``eta_memory = B / HBM`` and ``gemm_overhead = t0`` for ``solver.planner.hardware.load_gpu_preset``.
+``eta_memory = B / HBM`` and ``gemm_overhead = t0`` for ``placement.cost.hardware.load_gpu_preset``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def main() -> int:
     import numpy as np
     from scipy.optimize import least_squares
 
+    from placement.cost.hardware import GPUS
     from profiling.fileio import atomic_write_json
-    from solver.planner.hardware import GPUS
 
     base = GPUS[args.base]
     dev = torch.device("cuda")

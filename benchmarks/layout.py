@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from placement.cost.hardware import cluster_preset
+from placement.cost.modelspec import load_model
 from solver.planner.costmodel import CostOptions
-from solver.planner.hardware import cluster_preset
 from solver.planner.layout import compare_phases
-from solver.planner.modelspec import load_model
 
 
 def main() -> None:

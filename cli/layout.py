@@ -193,9 +193,9 @@ def _q(a: str) -> str:
 
 def _read_inputs(args):
     """Check the cluster flags -> (model, cluster, trace or None); a trace's expert count may differ."""
+    from placement.cost.hardware import cluster_preset
+    from placement.cost.modelspec import load_model
     from profiling.readers import require_data
-    from solver.planner.hardware import cluster_preset
-    from solver.planner.modelspec import load_model
 
     if args.nodes * args.gpus_per_node > MAX_RANKS:
         raise CliError(

@@ -9,12 +9,12 @@ import json
 import numpy as np
 import pytest
 
+from placement.cost.hardware import GPUS, LINKS, cluster_preset
+from placement.cost.modelspec import load_model, model_from_hf_config
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
-from solver.planner.hardware import GPUS, LINKS, cluster_preset
-from solver.planner.modelspec import load_model, model_from_hf_config
 from solver.planner.workload import analytic_workload, trace_workload
 
 DSV3 = load_model("deepseek-v3")

@@ -7,8 +7,9 @@ import json
 import numpy as np
 
 from cli.main import main
+from placement.cost.hardware import cluster_preset
+from placement.cost.modelspec import load_model
 from solver.planner.costmodel import CostOptions
-from solver.planner.hardware import cluster_preset
 from solver.planner.layout import (
     compare_phases,
     enumerate_candidates,
@@ -16,7 +17,6 @@ from solver.planner.layout import (
     synthetic_load,
     workload_load,
 )
-from solver.planner.modelspec import load_model
 
 DSV3 = load_model("deepseek-v3")
 

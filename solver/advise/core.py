@@ -18,11 +18,11 @@ import solver.advise.balance as balance
 import solver.advise.cost as cost
 import solver.advise.migration as migration
 import solver.advise.recommend as recommend
+from placement.cost.hardware import ClusterSpec, cluster_preset
+from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 from solver.advise.options import AdviseOptions, resolve_model
-from solver.planner.hardware import ClusterSpec, cluster_preset
-from solver.planner.modelspec import ModelSpec
 
 __all__ = ["Advice", "Row", "advise"]
 

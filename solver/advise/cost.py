@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
 from solver.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu
-from solver.planner.hardware import ClusterSpec
-from solver.planner.modelspec import ModelSpec
 
 __all__ = [
     "FORMULA",

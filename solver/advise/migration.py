@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.churn import arrived_per_gpu
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
 from placement.dispatch import EVEN
 from placement.metrics import moved_slots, par
 from placement.model import Placement
@@ -30,8 +32,6 @@ from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.advise.cost import moe_step_time
 from solver.api import solve
-from solver.planner.hardware import ClusterSpec
-from solver.planner.modelspec import ModelSpec
 
 __all__ = [
     "BreakEven",

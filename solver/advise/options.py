@@ -9,9 +9,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from profiling.trace import RoutingTrace
-from solver.planner.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 
 __all__ = [
     "AUTO_MODEL",

@@ -4,9 +4,9 @@ It sits beside the placement solvers, not among them: for each candidate layout 
 (greedy by default, through :mod:`solver.api`) for a placement, then prices the step with a cost model.
 The steps, one module each:
 
-- :mod:`solver.planner.modelspec`: :class:`ModelSpec`, the model's shapes (built-ins in ``models/*.json``,
+- :mod:`placement.cost.modelspec`: :class:`ModelSpec`, the model's shapes (built-ins in ``models/*.json``,
   a model JSON, or a Hugging Face ``config.json``), :func:`load_model`.
-- :mod:`solver.planner.hardware`: GPU, link and cluster presets (:func:`cluster_preset`).
+- :mod:`placement.cost.hardware`: GPU, link and cluster presets (:func:`cluster_preset`).
 - :mod:`solver.planner.workload`: one step's per-GPU tokens, active experts and bytes, from per-expert
   loads (analytic) or counted from a per-token trace.
 - :mod:`solver.planner.costmodel`: options (:class:`CostOptions`), primitive timings, memory per GPU and

@@ -33,7 +33,7 @@ Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-
   expert's weights in every MoE layer) + a runtime reserve; the rest is KV cache.
 
 Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in
-:mod:`solver.planner.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
+:mod:`placement.cost.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
 :func:`trace_workload`) in :mod:`solver.planner.workload`. This module holds the options, the
 primitive timings, memory and the step time.
 """
@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from solver.planner.hardware import ClusterSpec, GpuSpec
-from solver.planner.modelspec import ModelSpec
+from placement.cost.hardware import ClusterSpec, GpuSpec
+from placement.cost.modelspec import ModelSpec
 from solver.planner.workload import Workload
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
 from solver.planner.costmodel import CostOptions, MemoryBreakdown, StepCost, memory_per_gpu, step_cost
-from solver.planner.hardware import ClusterSpec
-from solver.planner.modelspec import ModelSpec
 from solver.planner.workload import analytic_workload, trace_workload
 
 __all__ = [
