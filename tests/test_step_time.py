@@ -208,3 +208,36 @@ def test_every_dispatch_model_is_priced_and_decode_uses_the_low_latency_kernels(
     a, b = step_time(pl, tr, dec, "even", LITE, cl), step_time(pl, tr, pre, "even", LITE, cl)
     # same tokens per rank: decode's latency floor is the low-latency kernels', prefill's the normal ones'
     assert a.a2a_ms != b.a2a_ms and a.rest_ms != b.rest_ms
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration: benchmarks/step_model_check.py's table
+# ---------------------------------------------------------------------------------------------
+def test_step_model_check_table_within_published_ranges(tmp_path):
+    """The benchmark's kernel rows are within 25% of DeepEP / DeepGEMM, and the modelled whole-step
+    gain of the balanced split over no balancing lies in the published range for decode (+2.6% to
+    +7%) and prefill (+5% to +18%)."""
+    import importlib.util
+
+    from tests.conftest import DEEPSEEK, shared_trace_path
+
+    shared_trace_path(DEEPSEEK)  # skips with the reason when the shared traces are absent
+    spec = importlib.util.spec_from_file_location(
+        "step_model_check", ROOT / "benchmarks" / "step_model_check.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "check.json"
+    assert mod.main(["--max-steps", "8", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    kernels = [r for r in rows if r["check"] in ("deepep-ll", "deepep-normal", "deepgemm")]
+    assert len(kernels) == 12 + 6 + 10
+    assert all(0.75 <= r["ratio"] <= 1.25 for r in kernels), [
+        r for r in kernels if not 0.75 <= r["ratio"] <= 1.25
+    ]
+    gains = {r["config"]: r for r in rows if r["check"] == "gain"}
+    for name in ("decode balanced over none", "prefill balanced over none"):
+        g = gains[name]
+        assert g["low"] <= g["modelled"] <= g["high"], g
+    # the decode gain is smaller than the prefill gain, as published
+    assert gains["decode balanced over none"]["modelled"] < gains["prefill balanced over none"]["modelled"]
