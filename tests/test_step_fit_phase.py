@@ -101,3 +101,26 @@ def test_fit_options_refuse_an_unknown_phase():
     with pytest.raises(ValueError, match="FitOptions.phase must be one of decode, prefill"):
         FitOptions(phase="train")
     assert FitOptions(phase="prefill").tokens_per_step == 256 and FitOptions().tokens_per_step == 64
+
+
+def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
+    import json
+
+    from cli.main import main
+    from profiling.readers import write_trace
+
+    tr = mixtral_like()
+    write_trace(tr, str(tmp_path / "t.npz"))
+    out = tmp_path / "p.json"
+    args = ["solve", "--trace", str(tmp_path / "t.npz"), "--ep-size", "4", "--num-nodes", "2"]
+    args += ["--num-redundant", "4", "--dispatch", "balanced", "--fit-fraction", "0.5", "-o", str(out)]
+    assert main([*args, "--phase", "prefill", "--step-tokens", "16"]) == 0
+    text = capsys.readouterr().out
+    assert "held-out step PAR (balanced, prefill, 16/rank)" in text
+    assert "modelled prefill step time (mixtral-8x7b" in text
+    for phase, tokens in (("decode", 64), ("prefill", 256)):
+        assert main(["evaluate", str(out), str(tmp_path / "t.npz"), "--phase", phase, "--json"]) == 0
+        d = json.loads(capsys.readouterr().out)
+        assert d["phase"] == phase and d["step_tokens"] == tokens and isinstance(d["notes"], list)
+    assert main(["evaluate", str(out), str(tmp_path / "t.npz")]) == 0
+    assert "on decode steps, 64 tokens per rank" in capsys.readouterr().out
