@@ -124,3 +124,11 @@ def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
         assert d["phase"] == phase and d["step_tokens"] == tokens and isinstance(d["notes"], list)
     assert main(["evaluate", str(out), str(tmp_path / "t.npz")]) == 0
     assert "on decode steps, 64 tokens per rank" in capsys.readouterr().out
+
+
+def test_layout_takes_step_tokens_as_its_tokens_per_rank():
+    from cli.main import build_parser
+
+    base = ["layout", "--model", "deepseek-v3", "--nodes", "1"]
+    assert build_parser().parse_args([*base, "--step-tokens", "32"]).batch_per_rank == 32
+    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).batch_per_rank == 48
