@@ -143,15 +143,14 @@ class StepFit:
             out += f"; validation MoE time {self.time_before_us:.1f} -> {self.time_after_us:.1f} us"
         return out + ")"
 
-    def score(self, placement: Placement) -> float:
-        """What the pipeline's gate compares on the validation steps: the modelled MoE time summed
-        over layers (seconds) when there is a cost model, else the summed mean step peak."""
+    def score(self, placement: Placement, layers=None) -> float:
+        """What the pipeline's gate compares on the validation steps, summed over ``layers`` (None:
+        all): the modelled MoE time (seconds) when there is a cost model, else the mean step peak."""
+        layers = range(placement.num_layers) if layers is None else list(layers)
+        model = get_dispatch(self.dispatch)
         if self.cost is not None and self.validation_rank_counts is not None:
-            layers = range(placement.num_layers)
-            return float(
-                step_seconds(placement, self.validation_rank_counts, self.dispatch, self.cost, layers).sum()
-            )
-        return float(step_scores(placement, self.validation_counts, self.dispatch).sum())
+            return float(_figures(placement, self.validation_rank_counts, model, self.cost, layers)[1].sum())
+        return float(_figures(placement, self.validation_counts, model, None, layers)[0].sum())
 
 
 # ---------------------------------------------------------------------------------------------
