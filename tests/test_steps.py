@@ -249,3 +249,32 @@ def test_refusals_name_the_numbers():
         with pytest.raises(ValueError, match="positive integer"):
             make_steps(tr, G, "prefill", bad)
     assert make_steps(tr, G, "prefill").step_tokens == DEFAULT_STEP_TOKENS["prefill"]
+
+
+def test_step_par_by_phase_matches_the_independent_loops():
+    from placement.metrics import evaluate, step_par
+
+    tr = topic_trace()
+    pl = placement_for(tr)
+    b = 24
+    st = make_steps(tr, G, "decode", b)
+    ref_even, ref_best = loop_par(tr, pl, loop_decode(tr, b, st.num_steps, seed=11))
+    assert step_par(pl, tr, b, "even", "decode")["step_par"] == pytest.approx(ref_even, rel=0.03)
+    assert step_par(pl, tr, b, "balanced", "decode")["step_par"] == pytest.approx(ref_best, rel=0.03)
+    pre_even, pre_best = loop_par(tr, pl, loop_prefill(tr, b))
+    assert step_par(pl, tr, b, "even", "prefill")["step_par"] == pytest.approx(pre_even, rel=0.01)
+    assert step_par(pl, tr, b, "balanced", "prefill")["step_par"] == pytest.approx(pre_best, rel=0.01)
+    d = evaluate(pl, tr, "even", phase="decode").to_dict()
+    assert d["phase"] == "decode" and d["step_tokens"] == DEFAULT_STEP_TOKENS["decode"] and d["notes"]
+    assert "step_par" not in evaluate(pl, tr, "even").to_dict()  # no phase, no step tokens: no steps
+    with pytest.raises(ValueError, match="unknown phase 'warmup'"):
+        evaluate(pl, tr, "even", phase="warmup")
+
+
+def test_prefill_with_recorded_ranks_chunks_each_ranks_tokens():
+    tr = topic_trace(source_rank=True)
+    st = make_steps(tr, G, "prefill", 16)
+    assert np.array_equal(tr.source_rank[st.token], st.rank)
+    for g in range(G):
+        mine = st.token[(st.rank == g) & (st.step == 1)]
+        assert np.array_equal(mine, np.flatnonzero(tr.source_rank == g)[16:32])
