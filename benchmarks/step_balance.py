@@ -184,10 +184,15 @@ def main() -> None:
     ap.add_argument(
         "--step-tokens", type=int, default=None, help="tokens per rank per step (default by phase)"
     )
-    ap.add_argument("--moves", type=int, default=FitOptions().step_moves, help="search moves per layer")
+    ap.add_argument(
+        "--moves",
+        type=int,
+        default=None,
+        help=f"search moves per layer (default {FitOptions().step_moves}, --quick 30)",
+    )
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
-    moves = 30 if args.quick else args.moves
+    moves = args.moves if args.moves is not None else (30 if args.quick else FitOptions().step_moves)
     rows = []
     for label, fit, held, G, N, spec in _configs(default_traces_dir(), args.quick):
         phases = args.phase or PHASES
