@@ -90,22 +90,26 @@ def crossover_batch(model: ModelSpec, cluster: ClusterSpec, slots_per_gpu: int, 
 
 @dataclass(frozen=True)
 class MemoryCost:
-    """Per GPU: bytes the redundant slots take, the KV-cache tokens they cost, what is left."""
+    """Per GPU: bytes the redundant slots take, the KV-cache tokens they cost, what is left, and the bytes
+    left once the user's batch x context is cached (``spare_bytes``; ``fits`` when >= 0)."""
 
     redundant_bytes: float
     kv_tokens_lost: float
     kv_tokens_left: float
     fits: bool
+    spare_bytes: float = 0.0
 
 
 def replica_memory(
     model: ModelSpec, cluster: ClusterSpec, ep_size: int, redundant_per_gpu: int, batch: int, context_len: int
 ) -> MemoryCost:
-    """From :func:`solver.planner.costmodel.memory_per_gpu` (decode at ``batch`` sequences per rank)."""
+    """From :func:`solver.planner.costmodel.memory_per_gpu`: fits when the KV cache of ``batch`` sequences per
+    rank x ``context_len`` tokens still fits beside the weights and the replicas."""
     S = model_slots_per_gpu(model, ep_size, redundant_per_gpu)
     opts = CostOptions(phase="decode", batch_per_rank=batch, context_len=context_len)
     mem = memory_per_gpu(model, cluster.gpu, ep_size, S * ep_size, opts)
     per_token = model.kv_bytes_per_token
+    spare = mem.kv_free - mem.kv_needed
     return MemoryCost(
-        mem.redundant, mem.redundant / per_token, max(mem.kv_free, 0.0) / per_token, bool(mem.kv_free > 0)
+        mem.redundant, mem.redundant / per_token, max(mem.kv_free, 0.0) / per_token, bool(mem.fits), spare
     )
