@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from placement.cost.hardware import GPUS
 from placement.dispatch import DISPATCH, EVEN
 from placement.topology import Topology
 from profiling.fileio import atomic_write_text
@@ -31,7 +32,7 @@ from profiling.readers import default_traces_dir, read_trace
 from runtime_hooks.rebalancer import RebalancerConfig
 from runtime_hooks.replay import domain_stream, question_stream, replay, token_stream
 
-BF16_HOPPER_FLOPS = 989e12  # dense BF16, H100/H200 (the traces' models run in BF16)
+BF16_HOPPER_FLOPS = GPUS["h100"].flops_bf16  # dense BF16, H100/H200 (the traces' models run in BF16)
 
 # name -> (file, hidden d, expert intermediate f, ep_size, redundant experts)
 MODELS = {

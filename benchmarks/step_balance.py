@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from placement.cost.hardware import GPUS  # noqa: E402
 from placement.cost.modelspec import load_model  # noqa: E402
+from placement.cost.primitives import gemm_time  # noqa: E402
 from placement.dispatch import DISPATCH, EVEN, get_dispatch  # noqa: E402
 from placement.metrics import par, step_par  # noqa: E402
 from placement.step_balance import lp_peak  # noqa: E402
@@ -46,7 +47,6 @@ from placement.topology import Topology  # noqa: E402
 from profiling.readers import default_traces_dir, read_trace  # noqa: E402
 from profiling.trace import RoutingTrace  # noqa: E402
 from solver.api import FitOptions, solve  # noqa: E402
-from solver.planner.costmodel import gemm_time  # noqa: E402
 from solver.step_fit import sample_step_counts, step_lower_bound_par  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

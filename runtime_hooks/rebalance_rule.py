@@ -6,7 +6,9 @@ Pure numpy (no torch, no solver): the online rebalancer (:mod:`runtime_hooks.reb
 engine plugins (:mod:`runtime_hooks.engine_plugins.policy`) and the trace replay
 (:mod:`runtime_hooks.replay`) decide with the same three functions.
 
-Model (shared docs/costmodel.md, Migration; every constant a field of :class:`RuleParams`):
+Model (shared docs/costmodel.md, Migration; every constant a field of :class:`RuleParams`, its
+default taken from the one cost model, :mod:`placement.cost`; the copy is priced by
+:func:`placement.cost.primitives.move_time`, the compute by ``assignment_seconds``):
 
 - **gain** over the next window: ``(sum over layers of peak_now - peak_new) x horizon x
   seconds_per_assignment``. ``peak_*`` are the peak GPU's token-expert assignments of the window
@@ -37,6 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.cost.hardware import GPUS, LINKS
+from placement.cost.modelspec import load_model
+from placement.cost.primitives import assignment_seconds, move_time
+
 __all__ = [
     "Decision",
     "RuleParams",
@@ -47,9 +53,11 @@ __all__ = [
     "transfer_seconds",
 ]
 
-DEEPSEEK_V3_EXPERT_BYTES = 3 * 7168 * 2048  # one FP8 expert of one layer: 44,040,192 B
-NVLINK_BANDWIDTH, NVLINK_LATENCY = 270e9, 40e-6  # effective B/s (450 nominal x 0.6), s
-HOPPER_FP8_ASSIGNMENT_S = 6.0 * 7168 * 2048 / (1979e12 * 0.54)  # DeepSeek-V3 expert GEMM: 82 ns
+# Defaults from the one cost model (placement.cost): DeepSeek-V3 on H100 FP8, weights over NVLink 4.
+_DSV3 = load_model("deepseek-v3")
+DEEPSEEK_V3_EXPERT_BYTES = _DSV3.expert_bytes  # one FP8 expert of one layer: 44,040,192 B
+NVLINK_BANDWIDTH, NVLINK_LATENCY = LINKS["nvlink4"].kernel("normal")  # bulk copy: 270 GB/s, 40 us
+HOPPER_FP8_ASSIGNMENT_S = assignment_seconds(GPUS["h100"], _DSV3)  # DeepSeek-V3 expert GEMM: 82 ns
 
 
 @dataclass(frozen=True)
@@ -143,12 +151,7 @@ def transfer_seconds(arrived_per_gpu: np.ndarray, params: RuleParams) -> float:
     """Serving seconds lost to a migration: ``stall x (busiest GPU's arrivals x expert_bytes /
     bandwidth + latency)``; ``arrived_per_gpu`` int ``[G]`` (or ``[L, G]``, summed over layers); 0 when
     nothing arrives."""
-    a = np.asarray(arrived_per_gpu)
-    per_gpu = a.sum(axis=0) if a.ndim == 2 else a  # [G]
-    if per_gpu.size == 0 or per_gpu.sum() == 0:
-        return 0.0
-    copy = float(per_gpu.max()) * params.expert_bytes / params.bandwidth + params.latency
-    return params.stall * copy
+    return params.stall * move_time(arrived_per_gpu, params.expert_bytes, (params.bandwidth, params.latency))
 
 
 def break_even_steps(cost_s: float, saved_s_per_step: float) -> float:

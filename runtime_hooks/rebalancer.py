@@ -16,10 +16,10 @@ Settings mirror vLLM's ``eplb_config`` names (``window_size``, ``step_interval``
 Cost model (../shared/docs/costmodel.md, Migration; every constant is an overridable field):
 
 - migration: ``T_move = max over GPUs(slots copied onto that GPU, all layers) * expert_bytes / B_link
-  + alpha`` (copies to different GPUs run in parallel). ``B_link``: NVLink 270 GB/s effective
-  (450 nominal x 0.6), RDMA 42 GB/s effective (50 nominal, 40-45 measured at EP >= 64); ``alpha``:
-  40 us (NVLink typical collective latency), 30 us (RDMA floor). One 44 MB DeepSeek-V3 FP8 expert:
-  0.16 ms over NVLink, 1.05 ms over RDMA.
+  + alpha`` (copies to different GPUs run in parallel), :func:`placement.cost.primitives.move_time`.
+  ``B_link`` and ``alpha``: the bulk-copy (normal-kernel) figures of the ``nvlink4`` and ``rdma``
+  presets of :mod:`placement.cost.hardware` (270 GB/s and 40 us; 45 GB/s and 30 us). One 44 MB
+  DeepSeek-V3 FP8 expert: 0.16 ms over NVLink, 0.98 ms over RDMA.
 - gain: ``(peak_now - peak_new)`` per step, summed over layers, times the seconds one token-expert
   assignment costs on the peak GPU, times the steps of the next window (``horizon_steps``, default
   ``window_size``). Seconds per assignment: ``6 d f / (P_flops * eta_c)`` (grouped GEMM, compute
@@ -59,6 +59,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from placement.cost.hardware import GPUS
+from placement.cost.hardware import LINKS as _HW_LINKS
+from placement.cost.primitives import move_time
 from placement.dispatch import EVEN, check_dispatch
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
 
@@ -74,10 +77,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# link name -> (effective bandwidth B/s, latency alpha s); see the module docstring.
+# link name -> (effective bandwidth B/s, latency alpha s) of a bulk weight copy, from the presets.
 LINKS: dict[str, tuple[float, float]] = {
-    "nvlink": (270e9, 40e-6),
-    "rdma": (42e9, 30e-6),
+    "nvlink": _HW_LINKS["nvlink4"].kernel("normal"),
+    "rdma": _HW_LINKS["rdma"].kernel("normal"),
 }
 
 
@@ -133,8 +136,8 @@ class RebalancerConfig:
     link_latency: float | None = None
     hidden_size: int = 7168
     expert_intermediate_size: int = 2048
-    peak_flops: float = 1979e12
-    compute_efficiency: float = 0.54
+    peak_flops: float = GPUS["h100"].flops_fp8
+    compute_efficiency: float = GPUS["h100"].eta_compute
     move_cost_scale: float = 1.0
     max_moves: int | None = None
     method: str = "incremental"
@@ -236,10 +239,7 @@ def migration_time(
     previous_map, new_map, ep_size: int, expert_bytes: float, bandwidth: float, latency: float
 ) -> float:
     """``T_move`` seconds: the busiest receiving GPU's copies at ``bandwidth`` plus ``latency``; 0 if nothing moves."""
-    per_gpu = slots_copied_per_gpu(previous_map, new_map, ep_size)
-    if per_gpu.sum() == 0:
-        return 0.0
-    return float(per_gpu.max()) * float(expert_bytes) / float(bandwidth) + float(latency)
+    return move_time(slots_copied_per_gpu(previous_map, new_map, ep_size), expert_bytes, (bandwidth, latency))
 
 
 def _gpu_peaks(p2l: np.ndarray, load: np.ndarray, ep_size: int) -> tuple[np.ndarray, np.ndarray]:

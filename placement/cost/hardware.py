@@ -24,6 +24,7 @@ __all__ = [
     "cluster_preset",
     "load_gpu_preset",
     "HARDWARE_NAMES",
+    "REBALANCE_STALL_S",
 ]
 
 GB = 1e9
@@ -37,10 +38,14 @@ class LinkSpec:
     Attributes:
         name: preset name.
         bandwidth: effective bytes/s per GPU per direction (what a dispatch or combine achieves).
-        latency: fixed cost of one dispatch or one combine over this link (kernel launch, signalling,
-            barrier), seconds.
+        latency: fixed cost of one dispatch or one combine of the low-latency kernels (decode; kernel
+            launch, signalling, barrier), seconds.
         nominal_bandwidth: the datasheet figure, for reference only.
         source: where the numbers come from; ``band``: plausible range of the effective bandwidth.
+        normal_bandwidth / normal_latency: the same for the normal (throughput, prefill) kernels and
+            for bulk copies such as a rebalance's weight moves; None: as the low-latency figures.
+        allreduce_latency: one small all-reduce (a per-step dispatch's expert counts) over this link,
+            seconds.
     """
 
     name: str
@@ -49,6 +54,18 @@ class LinkSpec:
     nominal_bandwidth: float
     source: str = ""
     band: tuple[float, float] = (0.0, 0.0)
+    normal_bandwidth: float | None = None
+    normal_latency: float | None = None
+    allreduce_latency: float = 10e-6
+
+    def kernel(self, kind: str) -> tuple[float, float]:
+        """``(effective bytes/s, latency s)`` of the ``low_latency`` or ``normal`` kernels."""
+        if kind == "low_latency":
+            return self.bandwidth, self.latency
+        if kind == "normal":
+            bw = self.bandwidth if self.normal_bandwidth is None else self.normal_bandwidth
+            return bw, self.latency if self.normal_latency is None else self.normal_latency
+        raise ValueError(f"link kernel must be 'low_latency' or 'normal', got {kind!r}")
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or self.latency < 0:
@@ -69,6 +86,10 @@ class GpuSpec:
         gemm_overhead: ``t0``, fixed cost per grouped GEMM call, seconds.
         eta_attention: achieved fraction of BF16 peak in attention kernels (FlashMLA / FA3).
         nvlink: the intra-node link that comes with the GPU (overridable per cluster).
+        split_overhead: seconds per MoE layer a per-step dispatch spends computing its split on the
+            GPU (LP or water-fill over the all-reduced counts), besides the all-reduce itself.
+        calibrated: True when the GEMM constants were refitted on this GPU
+            (``benchmarks/gpu_gemm_fit.py``), False for datasheet figures and published fits.
     """
 
     name: str
@@ -83,6 +104,8 @@ class GpuSpec:
     eta_attention: float = 0.6
     source: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
+    split_overhead: float = 5e-6
+    calibrated: bool = False
 
     def __post_init__(self) -> None:
         for k in ("flops_fp8", "flops_bf16", "hbm_bandwidth", "hbm_bytes"):
@@ -138,6 +161,15 @@ class ClusterSpec:
 # ---------------------------------------------------------------------------------------------
 # Links. Effective bandwidths per GPU and direction.
 # ---------------------------------------------------------------------------------------------
+# Small all-reduce (a per-step dispatch's expert counts, a few KB) across the EP group: latency-bound.
+# Inside an NVLink node a one-shot custom all-reduce (vLLM/SGLang custom_all_reduce) takes a few us
+# (8 us assumed, band 4-15 us); across nodes NCCL's small-message all-reduce over IB takes tens of us
+# (25 us assumed, band 15-60 us); costmodel.md: "a few us in a node, tens across nodes".
+_NVL_ALLREDUCE = 8e-6
+_RDMA_ALLREDUCE = 25e-6
+
+# Normal (throughput) kernels and bulk weight copies over NVLink: 40 us typical fixed cost
+# (costmodel.md; the low-latency kernels' floor is 18-20 us). RDMA: the 30 us floor for both.
 LINKS: dict[str, LinkSpec] = {
     # H100/H200 NVLink 4: 450 GB/s per direction nominal; ~0.6 of it effective for all-to-all
     # (calculon's efficiency; costmodel.md). Latency floor 18-20 us dispatch, 30 us combine, 40 us typical.
@@ -148,6 +180,8 @@ LINKS: dict[str, LinkSpec] = {
         450 * GB,
         "NVIDIA H100 datasheet (900 GB/s bidirectional); efficiency 0.6 (calculon)",
         (200 * GB, 360 * GB),
+        normal_latency=40e-6,
+        allreduce_latency=_NVL_ALLREDUCE,
     ),
     # H800 NVLink (400 GB/s bidirectional): DeepEP README measures 153-158 GB/s intranode EP8.
     "nvlink-h800": LinkSpec(
@@ -157,6 +191,8 @@ LINKS: dict[str, LinkSpec] = {
         200 * GB,
         "deepseek-ai/DeepEP README (legacy): intranode EP8 153/158 GB/s on H800",
         (140 * GB, 170 * GB),
+        normal_latency=40e-6,
+        allreduce_latency=_NVL_ALLREDUCE,
     ),
     # B200 NVLink 5: 900 GB/s per direction nominal. DeepEP V2 README: 643-740 GB/s logical on SM100 EP8.
     "nvlink5": LinkSpec(
@@ -166,10 +202,18 @@ LINKS: dict[str, LinkSpec] = {
         900 * GB,
         "NVIDIA B200 datasheet; deepseek-ai/DeepEP README (V2) 643-740 GB/s logical EP8",
         (540 * GB, 740 * GB),
+        normal_latency=40e-6,
+        allreduce_latency=_NVL_ALLREDUCE,
     ),
     # PCIe Gen5 x16: 63 GB/s per direction nominal; peer-to-peer through a switch reaches ~0.6-0.7.
     "pcie5": LinkSpec(
-        "pcie5", 40 * GB, 25e-6, 63 * GB, "PCIe 5.0 x16 spec; efficiency 0.6-0.7 assumed", (30 * GB, 50 * GB)
+        "pcie5",
+        40 * GB,
+        25e-6,
+        63 * GB,
+        "PCIe 5.0 x16 spec; efficiency 0.6-0.7 assumed",
+        (30 * GB, 50 * GB),
+        allreduce_latency=25e-6,
     ),
     "pcie4": LinkSpec(
         "pcie4",
@@ -178,6 +222,7 @@ LINKS: dict[str, LinkSpec] = {
         31.5 * GB,
         "PCIe 4.0 x16 spec; efficiency 0.6-0.7 assumed",
         (15 * GB, 25 * GB),
+        allreduce_latency=25e-6,
     ),
     # One 400 Gb/s CX7 NIC per GPU: 50 GB/s nominal. 45 GB/s and 30 us fit DeepEP's low-latency table
     # (EP16..EP256, H800 + CX7) within 10%; costmodel.md: 40-45 GB/s at EP >= 64, latency 30 us (up to 120 us).
@@ -188,6 +233,7 @@ LINKS: dict[str, LinkSpec] = {
         50 * GB,
         "deepseek-ai/DeepEP README low-latency table (H800, CX7 400 Gb/s); costmodel.md",
         (39 * GB, 50 * GB),
+        allreduce_latency=_RDMA_ALLREDUCE,
     ),
     # Plain Ethernet with TCP sockets (no RDMA): 100 GbE = 12.5 GB/s nominal; NCCL socket transport
     # reaches ~70%; latency 100 us (band 50-300 us).
@@ -198,6 +244,7 @@ LINKS: dict[str, LinkSpec] = {
         12.5 * GB,
         "100 GbE, TCP sockets; efficiency 0.7 assumed",
         (5 * GB, 11 * GB),
+        allreduce_latency=100e-6,
     ),
     "ethernet-25g": LinkSpec(
         "ethernet-25g",
@@ -206,11 +253,15 @@ LINKS: dict[str, LinkSpec] = {
         3.125 * GB,
         "25 GbE, TCP sockets; efficiency 0.7 assumed",
         (1.5 * GB, 2.8 * GB),
+        allreduce_latency=150e-6,
     ),
 }
 
 # ---------------------------------------------------------------------------------------------
-# GPUs. eta_c 0.54, eta_m 0.88, t0 3 us: fit to DeepGEMM's published H800 grouped-GEMM timings
+# GPUs. split_overhead 5 us per MoE layer (assumed for a fused split kernel; band 2-20 us): with the
+# count all-reduce it puts a per-step dispatch at about 1-2% of a decode step, SGLang's reported 1.0-1.6%
+# for its LP dispatch (checked by benchmarks/step_model_check.py).
+# eta_c 0.54, eta_m 0.88, t0 3 us: fit to DeepGEMM's published H800 grouped-GEMM timings
 # (costmodel.md); the same efficiencies are assumed for H200 and B200 until a GPU fit replaces them.
 # ---------------------------------------------------------------------------------------------
 _HOPPER = "NVIDIA H100/H200 datasheets (FP8 1979 TFLOP/s dense, BF16 989); eta fit to deepseek-ai/DeepGEMM README (H800)"
@@ -232,12 +283,18 @@ GPUS: dict[str, GpuSpec] = {
 
 HARDWARE_NAMES = tuple(GPUS)
 
+# Serving time lost to one online rearrangement of the experts (weights moved while serving waits),
+# seconds, (low, high): vLLM's EPLB 0.65-1.7 s per rearrangement measured on large models; SGLang's
+# EPLB about 1.8 s reported (costmodel.md, "What has been measured elsewhere").
+REBALANCE_STALL_S: dict[str, tuple[float, float]] = {"vllm": (0.65, 1.7), "sglang": (1.8, 1.8)}
+
 
 def load_gpu_preset(path: str | Path) -> GpuSpec:
     """Read a GPU preset JSON (as written by ``benchmarks/gpu_gemm_fit.py``).
 
     Keys: ``base`` (a preset name to start from) and any :class:`GpuSpec` field to override
-    (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance``.
+    (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance`` and ``calibrated``
+    (default: True when ``provenance`` holds measured ``times_s``, as the fit writes).
     """
     from profiling.fileio import load_json
 
@@ -261,14 +318,17 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
         "name",
     }
     over = {k: d[k] for k in allowed if k in d}
-    extra = set(d) - allowed - {"base", "provenance", "source"}
+    extra = set(d) - allowed - {"base", "provenance", "source", "calibrated"}
     if extra:
         raise ValueError(f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: {sorted(allowed)}")
+    prov = d.get("provenance", {})
+    prov = dict(prov) if isinstance(prov, Mapping) else {}
     return replace(
         GPUS[base],
         **over,
         source=str(d.get("source", f"fitted preset {path}")),
-        provenance=dict(d.get("provenance", {})),
+        provenance=prov,
+        calibrated=bool(d.get("calibrated", bool(prov.get("times_s")))),
     )
 
 

@@ -4,8 +4,8 @@ Per MoE layer, on the peak GPU of a step of ``b`` tokens per rank (``G`` ranks, 
 
     n = PAR_step x b x k                       token-expert pairs on the peak GPU
     A = S (1 - exp(-n / S))                    active experts among its S slots (Poisson)
-    T_comp = max(6 d f n / (P eta_c), (A W + n act) / (BW eta_m)) + t0     (costmodel.gemm_time)
-    T_a2a  = alpha + max(n (m-1)/G bytes / B_nvl, n (G-m)/G bytes / B_rdma) (costmodel.a2a_time)
+    T_comp = max(6 d f n / (P eta_c), (A W + n act) / (BW eta_m)) + t0     (placement.cost.primitives.gemm_time)
+    T_a2a  = alpha + max(n (m-1)/G bytes / B_nvl, n (G-m)/G bytes / B_rdma) (placement.cost.primitives.a2a_time)
     T_moe  = L_moe (T_disp + T_comp + T_comb)  one copy per (token, pick): no node de-duplication
 
 Attention, dense layers and the LM head do not change with the placement and are left out.
@@ -20,7 +20,8 @@ import numpy as np
 
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
-from solver.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu
+from placement.cost.primitives import a2a_time, gemm_time
+from solver.planner.costmodel import CostOptions, memory_per_gpu
 
 __all__ = [
     "FORMULA",

@@ -12,19 +12,27 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from placement.cost.hardware import GPUS, GpuSpec
+from placement.cost.modelspec import load_model
+from placement.cost.primitives import assignment_seconds
 from placement.metrics import peak_lower_bound
 
 __all__ = ["DecodeCost", "count_lower_bound", "layer_cost_table"]
 
 # ---------------------------------------------------------------------------------------------
-# Decode cost constants (own copy on purpose; see the package docstring)
+# Decode cost: hardware figures from placement.cost.hardware, the expert from the DeepSeek-V3 preset
 # ---------------------------------------------------------------------------------------------
-# DeepSeek-V3 expert, FP8: 3 * d * f bytes with d = 7168, f = 2048.
-_DSV3_EXPERT_BYTES = 3 * 7168 * 2048
-# Effective HBM bandwidth, bytes/s: datasheet x eta_m = 0.88 (costmodel.md).
-_HBM_EFFECTIVE = {"h100": 3.35e12 * 0.88, "h800": 3.35e12 * 0.88, "h200": 4.8e12 * 0.88}
-# Dense FP8 FLOP/s x eta_c = 0.54 (costmodel.md; Hopper).
-_FLOPS_EFFECTIVE = {"h100": 1979e12 * 0.54, "h800": 1979e12 * 0.54, "h200": 1979e12 * 0.54}
+_DSV3 = load_model("deepseek-v3")  # FP8 expert: 3 * d * f bytes with d = 7168, f = 2048
+
+
+def _token_time_us(gpu: GpuSpec) -> float:
+    """Compute microseconds of one routed DeepSeek-V3 token above the knee (``6 d f / (P eta_c)``)."""
+    return assignment_seconds(gpu, _DSV3) * 1e6
+
+
+def _hbm_effective(gpu: GpuSpec) -> float:
+    """Effective HBM bytes/s of a weight-read-bound GEMM (``BW eta_m``)."""
+    return gpu.hbm_bandwidth * gpu.eta_memory
 
 
 @dataclass(frozen=True)
@@ -41,9 +49,9 @@ class DecodeCost:
 
     batch_tokens_per_gpu: float = 128.0
     top_k: int = 8
-    token_time_us: float = 6 * 7168 * 2048 / _FLOPS_EFFECTIVE["h100"] * 1e6
-    expert_bytes: float = float(_DSV3_EXPERT_BYTES)
-    hbm_bytes_per_s: float = _HBM_EFFECTIVE["h100"]
+    token_time_us: float = _token_time_us(GPUS["h100"])
+    expert_bytes: float = float(_DSV3.expert_bytes)
+    hbm_bytes_per_s: float = _hbm_effective(GPUS["h100"])
 
     @property
     def read_time_us(self) -> float:
@@ -51,19 +59,15 @@ class DecodeCost:
 
     @classmethod
     def build(cls, expert_bytes=None, hardware=None, top_k=None) -> DecodeCost:
-        """Defaults overridden by ``expert_bytes``, a hardware name (h100, h800, h200) or a dict of fields."""
+        """Defaults overridden by ``expert_bytes``, a hardware preset name (``placement.cost.hardware.GPUS``)
+        or a dict of fields."""
         dc = cls()
         if isinstance(hardware, str):
             key = hardware.lower()
-            if key not in _HBM_EFFECTIVE:
-                raise ValueError(
-                    f"unknown hardware {hardware!r}; use one of {sorted(_HBM_EFFECTIVE)} or a dict"
-                )
-            dc = replace(
-                dc,
-                hbm_bytes_per_s=_HBM_EFFECTIVE[key],
-                token_time_us=6 * 7168 * 2048 / _FLOPS_EFFECTIVE[key] * 1e6,
-            )
+            if key not in GPUS:
+                raise ValueError(f"unknown hardware {hardware!r}; use one of {sorted(GPUS)} or a dict")
+            gpu = GPUS[key]
+            dc = replace(dc, hbm_bytes_per_s=_hbm_effective(gpu), token_time_us=_token_time_us(gpu))
         elif isinstance(hardware, Mapping):
             unknown = set(hardware) - set(cls.__dataclass_fields__)
             if unknown:

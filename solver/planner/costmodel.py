@@ -34,8 +34,9 @@ Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-
 
 Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in
 :mod:`placement.cost.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
-:func:`trace_workload`) in :mod:`solver.planner.workload`. This module holds the options, the
-primitive timings, memory and the step time.
+:func:`trace_workload`) in :mod:`solver.planner.workload`, the primitive timings (``gemm_time``,
+``a2a_time``, attention, MLPs, LM head; re-exported here) in :mod:`placement.cost.primitives`, the one
+cost model every caller shares. This module holds the options, memory and the layout step time.
 """
 
 from __future__ import annotations
@@ -46,10 +47,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
-from numpy.typing import ArrayLike
 
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
+from placement.cost.primitives import (
+    a2a_time,
+    attention_time,
+    expert_gemm_time,
+    gemm_time,
+    lm_head_time,
+    mlp_time,
+)
 from solver.planner.workload import Workload
 
 if TYPE_CHECKING:
@@ -118,34 +126,6 @@ class CostOptions:
         if self.a2a_mode != "auto":
             return self.a2a_mode
         return "low_latency" if self.phase == "decode" else "normal"
-
-
-def gemm_time(
-    gpu: GpuSpec, flops: ArrayLike, bytes_moved: ArrayLike, weight_bytes: float = 1.0
-) -> np.ndarray:
-    """``max(F / (P eta_c), M / (BW eta_m)) + t0`` (seconds); ``flops``/``bytes_moved`` broadcast."""
-    P = gpu.peak_flops(weight_bytes) * gpu.eta_compute
-    BW = gpu.hbm_bandwidth * gpu.eta_memory
-    return (
-        np.maximum(np.asarray(flops, dtype=np.float64) / P, np.asarray(bytes_moved, dtype=np.float64) / BW)
-        + gpu.gemm_overhead
-    )
-
-
-def a2a_time(
-    cluster: ClusterSpec, nvl_bytes: ArrayLike, rdma_bytes: ArrayLike, num_nodes: int, ep_size: int
-) -> np.ndarray:
-    """``alpha + max(NVLink_bytes / B_nvl, RDMA_bytes / B_rdma)`` per GPU; 0 when ``ep_size == 1``.
-
-    ``alpha`` is the inter-node latency when the EP group spans nodes, else the intra-node one.
-    """
-    if ep_size <= 1:
-        return np.zeros_like(np.asarray(nvl_bytes, dtype=np.float64))
-    alpha = cluster.inter.latency if num_nodes > 1 else cluster.intra.latency
-    return alpha + np.maximum(
-        np.asarray(nvl_bytes, float) / cluster.intra.bandwidth,
-        np.asarray(rdma_bytes, float) / cluster.inter.bandwidth,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,73 +221,32 @@ def memory_per_gpu(
 
 
 def _attention_time(model: ModelSpec, cluster: ClusterSpec, b: float, options: CostOptions) -> float:
-    """One attention block for ``b`` tokens on one GPU (see module docstring)."""
-    gpu, t, c = cluster.gpu, options.attn_tp, float(options.context_len)
-    H = model.num_attention_heads
-    proj_flops = 2.0 * model.attention_params * b
-    w_bytes = model.attention_params * model.weight_bytes / t
-    if model.attention == "mla":
-        qk, v = model.qk_nope_head_dim + model.qk_rope_head_dim, model.v_head_dim
-        decode_core = (
-            2.0 * H * (2 * model.kv_lora_rank + model.qk_rope_head_dim)
-        )  # absorbed, per cached token
-    else:
-        qk = v = model.head_dim
-        decode_core = 2.0 * H * 2 * model.head_dim
-    if options.phase == "decode":
-        core = decode_core * c * b
-        kv_read = b * c * model.kv_bytes_per_token_layer * (t if model.attention == "mla" else 1)
-    else:
-        core = 2.0 * H * (qk + v) * (c / 2) * b  # causal: half the prompt on average
-        kv_read = b * model.kv_bytes_per_token_layer
-    proj = float(gemm_time(gpu, proj_flops, w_bytes + b * model.hidden_size * 4, model.weight_bytes))
-    time = proj + max(
-        core / (gpu.flops_bf16 * gpu.eta_attention), kv_read / (gpu.hbm_bandwidth * gpu.eta_memory)
-    )
-    time += gpu.gemm_overhead
-    if t > 1:  # one all-reduce of the attention output inside the TP group
-        time += (
-            cluster.intra.latency
-            + 2.0 * (t - 1) / t * b * t * model.hidden_size * 2 / cluster.intra.bandwidth
-        )
-    return float(time)
+    """One attention block for ``b`` tokens on one GPU (:func:`placement.cost.primitives.attention_time`)."""
+    return attention_time(model, cluster, b, options.phase, options.context_len, options.attn_tp)
 
 
 def _mlp_time(model: ModelSpec, gpu: GpuSpec, tokens: float, inter: int, split: int = 1) -> float:
-    if inter <= 0:
-        return 0.0
-    d = model.hidden_size
-    w = 3.0 * d * inter * model.weight_bytes / split
-    return float(gemm_time(gpu, 6.0 * d * inter * tokens / split, w + tokens * 4 * d, model.weight_bytes))
+    return mlp_time(model, gpu, tokens, inter, split)
 
 
 def _moe_parts(
-    model: ModelSpec, cluster: ClusterSpec, wl: Workload, scale: float, num_nodes: int, ep_size: int
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    wl: Workload,
+    scale: float,
+    num_nodes: int,
+    ep_size: int,
+    kernel: str,
 ):
     """Per-step, per-layer ``(dispatch, compute max over g, combine, compute mean)`` arrays ``[S, L]``."""
-    gpu = cluster.gpu
-    d, f = model.hidden_size, model.moe_intermediate_size
     n = wl.gpu_tokens(scale)  # [S, L, G]
     A = wl.active_experts(scale)  # [S, L, G]
-    act_bytes = n * (model.dispatch_bytes_per_token + 2 * d + 4 * f)
-    comp = gemm_time(
-        gpu, 6.0 * d * f * n, A * model.expert_bytes + act_bytes, model.weight_bytes
-    )  # [S, L, G]
-    disp = a2a_time(
-        cluster,
-        wl.nvl_units * scale * model.dispatch_bytes_per_token,
-        wl.rdma_units * scale * model.dispatch_bytes_per_token,
-        num_nodes,
-        ep_size,
-    ).max(axis=2)
-    comb = a2a_time(
-        cluster,
-        wl.nvl_units * scale * model.combine_bytes_per_token,
-        wl.rdma_units * scale * model.combine_bytes_per_token,
-        num_nodes,
-        ep_size,
-    ).max(axis=2)
-    return disp, comp.max(axis=2), comb, comp.mean(axis=2), A.max(axis=2), n
+    comp = expert_gemm_time(cluster.gpu, model, n, A)  # [S, L, G]
+    parts = []
+    for per_token in (model.dispatch_bytes_per_token, model.combine_bytes_per_token):
+        nvl, rdma = wl.nvl_units * scale * per_token, wl.rdma_units * scale * per_token
+        parts.append(a2a_time(cluster, nvl, rdma, num_nodes, ep_size, kernel).max(axis=2))
+    return parts[0], comp.max(axis=2), parts[1], comp.mean(axis=2), A.max(axis=2), n
 
 
 @dataclass(frozen=True)
@@ -382,7 +321,9 @@ def _layer_parts(
     bb = b * scale
     attn = _attention_time(model, cluster, bb, options)
     shared = _mlp_time(model, cluster.gpu, bb, model.shared_intermediate_size)
-    disp, comp, comb, comp_mean, amax, n = _moe_parts(model, cluster, workload, scale, num_nodes, ep_size)
+    disp, comp, comb, comp_mean, amax, n = _moe_parts(
+        model, cluster, workload, scale, num_nodes, ep_size, options.mode
+    )
     return _Parts(attn, shared, disp, comp, comb, comp_mean, amax, n)
 
 
@@ -405,15 +346,7 @@ def _dense_and_head_time(
     dense_time = model.num_dense_layers * (
         dense_attn + _mlp_time(model, gpu, b, model.dense_intermediate_size, options.attn_tp)
     )
-    head_tokens = b if options.phase == "decode" else max(1.0, b / options.context_len)
-    lm = float(
-        gemm_time(
-            gpu,
-            2.0 * model.vocab_size * model.hidden_size * head_tokens,
-            model.vocab_size * model.hidden_size * 2.0 / options.attn_tp,
-            2.0,
-        )
-    )
+    lm = lm_head_time(model, gpu, b, options.phase, options.context_len, options.attn_tp)
     return dense_time, lm
 
 
