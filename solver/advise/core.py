@@ -343,7 +343,7 @@ def advise(
         "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
         "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_batch,
         "prefill_tokens_per_rank": _step_tokens(held, options)["prefill"], "context_len": options.context_len,
-        "quick": options.quick, "calibrated": options.hardware_calibrated,
+        "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
         "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
     }  # fmt: skip
     return Advice(
@@ -351,7 +351,7 @@ def advise(
         launch=launch, rebalance=rb, reason=choice.reason,
         summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch),
         held_out_steps=steps, warnings=tuple(warnings),
-        assumptions=_assumptions(spec, cluster, options, _step_tokens(held, options), rebalance.STALL_S[options.engine][1]),
+        assumptions=_assumptions(spec, cluster, options, _step_tokens(held, options), rebalance.stall(options.engine)[1]),
         placements=placements, held_out=held, files=files,
     )  # fmt: skip
 

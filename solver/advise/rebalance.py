@@ -19,23 +19,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.cost.hardware import REBALANCE_STALL_S
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.advise.engines import ENGINES
 from solver.api import solve
 
-__all__ = ["STALL_S", "Rebalance", "judge"]
+__all__ = ["STALL_SOURCE", "Rebalance", "judge", "stall"]
 
-# Seconds one synchronous rearrangement stops serving, per engine, with the public measurement.
-STALL_S = {
-    "vllm": (
-        0.91,
-        "vLLM sync EPLB rearrangement stall mean 0.91 s (min 0.65, max 1.70) over 22 rearrangements, "
-        "DeepSeek-R1 NVFP4 on 32 GB200 (vllm-project/vllm PR #43219)",
-    ),
-    "sglang": (1.8, "SGLang EPLB rearrangement about 1.8 s per rebalance (issue 34's figure)"),
+# Where the stall figures (placement.cost.hardware.REBALANCE_STALL_S, seconds low-high) come from.
+STALL_SOURCE = {
+    "vllm": "vLLM sync EPLB rearrangement stall 0.65-1.70 s (mean 0.91 s over 22 rearrangements, DeepSeek-R1 "
+    "NVFP4 on 32 GB200, vllm-project/vllm PR #43219); vLLM's async EPLB (use_async, default) keeps serving",
+    "sglang": "SGLang EPLB rearrangement about 1.8 s (docs/costmodel.md, measured elsewhere); SGLang stops serving",
 }
+
+
+def stall(engine: str) -> tuple[float, str]:
+    """``(stall seconds on the serving path, source)``: the high end of the engine's measured range for a
+    synchronous rearrangement, 0 where the engine rebalances asynchronously."""
+    if ENGINES[engine].async_rebalance:
+        return 0.0, STALL_SOURCE[engine]
+    return REBALANCE_STALL_S[engine][1], STALL_SOURCE[engine]
 
 
 @dataclass(frozen=True)
@@ -83,11 +89,11 @@ def judge(
     margin: float,
 ) -> Rebalance:
     """The out-of-sample verdict (module docstring); ``static`` None: no balancing chosen, none to renew."""
-    stall_s, source = STALL_S[engine]
+    stall_s, source = stall(engine)
     is_async = ENGINES[engine].async_rebalance
-    stall_ms = 0.0 if is_async else stall_s * 1e3
+    stall_ms = stall_s * 1e3
     wins = held.windows(num_windows)
-    window_steps = float(np.mean([w.num_tokens for w in wins])) / (topology.ep_size * decode_batch)
+    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * decode_batch)
 
     def verdict(interval, g, band, reason):
         return Rebalance(
