@@ -317,9 +317,9 @@ def advise(
     """
     options = options or AdviseOptions(**kw)
     progress = progress or _identity
+    trace, fit, held = _inputs(trace, options)
     spec = resolve_model(model, trace)
     cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
-    trace, fit, held = _inputs(trace, options)
     steps, warnings = _held_out_checks(held, options)
     rows, placements = _rows(fit, held, spec, cluster, options, progress)
     base = next(r for r in rows if r.kind == balance.NO_EPLB)

@@ -34,7 +34,8 @@ __all__ = [
     "min_redundant",
 ]
 
-# Built-in model preset -> the Hugging Face architecture the engines key their support on.
+# Model name (a built-in preset, or a model JSON's "name") -> the Hugging Face architecture the engines
+# key their support on.
 ARCHITECTURES = MappingProxyType(
     {
         "deepseek-v3": "DeepseekV3ForCausalLM",
@@ -43,6 +44,7 @@ ARCHITECTURES = MappingProxyType(
         "mixtral-8x7b": "MixtralForCausalLM",
         "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
         "olmoe-1b-7b": "OlmoeForCausalLM",
+        "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",  # no built-in preset: a model JSON of that name
     }
 )
 

@@ -104,7 +104,10 @@ def judge(
         return verdict(None, None, None, "no balancing chosen: nothing to rebalance")
     if len(wins) < 3 or window_steps < 1:
         return verdict(
-            None, None, None, f"{len(wins)} windows of {window_steps:.1f} decode steps: too few to judge"
+            None,
+            None,
+            None,
+            f"held-out windows of {window_steps:.1f} decode steps or fewer: too short to judge a rebalance",
         )
     gains, static_ms = [], []
     for i in range(len(wins) - 1):
