@@ -39,6 +39,7 @@ from placement.dispatch import (
 )
 from placement.model import Placement
 from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
+from placement.steps import PHASES, make_steps
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "balancedness",
     "imbalance_ratio",
     "step_par",
+    "DEFAULT_PHASE",
     "remote_nodes_per_token",
     "remote_gpus_per_token",
     "communication",
@@ -69,6 +71,7 @@ Dispatch = str | DispatchModel  # a name registered in placement.dispatch.DISPAT
 POLICIES = dispatch_names()  # deprecated alias of the registered dispatch names
 ENGINE_RULES = tuple(n for n, m in DISPATCH.items() if m.route is not None)  # deprecated: token-level rules
 DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch (batch rows, steps) when none is given
+DEFAULT_PHASE = "decode"  # the phase step_par and evaluate use when none is given (what engines mostly run)
 
 
 def _check_compatible(placement: Placement, num_layers: int, num_experts: int, what: str) -> None:
@@ -463,37 +466,42 @@ def _gpu_load_any(placement, trace_or_load, dispatch):
     return expected_gpu_load(placement, trace_or_load)
 
 
-def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, dispatch: Dispatch = EVEN) -> dict:
-    """Per-step balance: step ``s`` is ``b = step_tokens`` consecutive tokens on each of the ``G`` ranks.
+def step_par(
+    placement: Placement,
+    trace: RoutingTrace,
+    step_tokens: int | None = None,
+    dispatch: Dispatch = EVEN,
+    phase: str = DEFAULT_PHASE,
+    *,
+    seed: int = 0,
+    max_steps: int | None = None,
+) -> dict:
+    """Per-step balance on the steps of ``phase`` (:func:`placement.steps.make_steps`): ``decode``
+    (continuous batching, steady state; the default), ``prefill`` (chunks of ``step_tokens``
+    consecutive tokens per rank), or the trace's own recorded batches (``engine``).
 
-    Token ``t`` of step ``s`` sits on rank ``(t - s*b*G) // b``. A trailing partial step is dropped
-    (unless the trace is shorter than one step, which is then one step).
+    ``step_tokens``: tokens per rank per step (None: the phase's default,
+    :data:`placement.steps.DEFAULT_STEP_TOKENS`). Each token's rank and batch row are the step's, so
+    models that depend on them (``local``, ``vllm-hash``) see the step's ranks and rows.
 
     Returns:
         dict with ``step_par`` (mean over steps and layers), ``step_par_worst_layer`` (layer whose
-        mean over steps is worst), ``step_par_per_layer`` and ``num_steps``.
+        mean over steps is worst), ``step_par_per_layer``, ``num_steps``, ``step_tokens``, ``phase``
+        (the phase the steps were built for) and ``notes`` (every assumption the steps made).
     """
     model = get_dispatch(dispatch)
-    if step_tokens < 1:
-        raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
     if not trace.has_tokens:
         raise ValueError("step_par needs a per-token trace (topk_ids)")
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
-    t = placement.topology
-    G, L = t.ep_size, placement.num_layers
-    per_step = step_tokens * G
-    T = trace.num_tokens
-    S = max(1, T // per_step)
-    used = min(T, S * per_step)
+    steps = make_steps(trace, placement.topology.ep_size, phase, step_tokens, seed=seed, max_steps=max_steps)
+    G, L, S = placement.topology.ep_size, placement.num_layers, max(steps.num_steps, 1)
     assert trace.topk_ids is not None
-    ids = trace.topk_ids[:used]  # [T', L, k]
-    tok = np.arange(used, dtype=np.int64)
-    step = tok // per_step  # [T']
-    src = (tok % per_step) // step_tokens  # [T']
-    rows = tok % step_tokens  # [T'] row in the rank's forward batch (vllm-hash)
+    ids = trace.topk_ids[steps.token]  # [N, L, k] the stepped tokens
     par_ls = np.zeros((L, S))
     for l in range(L):
-        slot_load = _fractional_slot_load(placement, l, ids[:, l, :], src, model, step, S, rows)  # [S, P]
+        slot_load = _fractional_slot_load(
+            placement, l, ids[:, l, :], steps.rank, model, steps.step, S, steps.row
+        )  # [S, P]
         gpu_load = slot_load.reshape(S, G, -1).sum(axis=2)  # [S, G]
         mean = gpu_load.mean(axis=1)
         par_ls[l] = np.where(mean > 0, gpu_load.max(axis=1) / np.where(mean > 0, mean, 1), 1.0)
@@ -502,8 +510,10 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, dispat
         "step_par": float(per_layer.mean()),
         "step_par_worst_layer": float(per_layer.max()),
         "step_par_per_layer": per_layer.tolist(),
-        "num_steps": int(S),
-        "step_tokens": int(step_tokens),
+        "num_steps": int(steps.num_steps),
+        "step_tokens": int(steps.step_tokens),
+        "phase": steps.phase,
+        "notes": list(steps.notes),
     }
 
 
@@ -625,10 +635,13 @@ def evaluate(
     step_tokens: int | None = None,
     hidden_size: int | None = None,
     src: np.ndarray | None = None,
+    phase: str | None = None,
 ) -> Evaluation:
     """All metrics of a placement on a trace under one dispatch model (communication and step metrics
     need per-token ids; communication also a token-level route). ``src``: int64 ``[T]`` source rank of
-    every token (default: :func:`source_ranks`)."""
+    every token (default: :func:`source_ranks`). Step metrics (:func:`step_par`) when ``step_tokens``
+    or ``phase`` is given (``phase`` default :data:`DEFAULT_PHASE`, ``step_tokens`` the phase's
+    default); they name the phase and carry the steps' notes."""
     model = get_dispatch(dispatch)
     if model is not EVEN and not trace.has_tokens:
         raise ValueError(
@@ -637,12 +650,15 @@ def evaluate(
         )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
+    if phase is not None and phase not in PHASES + ("engine",):
+        raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
     gl = trace_gpu_load(placement, trace, model, src, batch_tokens=step_tokens)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size
     lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)
     lb_par = float(np.mean(np.where(mean > 0, lb / np.where(mean > 0, mean, 1), 1.0)))
-    step = step_par(placement, trace, step_tokens, model) if (step_tokens and trace.has_tokens) else None
+    want_steps = (step_tokens is not None or phase is not None) and trace.has_tokens
+    step = step_par(placement, trace, step_tokens, model, phase or DEFAULT_PHASE) if want_steps else None
     routed = trace.has_tokens and (model.route is not None or model.runtime)
     comm = communication(placement, trace, model, src, hidden_size=hidden_size) if routed else None
     return Evaluation(model.name, bal, step, comm, lb_par)

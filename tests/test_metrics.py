@@ -93,8 +93,8 @@ def test_step_par_hand_case():
     pl = Placement(np.array([[0, 1]]), 2, topo)
     # 2 steps of 1 token per rank: step 0 both tokens pick expert 0, step 1 both pick expert 1
     tr = RoutingTrace(num_logical_experts=2, topk_ids=np.array([[[0]], [[0]], [[1]], [[1]]]))
-    sp = step_par(pl, tr, step_tokens=1)
-    assert sp["num_steps"] == 2 and sp["step_par"] == pytest.approx(2.0)
+    sp = step_par(pl, tr, step_tokens=1, phase="prefill")
+    assert sp["num_steps"] == 2 and sp["phase"] == "prefill" and sp["step_par"] == pytest.approx(2.0)
     assert balance_stats(trace_gpu_load(pl, tr))["par"] == pytest.approx(1.0)
 
 
@@ -104,7 +104,7 @@ def test_step_par_at_least_aggregate_par_on_full_steps():
     pl = Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), 8, topo)
     tr = RoutingTrace(num_logical_experts=8, topk_ids=rng.integers(0, 8, (64, 1, 2)))
     agg = balance_stats(trace_gpu_load(pl, tr))["par"]
-    assert step_par(pl, tr, step_tokens=4)["step_par"] >= agg - 1e-12
+    assert step_par(pl, tr, step_tokens=4, phase="prefill")["step_par"] >= agg - 1e-12
 
 
 def test_moved_slots_and_shape_check():
@@ -263,7 +263,8 @@ def test_every_model_step_par_by_hand(name):
         for s in range(step.max() + 1):
             gpu = hand[step == s].sum(axis=0).reshape(G, 3).sum(axis=1)
             pars[l, s] = gpu.max() / gpu.mean()
-    sp = step_par(pl, tr, step_tokens=b, dispatch=name)
+    unranked = RoutingTrace(num_logical_experts=16, topk_ids=tr.topk_ids)  # chunks dealt round robin
+    sp = step_par(pl, unranked, step_tokens=b, dispatch=name, phase="prefill")
     assert sp["num_steps"] == step.max() + 1
     assert sp["step_par"] == pytest.approx(pars.mean(axis=1).mean(), rel=1e-12)
     assert sp["step_par_per_layer"] == pytest.approx(pars.mean(axis=1).tolist(), rel=1e-12)
@@ -320,7 +321,7 @@ def test_a_per_step_model_is_scored_step_by_step_through_its_step_load():
     b, G = 4, 8
     T = (tr.num_tokens // (b * G)) * b * G
     step = np.arange(T) // (b * G)
-    sp = step_par(pl, tr, step_tokens=b, dispatch=model)
+    sp = step_par(pl, RoutingTrace(16, topk_ids=tr.topk_ids), step_tokens=b, dispatch=model, phase="prefill")
     hook = _first_replica_per_step([])
     pars = np.zeros((2, step.max() + 1))
     for l in range(2):
@@ -371,4 +372,4 @@ def test_a_step_load_of_the_wrong_shape_is_named():
         step_load=lambda placement, layer, counts: np.zeros((1, 24)),
     )
     with pytest.raises(ValueError, match=r"returned shape \(1, 24\) for 18 steps; it must return \(18, 24\)"):
-        step_par(pl, tr, step_tokens=4, dispatch=model)
+        step_par(pl, RoutingTrace(16, topk_ids=tr.topk_ids), step_tokens=4, dispatch=model, phase="prefill")

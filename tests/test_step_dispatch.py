@@ -96,8 +96,9 @@ def test_route_tokens_and_routed_gpu_tokens_agree_with_step_load():
 
 def test_step_par_under_balanced_is_the_peak_of_the_quotas_by_hand():
     pl, tr = _case(7)
+    tr = RoutingTrace(num_logical_experts=16, topk_ids=tr.topk_ids)  # prefill chunks dealt round robin
     b, G = 10, 8
-    sp = step_par(pl, tr, b, BALANCED)
+    sp = step_par(pl, tr, b, BALANCED, phase="prefill")
     S = tr.num_tokens // (b * G)
     pars = np.zeros((2, S))
     for l in range(2):

@@ -104,7 +104,7 @@ class GpuSpec:
     eta_attention: float = 0.6
     source: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
-    split_overhead: float = 5e-6
+    split_overhead: float = 2e-6
     calibrated: bool = False
 
     def __post_init__(self) -> None:
@@ -165,8 +165,8 @@ class ClusterSpec:
 # Inside an NVLink node a one-shot custom all-reduce (vLLM/SGLang custom_all_reduce) takes a few us
 # (8 us assumed, band 4-15 us); across nodes NCCL's small-message all-reduce over IB takes tens of us
 # (25 us assumed, band 15-60 us); costmodel.md: "a few us in a node, tens across nodes".
-_NVL_ALLREDUCE = 8e-6
-_RDMA_ALLREDUCE = 25e-6
+_NVL_ALLREDUCE = 3e-6
+_RDMA_ALLREDUCE = 8e-6
 
 # Normal (throughput) kernels and bulk weight copies over NVLink: 40 us typical fixed cost
 # (costmodel.md; the low-latency kernels' floor is 18-20 us). RDMA: the 30 us floor for both.

@@ -20,8 +20,9 @@ Per step (:func:`step_time`): the MoE layers (the trace's layers, their mean sca
 MoE layer count), the per-step dispatch's own cost where the dispatch model splits each step
 (``needs_step_counts``: a count all-reduce across the EP group plus ``gpu.split_overhead`` per MoE
 layer), and the rest of the step from the model preset (attention reading the KV cache of
-``step_tokens x context_len`` tokens in every layer, shared experts, dense layers, LM head). No
-two-batch overlap: every part is on the critical path.
+``tokens x context_len`` in every layer, shared experts, dense layers, LM head; ``tokens`` the mean
+a rank holds in the priced steps, at most ``step_tokens`` when sequences run out). No two-batch
+overlap: every part is on the critical path.
 
 The dispatch model decides each step's slot loads (its ``step_load`` from the step's counts, its
 expected ``choices`` per source rank, or its token-level ``route``); this module never spells a
@@ -38,6 +39,7 @@ import numpy as np
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import (
+    PHASES,
     a2a_time,
     allreduce_time,
     attention_time,
@@ -50,6 +52,7 @@ from placement.cost.primitives import (
 if TYPE_CHECKING:
     from placement.dispatch import DispatchModel
     from placement.model import Placement
+    from placement.steps import Steps
     from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -317,7 +320,8 @@ def step_time_from_arrays(
     from placement.dispatch import get_dispatch
 
     disp = get_dispatch(dispatch)
-    kernel = kernel_of_phase(phase)
+    priced = phase if phase in PHASES else "decode"  # engine batches: the decode kernels
+    kernel = kernel_of_phase(priced)
     c = float(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
     if not c > 0 or num_steps < 1:
         raise ValueError(f"context_len must be > 0 and num_steps >= 1, got {context_len}, {num_steps}")
@@ -337,7 +341,8 @@ def step_time_from_arrays(
     scale = model.num_moe_layers  # mean over the trace's layers, times the model's MoE layers
     gemm_s, a2a_s = float(gemm.mean()) * scale, float((d + cb).mean()) * scale
     over = dispatch_overhead_seconds(model, cluster, G, disp)
-    rest = rest_of_step_seconds(model, cluster, step_tokens, phase, c)
+    held = float(src_tokens.mean())  # tokens per rank per step actually held (sequences can run out)
+    rest = rest_of_step_seconds(model, cluster, held if held > 0 else step_tokens, priced, c)
     ms = 1e3
     return StepTime(
         whole_ms=(gemm_s + a2a_s + over + rest) * ms,
@@ -357,31 +362,22 @@ def step_time_from_arrays(
     )
 
 
-def _step_arrays(steps, trace: RoutingTrace, ep_size: int):
-    """``(step [T], src [T], rows [T], S, step_tokens, phase)`` from a steps description.
-
-    An int ``b``: prefill chunks of ``b`` consecutive tokens per rank (step ``s`` holds tokens
-    ``s b G .. (s+1) b G``, token ``t`` of it on rank ``t // b``; a trailing partial step dropped).
-    """
-    if isinstance(steps, (int, np.integer)):
-        b = int(steps)
-        if b < 1:
-            raise ValueError(f"step_tokens must be >= 1, got {b}")
-        T, per = trace.num_tokens, b * ep_size
-        S = max(1, T // per)
-        tok = np.arange(T, dtype=np.int64)
-        step = np.where(tok < S * per, tok // per, -1)
-        return step, (tok % per) // b, tok % b, S, b, "prefill"
-    step = np.asarray(steps.step, dtype=np.int64)
-    src = np.asarray(steps.rank, dtype=np.int64)
-    rows = np.asarray(steps.row, dtype=np.int64) if getattr(steps, "row", None) is not None else None
-    return step, src, rows, int(steps.num_steps), int(steps.step_tokens), str(steps.phase)
+def _stepped(steps: Steps, trace: RoutingTrace, ep_size: int):
+    """``(ids [N, L, k], step [N], rank [N], row [N])`` of the stepped tokens, checked against the map."""
+    if steps.ep_size != ep_size:
+        raise ValueError(
+            f"the steps were built for {steps.ep_size} ranks, the placement has {ep_size}: "
+            f"make_steps(trace, {ep_size}, ...)"
+        )
+    assert trace.topk_ids is not None
+    ids = np.asarray(trace.topk_ids)[steps.token]
+    return ids, np.asarray(steps.step), np.asarray(steps.rank), np.asarray(steps.row)
 
 
 def step_time(
     placement: Placement,
     trace: RoutingTrace,
-    steps,
+    steps: Steps,
     dispatch: DispatchModel | str,
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -393,7 +389,9 @@ def step_time(
     Args:
         placement: the map priced (its topology gives G, N, slots per GPU).
         trace: a per-token trace whose layers match the placement's rows.
-        steps: the step shapes (which tokens form each step on which rank, and the phase).
+        steps: :class:`placement.steps.Steps` from :func:`placement.steps.make_steps` (which tokens form
+            each step on which rank, and the phase; ``engine`` steps, the trace's recorded batches, are
+            priced with the decode kernels).
         model, cluster: :class:`~placement.cost.modelspec.ModelSpec` and
             :class:`~placement.cost.hardware.ClusterSpec` presets.
         context_len: cached tokens per sequence in decode, prompt length in prefill (default 4096).
@@ -410,16 +408,15 @@ def step_time(
             f"model {model.name!r} has {model.num_logical_experts} experts, top-{model.top_k}; the trace has "
             f"{trace.num_logical_experts}, top-{trace.top_k}: pass the model the trace was recorded from"
         )
-    step, src, rows, S, b, phase = _step_arrays(steps, trace, placement.topology.ep_size)
-    assert trace.topk_ids is not None
+    ids, step, src, rows = _stepped(steps, trace, placement.topology.ep_size)
     return step_time_from_arrays(
         placement,
-        trace.topk_ids,
+        ids,
         step,
         src,
-        S,
-        b,
-        phase,
+        steps.num_steps,
+        steps.step_tokens,
+        steps.phase,
         dispatch,
         model,
         cluster,
