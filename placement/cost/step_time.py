@@ -31,7 +31,7 @@ model's name.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -149,8 +149,6 @@ def moe_layer_seconds(
     elif cluster is None:
         raise ValueError("moe_layer_seconds needs a cluster (links) besides the GPU")
     elif cluster.gpu != gpu:
-        from dataclasses import replace
-
         cluster = replace(cluster, gpu=gpu)
     gemm, disp, comb = moe_layer_parts(cluster, model, gpu_tokens, gpu_active, send_bytes, recv_bytes, kernel)
     return gemm + disp + comb
@@ -326,6 +324,8 @@ def step_time_from_arrays(
     if not c > 0 or num_steps < 1:
         raise ValueError(f"context_len must be > 0 and num_steps >= 1, got {context_len}, {num_steps}")
     t = placement.topology
+    if cluster.gpus_per_node != t.gpus_per_node:  # the placement's topology says how GPUs share nodes
+        cluster = replace(cluster, gpus_per_node=t.gpus_per_node)
     S, L, G = int(num_steps), topk_ids.shape[1], t.ep_size
     tokens, active = np.zeros((S, L, G)), np.zeros((S, L, G))
     send, recv = np.zeros((S, L, G, 2)), np.zeros((S, L, G, 2))
