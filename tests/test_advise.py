@@ -16,6 +16,8 @@ import pytest
 from cli.main import main
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
+from placement.cost.step_time import step_time
+from placement.steps import make_steps
 from profiling.readers import write_trace
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
@@ -91,12 +93,17 @@ def test_gains_are_whole_step_and_match_the_priced_rows(sglang_advice, model_dir
             assert p.whole_ms > p.moe_ms > 0  # the rest of the step is priced too
             got = adv.to_dict()["options"][adv.rows.index(row)]["phases"][ph]["whole_step_gain"]
             assert got == pytest.approx(b.whole_ms / p.whole_ms - 1, rel=1e-4, abs=1e-9)
-    # the row's price is the cost model's on the same placement and held-out steps
+    # the row's price is the one cost model's on the same placement and held-out decode steps
     row = next(r for r in adv.rows if r.redundant_per_gpu > 0)
     model = load_model(_model_json(model_dir, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3))
     cluster = cluster_preset("h200", gpus_per_node=4)
-    again = price_phase(adv.placement_of(row), adv.held_out, "decode", 8, row.dispatch, model, cluster, 4096)
-    assert again.whole_ms == pytest.approx(row.decode.whole_ms, rel=1e-9)
+    steps = make_steps(adv.held_out, 4, "decode", 8)
+    whole = step_time(
+        adv.placement_of(row), adv.held_out, steps, row.dispatch, model, cluster, context_len=4096
+    )
+    assert row.decode.num_steps == steps.num_steps and row.decode.phase == "decode"
+    assert whole.whole_ms == pytest.approx(row.decode.whole_ms, rel=1e-3)
+    assert whole.moe_ms == pytest.approx(row.decode.moe_ms, rel=1e-3)
 
 
 def test_lp_is_never_available_without_its_overhead_priced(sglang_advice):
@@ -213,7 +220,8 @@ def _rebalance_verdict(trace: RoutingTrace, engine: str, model_path: str, b: int
     model, cluster = load_model(model_path), cluster_preset("h200", gpus_per_node=4)
 
     def price(pl, window):
-        return price_phase(pl, window, "decode", b, "vllm-hash", model, cluster, 4096).whole_ms
+        steps = make_steps(window, 4, "decode", b)
+        return price_phase(pl, window, steps, "vllm-hash", model, cluster, 4096).whole_ms
 
     return judge(held, static, topo, price, engine, b, 5, 0.005)
 

@@ -123,10 +123,10 @@ def prefill_tokens(held: RoutingTrace, options: AdviseOptions) -> int:
 def score(
     placement: Placement, held: RoutingTrace, dispatch: str | DispatchModel, options: AdviseOptions
 ) -> Scores:
-    """Held-out PAR as :func:`placement.metrics.evaluate` computes it with ``step_tokens`` = the decode
-    batch, plus the per-step PAR at the prefill chunk."""
+    """Held-out window PAR, and the per-step PAR of the decode steps (the decode batch) and of the
+    prefill chunks (:func:`placement.metrics.step_par` with ``phase``)."""
     gl = trace_gpu_load(placement, held, dispatch, batch_tokens=options.decode_batch)  # [L, G]
     window = balance_stats(gl)["par"]
-    dec = step_par(placement, held, options.decode_batch, dispatch)["step_par"]
-    pre = step_par(placement, held, prefill_tokens(held, options), dispatch)["step_par"]
+    dec = step_par(placement, held, options.decode_batch, dispatch, "decode", seed=options.seed)["step_par"]
+    pre = step_par(placement, held, prefill_tokens(held, options), dispatch, "prefill")["step_par"]
     return Scores(float(window), float(dec), float(pre))

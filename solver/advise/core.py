@@ -210,26 +210,25 @@ def _run(steps: list[tuple[str, Callable[[], Any]]], progress: Progress, desc: s
 
 
 def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement]]:
-    """Placements for every option, then each row priced per phase on the held-out half."""
+    """Placements for every option, then each row priced per phase on the held-out steps."""
     opts, builds = balance.plan_options(fit, options)
     built = _run([(d, b) for _, d, b in builds], progress, "placements")
     placements = {k: p for (k, _, _), p in zip(builds, built)}
-    tokens = _step_tokens(held, options)
+    steps = {
+        ph: phases.held_out_steps(held, options.ep_size, ph, b, options.seed)
+        for ph, b in _step_tokens(held, options).items()
+    }
 
     def one(o: balance.Option) -> Row:
         pl = placements[o.placement_key]
         s = balance.score(pl, held, o.dispatch, options)
         price = {
-            ph: phases.price_phase(pl, held, ph, b, o.dispatch, model, cluster, options.context_len)
-            for ph, b in tokens.items()
+            ph: phases.price_phase(pl, held, st, o.dispatch, model, cluster, options.context_len)
+            for ph, st in steps.items()
         }
+        extra = _slots_extra(model, options, o)
         mem = cost.replica_memory(
-            model,
-            cluster,
-            options.ep_size,
-            _slots_extra(model, options, o),
-            options.decode_batch,
-            options.context_len,
+            model, cluster, options.ep_size, extra, options.decode_batch, options.context_len
         )
         return Row(
             o.kind,
@@ -362,9 +361,9 @@ def _rebalance(held, row, base, placements, model, cluster, options, progress) -
     static = None if row is base else placements[row.placement_key]
 
     def price(pl: Placement, window: RoutingTrace) -> float:
-        b = options.decode_batch
+        steps = phases.held_out_steps(window, options.ep_size, "decode", options.decode_batch, options.seed)
         return phases.price_phase(
-            pl, window, "decode", b, row.dispatch, model, cluster, options.context_len
+            pl, window, steps, row.dispatch, model, cluster, options.context_len
         ).whole_ms
 
     (out,) = _run(

@@ -18,6 +18,7 @@ from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.step_time import step_time_from_arrays
 from placement.model import Placement
+from placement.steps import Steps, make_steps
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -25,7 +26,6 @@ __all__ = [
     "MODEL_NOTE",
     "PHASES",
     "PhasePrice",
-    "StepArrays",
     "count_steps",
     "gain",
     "held_out_steps",
@@ -51,75 +51,51 @@ class PhasePrice:
     calibrated: bool = False
 
 
-@dataclass(frozen=True)
-class StepArrays:
-    """Held-out steps as arrays: ``step [T]`` (-1: in no step), ``rank [T]``, ``row [T]`` or None."""
-
-    phase: str
-    step_tokens: int
-    num_steps: int
-    step: np.ndarray
-    rank: np.ndarray
-    row: np.ndarray | None
-    shape_note: str
-
-
-def held_out_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int) -> StepArrays:
-    """The held-out steps of ``phase`` with ``step_tokens`` tokens per rank on ``ep_size`` ranks.
-
-    Interim: chunks of consecutive tokens per rank for both phases (the prefill shape).
-    """
-    T, per = held.num_tokens, step_tokens * ep_size
-    S = T // per
-    tok = np.arange(T, dtype=np.int64)
-    step = np.where(tok < S * per, tok // per, -1)
-    return StepArrays(
-        phase, step_tokens, S, step, (tok % per) // step_tokens, tok % step_tokens, "consecutive tokens"
-    )
+def held_out_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int, seed: int = 0) -> Steps:
+    """The held-out steps of ``phase`` (:func:`placement.steps.make_steps`: decode = continuous batching of
+    ``step_tokens`` sequences per rank, prefill = chunks of ``step_tokens`` consecutive tokens)."""
+    return make_steps(held, ep_size, phase, step_tokens, seed=seed)
 
 
 def count_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int) -> int:
-    """Held-out steps of ``phase`` with ``step_tokens`` tokens per rank on ``ep_size`` ranks."""
-    return held_out_steps(held, ep_size, phase, step_tokens).num_steps
+    """Held-out steps of ``phase`` with ``step_tokens`` tokens per rank on ``ep_size`` ranks (0: none fits)."""
+    try:
+        return held_out_steps(held, ep_size, phase, step_tokens).num_steps
+    except ValueError:
+        return 0
 
 
 def price_phase(
     placement: Placement,
     held: RoutingTrace,
-    phase: str,
-    step_tokens: int,
+    steps: Steps,
     dispatch: str,
     model: ModelSpec,
     cluster: ClusterSpec,
     context_len: int,
 ) -> PhasePrice:
-    """Price ``placement`` under ``dispatch`` on the held-out ``phase`` steps (module docstring)."""
-    st = held_out_steps(held, placement.topology.ep_size, phase, step_tokens)
-    if st.num_steps < 1:
-        raise ValueError(
-            f"no whole {phase} step of {step_tokens} tokens x {placement.topology.ep_size} ranks in "
-            f"{held.num_tokens} held-out tokens; use a smaller step or a longer trace"
-        )
+    """Price ``placement`` under ``dispatch`` on the held-out ``steps`` (module docstring)."""
     assert held.topk_ids is not None
-    edges = np.linspace(0, st.num_steps, min(BLOCKS, st.num_steps) + 1).round().astype(int)
+    ids = np.asarray(held.topk_ids)[steps.token]  # [N, L, k]
+    S = steps.num_steps
+    edges = np.linspace(0, S, min(BLOCKS, S) + 1).round().astype(int)
     parts = []
     for lo, hi in zip(edges[:-1], edges[1:]):
-        m = (st.step >= lo) & (st.step < hi)
-        rows = None if st.row is None else st.row[m]
+        m = (steps.step >= lo) & (steps.step < hi)
         parts.append(
             step_time_from_arrays(
-                placement, held.topk_ids[m], st.step[m] - lo, st.rank[m], int(hi - lo), step_tokens, phase,
-                dispatch, model, cluster, rows=rows, context_len=context_len,
+                placement, ids[m], steps.step[m] - lo, steps.rank[m], int(hi - lo), steps.step_tokens, steps.phase,
+                dispatch, model, cluster, rows=steps.row[m], context_len=context_len,
             )
         )  # fmt: skip
-    w = np.diff(edges) / st.num_steps
+    w = np.diff(edges) / S
 
     def mean(attr: str) -> float:
         return float(sum(wi * getattr(p, attr) for wi, p in zip(w, parts)))
 
     whole = tuple(p.whole_ms for p in parts)
     return PhasePrice(
-        phase, step_tokens, st.num_steps, mean("whole_ms"), mean("moe_ms"), mean("dispatch_overhead_ms"), whole,
+        steps.phase, steps.step_tokens, S, mean("whole_ms"), mean("moe_ms"), mean("dispatch_overhead_ms"), whole,
         parts[0].calibrated,
     )  # fmt: skip
 
