@@ -148,8 +148,10 @@ def _write(out: Path, advice, d: dict) -> list[Path]:
 def run(args: argparse.Namespace) -> int:
     """Steps: check outputs -> read the trace -> advise -> write -> print."""
     from solver.advise import advise
+    from solver.advise.recommend import SGLANG_FILE, VLLM_FILE
 
-    out = check_folder_outputs(args.output, [REPORT, JSON], [args.trace]) if args.output else None
+    names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
+    out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
     try:

@@ -44,23 +44,28 @@ def _series(d: dict) -> dict[tuple[str, str], list[dict]]:
 
 def _gain_plot(plt, d: dict) -> str:
     """Whole-step gain vs replica GB per GPU, one panel per phase, error bars = the band; the GB the
-    user's batch x context leaves for replicas marked; unrunnable options hollow."""
+    user's batch x context leaves for replicas marked; unrunnable options hollow; series at the same GB
+    nudged apart by a hair so their bars do not hide each other."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
     limit = d["context"]["replica_gb_limit"]
     marks = []
     for ax, ph in zip(axes, _PHASES):
-        for i, ((kind, disp), opts) in enumerate(_series(d).items()):
-            x = [o["phases"][ph]["memory_gb"] for o in opts]
+        series = _series(d)
+        span = max([o["phases"][ph]["memory_gb"] for o in d["options"]] + [0.1])
+        for i, ((kind, disp), opts) in enumerate(series.items()):
+            nudge = (i - (len(series) - 1) / 2) * 0.012 * span  # options at the same GB side by side
+            x = [o["phases"][ph]["memory_gb"] + nudge for o in opts]
             y = [o["phases"][ph]["whole_step_gain"] * 100 for o in opts]
             e = [o["phases"][ph]["band"] * 100 for o in opts]
             ok = all(o["available"] for o in opts)
             ax.errorbar(
                 x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", mfc=f"C{i}" if ok else "white",
-                ls="-" if ok else ":", label=f"{kind} / {disp}" + ("" if ok else " (engine cannot run)"),
+                ls="-" if ok else ":", label=f"{kind} / {disp}" + ("" if ok else " (not runnable)"),
             )  # fmt: skip
         ax.axhline(0, color="#888", lw=0.8)
         if limit is not None and limit > 0:
-            marks.append(ax.axvline(limit, color="#a40", ls="--", lw=1))
+            if limit <= 3 * span:  # drawn only where it does not squash the options onto the y axis
+                marks.append(ax.axvline(limit, color="#a40", ls="--", lw=1))
         ax.set_title(f"{ph} (modelled)", fontsize=10)
         ax.set_xlabel("replica GB per GPU")
         ax.grid(alpha=0.3)
@@ -70,7 +75,12 @@ def _gain_plot(plt, d: dict) -> str:
     if marks:
         labels = [*labels, f"GB left for replicas at batch {b} x context {c}"]
         handles = [*handles, marks[0]]
-    fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.95), fontsize=8, frameon=False)
+    elif limit is not None:
+        labels = [*labels, f"batch {b} x context {c} leaves {limit:,.0f} GB for replicas (off the axis)"]
+        handles = [*handles, plt.Line2D([], [], color="#a40", ls="--", lw=1)]
+    fig.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, fontsize=8, frameon=False
+    )
     out = _svg(fig)
     plt.close(fig)
     return out
