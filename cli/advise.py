@@ -19,6 +19,7 @@ JSON = "advise.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.steps import DEFAULT_STEP_TOKENS
     from solver.advise import AUTO_MODEL, engine_names
 
     p = subparsers.add_parser(
@@ -41,14 +42,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--decode-batch",
         type=bounded_int(1, 1 << 20),
-        default=64,
-        help="decode step_tokens: sequences in flight per rank (one token each per step)",
+        default=DEFAULT_STEP_TOKENS["decode"],
+        help="decode step_tokens: sequences in flight per rank, one token each per step (default %(default)s)",
     )
     p.add_argument(
         "--prefill-chunk",
         type=bounded_int(1, 1 << 24),
-        default=8192,
-        help="prefill step_tokens: tokens per rank per prefill chunk",
+        default=DEFAULT_STEP_TOKENS["prefill"],
+        help="prefill step_tokens: tokens per rank per prefill chunk (default %(default)s)",
     )
     p.add_argument(
         "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
+from placement.steps import DEFAULT_STEP_TOKENS
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -59,8 +60,10 @@ class AdviseOptions:
     Attributes:
         engine: one of :func:`engine_names` (``sglang``, ``vllm``).
         nodes / gpus_per_node: the cluster; ``G = nodes x gpus_per_node`` EP ranks.
-        decode_batch: tokens per rank per decode step (also the per-step PAR's batch).
-        prefill_chunk: tokens per rank per prefill step (capped by the held-out tokens).
+        decode_batch: decode ``step_tokens``: sequences in flight per rank (also the memory check);
+            default :data:`placement.steps.DEFAULT_STEP_TOKENS` of decode.
+        prefill_chunk: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
+            tokens); default that of prefill.
         redundant_per_gpu: the redundant slots per GPU compared (``r``).
         context_len: cached tokens per decode sequence (memory side).
         windows: windows the drift is measured over (window ``i`` fit, ``i + 1`` scored).
@@ -79,8 +82,8 @@ class AdviseOptions:
     engine: str
     nodes: int
     gpus_per_node: int = 8
-    decode_batch: int = 64
-    prefill_chunk: int = 8192
+    decode_batch: int = DEFAULT_STEP_TOKENS["decode"]
+    prefill_chunk: int = DEFAULT_STEP_TOKENS["prefill"]
     redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
     context_len: int = 4096
     windows: int = 8
