@@ -50,6 +50,7 @@ __all__ = [
     "open_trace",
     "output_files",
     "positive_int",
+    "add_phase_args",
     "progress",
     "reading",
     "root_parser",
@@ -382,6 +383,28 @@ class DeprecatedAlias(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         warn(f"{option_string} is deprecated; use {self.new}")
         setattr(namespace, self.dest, values)
+
+
+def add_phase_args(p: argparse.ArgumentParser, what: str) -> None:
+    """``--phase`` (default decode) and ``--step-tokens`` (default per phase, stated in the help);
+    ``what``: what the steps are for, for the help text."""
+    from placement.steps import DEFAULT_STEP_TOKENS, PHASES
+
+    p.add_argument(
+        "--phase",
+        choices=PHASES,
+        default=PHASES[0],
+        help=f"step shape {what}: decode (each rank holds --step-tokens sequences in flight, one token of "
+        "each per step, steady-state continuous batching) or prefill (chunks of --step-tokens consecutive "
+        "tokens per rank); a trace that records the engine's batches is stepped by them (default decode)",
+    )
+    defaults = ", ".join(f"{k} {v}" for k, v in DEFAULT_STEP_TOKENS.items())
+    p.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=None,
+        help=f"tokens per rank per step (default by phase: {defaults}; the cap on a recorded engine batch)",
+    )
 
 
 def add_dispatch_args(

@@ -8,6 +8,7 @@ import json
 from cli.common import (
     CliError,
     add_dispatch_args,
+    add_phase_args,
     checked_dispatch,
     echo,
     elapsed_bar,
@@ -16,7 +17,6 @@ from cli.common import (
     hidden_size_int,
     open_placement,
     open_trace,
-    positive_int,
     source_ranks_file,
 )
 
@@ -31,9 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("placement")
     p.add_argument("trace")
     add_dispatch_args(p, choices=(*DISPATCH, "all"), extra="; all: every model side by side")
-    p.add_argument(
-        "--step-tokens", type=positive_int, help="tokens per rank per step for step_par (and vLLM's batches)"
-    )
+    add_phase_args(p, "for step_par (and vLLM's batch rows)")
     p.add_argument("--hidden-size", type=hidden_size_int, help="model hidden size for bytes_per_token")
     p.add_argument("--ep-size", type=ep_size_int, help="EP ranks, for an engine file without a sidecar")
     p.add_argument("--num-nodes", type=ep_size_int, help="nodes, for an engine file without a sidecar")
@@ -49,7 +47,12 @@ def _print_evaluation(placement, trace, policy: str, d: dict) -> None:
         f"imbalance_ratio {d['imbalance_ratio']:.4f}, lower bound par {d['lower_bound_par']:.4f}"
     )
     if "step_par" in d:
-        echo(f"step_par {d['step_par']:.4f} at {d['step_tokens']} tokens per rank ({d['num_steps']} steps)")
+        echo(
+            f"step_par {d['step_par']:.4f} on {d['phase']} steps, {d['step_tokens']} tokens per rank "
+            f"({d['num_steps']} steps)"
+        )
+        for n in d.get("notes", []):
+            echo(f"note: {n}")
     if "remote_nodes_per_token" in d:
         echo(
             f"remote_nodes_per_token {d['remote_nodes_per_token']:.4f}, remote_gpus_per_token "
@@ -94,23 +97,19 @@ def _read_inputs(args: argparse.Namespace):
     return placement, trace, src, how
 
 
-STEP_TOKENS = 64  # tokens per rank per step for a model scored per step when --step-tokens is not given
-
-
-def _step_tokens(args, policy: str) -> int | None:
-    """``--step-tokens``, else :data:`STEP_TOKENS` for a model that splits each step's counts."""
-    from placement.dispatch import get_dispatch
-
-    if args.step_tokens is None and get_dispatch(policy).needs_step_counts:
-        return STEP_TOKENS
-    return args.step_tokens
-
-
 def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
+    """Every metric under ``policy``; step metrics on ``--phase`` steps (named in the dict)."""
     from placement.metrics import evaluate
 
-    steps = _step_tokens(args, policy)
-    ev = evaluate(placement, trace, policy, step_tokens=steps, hidden_size=args.hidden_size, src=src)
+    ev = evaluate(
+        placement,
+        trace,
+        policy,
+        step_tokens=args.step_tokens,
+        hidden_size=args.hidden_size,
+        src=src,
+        phase=args.phase,
+    )
     d = ev.to_dict()
     if how is not None and "source_ranks" in d:
         d["source_ranks"] = how

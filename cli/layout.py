@@ -63,12 +63,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)"
     )
-    p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     p.add_argument(
+        "--phase",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="the phase planned for (default decode)",
+    )
+    p.add_argument(
+        "--step-tokens",
         "--batch-per-rank",
+        dest="batch_per_rank",
         type=positive_int,
         default=None,
-        help="tokens per GPU per step (default 128 decode, 8192 prefill)",
+        help="tokens per rank per step (the planner's throughput defaults: 128 decode, 8192 prefill; "
+        "--batch-per-rank is its older name)",
     )
     p.add_argument(
         "--context-len",

@@ -20,6 +20,7 @@ import numpy as np
 from cli.common import (
     CliError,
     add_dispatch_args,
+    add_phase_args,
     check_output,
     check_writes,
     checked_dispatch,
@@ -201,12 +202,18 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         extra="; scores fitted and held-out PAR, and sglang-static/sglang-dynamic also place replicas for "
         "SGLang's table (greedy, cpsat, milp)",
     )
+    add_phase_args(p, "the placement is fitted for under a per-step dispatch model (balanced, sglang-lp)")
     p.add_argument(
-        "--step-tokens",
-        type=positive_int,
-        default=64,
-        help="tokens per rank per step the placement is fitted for under a per-step dispatch model "
-        "(balanced, sglang-lp; default 64)",
+        "--model",
+        default=None,
+        help="model preset that prices the fitted steps (deepseek-v2-lite, mixtral-8x7b, ..., a model JSON "
+        "or a HF config.json; default: the built-in preset with the trace's experts and top-k, else the "
+        "fit balances the step peak only)",
+    )
+    p.add_argument(
+        "--hardware",
+        default="h200",
+        help="GPU preset that prices the fitted steps: h100, h800, h200, b200 or a preset .json (default h200)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
     p.add_argument("--format", choices=FORMATS, default="native")
@@ -350,7 +357,9 @@ def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
     options = make_options(prob.name, values, seed=args.seed, time_limit=args.time_limit)
     limit = args.time_limit if "time_limit" in spec.option_names else None
     with elapsed_bar(prob.name, limit):
-        fit = FitOptions(step_tokens=args.step_tokens)
+        fit = FitOptions(
+            step_tokens=args.step_tokens, phase=args.phase, model=args.model, hardware=args.hardware
+        )
         result = run(prob.name, _solver_problem(args, prob), options, fit)
     if result.objective_fallback:
         warn(
@@ -413,7 +422,9 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
             ev = evaluate(pl, held, args.policy, src=held_src).to_dict()
             row["heldout_par"] = ev["par"]
             if per_step:  # what sets step time under a per-step split
-                row["heldout_step_par"] = step_par(pl, held, args.step_tokens, args.policy)["step_par"]
+                sp = step_par(pl, held, args.step_tokens, args.policy, args.phase)
+                row["heldout_step_par"], row["step_phase"] = sp["step_par"], sp["phase"]
+                row["step_tokens"] = sp["step_tokens"]
             if comm_view and "remote_nodes_per_token" in ev:
                 row["heldout_remote_nodes"] = ev["remote_nodes_per_token"]
         rows.append(row)
@@ -478,7 +489,9 @@ def _print_balance(args, prob: _Problem, spec: SolverSpec, rows: list[dict], com
     if prob.held is not None:
         cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
     if rows and "heldout_step_par" in rows[0]:
-        cols.append(("heldout_step_par", f"held-out step PAR ({args.policy}, {args.step_tokens}/rank)", 4))
+        r = rows[0]
+        what = f"{args.policy}, {r['step_phase']}, {r['step_tokens']}/rank"
+        cols.append(("heldout_step_par", f"held-out step PAR ({what})", 4))
     if comm_view:
         cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))
     echo(format_table(rows, cols))

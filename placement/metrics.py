@@ -39,7 +39,7 @@ from placement.dispatch import (
 )
 from placement.model import Placement
 from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
-from placement.steps import PHASES, make_steps
+from placement.steps import DEFAULT_STEP_TOKENS, PHASES, make_steps
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -652,7 +652,8 @@ def evaluate(
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
     if phase is not None and phase not in PHASES + ("engine",):
         raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
-    gl = trace_gpu_load(placement, trace, model, src, batch_tokens=step_tokens)
+    batch = step_tokens if step_tokens is not None else DEFAULT_STEP_TOKENS.get(phase or "")
+    gl = trace_gpu_load(placement, trace, model, src, batch_tokens=batch)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size
     lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)

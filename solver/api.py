@@ -48,6 +48,7 @@ import numpy as np
 from placement.dispatch import EVEN, DispatchModel, get_dispatch
 from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
+from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.dispatch_fit import DispatchFit, even_rank_counts, fit_for_dispatch, fit_for_dispatch_load
@@ -58,7 +59,8 @@ from solver.locality.solve import run_locality
 from solver.migration import MigrationOptions, run_migration
 from solver.problem import Problem, options_from
 from solver.report import SolveReport
-from solver.step_fit import StepFit, StepFitOptions, fit_for_steps, step_scores
+from solver.step_cost import DEFAULT_HARDWARE, step_cost_for
+from solver.step_fit import StepFit, StepFitOptions, fit_for_steps
 
 __all__ = [
     "BASELINE",
@@ -204,8 +206,13 @@ class FitOptions:
         steps: swap attempts per layer (``sglang-static``); seed: seeds them.
         dealings: random dealings of the fit prompts to the ranks the search averages over (traces).
         noise_z: standard errors the mean gain over those dealings must exceed to change a layer.
-        step_tokens: tokens per rank per step for models that split each step (``--step-tokens``);
+        step_tokens: tokens per rank per step for models that split each step (``--step-tokens``;
+            None: the phase's default, :data:`placement.steps.DEFAULT_STEP_TOKENS`);
             step_moves: move attempts per layer of :func:`solver.step_fit.fit_for_steps`.
+        phase: the steps such a model is placed for (``--phase``: ``decode`` or ``prefill``).
+        model, hardware: the presets that price those steps (``--model``, ``--hardware``;
+            :mod:`solver.step_cost`): model None takes the built-in preset with the trace's experts
+            and top-k, and with none the fit balances the step peak alone (its note says so).
     """
 
     enabled: bool = True
@@ -213,8 +220,11 @@ class FitOptions:
     seed: int = 0
     dealings: int = 16
     noise_z: float = 0.0
-    step_tokens: int = 64
+    step_tokens: int | None = None
     step_moves: int = 300
+    phase: str = "decode"
+    model: str | None = None
+    hardware: str = DEFAULT_HARDWARE
 
     def __post_init__(self) -> None:
         for name in ("steps", "dealings", "step_moves"):
@@ -222,12 +232,19 @@ class FitOptions:
             if isinstance(v, bool) or int(v) != v or v < 0:
                 raise ValueError(f"FitOptions.{name} must be an integer >= 0, got {v!r}")
         v = self.step_tokens
-        if isinstance(v, bool) or int(v) != v or v < 1:
+        if v is not None and (isinstance(v, bool) or int(v) != v or v < 1):
             raise ValueError(
                 f"FitOptions.step_tokens must be an integer >= 1 (tokens per rank per step), got {v!r}"
             )
         if not np.isfinite(self.noise_z) or self.noise_z < 0:
             raise ValueError(f"FitOptions.noise_z must be a finite number >= 0, got {self.noise_z!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"FitOptions.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        """``step_tokens``, else the phase's default."""
+        return int(self.step_tokens) if self.step_tokens is not None else DEFAULT_STEP_TOKENS[self.phase]
 
 
 @dataclass(frozen=True)
@@ -354,8 +371,17 @@ def _fit_steps(
     if problem.trace is None or not problem.trace.has_tokens:
         notes.append(f"{problem.dispatch}: no per-token trace, so no steps to place for: replicas kept")
         return placement, None
-    options = StepFitOptions(step_tokens=o.step_tokens, moves=o.step_moves, seed=o.seed)
-    placement, fit = fit_for_steps(placement, problem.trace, problem.dispatch, options)
+    trace = problem.trace
+    cost = step_cost_for(trace, o.phase, problem.topology.gpus_per_node, o.model, o.hardware)
+    if cost is None:
+        notes.append(
+            f"no built-in model has {trace.num_logical_experts} experts, top-{trace.top_k}: the {o.phase} fit "
+            "balances the step peak only (pass --model to price the steps)"
+        )
+    options = StepFitOptions(
+        step_tokens=o.tokens_per_step, moves=o.step_moves, seed=o.seed, phase=o.phase, cost=cost
+    )
+    placement, fit = fit_for_steps(placement, trace, problem.dispatch, options)
     notes.append(fit.note())
     return placement, fit
 
@@ -382,8 +408,8 @@ def _gate_dispatch(
     if fit is None or not spec.gated:
         return placement, False
     dispatch = problem.dispatch
-    if isinstance(fit, StepFit):  # per-step model: mean step peak on the validation steps
-        peak = lambda pl: step_scores(pl, fit.validation_counts, dispatch).sum()  # noqa: E731
+    if isinstance(fit, StepFit):  # per-step model: modelled time (or step peak) on the validation steps
+        peak = fit.score
     else:
         counts = _rank_counts(problem)  # [L, G, E]
         peak = lambda pl: rank_gpu_load(pl, counts, dispatch).max(axis=1).sum()  # noqa: E731

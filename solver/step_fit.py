@@ -43,7 +43,9 @@ import numpy as np
 
 from placement.dispatch import DispatchModel, get_dispatch
 from placement.model import Placement, compute_logical_maps
+from placement.steps import make_steps, step_counts
 from profiling.trace import RoutingTrace
+from solver.step_cost import StepCost, layer_seconds, slot_loads
 from solver.step_start import start_rows
 
 __all__ = [
@@ -51,9 +53,11 @@ __all__ = [
     "StepFitOptions",
     "fit_for_steps",
     "relaxed_peak",
+    "relaxed_split",
     "sample_step_counts",
     "step_lower_bound_par",
     "step_scores",
+    "step_seconds",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,6 +84,10 @@ class StepFitOptions:
             the lightest GPU to link two islands of the replica graph.
         draws: proposals drawn per move until one is legal and within the window guard.
         iters: rounds of :func:`relaxed_peak` per score.
+        phase: the steps placed for (:func:`placement.steps.make_steps`: ``decode``, ``prefill``).
+        cost: price each step with this model and hardware (:mod:`solver.step_cost`): the search
+            minimizes modelled MoE layer time and a layer is kept only where both its time and its
+            step peak do not rise; None: the step peak alone.
     """
 
     step_tokens: int = 64
@@ -97,6 +105,8 @@ class StepFitOptions:
     pack_slack: float = 0.03
     draws: int = 8
     iters: int = 30
+    phase: str = "decode"
+    cost: StepCost | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,52 +124,106 @@ class StepFit:
     step_tokens: int
     validation_counts: np.ndarray
     starts: tuple[str, ...] = ()
+    phase: str = "decode"
+    cost: StepCost | None = None
+    validation_rank_counts: np.ndarray | None = None
+    time_before_us: float = 0.0
+    time_after_us: float = 0.0
 
     def note(self) -> str:
-        return (
+        objective = self.cost.describe() if self.cost is not None else "the step peak (no cost model)"
+        out = (
             f"{self.dispatch}: replicas placed for per-step balance in {len(self.changed_layers)} layer(s) "
-            f"at {self.step_tokens} tokens per rank (mean step peak, summed over those layers: search "
-            f"{self.fit_peak_before:.0f} -> {self.fit_peak_after:.0f}, validation "
-            f"{self.validation_peak_before:.0f} -> {self.validation_peak_after:.0f} tokens)"
+            f"on {self.phase} steps of {self.step_tokens} tokens per rank, objective {objective} (mean "
+            f"step peak, summed over those layers: search {self.fit_peak_before:.0f} -> "
+            f"{self.fit_peak_after:.0f}, validation {self.validation_peak_before:.0f} -> "
+            f"{self.validation_peak_after:.0f} tokens"
         )
+        if self.cost is not None:
+            out += f"; validation MoE time {self.time_before_us:.1f} -> {self.time_after_us:.1f} us"
+        return out + ")"
+
+    def score(self, placement: Placement) -> float:
+        """What the pipeline's gate compares on the validation steps: the modelled MoE time summed
+        over layers (seconds) when there is a cost model, else the summed mean step peak."""
+        if self.cost is not None and self.validation_rank_counts is not None:
+            layers = range(placement.num_layers)
+            return float(
+                step_seconds(placement, self.validation_rank_counts, self.dispatch, self.cost, layers).sum()
+            )
+        return float(step_scores(placement, self.validation_counts, self.dispatch).sum())
 
 
 # ---------------------------------------------------------------------------------------------
 # steps and scores
 # ---------------------------------------------------------------------------------------------
 def sample_step_counts(
-    trace: RoutingTrace, ep_size: int, step_tokens: int, num_steps: int | None, seed: int = 0
+    trace: RoutingTrace,
+    ep_size: int,
+    step_tokens: int,
+    num_steps: int | None,
+    seed: int = 0,
+    phase: str = "decode",
+    per_rank: bool = False,
 ) -> np.ndarray:
-    """Tokens per expert of sampled steps: int64 ``[N, L, E]``.
+    """Tokens per expert of sampled steps of ``phase``: int64 ``[N, L, E]`` (``per_rank``: ``[N, L, G, E]``).
 
-    A step is ``step_tokens * ep_size`` consecutive tokens starting at a multiple of ``step_tokens``;
-    ``num_steps`` starts drawn without replacement (None: the disjoint steps from token 0).
+    ``num_steps`` steps drawn without replacement (None: the steps of one
+    :func:`placement.steps.make_steps`). ``decode`` and engine batches: steps of
+    :func:`placement.steps.make_steps`, more steady-state starts (seeds) when one gives fewer than
+    ``num_steps``. ``prefill``: ``step_tokens * ep_size`` consecutive tokens starting at any multiple
+    of ``step_tokens`` (chunk ``i`` of the step on rank ``i``).
     """
     if not trace.has_tokens:
         raise ValueError("per-step placement needs a per-token trace (topk_ids), not counts only")
+    if phase == "prefill" and trace.step_offsets is None:
+        per = _prefill_windows(trace, ep_size, int(step_tokens), num_steps, seed)  # [N, G, L, E]
+    else:
+        per = _made_steps(trace, ep_size, phase, step_tokens, num_steps, seed)
+    return per.transpose(0, 2, 1, 3) if per_rank else per.sum(axis=1)
+
+
+def _made_steps(trace, G: int, phase: str, b: int, num_steps: int | None, seed: int) -> np.ndarray:
+    """Counts ``[N, G, L, E]`` of steps of :func:`placement.steps.make_steps`, sampled (module doc)."""
+    parts, have = [], 0
+    for rep in range(8):  # decode: more steady-state starts until there are enough steps
+        st = make_steps(trace, G, phase, b, seed=seed + 7919 * rep)
+        parts.append(step_counts(trace, st).transpose(0, 2, 1, 3))  # [S, G, L, E]
+        have += st.num_steps
+        if num_steps is None or have >= num_steps or st.phase != "decode":
+            break
+    per = np.concatenate(parts)
+    if num_steps is None or per.shape[0] <= num_steps:
+        return per
+    pick = np.sort(np.random.default_rng(seed).choice(per.shape[0], size=int(num_steps), replace=False))
+    return per[pick]
+
+
+def _prefill_windows(trace: RoutingTrace, G: int, b: int, num_steps: int | None, seed: int) -> np.ndarray:
+    """Counts ``[N, G, L, E]`` of prefill steps: ``G`` consecutive chunks of ``b`` tokens from sampled
+    chunk starts (None: the disjoint steps from token 0)."""
     ids = trace.topk_ids
     assert ids is not None
     T, L, _ = ids.shape
-    E, b = trace.num_logical_experts, int(step_tokens)
+    E = trace.num_logical_experts
     C = T // b  # whole chunks of b tokens
-    if C < ep_size:
+    if C < G:
         raise ValueError(
-            f"the trace has {T} tokens, fewer than one step of {b} tokens x {ep_size} ranks; "
-            "lower --step-tokens or give a longer trace"
+            f"one prefill step of {b} tokens per rank on {G} ranks takes {b * G} tokens but the trace has "
+            f"only {T}; lower --step-tokens to at most {max(T // G, 1)} or give a longer trace"
         )
     chunk = np.repeat(np.arange(C), b)  # [C*b] chunk of each token
     flat = ids[: C * b].astype(np.int64)  # [C*b, L, k]
     valid = flat >= 0
     key = (chunk[:, None, None] * L + np.arange(L)[None, :, None]) * E + np.maximum(flat, 0)
     per_chunk = np.bincount(key[valid], minlength=C * L * E).reshape(C, L, E)
-    cum = np.concatenate([np.zeros((1, L, E), np.int64), np.cumsum(per_chunk, axis=0)])  # [C+1, L, E]
     if num_steps is None:
-        starts = np.arange(0, C - ep_size + 1, ep_size)
+        starts = np.arange(0, C - G + 1, G)
     else:
+        n_start = C - G + 1
         rng = np.random.default_rng(seed)
-        n_start = C - ep_size + 1
         starts = np.sort(rng.choice(n_start, size=min(int(num_steps), n_start), replace=False))
-    return cum[starts + ep_size] - cum[starts]
+    return per_chunk[starts[:, None] + np.arange(G)[None, :]]  # [N, G, L, E]
 
 
 def step_scores(placement: Placement, counts: np.ndarray, dispatch: str | DispatchModel) -> np.ndarray:
@@ -194,7 +258,15 @@ def step_lower_bound_par(counts: np.ndarray, ep_size: int, num_physical_experts:
 
 def relaxed_peak(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gpus: int, iters: int = 30):
     """Best peak seen of a feasible fractional split, per step: float64 ``[N]`` (an upper bound on the
-    LP optimum, converging to it), and the last split's GPU loads ``[N, G]``.
+    LP optimum, converging to it), and the last split's GPU loads ``[N, G]``
+    (:func:`relaxed_split` without the split itself)."""
+    best, last, _ = relaxed_split(counts, l2p, slots_per_gpu, num_gpus, iters)
+    return best, last
+
+
+def relaxed_split(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gpus: int, iters: int = 30):
+    """:func:`relaxed_peak`'s best peaks ``[N]`` and last GPU loads ``[N, G]``, and the last split:
+    tokens per replica ``[N, E, R]``.
 
     Starts even; each round, every expert with several replicas moves a quarter of the load gap from
     its most to its least loaded replica's GPU (all experts at once: damped to avoid overshoot).
@@ -226,7 +298,7 @@ def relaxed_peak(counts: np.ndarray, l2p: np.ndarray, slots_per_gpu: int, num_gp
         np.put_along_axis(xm, c, np.take_along_axis(xm, c, 2) + amt, 2)
         x[:, multi] = xm
     last = x.reshape(N, -1) @ onehot  # [N, G]
-    return np.minimum(best, last.max(axis=1)), last
+    return np.minimum(best, last.max(axis=1)), last, x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,26 +346,42 @@ class _Guard:
         return out
 
 
-class _Layer:
-    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``,
-    every state kept within ``guard`` (:class:`_Guard`)."""
+def _shares(v: np.ndarray) -> np.ndarray:
+    """``v / v.sum()``, or even shares when ``v`` sums to 0 (no spread, or a layer that routes nothing)."""
+    total = float(v.sum())
+    return v / total if total > 0 else np.full(v.size, 1.0 / v.size)
 
-    def __init__(self, row, counts, guard: _Guard, o: StepFitOptions):
+
+def _row_score(row, counts, rank_counts, E: int, S: int, G: int, o: StepFitOptions):
+    """Search score of one layer's ``row [P]``: the mean relaxed step peak on ``counts [N, E]``, or
+    with ``o.cost`` the mean modelled layer seconds of the relaxed split (``rank_counts [N, G, E]``);
+    and the relaxed split's GPU loads ``[N, G]``."""
+    l2p = compute_logical_maps(row[None], E)[0][0]  # [E, R]
+    peak, ld, x = relaxed_split(counts, l2p, S, G, o.iters)
+    if o.cost is None or rank_counts is None:
+        return float(peak.mean()), ld
+    slot = slot_loads(x, l2p, row.size)  # [N, P]
+    return float(layer_seconds(o.cost, slot, rank_counts, row, S).mean()), ld
+
+
+class _Layer:
+    """One layer's search state: ``row`` int64 ``[P]`` (slot -> expert), scored on ``counts [N, E]``
+    (and ``rank_counts [N, G, E]`` under a cost model), every state kept within ``guard``."""
+
+    def __init__(self, row, counts, guard: _Guard, o: StepFitOptions, rank_counts=None):
         self.row, self.counts, self.guard, self.o = row.copy(), counts, guard, o
+        self.rank_counts = rank_counts
         self.E, self.S, self.G = guard.E, guard.S, guard.G
         self.score = self.score_of(self.row)
         self.hot = self.last_hot  # [G] the current row's share of the peaks' excess per GPU
         sd, mean = counts.std(axis=0), counts.mean(axis=0)  # [E] per-step spread and mean
-        self.want = (sd / max(sd.sum(), 1e-12) + mean / max(mean.sum(), 1e-12)) / 2  # [E]
-
-    def l2p(self, row) -> np.ndarray:
-        return compute_logical_maps(row[None], self.E)[0][0]  # [E, R]
+        self.want = (_shares(sd) + _shares(mean)) / 2  # [E] sums to 1 even with no spread
 
     def score_of(self, row) -> float:
-        peak, ld = relaxed_peak(self.counts, self.l2p(row), self.S, self.G, self.o.iters)
+        score, ld = _row_score(row, self.counts, self.rank_counts, self.E, self.S, self.G, self.o)
         excess = np.maximum(ld - ld.mean(axis=1, keepdims=True), 0).mean(axis=0) + 1e-9  # [G]
         self.last_hot = excess / excess.sum()  # where the peaks are: targeted moves start there
-        return float(peak.mean())
+        return score
 
     def propose(self, rng: np.random.Generator) -> np.ndarray | None:
         """A re-pointed redundant slot or a swap of two slots between GPUs; None if the draw is illegal."""
@@ -340,7 +428,7 @@ class _Layer:
             else:
                 continue
             score = self.score_of(new)
-            if score < self.score - 1e-9:
+            if score < self.score * (1 - 1e-9):
                 self.row, self.score, self.hot = new, score, self.last_hot
 
 
@@ -348,17 +436,21 @@ class _Layer:
 # the step
 # ---------------------------------------------------------------------------------------------
 def _search_and_validation(trace: RoutingTrace, G: int, o: StepFitOptions) -> tuple[np.ndarray, np.ndarray]:
-    """Sampled step counts ``[N, L, E]`` of the search part and of the validation part (the search
-    part's own when the trailing part is shorter than a step)."""
+    """Sampled step counts of ``o.phase`` of the search part and of the validation part (the search
+    part's own when the trailing part is shorter than a step): ``[N, L, G, E]`` per rank under a cost
+    model (its traffic needs them), else ``[N, L, E]``."""
     T = trace.num_tokens
     cut = int(round(T * (1.0 - o.validation)))
     per_step = o.step_tokens * G
+    ranks = o.cost is not None
+
+    def sample(tr: RoutingTrace, seed: int) -> np.ndarray:
+        return sample_step_counts(tr, G, o.step_tokens, o.num_steps, seed, o.phase, per_rank=ranks)
+
     if cut < per_step or T - cut < per_step:
-        whole = sample_step_counts(trace, G, o.step_tokens, o.num_steps, o.seed)
+        whole = sample(trace, o.seed)
         return whole, whole
-    search = sample_step_counts(trace.slice_tokens(0, cut), G, o.step_tokens, o.num_steps, o.seed)
-    held = sample_step_counts(trace.slice_tokens(cut, T), G, o.step_tokens, o.num_steps, o.seed + 1)
-    return search, held
+    return sample(trace.slice_tokens(0, cut), o.seed), sample(trace.slice_tokens(cut, T), o.seed + 1)
 
 
 def _window_loads(trace: RoutingTrace, G: int, o: StepFitOptions) -> tuple[np.ndarray, np.ndarray]:
@@ -376,30 +468,16 @@ def _window_loads(trace: RoutingTrace, G: int, o: StepFitOptions) -> tuple[np.nd
     return np.stack(loads), np.array(slack)
 
 
-def _scores(placement: Placement, counts: np.ndarray, model: DispatchModel, layers) -> np.ndarray:
-    """:func:`step_scores` of ``layers`` only (0 elsewhere): ``[L]``."""
-    out = np.zeros(placement.num_layers)
-    if len(layers):
-        sub = placement.select_layers(list(layers))
-        out[list(layers)] = step_scores(sub, counts[:, list(layers)], model)
-    return out
-
-
 def _pick_start(
-    row: np.ndarray, counts: np.ndarray, load: np.ndarray, guard: _Guard, o: StepFitOptions
+    row: np.ndarray, counts: np.ndarray, load: np.ndarray, guard: _Guard, o: StepFitOptions, rank_counts=None
 ) -> tuple[str, np.ndarray]:
     """The start of one layer's search: the given ``row [P]`` or a :func:`solver.step_start.start_rows`
-    candidate, whichever the robust guard accepts with the lowest score on ``counts [N, E]``."""
+    candidate, whichever the robust guard accepts with the lowest search score (:func:`_row_score`)."""
     cands = [("given", row)] + start_rows(
         load, counts, guard.G, guard.S, o.count_blends, o.count_quantile, o.pack_slack
     )
     ok = cands[:1] + [c for c in cands[1:] if guard.robust_ok(c[1])]  # the given row is the reference
-
-    def score(r: np.ndarray) -> float:
-        l2p = compute_logical_maps(r[None], guard.E)[0][0]  # [E, R]
-        return float(relaxed_peak(counts, l2p, guard.S, guard.G, o.iters)[0].mean())
-
-    return min(ok, key=lambda c: score(c[1]))
+    return min(ok, key=lambda c: _row_score(c[1], counts, rank_counts, guard.E, guard.S, guard.G, o)[0])
 
 
 def _search_layers(placement: Placement, search: np.ndarray, trace: RoutingTrace, o: StepFitOptions):
@@ -411,14 +489,68 @@ def _search_layers(placement: Placement, search: np.ndarray, trace: RoutingTrace
     p2l = placement.physical_to_logical_map
     rows, starts = p2l.copy(), []
     for l in range(placement.num_layers):
-        counts = search[:, l].astype(np.float64)
+        ranks = search[:, l].astype(np.float64) if search.ndim == 4 else None  # [N, G, E] or None
+        counts = ranks.sum(axis=1) if ranks is not None else search[:, l].astype(np.float64)  # [N, E]
         guard = _Guard(p2l[l], loads[:, l], slack, E, S, G, o)
-        name, start = _pick_start(p2l[l], counts, loads[0, l], guard, o)
-        layer = _Layer(start, counts, guard.around(start), o)
+        name, start = _pick_start(p2l[l], counts, loads[0, l], guard, o, ranks)
+        layer = _Layer(start, counts, guard.around(start), o, ranks)
         layer.search(rng)
         rows[l] = layer.row
         starts.append(name)
     return rows, starts
+
+
+def step_seconds(
+    placement: Placement, rank_counts: np.ndarray, dispatch: str | DispatchModel, cost: StepCost, layers
+) -> np.ndarray:
+    """Mean modelled seconds per step of each of ``layers`` (0 elsewhere) under ``dispatch``'s own
+    split: ``[L]``. ``rank_counts``: ``[N, L, G, E]`` picks per rank and expert of each step."""
+    model = get_dispatch(dispatch)
+    if model.step_load is None:
+        raise ValueError(f"dispatch model {model.name!r} is not scored per step")
+    S = placement.topology.slots_per_gpu
+    out = np.zeros(placement.num_layers)
+    for l in layers:
+        c = np.asarray(rank_counts[:, l], dtype=np.float64)  # [N, G, E]
+        slot = model.step_load(placement, l, c.sum(axis=1))  # [N, P]
+        out[l] = layer_seconds(cost, slot, c, placement.physical_to_logical_map[l], S).mean()
+    return out
+
+
+def _figures(placement: Placement, counts: np.ndarray, model: DispatchModel, cost, layers) -> np.ndarray:
+    """Mean step peak and (under ``cost``, with ``counts [N, L, G, E]``) mean modelled seconds of each
+    of ``layers`` under the model's own split, one split per layer: ``[2, L]`` (0 elsewhere)."""
+    out = np.zeros((2, placement.num_layers))
+    t = placement.topology
+    for l in layers:
+        c = np.asarray(counts[:, l], dtype=np.float64)  # [N, (G,) E]
+        tot = c.sum(axis=1) if c.ndim == 3 else c  # [N, E]
+        slot = model.step_load(placement, l, tot)  # [N, P]
+        out[0, l] = slot.reshape(tot.shape[0], t.ep_size, -1).sum(axis=2).max(axis=1).mean()
+        if cost is not None and c.ndim == 3:
+            out[1, l] = layer_seconds(
+                cost, slot, c, placement.physical_to_logical_map[l], t.slots_per_gpu
+            ).mean()
+    return out
+
+
+def _kept_layers(placement: Placement, cand: Placement, search, held, model, o: StepFitOptions, moved):
+    """The moved layers the search improved on the search and the validation steps under the model's
+    own split: lower step peak, or under a cost model lower time with no higher step peak. Returns the
+    layers, the peaks ``[4, L]`` (search before/after, validation before/after) and the validation
+    seconds ``[2, L]`` (before/after; None without a cost model)."""
+    priced = o.cost is not None and search.ndim == 4
+    f0, f1 = (_figures(p, search, model, o.cost, moved) for p in (placement, cand))
+    v0, v1 = (_figures(p, held, model, o.cost, moved) for p in (placement, cand))
+    peaks = np.stack([f0[0], f1[0], v0[0], v1[0]])
+    if not priced:
+        return [l for l in moved if f1[0, l] < f0[0, l] and v1[0, l] < v0[0, l]], peaks, None
+    keep = [
+        l
+        for l in moved
+        if f1[1, l] < f0[1, l] and v1[1, l] < v0[1, l] and f1[0, l] <= f0[0, l] and v1[0, l] <= v0[0, l]
+    ]
+    return keep, peaks, np.stack([v0[1], v1[1]])
 
 
 def fit_for_steps(
@@ -428,7 +560,8 @@ def fit_for_steps(
     options: StepFitOptions | None = None,
 ) -> tuple[Placement, StepFit]:
     """``placement`` with its slots re-chosen for per-step balance under ``dispatch`` (a model with
-    ``step_load``), never worse than ``placement`` on the search or validation steps of ``trace``.
+    ``step_load``) on steps of ``options.phase``, never worse than ``placement`` on the search or
+    validation steps of ``trace`` (under ``options.cost``: in modelled time and in step peak).
 
     Returns the placement (``placement`` itself when no layer changed) and the :class:`StepFit`.
     """
@@ -436,31 +569,32 @@ def fit_for_steps(
     model = get_dispatch(dispatch)
     t = placement.topology
     E = placement.num_logical_experts
-    search, held = _search_and_validation(trace, t.ep_size, o)  # [N, L, E] each
+    search, held = _search_and_validation(trace, t.ep_size, o)  # [N, L, (G,) E] each
     rows, starts = _search_layers(placement, search, trace, o)
     p2l = placement.physical_to_logical_map
     moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]
     cand = Placement(rows, E, t, placement.layer_ids, placement.provenance)
-    fit0, fit1 = _scores(placement, search, model, moved), _scores(cand, search, model, moved)
-    val0, val1 = _scores(placement, held, model, moved), _scores(cand, held, model, moved)
-    keep = [l for l in moved if fit1[l] < fit0[l] and val1[l] < val0[l]]
+    keep, peaks, secs = _kept_layers(placement, cand, search, held, model, o, moved)
     log.debug("step fit: %d layers moved in the search, %d kept; starts %s", len(moved), len(keep), starts)
     out = placement
     if keep:
         final = p2l.copy()
         final[keep] = rows[keep]
         out = Placement(final, E, t, placement.layer_ids, placement.provenance).with_provenance(
-            dispatch=model.name, step_fit={"step_tokens": o.step_tokens, "moves": o.moves, "seed": o.seed}
+            dispatch=model.name,
+            step_fit={"step_tokens": o.step_tokens, "moves": o.moves, "seed": o.seed, "phase": o.phase},
         )
     fit = StepFit(
         model.name,
         tuple(keep),
-        float(fit0[keep].sum()),
-        float(fit1[keep].sum()),
-        float(val0[keep].sum()),
-        float(val1[keep].sum()),
+        *(float(p[keep].sum()) for p in peaks),
         o.step_tokens,
-        held,
+        held.sum(axis=2) if held.ndim == 4 else held,
         tuple(starts[l] for l in keep),
+        phase=o.phase,
+        cost=o.cost,
+        validation_rank_counts=held if held.ndim == 4 else None,
+        time_before_us=float(secs[0][keep].sum() * 1e6) if secs is not None else 0.0,
+        time_after_us=float(secs[1][keep].sum() * 1e6) if secs is not None else 0.0,
     )
     return out, fit

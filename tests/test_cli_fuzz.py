@@ -184,6 +184,17 @@ CASES = [
     ([*SOLVE, "--solver", "nope"], "--solver: invalid choice"),
     ([*EVAL, "--step-tokens", "0"], "--step-tokens: 0 is not in the accepted range: integers >= 1"),
     ([*SOLVE, "--dispatch", "balanced", "--step-tokens", "0"], "--step-tokens: 0 is not in the accepted"),
+    ([*EVAL, "--phase", "train"], "--phase: invalid choice"),
+    (
+        [*EVAL, "--step-tokens", "1000"],
+        "tokens per rank on 4 ranks takes 4000 tokens but the trace has only 400",
+    ),
+    ([*SOLVE, "--phase", "warmup"], "--phase: invalid choice"),
+    (
+        [*SOLVE, "--dispatch", "balanced", "--phase", "prefill", "--step-tokens", "1000"],
+        "one prefill step of 1000 tokens per rank on 4 ranks takes 4000 tokens but the trace has only 400",
+    ),
+    ([*SOLVE, "--dispatch", "balanced", "--model", "nope"], "unknown model 'nope'"),
     ([*EVAL, "--hidden-size", "0"], "--hidden-size: 0"),
     ([*EVAL, "--ep-size", "-2"], "--ep-size: -2"),
     (["inspect", "{d}/t.npz", "--chunk-tokens", "0"], "--chunk-tokens: 0"),

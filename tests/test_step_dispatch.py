@@ -322,7 +322,7 @@ def test_cli_solve_reports_held_out_step_par_of_each_placement(tmp_path, capsys)
     assert rows["greedy, placed for balanced"]["heldout_step_par"] == pytest.approx(want)
     assert rows["trivial"]["heldout_step_par"] > rows["greedy"]["heldout_step_par"]
     assert main(args) == 0
-    assert "held-out step PAR (balanced, 8/rank)" in capsys.readouterr().out
+    assert "held-out step PAR (balanced, decode, 8/rank)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model", [BALANCED, SGLANG_LP])
