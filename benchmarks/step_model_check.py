@@ -21,6 +21,8 @@ Rows (sources next to each figure below):
   consecutive tokens. Published figures are ranges; the ratio is to the range's middle and ``within``
   says whether the modelled gain lies inside the range.
 - ``overhead``: the per-step split's share of the decode step against SGLang's 1.0-1.6% for its LP.
+- ``rebalance``: the weight copy of a whole rearrangement (``move_time``) against vLLM's 0.65-1.7 s
+  and SGLang's ~1.8 s measured stalls.
 
 Output: one table (``--json``: the rows, the settings and the greedy baseline's figures).
 """
@@ -206,6 +208,34 @@ def deepgemm_rows() -> list[dict]:
     return rows
 
 
+def rebalance_rows() -> list[dict]:
+    """A whole rearrangement's weight copy (``move_time``) against the engines' measured stalls: DeepSeek-V3
+    on 32 H200 (4 nodes), 288 slots, every slot of every GPU replaced (the most a rearrangement moves),
+    all copies over RDMA (the busiest GPU receives 9 slots x 58 layers)."""
+    from placement.cost.hardware import REBALANCE_STALL_S
+    from placement.cost.primitives import move_time
+
+    cl = cluster_preset("h200")
+    arrived = np.full(32, 9 * DSV3.num_moe_layers)
+    t = move_time(arrived, DSV3.expert_bytes, cl.inter)
+    rows = []
+    for engine, (lo, hi) in REBALANCE_STALL_S.items():
+        rows.append(
+            _row(
+                "rebalance",
+                f"DeepSeek-V3 EP32 full rearrangement vs {engine}",
+                t,
+                (lo + hi) / 2,
+                "s",
+                f"{engine} rearrangement stall {lo:g}-{hi:g} s (costmodel.md)",
+                low=lo,
+                high=hi,
+                within=bool(lo <= t <= hi),
+            )
+        )
+    return rows
+
+
 def dsv3_sized(trace) -> object:
     """DeepSeek-V3's layer sizes with the trace's experts and top-k (the trace's routing, V3's weights)."""
     return dataclasses.replace(
@@ -320,7 +350,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-trace", action="store_true", help="only the kernel rows (no trace needed)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    rows = deepep_low_latency_rows() + deepep_normal_rows() + deepgemm_rows()
+    rows = deepep_low_latency_rows() + deepep_normal_rows() + deepgemm_rows() + rebalance_rows()
     priced = settings = None
     if not args.no_trace:
         from profiling.readers import default_traces_dir, read_trace

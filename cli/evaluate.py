@@ -19,6 +19,7 @@ from cli.common import (
     open_trace,
     source_ranks_file,
 )
+from cli.step_cost import add_step_time_args, step_time_dict
 
 __all__ = ["add_parser", "cmd_evaluate"]
 
@@ -35,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hidden-size", type=hidden_size_int, help="model hidden size for bytes_per_token")
     p.add_argument("--ep-size", type=ep_size_int, help="EP ranks, for an engine file without a sidecar")
     p.add_argument("--num-nodes", type=ep_size_int, help="nodes, for an engine file without a sidecar")
+    add_step_time_args(p)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
@@ -60,6 +62,14 @@ def _print_evaluation(placement, trace, policy: str, d: dict) -> None:
         )
     if "bytes_per_token" in d:
         echo(f"bytes_per_token {d['bytes_per_token']:.0f}")
+    if "step_time" in d:
+        st = d["step_time"]
+        echo(
+            f"step_time {st['whole_ms']:.3f} ms per {st['phase']} step ({st['model']} on {st['hardware']}"
+            f"{', calibrated' if st['calibrated'] else ''}): MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
+            f"all-to-all {st['a2a_ms']:.3f}), dispatch overhead {st['dispatch_overhead_ms']:.3f}, "
+            f"rest {st['rest_ms']:.3f}"
+        )
 
 
 _ALL_COLUMNS = [
@@ -113,7 +123,19 @@ def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
     d = ev.to_dict()
     if how is not None and "source_ranks" in d:
         d["source_ranks"] = how
+    st = step_time_dict(args, placement, trace, policy, _steps(args, placement, trace))
+    if st is not None:
+        d["step_time"] = st
     return d
+
+
+def _steps(args, placement, trace):
+    """The ``--phase`` steps step_time prices (those step_par measures), or None without ``--model``."""
+    from placement.steps import make_steps
+
+    if args.model is None or not trace.has_tokens:
+        return None
+    return make_steps(trace, placement.topology.ep_size, args.phase, args.step_tokens)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:

@@ -241,3 +241,50 @@ def test_step_model_check_table_within_published_ranges(tmp_path):
         assert g["low"] <= g["modelled"] <= g["high"], g
     # the decode gain is smaller than the prefill gain, as published
     assert gains["decode balanced over none"]["modelled"] < gains["prefill balanced over none"]["modelled"]
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate --model --hardware --phase --json: step_time
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def deepseek_slice_files(tmp_path_factory):
+    """The first 12,000 tokens of the shared DeepSeek-V2-Lite trace and a greedy map for 8 GPUs / 2 nodes."""
+    from cli.main import main
+    from profiling.readers import read_trace, write_trace
+    from tests.conftest import DEEPSEEK, shared_trace_path
+
+    d = tmp_path_factory.mktemp("ds")
+    trace = d / "slice.npz"
+    write_trace(read_trace(shared_trace_path(DEEPSEEK)).slice_tokens(0, 12000), trace)
+    pl = d / "greedy.json"
+    args = ["solve", "--trace", str(trace), "--ep-size", "8", "--num-nodes", "2", "--num-redundant", "8"]
+    assert main([*args, "--solver", "greedy", "-o", str(pl)]) == 0
+    return trace, pl
+
+
+def test_evaluate_reports_step_time(deepseek_slice_files, capsys):
+    from cli.main import main
+
+    trace, pl = deepseek_slice_files
+    capsys.readouterr()
+    args = ["evaluate", str(pl), str(trace), "--model", "deepseek-v2-lite", "--hardware", "h200"]
+    assert main([*args, "--phase", "decode", "--dispatch", "balanced", "--json"]) == 0
+    st = json.loads(capsys.readouterr().out)["step_time"]
+    assert st["whole_ms"] > st["moe_ms"] > 0
+    assert (st["phase"], st["dispatch"], st["hardware"], st["calibrated"]) == (
+        "decode",
+        "balanced",
+        "h200",
+        False,
+    )
+    assert st["dispatch_overhead_ms"] > 0 and st["num_steps"] >= 1
+    assert st["whole_ms"] == pytest.approx(st["moe_ms"] + st["dispatch_overhead_ms"] + st["rest_ms"])
+    # without --model there is no step_time; --hardware alone is refused with a one-line reason
+    assert main(["evaluate", str(pl), str(trace), "--phase", "decode", "--json"]) == 0
+    assert "step_time" not in json.loads(capsys.readouterr().out)
+    assert main(["evaluate", str(pl), str(trace), "--hardware", "h100"]) == 2
+    assert "needs --model" in capsys.readouterr().err
+    # a model whose experts do not match the trace's is refused, naming both
+    assert main(["evaluate", str(pl), str(trace), "--model", "mixtral-8x7b", "--json"]) == 2
+    err = capsys.readouterr().err
+    assert "8 experts" in err and "64" in err and len(err.strip().splitlines()) == 1
