@@ -209,7 +209,7 @@ def _run(steps: list[tuple[str, Callable[[], Any]]], progress: Progress, desc: s
     return out
 
 
-def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement]]:
+def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement], dict]:
     """Placements for every option, then each row priced per phase on the held-out steps."""
     opts, builds = balance.plan_options(fit, options)
     built = _run([(d, b) for _, d, b in builds], progress, "placements")
@@ -226,10 +226,9 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
             ph: phases.price_phase(pl, held, st, o.dispatch, model, cluster, options.context_len)
             for ph, st in steps.items()
         }
-        extra = _slots_extra(model, options, o)
-        mem = cost.replica_memory(
-            model, cluster, options.ep_size, extra, options.decode_batch, options.context_len
-        )
+        # (E + R0) / G = ceil(E / G): the engines' minimum R0 fills the padding; r slots are on top
+        r, b = o.redundant_per_gpu, options.decode_batch
+        mem = cost.replica_memory(model, cluster, options.ep_size, r, b, options.context_len)
         return Row(
             o.kind,
             o.dispatch,
@@ -242,37 +241,30 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
         )
 
     rows = _run([(o.key, lambda o=o: one(o)) for o in opts], progress, "held-out prices")
-    return rows, placements
-
-
-def _slots_extra(model: ModelSpec, options: AdviseOptions, o: balance.Option) -> int:
-    """Redundant slots per GPU on the model's side, the engines' minimum included."""
-    G = options.ep_size
-    return o.redundant_per_gpu + (min_redundant(model.num_logical_experts, G) + G - 1) // G
+    return rows, placements, steps
 
 
 def _assumptions(
-    model: ModelSpec, cluster: ClusterSpec, options, tokens: dict, source: str
+    model: ModelSpec, cluster: ClusterSpec, options, steps: dict, source: str
 ) -> tuple[str, ...]:
-    cal = (
-        "calibrated (benchmarks/gpu_gemm_fit.py data)"
-        if options.hardware_calibrated
-        else "analytic, not calibrated"
-    )
+    calibrated = options.hardware_calibrated or cluster.gpu.calibrated
+    cal = "calibrated (benchmarks/gpu_gemm_fit.py data)" if calibrated else "analytic, not calibrated"
     caps = ENGINES[options.engine]
     out = [
         f"cost model: {cal}; hardware preset {cluster.name} ({cluster.gpu.source})",
         phases.MODEL_NOTE,
         "balance: placements fitted on the first half of the trace's prompts, priced on the held-out second half",
-        f"decode: {tokens['decode']} sequences per rank per step; prefill: chunks of {tokens['prefill']} tokens "
-        f"per rank; gains are whole-step throughput over the baseline, band = 2 standard errors over blocks of steps",
+        *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
+        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
         f"engine capabilities: {options.engine} {caps.version} (solver/advise/engines.py, read from its code)",
         f"memory: decode at {options.decode_batch} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
         f"rebalance stall: {source}",
     ]
-    if tokens["prefill"] < options.prefill_chunk:
-        out.append(f"prefill chunk {options.prefill_chunk} tokens per rank capped to {tokens['prefill']}")
+    if steps["prefill"].step_tokens < options.prefill_chunk:
+        out.append(
+            f"prefill chunk {options.prefill_chunk} tokens per rank capped to {steps['prefill'].step_tokens}"
+        )
     if options.quick:
         out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
     return tuple(out)
@@ -320,7 +312,7 @@ def advise(
     spec = resolve_model(model, trace)
     cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
     steps, warnings = _held_out_checks(held, options)
-    rows, placements = _rows(fit, held, spec, cluster, options, progress)
+    rows, placements, steps_used = _rows(fit, held, spec, cluster, options, progress)
     base = next(r for r in rows if r.kind == balance.NO_EPLB)
     available = {r.key: recommend.availability(options.engine, spec.name, r) for r in rows}
     choice = recommend.choose(rows, base, available)
@@ -350,7 +342,7 @@ def advise(
         launch=launch, rebalance=rb, reason=choice.reason,
         summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch),
         held_out_steps=steps, warnings=tuple(warnings),
-        assumptions=_assumptions(spec, cluster, options, _step_tokens(held, options), rebalance.stall(options.engine)[1]),
+        assumptions=_assumptions(spec, cluster, options, steps_used, rebalance.stall(options.engine)[1]),
         placements=placements, held_out=held, files=files,
     )  # fmt: skip
 
