@@ -54,7 +54,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"
     )
-    p.add_argument("--output", default=None, help=f"folder for {REPORT} (self-contained) and {JSON}")
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"folder for {REPORT} (self-contained), {JSON} and every file the launch command names",
+    )
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
     p.add_argument(
@@ -156,7 +160,9 @@ def run(args: argparse.Namespace) -> int:
     options = _options(args)
     trace = open_trace(args.trace)
     try:
-        advice = advise(trace, args.model, args.hardware, options, progress=_bar, output=str(out or "OUTPUT"))
+        advice = advise(
+            trace, args.model, args.hardware, options, progress=_bar, **({"output": str(out)} if out else {})
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from None
     d = advice.to_dict()

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 # (items, total, description) -> the same items (a progress bar, or the identity)
 Progress = Callable[[Iterable, int, str], Iterable]
 NO_BALANCING = "no balancing"
+UNSET_OUTPUT = "OUTPUT"  # the folder named in the command when no --output is given
 
 
 def _identity(items: Iterable, total: int, desc: str) -> Iterable:
@@ -294,7 +295,7 @@ def advise(
     hardware: str = "h200",
     options: AdviseOptions | None = None,
     progress: Progress | None = None,
-    output: str = "OUTPUT",
+    output: str = UNSET_OUTPUT,
     **kw: Any,
 ) -> Advice:
     """Advice for serving ``trace``'s model on ``options.engine`` (keywords build :class:`AdviseOptions`).
@@ -323,6 +324,10 @@ def advise(
         options.engine, choice.row, spec.name, options, redundant, rb.interval_steps, output
     )
     files = {f: (placements[choice.row.placement_key], spec.num_layers) for f in launch.files}
+    if launch.files and output == UNSET_OUTPUT:
+        warnings.append(
+            f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
+        )
     if min_redundant(E, G):
         warnings.append(
             f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
