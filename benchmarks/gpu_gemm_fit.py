@@ -13,7 +13,8 @@ Fit: ``t(n) = max(F(n) / C, M(n) / B) + t0`` by least squares on log-time over a
 ``(C, B)`` starts (scipy.optimize.least_squares), where ``F = 6 d f n E`` and
 ``M = E (3 d f b_w) + activations``. The preset stores ``eta_compute = C / peak``,
 ``eta_memory = B / HBM`` and ``gemm_overhead = t0`` for ``placement.cost.hardware.load_gpu_preset``,
-and ``calibrated: true``: a ``StepTime`` priced with the preset says so (``evaluate --hardware FILE``).
+whose measured times (``provenance.times_s``) make it calibrated: a ``StepTime`` priced with the preset says
+``calibrated: true`` (``evaluate --model M --hardware FILE``).
 """
 
 from __future__ import annotations
@@ -128,7 +129,6 @@ def main() -> int:
         "eta_memory": float(min(B / base.hbm_bandwidth, 1.0)),
         "gemm_overhead": float(t0),
         "source": "benchmarks/gpu_gemm_fit.py",
-        "calibrated": True,
         "provenance": {
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -148,7 +148,7 @@ def main() -> int:
     atomic_write_json(args.out, preset)
     print(json.dumps({k: preset[k] for k in ("eta_compute", "eta_memory", "gemm_overhead")}, indent=1))
     print(
-        f"wrote {args.out} (calibrated: true); use it with: moe-placement layout --hardware {args.out} ... "
+        f"wrote {args.out} (calibrated: measured times in provenance); use it with: moe-placement layout --hardware {args.out} ... "
         f"or evaluate --hardware {args.out}, whose step_time then says calibrated: true"
     )
     return 0

@@ -128,7 +128,9 @@ def make_steps(
     else:
         b = _check_step_tokens(step_tokens, phase)
         _check_fits(trace.num_tokens, G, b, phase)
-        out = _decode_steps(trace, G, b, seed) if phase == "decode" else _prefill_steps(trace, G, b)
+        out = (
+            _decode_steps(trace, G, b, seed, max_steps) if phase == "decode" else _prefill_steps(trace, G, b)
+        )
     return _truncate(out, max_steps)
 
 
@@ -253,8 +255,9 @@ def _queues(rank: np.ndarray, lengths: np.ndarray, G: int, b: int, rng, weighted
     return order, qstart, qlen, first, np.zeros(G, dtype=np.int64)
 
 
-def _decode_steps(trace: RoutingTrace, G: int, b: int, seed: int) -> Steps:
-    """Continuous batching over the trace's sequences in steady state (module docstring)."""
+def _decode_steps(trace: RoutingTrace, G: int, b: int, seed: int, max_steps: int | None = None) -> Steps:
+    """Continuous batching over the trace's sequences in steady state (module docstring); the
+    simulation stops after ``max_steps`` steps."""
     T = trace.num_tokens
     starts, lengths, rank, notes = _sequences(trace, G, b)
     rng = np.random.default_rng(seed)
@@ -272,6 +275,9 @@ def _decode_steps(trace: RoutingTrace, G: int, b: int, seed: int) -> Steps:
     seq = seq_of(qpos)
     pos = (rng.random(G * b) * lengths[seq]).astype(np.int64) if bounded else np.zeros(G * b, np.int64)
     S = T // (G * b)
+    if max_steps is not None and S > max_steps:
+        notes.append(f"first {max_steps} of {S} steps kept (max_steps)")
+        S = int(max_steps)
     out_tok, out_step = [], []
     for s in range(S):
         out_tok.append(starts[seq] + pos)
@@ -289,16 +295,19 @@ def _decode_steps(trace: RoutingTrace, G: int, b: int, seed: int) -> Steps:
     step = np.broadcast_to(np.arange(S)[:, None], tok.shape)
     rk = np.broadcast_to(slot_rank, tok.shape)
     row = np.broadcast_to(np.tile(np.arange(b), G), tok.shape)
-    notes += _coverage_notes(tok[keep], T, live)
+    notes += _coverage_notes(tok[keep], T, live, whole=S == T // (G * b))
     return _frozen("decode", b, G, tok[keep], step[keep], rk[keep], row[keep], S, notes)
 
 
-def _coverage_notes(tok: np.ndarray, T: int, live: np.ndarray) -> list[str]:
-    """What share of the trace the steps cover, and ranks that hold no sequence."""
+def _coverage_notes(tok: np.ndarray, T: int, live: np.ndarray, whole: bool) -> list[str]:
+    """Ranks that hold no sequence, and (``whole``: every step was run) what share of the trace the
+    steps cover."""
     seen = np.bincount(tok, minlength=T)
     notes = []
     if (~live).any():
         notes.append(f"{int((~live).sum())} rank(s) hold no sequence and run empty batches")
+    if not whole:
+        return notes
     twice, never = int((seen > 1).sum()), int((seen == 0).sum())
     if twice or never:
         notes.append(

@@ -6,9 +6,7 @@ Pure numpy (no torch, no solver): the online rebalancer (:mod:`runtime_hooks.reb
 engine plugins (:mod:`runtime_hooks.engine_plugins.policy`) and the trace replay
 (:mod:`runtime_hooks.replay`) decide with the same three functions.
 
-Model (shared docs/costmodel.md, Migration; every constant a field of :class:`RuleParams`, its
-default taken from the one cost model, :mod:`placement.cost`; the copy is priced by
-:func:`placement.cost.primitives.move_time`, the compute by ``assignment_seconds``):
+Model (shared docs/costmodel.md, Migration; every constant a field of :class:`RuleParams`):
 
 - **gain** over the next window: ``(sum over layers of peak_now - peak_new) x horizon x
   seconds_per_assignment``. ``peak_*`` are the peak GPU's token-expert assignments of the window
@@ -19,7 +17,9 @@ default taken from the one cost model, :mod:`placement.cost`; the copy is priced
   bound and this overstates the gain); (c) nothing of the saving is hidden by overlap; (d) a
   peak saving within ``noise_z`` Poisson standard deviations of the window's peak (``sqrt(peak)``
   per layer) is sampling noise and counts for nothing.
-- **cost**: ``stall x (max over GPUs of arrived experts x expert_bytes / bandwidth + latency)``.
+- **cost**: ``stall x (max over GPUs of arrived experts x expert_bytes / bandwidth + latency)``, priced
+  by the one cost model (:func:`placement.cost.primitives.move_time`; the defaults of every constant
+  come from :mod:`placement.cost`, the compute per assignment from ``assignment_seconds``).
   Arrived experts (``placement.churn``) are what crosses a link; copies onto different GPUs run in
   parallel, so the busiest receiver sets the time; ``stall`` is the share of that time serving waits
   (1: the copy blocks serving; vLLM's async EPLB overlaps most of it, about 0.1-0.3).

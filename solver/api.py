@@ -409,7 +409,9 @@ def _gate_dispatch(
         return placement, False
     dispatch = problem.dispatch
     if isinstance(fit, StepFit):  # per-step model: modelled time (or step peak) on the validation steps
-        peak = fit.score
+        a, b = placement.physical_to_logical_map, baseline.physical_to_logical_map
+        differ = [l for l in range(a.shape[0]) if not np.array_equal(a[l], b[l])]  # the others score alike
+        peak = lambda pl: fit.score(pl, differ)  # noqa: E731
     else:
         counts = _rank_counts(problem)  # [L, G, E]
         peak = lambda pl: rank_gpu_load(pl, counts, dispatch).max(axis=1).sum()  # noqa: E731

@@ -4,13 +4,21 @@ Under a per-step split a replicated expert is an edge along which load flows bet
 step time is how flat the best split of each step is, not the window average. The fit here keeps the
 number of slots and chooses which experts hold the redundant slots and where:
 
-    sample steps of the fit part -> per layer: guard -> start -> local search, scored by the mean over
-    the sampled steps of the per-step peak -> keep a layer only if it is better under the dispatch
-    model on the search steps and on a validation part -> report
+    sample steps of the phase from the fit part -> per layer: guard -> start -> local search, scored by
+    the mean over the sampled steps of the modelled MoE layer time (or, without a cost model, the
+    per-step peak) -> keep a layer only if it is better under the dispatch model on the search steps
+    and on a validation part -> report
 
-- steps: ``step_tokens * G`` consecutive tokens of the trace (``step_tokens`` per rank), starting at
-  random multiples of ``step_tokens`` in the first ``1 - validation`` of the fit tokens (search), and
-  in the rest (validation).
+- steps (``phase``): ``decode`` steps of :func:`placement.steps.make_steps` (steady-state continuous
+  batching, ``step_tokens`` sequences per rank; more seeded starts when the part holds too few), or
+  ``prefill`` steps of ``step_tokens * G`` consecutive tokens starting at random multiples of
+  ``step_tokens``; a trace with recorded engine batches is stepped by them. Drawn from the first
+  ``1 - validation`` of the fit tokens (search) and from the rest (validation).
+- objective (``cost``, :mod:`solver.step_cost`): per step, the slowest GPU's grouped GEMM from its
+  tokens and its active experts (a replica that gets a few tokens still reads a whole expert's
+  weights, which dominates in decode) plus dispatch and combine, from the one cost model
+  (:mod:`placement.cost.step_time`); a layer is kept only where both its time and its step peak do
+  not rise. Without a cost model: the step peak alone.
 - guard (:class:`_Guard`): on the whole fit load and on each of ``window_parts`` consecutive parts of
   the fit tokens, the even-split window loads of every state keep the mean of the ``top_share`` most
   loaded GPUs within ``top_slack`` of the given placement's, and the peak within ``window_slack``
@@ -25,9 +33,9 @@ number of slots and chooses which experts hold the redundant slots and where:
   two slots between GPUs; targeted moves replicate an expert of a GPU that carries the step peaks
   onto a cold GPU (a new edge from hot to cold) or swap a hot GPU's slot with a cold GPU's. A move
   is a scored proposal: illegal or guard-breaking draws are redrawn (up to ``draws``); it is kept
-  only when it lowers the score. The score during the search is :func:`relaxed_peak`, a fast feasible
-  fractional split (within about 0.2% of the LP optimum on the shared traces); the final checks use
-  the model's own ``step_load``.
+  only when it lowers the score. The split during the search is :func:`relaxed_split`, a fast
+  feasible fractional split (within about 0.2% of the LP optimum on the shared traces); the final
+  checks use the model's own ``step_load``.
 - deterministic for a seed and a move budget (``moves`` per layer).
 
 Shapes: L layers, E logical experts, P slots, G GPUs, S slots per GPU, N steps.
@@ -143,15 +151,14 @@ class StepFit:
             out += f"; validation MoE time {self.time_before_us:.1f} -> {self.time_after_us:.1f} us"
         return out + ")"
 
-    def score(self, placement: Placement) -> float:
-        """What the pipeline's gate compares on the validation steps: the modelled MoE time summed
-        over layers (seconds) when there is a cost model, else the summed mean step peak."""
+    def score(self, placement: Placement, layers=None) -> float:
+        """What the pipeline's gate compares on the validation steps, summed over ``layers`` (None:
+        all): the modelled MoE time (seconds) when there is a cost model, else the mean step peak."""
+        layers = range(placement.num_layers) if layers is None else list(layers)
+        model = get_dispatch(self.dispatch)
         if self.cost is not None and self.validation_rank_counts is not None:
-            layers = range(placement.num_layers)
-            return float(
-                step_seconds(placement, self.validation_rank_counts, self.dispatch, self.cost, layers).sum()
-            )
-        return float(step_scores(placement, self.validation_counts, self.dispatch).sum())
+            return float(_figures(placement, self.validation_rank_counts, model, self.cost, layers)[1].sum())
+        return float(_figures(placement, self.validation_counts, model, None, layers)[0].sum())
 
 
 # ---------------------------------------------------------------------------------------------

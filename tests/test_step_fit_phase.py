@@ -124,3 +124,28 @@ def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
         assert d["phase"] == phase and d["step_tokens"] == tokens and isinstance(d["notes"], list)
     assert main(["evaluate", str(out), str(tmp_path / "t.npz")]) == 0
     assert "on decode steps, 64 tokens per rank" in capsys.readouterr().out
+
+
+def test_layout_takes_step_tokens_as_its_tokens_per_rank():
+    from cli.main import build_parser
+
+    base = ["layout", "--model", "deepseek-v3", "--nodes", "1"]
+    assert build_parser().parse_args([*base, "--step-tokens", "32"]).batch_per_rank == 32
+    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).batch_per_rank == 48
+
+
+def test_a_gated_solver_keeps_greedy_when_its_fitted_time_is_higher():
+    tr = mixtral_like(seed=3)
+    topo = Topology(ep_size=4, num_physical_experts=12, num_nodes=2)
+    res = solve(
+        "cpsat",
+        topology=topo,
+        trace=tr,
+        dispatch="balanced",
+        time_limit=4.0,
+        fit=FitOptions(step_tokens=16, step_moves=20),
+    )
+    assert res.fit is not None and res.fit.cost is not None
+    assert res.fit.score(res.placement) <= res.fit.score(res.baseline) * (1 + 1e-9)
+    if res.placement is res.baseline or res.placement.provenance.get("fallback_from"):
+        assert any("kept" in n for n in res.report.notes)

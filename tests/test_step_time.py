@@ -288,3 +288,24 @@ def test_evaluate_reports_step_time(deepseek_slice_files, capsys):
     assert main(["evaluate", str(pl), str(trace), "--model", "mixtral-8x7b", "--json"]) == 2
     err = capsys.readouterr().err
     assert "8 experts" in err and "64" in err and len(err.strip().splitlines()) == 1
+
+
+def test_kernel_figures_and_count_allreduce():
+    from placement.cost.primitives import a2a_time, allreduce_time, kernel_of_phase
+
+    cl = cluster_preset("h200")
+    # one node: the NVLink figures of each kernel; several nodes: RDMA's
+    assert float(a2a_time(cl, 0.0, 0.0, 1, 8, "low_latency")) == cl.intra.latency
+    assert float(a2a_time(cl, 0.0, 0.0, 1, 8, "normal")) == cl.intra.kernel("normal")[1] > cl.intra.latency
+    assert float(a2a_time(cl, 0.0, 0.0, 4, 32, "normal")) == cl.inter.kernel("normal")[1]
+    assert kernel_of_phase("decode") == "low_latency" and kernel_of_phase("prefill") == "normal"
+    with pytest.raises(ValueError, match="phase"):
+        kernel_of_phase("training")
+    with pytest.raises(ValueError, match="low_latency"):
+        cl.intra.kernel("fast")
+    # a count all-reduce is latency-bound: across nodes it costs the RDMA figure, in a node NVLink's
+    assert allreduce_time(cl, 1024, 4, 32) == pytest.approx(
+        cl.inter.allreduce_latency + 2 * 31 / 32 * 1024 / cl.inter.bandwidth
+    )
+    assert allreduce_time(cl, 1024, 1, 8) < allreduce_time(cl, 1024, 4, 32)
+    assert allreduce_time(cl, 1024, 1, 1) == 0.0

@@ -278,3 +278,12 @@ def test_prefill_with_recorded_ranks_chunks_each_ranks_tokens():
     for g in range(G):
         mine = st.token[(st.rank == g) & (st.step == 1)]
         assert np.array_equal(mine, np.flatnonzero(tr.source_rank == g)[16:32])
+
+
+def test_decode_stops_at_max_steps_with_the_same_first_steps():
+    tr = topic_trace()
+    whole = make_steps(tr, G, "decode", 8, seed=2)
+    first = make_steps(tr, G, "decode", 8, seed=2, max_steps=5)
+    assert first.num_steps == 5 and any("first 5 of" in n for n in first.notes)
+    assert np.array_equal(first.token, whole.token[whole.step < 5])
+    assert not any("not stepped" in n for n in first.notes)

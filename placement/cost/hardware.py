@@ -88,8 +88,6 @@ class GpuSpec:
         nvlink: the intra-node link that comes with the GPU (overridable per cluster).
         split_overhead: seconds per MoE layer a per-step dispatch spends computing its split on the
             GPU (LP or water-fill over the all-reduced counts), besides the all-reduce itself.
-        calibrated: True when the GEMM constants were refitted on this GPU
-            (``benchmarks/gpu_gemm_fit.py``), False for datasheet figures and published fits.
     """
 
     name: str
@@ -105,7 +103,6 @@ class GpuSpec:
     source: str = ""
     provenance: Mapping[str, Any] = field(default_factory=dict)
     split_overhead: float = 2e-6
-    calibrated: bool = False
 
     def __post_init__(self) -> None:
         for k in ("flops_fp8", "flops_bf16", "hbm_bandwidth", "hbm_bytes"):
@@ -114,6 +111,13 @@ class GpuSpec:
         for k in ("eta_compute", "eta_memory", "eta_attention"):
             if not 0 < getattr(self, k) <= 1:
                 raise ValueError(f"GPU {self.name!r}: {k} must be in (0, 1], got {getattr(self, k)}")
+
+    @property
+    def calibrated(self) -> bool:
+        """True when the GEMM constants were refitted on this GPU: the preset carries the fit's measured
+        times (``provenance["times_s"]``, written by ``benchmarks/gpu_gemm_fit.py``); False for
+        datasheet figures and published fits."""
+        return bool(self.provenance.get("times_s")) if isinstance(self.provenance, Mapping) else False
 
     def peak_flops(self, weight_bytes: float) -> float:
         """Dense peak for weights of ``weight_bytes`` per element (1 = FP8, else BF16)."""
@@ -293,8 +297,8 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
     """Read a GPU preset JSON (as written by ``benchmarks/gpu_gemm_fit.py``).
 
     Keys: ``base`` (a preset name to start from) and any :class:`GpuSpec` field to override
-    (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance`` and ``calibrated``
-    (default: True when ``provenance`` holds measured ``times_s``, as the fit writes).
+    (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance`` (the fit's measured
+    ``times_s`` there make the preset :attr:`GpuSpec.calibrated`).
     """
     from profiling.fileio import load_json
 
@@ -318,17 +322,14 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
         "name",
     }
     over = {k: d[k] for k in allowed if k in d}
-    extra = set(d) - allowed - {"base", "provenance", "source", "calibrated"}
+    extra = set(d) - allowed - {"base", "provenance", "source"}
     if extra:
         raise ValueError(f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: {sorted(allowed)}")
-    prov = d.get("provenance", {})
-    prov = dict(prov) if isinstance(prov, Mapping) else {}
     return replace(
         GPUS[base],
         **over,
         source=str(d.get("source", f"fitted preset {path}")),
-        provenance=prov,
-        calibrated=bool(d.get("calibrated", bool(prov.get("times_s")))),
+        provenance=dict(d.get("provenance", {})),
     )
 
 
