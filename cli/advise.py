@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from cli.common import CliError, bounded_int, check_folder_outputs, echo, format_table, open_trace, progress
@@ -18,6 +19,7 @@ JSON = "advise.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.steps import DEFAULT_STEP_TOKENS
     from solver.advise import AUTO_MODEL, engine_names
 
     p = subparsers.add_parser(
@@ -38,22 +40,41 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=bounded_int(1, 64), default=8)
     p.add_argument("--engine", choices=engine_names(), required=True)
     p.add_argument(
-        "--decode-batch", type=bounded_int(1, 1 << 20), default=64, help="tokens per rank per decode step"
+        "--decode-batch",
+        type=bounded_int(1, 1 << 20),
+        default=DEFAULT_STEP_TOKENS["decode"],
+        help="decode step_tokens: sequences in flight per rank, one token each per step (default %(default)s)",
     )
     p.add_argument(
-        "--prefill-chunk", type=bounded_int(1, 1 << 24), default=8192, help="tokens per rank per prefill step"
+        "--prefill-chunk",
+        type=bounded_int(1, 1 << 24),
+        default=DEFAULT_STEP_TOKENS["prefill"],
+        help="prefill step_tokens: tokens per rank per prefill chunk (default %(default)s)",
     )
     p.add_argument(
         "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"
     )
-    p.add_argument("--output", default=None, help=f"folder for {REPORT} (self-contained) and {JSON}")
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"folder for {REPORT} (self-contained), {JSON} and every file the launch command names",
+    )
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse (exit 2) instead of warning when a phase has < 20 held-out steps",
+    )
     p.set_defaults(func=run)
 
 
 def _bar(items, total, desc):
-    return progress(items, total=total, desc=f"advise: {desc}", min_seconds=0.0)
+    """A progress bar on a terminal; elsewhere one line per stage on stderr."""
+    if sys.stderr.isatty():
+        return progress(items, total=total, desc=f"advise: {desc}", min_seconds=0.0)
+    print(f"advise: {desc} ({total} step{'s' if total != 1 else ''})", file=sys.stderr, flush=True)
+    return items
 
 
 def _options(args):
@@ -65,6 +86,7 @@ def _options(args):
         prefill_chunk=args.prefill_chunk,
         context_len=args.context_len,
         hardware_calibrated=str(args.hardware).endswith(".json"),
+        strict=args.strict,
     )
     try:
         if args.quick:
@@ -77,56 +99,72 @@ def _options(args):
 _COLS = [
     ("key", "option | dispatch | r/GPU", -1),
     ("window_par", "win PAR", 3),
-    ("step_par_decode", "step PAR", 3),
-    ("decode_moe_ms", "dec ms", 2),
-    ("prefill_moe_ms", "pre ms", 1),
-    ("redundant_gb_per_gpu", "rep GB", 2),
-    ("kv_tokens_lost_per_gpu", "KV tok lost", 0),
+    ("decode", "decode gain", -1),
+    ("prefill", "prefill gain", -1),
+    ("memory_gb", "rep GB", 2),
+    ("runs", "runs", -1),
 ]
 
 
+def _gain(ph: dict) -> str:
+    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{ph['band'] * 100:.2f}"
+
+
 def _print(d: dict) -> None:
-    c = d["context"]
+    c, rec = d["context"], d["recommendation"]
     echo(
-        f"{c['engine']}: {c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']}; trace "
-        f"{c['trace']['name']} ({c['trace']['experts']} experts), held-out half scored"
+        f"{c['engine']} {c['engine_version']}: {c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']} "
+        f"(modelled); trace {c['trace']['name']}, held-out steps decode {d['held_out_steps']['decode']}, "
+        f"prefill {d['held_out_steps']['prefill']}"
     )
-    rows = [{**r, "key": ("* " if r["key"] == d["chosen"] else "  ") + r["key"]} for r in d["rows"]]
+    chosen = rec["option"]
+    rows = []
+    for o in d["options"]:
+        mark = "* " if o["key"] == chosen else "  "
+        rows.append(
+            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"]["decode"]),
+             "prefill": _gain(o["phases"]["prefill"]), "memory_gb": o["phases"]["decode"]["memory_gb"],
+             "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}"}
+        )  # fmt: skip
     echo(format_table(rows, _COLS))
-    be = d["break_even"]
-    never = be["interval_s"] is None
-    echo(
-        f"drift: stale/fresh PAR {d['drift']['ratio']:.4f}; rebalance move {be['move_s'] * 1e3:.2f} ms; "
-        f"break-even {'never' if never else format(be['interval_s'], '.3f') + ' s'}"
-    )
-    for p in d["migration_front"]:
-        echo(
-            f"  max_moves={p['max_moves']}: {p['move']['arrived_experts']} arrived experts, "
-            f"{p['move']['seconds'] * 1e3:.2f} ms, held-out PAR {p['held_out_par']:.4f}"
-        )
-    echo(f"recommendation: {d['recommendation']}")
+    echo(f"recommendation: {d['summary']}")
+    for w in d["warnings"]:
+        echo(f"warning: {w}")
     for a in d["assumptions"]:
         echo(f"* {a}")
 
 
 def _write(out: Path, advice, d: dict) -> list[Path]:
+    from placement.formats import write_placement
     from profiling.fileio import atomic_write_bytes, atomic_write_json
     from solver.advise import render_html
 
     out.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, (placement, hidden) in advice.files.items():
+        fmt = "sglang" if advice.context["engine"] == "sglang" else "native"
+        extra = {"num_hidden_layers": hidden} if fmt == "sglang" else {}
+        files += write_placement(placement, name, fmt, **extra)
     atomic_write_bytes(out / REPORT, render_html(advice).encode())
     atomic_write_json(out / JSON, d)
-    return [out / REPORT, out / JSON]
+    return [out / REPORT, out / JSON, *files]
 
 
 def run(args: argparse.Namespace) -> int:
     """Steps: check outputs -> read the trace -> advise -> write -> print."""
     from solver.advise import advise
+    from solver.advise.recommend import SGLANG_FILE, VLLM_FILE
 
-    out = check_folder_outputs(args.output, [REPORT, JSON], [args.trace]) if args.output else None
+    names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
+    out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
-    advice = advise(trace, args.model, args.hardware, options, progress=_bar)
+    try:
+        advice = advise(
+            trace, args.model, args.hardware, options, progress=_bar, **({"output": str(out)} if out else {})
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
     d = advice.to_dict()
     files = _write(out, advice, d) if out is not None else []
     if args.json:

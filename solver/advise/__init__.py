@@ -2,8 +2,8 @@
 
 ``advise(trace, model, hardware, engine=..., nodes=...)`` -> :class:`Advice` (``to_dict()``: the CLI's
 ``--json``); :func:`render_html` writes the self-contained report. Modules: ``options`` (what is asked),
-``balance`` (options, placements, held-out scores), ``cost`` (step time and memory), ``migration``
-(drift, rebalance cost, break-even, front), ``recommend`` (the choice and the flags), ``report`` (HTML).
+``balance`` (options, placements, held-out scores), ``cost`` (memory), ``phases`` (step time per phase), ``engines``
+(what each engine runs), ``rebalance`` (judged out of sample), ``recommend`` (the choice and the command), ``report`` (HTML).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from placement.metrics import balance_stats, step_par, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
+from solver.advise.engines import min_redundant
 from solver.advise.options import AdviseOptions, engine_dispatches, runtime_step_dispatches
 from solver.api import FitOptions, run
 from solver.problem import Problem
@@ -60,14 +61,12 @@ class Scores:
 
 
 def trace_topology(num_experts: int, redundant_per_gpu: int, options: AdviseOptions) -> Topology:
-    """``E + r G`` slots over ``G`` GPUs on ``nodes`` nodes (ValueError when ``E`` does not divide)."""
+    """``E + R0 + r G`` slots over ``G`` GPUs on ``nodes`` nodes, ``R0`` the fewest redundant slots that
+    make ``(E + R0) % G == 0`` (the engines' rule; 60 experts on 16 GPUs need 4)."""
     G = options.ep_size
-    if num_experts % G:
-        raise ValueError(
-            f"the trace's {num_experts} experts do not divide over {G} GPUs ({options.nodes} nodes x "
-            f"{options.gpus_per_node}); engines need whole experts per GPU: use a GPU count that divides {num_experts}"
-        )
-    return Topology.from_redundant(num_experts, redundant_per_gpu * G, G, options.nodes)
+    return Topology.from_redundant(
+        num_experts, min_redundant(num_experts, G) + redundant_per_gpu * G, G, options.nodes
+    )
 
 
 def _solve(name: str, topo: Topology, fit: RoutingTrace, dispatch: str, options: AdviseOptions) -> Placement:
@@ -124,10 +123,10 @@ def prefill_tokens(held: RoutingTrace, options: AdviseOptions) -> int:
 def score(
     placement: Placement, held: RoutingTrace, dispatch: str | DispatchModel, options: AdviseOptions
 ) -> Scores:
-    """Held-out PAR as :func:`placement.metrics.evaluate` computes it with ``step_tokens`` = the decode
-    batch, plus the per-step PAR at the prefill chunk."""
+    """Held-out window PAR, and the per-step PAR of the decode steps (the decode batch) and of the
+    prefill chunks (:func:`placement.metrics.step_par` with ``phase``)."""
     gl = trace_gpu_load(placement, held, dispatch, batch_tokens=options.decode_batch)  # [L, G]
     window = balance_stats(gl)["par"]
-    dec = step_par(placement, held, options.decode_batch, dispatch)["step_par"]
-    pre = step_par(placement, held, prefill_tokens(held, options), dispatch)["step_par"]
+    dec = step_par(placement, held, options.decode_batch, dispatch, "decode", seed=options.seed)["step_par"]
+    pre = step_par(placement, held, prefill_tokens(held, options), dispatch, "prefill")["step_par"]
     return Scores(float(window), float(dec), float(pre))

@@ -1,9 +1,10 @@
 """``advise``: from a user's own routing trace, which EPLB option to run on an engine, with what figures.
 
 Protocol (docs/metrics.md): placements are fitted on the first half of the trace's prompts and scored
-on the held-out second half; every figure names its dispatch model, its cost model and its assumptions.
-Steps: inputs -> placements -> held-out scores and cost rows -> choice -> drift, migration front and
-break-even -> recommendation, as one frozen :class:`Advice`.
+on the held-out second half, per phase (decode steps and prefill chunks), as whole-step time from the
+one cost model (:mod:`solver.advise.phases`). Steps: inputs and checks -> placements -> held-out prices
+-> what the engine can run -> the choice -> rebalancing judged out of sample -> the launch command, as
+one frozen :class:`Advice` whose ``to_dict()`` is the JSON contract (docs/cli.md, advise).
 """
 
 from __future__ import annotations
@@ -11,17 +12,19 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import solver.advise.balance as balance
 import solver.advise.cost as cost
-import solver.advise.migration as migration
+import solver.advise.phases as phases
+import solver.advise.rebalance as rebalance
 import solver.advise.recommend as recommend
 from placement.cost.hardware import ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
+from solver.advise.engines import ENGINES, min_redundant
 from solver.advise.options import AdviseOptions, resolve_model
 
 __all__ = ["Advice", "Row", "advise"]
@@ -29,7 +32,8 @@ __all__ = ["Advice", "Row", "advise"]
 log = logging.getLogger(__name__)
 # (items, total, description) -> the same items (a progress bar, or the identity)
 Progress = Callable[[Iterable, int, str], Iterable]
-BATCHES = tuple(2**i for i in range(15))  # tokens per rank of the step-time curve
+NO_BALANCING = "no balancing"
+UNSET_OUTPUT = "OUTPUT"  # the folder named in the command when no --output is given
 
 
 def _identity(items: Iterable, total: int, desc: str) -> Iterable:
@@ -38,38 +42,23 @@ def _identity(items: Iterable, total: int, desc: str) -> Iterable:
 
 @dataclass(frozen=True)
 class Row:
-    """One option at ``r`` redundant slots per GPU: held-out balance, modelled step times, memory."""
+    """One option at ``r`` redundant slots per GPU: held-out balance, per-phase prices, memory."""
 
     kind: str
     dispatch: str
     redundant_per_gpu: int
     placement_key: str
     scores: balance.Scores
-    decode: cost.StepTime
-    prefill: cost.StepTime
+    decode: phases.PhasePrice
+    prefill: phases.PhasePrice
     memory: cost.MemoryCost
 
     @property
     def key(self) -> str:
         return f"{self.kind}|{self.dispatch}|r{self.redundant_per_gpu}"
 
-    def to_dict(self) -> dict:
-        return _rounded(
-            {
-                "option": self.kind,
-                "dispatch": self.dispatch,
-                "redundant_per_gpu": self.redundant_per_gpu,
-                **asdict(self.scores),
-                "decode_moe_ms": self.decode.step_s * 1e3,
-                "decode_memory_bound": self.decode.memory_bound,
-                "prefill_moe_ms": self.prefill.step_s * 1e3,
-                "prefill_memory_bound": self.prefill.memory_bound,
-                "redundant_gb_per_gpu": self.memory.redundant_bytes / 1e9,
-                "kv_tokens_lost_per_gpu": self.memory.kv_tokens_lost,
-                "kv_tokens_left_per_gpu": self.memory.kv_tokens_left,
-                "fits": self.memory.fits,
-            }
-        )
+    def phase(self, name: str) -> phases.PhasePrice:
+        return self.decode if name == "decode" else self.prefill
 
 
 def _rounded(x: Any) -> Any:
@@ -83,26 +72,50 @@ def _rounded(x: Any) -> Any:
     return x
 
 
+def phase_figures(row: Row, base: Row, name: str, engine: str) -> dict:
+    """One phase of the contract: whole-step and MoE gains over ``base`` (with the band), the dispatch's
+    own per-step cost, memory and KV tokens the replicas take."""
+    p, b = row.phase(name), base.phase(name)
+    g, band = phases.gain(p, b)
+    return {
+        "whole_step_gain": g,
+        "band": band,
+        "moe_step_gain": b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0,
+        "dispatch_overhead_ms": p.dispatch_overhead_ms,
+        "memory_gb": row.memory.redundant_bytes / 1e9,
+        "kv_tokens_lost": row.memory.kv_tokens_lost,
+        "whole_ms": p.whole_ms,
+        "baseline_whole_ms": b.whole_ms,
+        "moe_ms": p.moe_ms,
+        "step_tokens": p.step_tokens,
+        "held_out_steps": p.num_steps,
+        "deepep_mode": ENGINES[engine].deepep_modes[name],
+    }
+
+
 @dataclass(frozen=True)
 class Advice:
     """What :func:`advise` found; ``to_dict`` is the ``--json`` payload and the HTML report's data.
 
-    ``placements`` (key -> :class:`Placement`, the trace's experts) and ``held_out`` are kept for
-    checks (``placement.metrics.evaluate``) and left out of ``to_dict``.
+    ``placements`` (key -> :class:`Placement`), ``held_out`` and ``files`` (path in ``--output`` ->
+    placement and format to write there) are kept for checks and the CLI, left out of ``to_dict``.
     """
 
     context: Mapping[str, Any]
     rows: tuple[Row, ...]
+    baseline: str
     chosen: str
-    drift: Mapping[str, Any]
-    front: tuple[Mapping[str, Any], ...]
-    break_even: Mapping[str, Any]
-    step_curve: Mapping[str, Any]
-    flags: tuple[str, ...]
-    recommendation: str
+    available: Mapping[str, tuple[bool, str]]
+    launch: recommend.Launch
+    rebalance: rebalance.Rebalance
+    reason: str
+    summary: str
+    held_out_steps: Mapping[str, int]
     assumptions: tuple[str, ...]
+    warnings: tuple[str, ...]
     placements: Mapping[str, Placement] = field(default_factory=dict, repr=False, compare=False)
     held_out: RoutingTrace | None = field(default=None, repr=False, compare=False)
+    files: Mapping[str, tuple[Placement, int]] = field(default_factory=dict, repr=False, compare=False)
 
     def row(self, key: str) -> Row:
         return next(r for r in self.rows if r.key == key)
@@ -110,19 +123,41 @@ class Advice:
     def placement_of(self, row: Row) -> Placement:
         return self.placements[row.placement_key]
 
+    def recommendation(self) -> dict:
+        """The contract's ``recommendation`` object."""
+        row, base, engine = self.row(self.chosen), self.row(self.baseline), self.context["engine"]
+        return {
+            "option": NO_BALANCING if row is base else row.key,
+            "reason": self.reason,
+            "flags": list(self.launch.flags),
+            "env": list(self.launch.env),
+            "launch_command": self.launch.command,
+            "files": list(self.launch.files),
+            "phases": {ph: phase_figures(row, base, ph, engine) for ph in phases.PHASES},
+            "rebalance": self.rebalance.to_dict(),
+        }
+
+    def _option(self, r: Row) -> dict:
+        base, engine = self.row(self.baseline), self.context["engine"]
+        ok, why = self.available[r.key]
+        return {
+            "key": r.key, "option": r.kind, "dispatch": r.dispatch, "redundant_per_gpu": r.redundant_per_gpu,
+            "available": ok, "unavailable_reason": why or None, "fits": r.memory.fits,
+            "window_par": r.scores.window_par, "step_par_decode": r.scores.step_par_decode,
+            "step_par_prefill": r.scores.step_par_prefill,
+            "phases": {ph: phase_figures(r, base, ph, engine) for ph in phases.PHASES},
+        }  # fmt: skip
+
     def to_dict(self) -> dict:
         return _rounded(
             {
-                "context": dict(self.context),
-                "rows": [{"key": r.key, **r.to_dict()} for r in self.rows],
-                "chosen": self.chosen,
-                "recommendation": self.recommendation,
-                "flags": list(self.flags),
-                "drift": dict(self.drift),
-                "break_even": dict(self.break_even),
-                "migration_front": [dict(p) for p in self.front],
-                "step_curve": dict(self.step_curve),
+                "recommendation": self.recommendation(),
+                "summary": self.summary,
+                "held_out_steps": dict(self.held_out_steps),
                 "assumptions": list(self.assumptions),
+                "warnings": list(self.warnings),
+                "context": dict(self.context),
+                "options": [self._option(r) for r in self.rows],
             }
         )
 
@@ -145,6 +180,28 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     return trace, fit, held
 
 
+def _step_tokens(held: RoutingTrace, options: AdviseOptions) -> dict[str, int]:
+    return {"decode": options.decode_batch, "prefill": balance.prefill_tokens(held, options)}
+
+
+def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[str, int], list[str]]:
+    """Held-out steps per phase; a warning (ValueError with ``strict``) below ``min_held_out_steps``."""
+    counts = {
+        ph: phases.count_steps(held, options.ep_size, ph, b) for ph, b in _step_tokens(held, options).items()
+    }
+    warnings = []
+    for ph, n in counts.items():
+        if n < options.min_held_out_steps:
+            msg = (
+                f"only {n} held-out {ph} steps (fewer than {options.min_held_out_steps}): the {ph} figures "
+                f"rest on too few steps; use a longer trace or a smaller step"
+            )
+            if options.strict:
+                raise ValueError(f"--strict: {msg}")
+            warnings.append(msg)
+    return counts, warnings
+
+
 def _run(steps: list[tuple[str, Callable[[], Any]]], progress: Progress, desc: str) -> list[Any]:
     out = []
     for name, fn in progress(steps, len(steps), desc):
@@ -153,85 +210,83 @@ def _run(steps: list[tuple[str, Callable[[], Any]]], progress: Progress, desc: s
     return out
 
 
-def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement]]:
-    """Placements for every option, then each row scored on the held-out half and costed."""
+def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement], dict]:
+    """Placements for every option, then each row priced per phase on the held-out steps."""
     opts, builds = balance.plan_options(fit, options)
     built = _run([(d, b) for _, d, b in builds], progress, "placements")
     placements = {k: p for (k, _, _), p in zip(builds, built)}
-    prefill_b = balance.prefill_tokens(held, options)
-    G, N = options.ep_size, options.nodes
+    steps = {
+        ph: phases.held_out_steps(held, options.ep_size, ph, b, options.seed)
+        for ph, b in _step_tokens(held, options).items()
+    }
 
     def one(o: balance.Option) -> Row:
-        s = balance.score(placements[o.placement_key], held, o.dispatch, options)
-        S = cost.model_slots_per_gpu(model, G, o.redundant_per_gpu)
-        dec = cost.moe_step_time(model, cluster, N, S, s.step_par_decode, options.decode_batch)
-        pre = cost.moe_step_time(model, cluster, N, S, s.step_par_prefill, prefill_b)
-        mem = cost.replica_memory(
-            model, cluster, G, o.redundant_per_gpu, options.decode_batch, options.context_len
+        pl = placements[o.placement_key]
+        s = balance.score(pl, held, o.dispatch, options)
+        price = {
+            ph: phases.price_phase(pl, held, st, o.dispatch, model, cluster, options.context_len)
+            for ph, st in steps.items()
+        }
+        # (E + R0) / G = ceil(E / G): the engines' minimum R0 fills the padding; r slots are on top
+        r, b = o.redundant_per_gpu, options.decode_batch
+        mem = cost.replica_memory(model, cluster, options.ep_size, r, b, options.context_len)
+        return Row(
+            o.kind,
+            o.dispatch,
+            o.redundant_per_gpu,
+            o.placement_key,
+            s,
+            price["decode"],
+            price["prefill"],
+            mem,
         )
-        return Row(o.kind, o.dispatch, o.redundant_per_gpu, o.placement_key, s, dec, pre, mem)
 
-    rows = _run([(o.key, lambda o=o: one(o)) for o in opts], progress, "held-out scores")
-    return rows, placements
-
-
-def _migration(trace, fit, held, row, model, cluster, options, progress):
-    """Drift, the migration front and the break-even at the chosen row's slots and dispatch."""
-    topo = balance.trace_topology(trace.num_logical_experts, row.redundant_per_gpu, options)
-    N = options.nodes
-    dsteps, drift_of = migration.drift_steps(trace, topo, row.dispatch, options.windows, model, cluster, N)
-    fsteps, front_of = migration.front_steps(
-        fit, held, topo, row.dispatch, options.move_fractions, options.windows, (model, cluster, N)
-    )
-    _run(dsteps + fsteps, progress, "migration")
-    drift, front = drift_of(), front_of()
-    S = cost.model_slots_per_gpu(model, options.ep_size, row.redundant_per_gpu)
-    be = migration.break_even(drift, model, cluster, N, S, row.scores.step_par_decode, options.decode_batch)
-    return drift, front, be
+    rows = _run([(o.key, lambda o=o: one(o)) for o in opts], progress, "held-out prices")
+    return rows, placements, steps
 
 
-def _step_curve(rows: list[Row], chosen: Row, baseline: Row, model, cluster, options) -> dict:
-    """Decode MoE step time over batch sizes for the chosen row and no EPLB, with the crossovers."""
-    out: dict[str, Any] = {"batch_per_rank": list(BATCHES), "series": []}
-    for r in (baseline, chosen) if chosen is not baseline else (chosen,):
-        S = cost.model_slots_per_gpu(model, options.ep_size, r.redundant_per_gpu)
-        times = [
-            cost.moe_step_time(model, cluster, options.nodes, S, r.scores.step_par_decode, b).step_s * 1e3
-            for b in BATCHES
-        ]
-        x = cost.crossover_batch(model, cluster, S, r.scores.step_par_decode)
-        out["series"].append({"key": r.key, "step_ms": times, "crossover_batch": x})
-    return out
-
-
-def _assumptions(model: ModelSpec, cluster: ClusterSpec, exact_note: str | None, options, held, prefill_b):
-    cal = (
-        "calibrated (benchmarks/gpu_gemm_fit.py data)"
-        if options.hardware_calibrated
-        else "analytic, not calibrated"
-    )
+def _assumptions(
+    model: ModelSpec, cluster: ClusterSpec, options, steps: dict, source: str
+) -> tuple[str, ...]:
+    calibrated = options.hardware_calibrated or cluster.gpu.calibrated
+    cal = "calibrated (benchmarks/gpu_gemm_fit.py data)" if calibrated else "analytic, not calibrated"
+    caps = ENGINES[options.engine]
     out = [
         f"cost model: {cal}; hardware preset {cluster.name} ({cluster.gpu.source})",
-        cost.FORMULA,
-        "balance: placements fitted on the first half of the trace's prompts, scored on the held-out second half",
-        f"per-step PAR: {options.decode_batch} tokens per rank per decode step, {prefill_b} per prefill step "
-        f"(consecutive held-out tokens on each of the {options.ep_size} ranks)",
-        "engine EPLB = DeepSeek's replicate-then-pack algorithm (our greedy); no EPLB = trivial placement, "
-        "one replica per expert",
+        phases.MODEL_NOTE,
+        "balance: placements fitted on the first half of the trace's prompts, priced on the held-out second half",
+        *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
+        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
+        f"engine capabilities: {options.engine} {caps.version} (solver/advise/engines.py, read from its code)",
         f"memory: decode at {options.decode_batch} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
+        f"rebalance stall: {source}",
     ]
-    if prefill_b < options.prefill_chunk:
+    if steps["prefill"].step_tokens < options.prefill_chunk:
         out.append(
-            f"prefill chunk {options.prefill_chunk} tokens per rank capped to {prefill_b}: one step of "
-            f"{options.ep_size} ranks must fit in the {held.num_tokens} held-out tokens"
+            f"prefill chunk {options.prefill_chunk} tokens per rank capped to {steps['prefill'].step_tokens}"
         )
-    out.append("at 0 redundant slots every expert has one replica: all dispatch models route alike (one row)")
-    if exact_note:
-        out.insert(0, exact_note)
     if options.quick:
         out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
     return tuple(out)
+
+
+def _summary(engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch) -> str:
+    """One paragraph, built from the same figures as the JSON."""
+    if row is base:
+        text = f"Run {engine} without expert balancing ({reason})."
+    else:
+        d, p = (phase_figures(row, base, ph, engine) for ph in phases.PHASES)
+        text = (
+            f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
+            f"per GPU ({reason}): modelled whole step decode {d['whole_step_gain'] * 100:+.2f}% "
+            f"(band {d['band'] * 100:.2f}%), prefill {p['whole_step_gain'] * 100:+.2f}% (band "
+            f"{p['band'] * 100:.2f}%), for {d['memory_gb']:.2f} GB per GPU ({d['kv_tokens_lost']:,.0f} KV tokens)."
+        )
+    text += (
+        f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
+    )
+    return text + f" ({rb.reason}). Command: {launch.command}"
 
 
 def advise(
@@ -240,56 +295,77 @@ def advise(
     hardware: str = "h200",
     options: AdviseOptions | None = None,
     progress: Progress | None = None,
+    output: str = UNSET_OUTPUT,
     **kw: Any,
 ) -> Advice:
     """Advice for serving ``trace``'s model on ``options.engine`` (keywords build :class:`AdviseOptions`).
 
     Args:
         trace: per-token routing (:class:`RoutingTrace` with ``topk_ids [T, L, k]``).
-        model: a built-in model name, a model JSON, or ``auto`` (the built-in with the trace's experts).
+        model: a built-in model name, a model JSON, or ``auto`` (the built-in with the trace's shape).
         hardware: a GPU preset name or a preset JSON from ``benchmarks/gpu_gemm_fit.py``.
-        progress: wraps each loop (``(items, total, description) -> items``), e.g. a progress bar.
+        progress: wraps each stage (``(items, total, description) -> items``), e.g. a progress line.
+        output: the folder the launch command's files are named in (the CLI's ``--output``).
     """
     options = options or AdviseOptions(**kw)
     progress = progress or _identity
-    spec, exact, note = resolve_model(model, trace)
-    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
     trace, fit, held = _inputs(trace, options)
-    rows, placements = _rows(fit, held, spec, cluster, options, progress)
-    chosen = recommend.choose_row(rows)
-    baseline = next(r for r in rows if r.kind == balance.NO_EPLB)
-    drift, front, be = _migration(trace, fit, held, chosen, spec, cluster, options, progress)
-    steps = None if be.interval_steps is None else int(math.ceil(be.interval_steps))
-    flags = recommend.launch_flags(options.engine, chosen, options.ep_size, steps)
-    text = recommend.recommendation_text(options.engine, chosen, baseline, rows, be, flags, spec.name)
-    prefill_b = balance.prefill_tokens(held, options)
+    spec = resolve_model(model, trace)
+    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
+    steps, warnings = _held_out_checks(held, options)
+    rows, placements, steps_used = _rows(fit, held, spec, cluster, options, progress)
+    base = next(r for r in rows if r.kind == balance.NO_EPLB)
+    available = {r.key: recommend.availability(options.engine, spec.name, r) for r in rows}
+    choice = recommend.choose(rows, base, available)
+    rb = _rebalance(held, choice.row, base, placements, spec, cluster, options, progress)
+    E, G = trace.num_logical_experts, options.ep_size
+    redundant = min_redundant(E, G) + choice.row.redundant_per_gpu * G
+    launch = recommend.launch(
+        options.engine, choice.row, spec.name, options, redundant, rb.interval_steps, output
+    )
+    files = {f: (placements[choice.row.placement_key], spec.num_layers) for f in launch.files}
+    if launch.files and output == UNSET_OUTPUT:
+        warnings.append(
+            f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
+        )
+    if min_redundant(E, G):
+        warnings.append(
+            f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
+        )
     context = {
-        "trace": {"name": trace.name, "tokens": trace.num_tokens, "experts": trace.num_logical_experts,
-                  "top_k": trace.top_k, "layers": trace.num_layers, "fit_tokens": fit.num_tokens,
-                  "held_out_tokens": held.num_tokens},
-        "model": spec.name, "exact": exact, "hardware": cluster.name, "engine": options.engine,
-        "nodes": options.nodes, "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_batch,
-        "prefill_tokens_per_rank": prefill_b, "quick": options.quick,
+        "trace": {"name": trace.name, "tokens": trace.num_tokens, "experts": E, "top_k": trace.top_k,
+                  "layers": trace.num_layers, "fit_tokens": fit.num_tokens, "held_out_tokens": held.num_tokens},
+        "model": spec.name, "hardware": cluster.name, "engine": options.engine,
+        "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
+        "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_batch,
+        "prefill_tokens_per_rank": _step_tokens(held, options)["prefill"], "context_len": options.context_len,
+        "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
+        "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
     }  # fmt: skip
     return Advice(
-        context=context,
-        rows=tuple(rows),
-        chosen=chosen.key,
-        drift={
-            "dispatch": chosen.dispatch,
-            "redundant_per_gpu": chosen.redundant_per_gpu,
-            "stale_par": list(drift.stale_par),
-            "fresh_par": list(drift.fresh_par),
-            "ratio": drift.ratio,
-            "window_tokens": drift.window_tokens,
-            "moves": [asdict(m) for m in drift.moves],
-        },  # fmt: skip
-        front=tuple({**asdict(p), "move": asdict(p.move)} for p in front),
-        break_even=asdict(be),
-        step_curve=_step_curve(rows, chosen, baseline, spec, cluster, options),
-        flags=tuple(flags),
-        recommendation=text,
-        assumptions=_assumptions(spec, cluster, note, options, held, prefill_b),
-        placements=placements,
-        held_out=held,
-    )
+        context=context, rows=tuple(rows), baseline=base.key, chosen=choice.row.key, available=available,
+        launch=launch, rebalance=rb, reason=choice.reason,
+        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch),
+        held_out_steps=steps, warnings=tuple(warnings),
+        assumptions=_assumptions(spec, cluster, options, steps_used, rebalance.stall(options.engine)[1]),
+        placements=placements, held_out=held, files=files,
+    )  # fmt: skip
+
+
+def _rebalance(held, row, base, placements, model, cluster, options, progress) -> rebalance.Rebalance:
+    """Periodic rebalancing of the chosen row, judged out of sample on the held-out windows."""
+    topo = balance.trace_topology(held.num_logical_experts, row.redundant_per_gpu, options)
+    static = None if row is base else placements[row.placement_key]
+
+    def price(pl: Placement, window: RoutingTrace) -> float:
+        steps = phases.held_out_steps(window, options.ep_size, "decode", options.decode_batch, options.seed)
+        return phases.price_phase(
+            pl, window, steps, row.dispatch, model, cluster, options.context_len
+        ).whole_ms
+
+    (out,) = _run(
+        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.decode_batch,
+                                               options.windows, options.rebalance_margin))],
+        progress, "rebalance",
+    )  # fmt: skip
+    return out

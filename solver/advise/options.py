@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
+from placement.steps import DEFAULT_STEP_TOKENS
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -59,8 +60,10 @@ class AdviseOptions:
     Attributes:
         engine: one of :func:`engine_names` (``sglang``, ``vllm``).
         nodes / gpus_per_node: the cluster; ``G = nodes x gpus_per_node`` EP ranks.
-        decode_batch: tokens per rank per decode step (also the per-step PAR's batch).
-        prefill_chunk: tokens per rank per prefill step (capped by the held-out tokens).
+        decode_batch: decode ``step_tokens``: sequences in flight per rank (also the memory check);
+            default :data:`placement.steps.DEFAULT_STEP_TOKENS` of decode.
+        prefill_chunk: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
+            tokens); default that of prefill.
         redundant_per_gpu: the redundant slots per GPU compared (``r``).
         context_len: cached tokens per decode sequence (memory side).
         windows: windows the drift is measured over (window ``i`` fit, ``i + 1`` scored).
@@ -71,13 +74,16 @@ class AdviseOptions:
         fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
         quick: fewer prompts (``quick_prompts``), fewer options and budgets; for notebooks and tests.
         hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
+        strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
+        min_held_out_steps: held-out steps per phase below which the figures are warned about.
+        rebalance_margin: out-of-sample whole-step gain a periodic rebalance must clear (fraction).
     """
 
     engine: str
     nodes: int
     gpus_per_node: int = 8
-    decode_batch: int = 64
-    prefill_chunk: int = 8192
+    decode_batch: int = DEFAULT_STEP_TOKENS["decode"]
+    prefill_chunk: int = DEFAULT_STEP_TOKENS["prefill"]
     redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
     context_len: int = 4096
     windows: int = 8
@@ -89,6 +95,9 @@ class AdviseOptions:
     quick_prompts: int = 300
     seed: int = 0
     hardware_calibrated: bool = False
+    strict: bool = False
+    min_held_out_steps: int = 20
+    rebalance_margin: float = 0.005
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -98,6 +107,11 @@ class AdviseOptions:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.ep_size < 2:
+            raise ValueError(
+                f"EP needs more than one rank: --nodes {self.nodes} x --gpus-per-node {self.gpus_per_node} "
+                f"= {self.ep_size} GPU; use at least 2 GPUs"
+            )
         r = tuple(self.redundant_per_gpu)
         if not r or min(r) < 0 or len(set(r)) != len(r):
             raise ValueError(f"redundant_per_gpu must be distinct integers >= 0, got {list(r)}")
@@ -127,31 +141,28 @@ class AdviseOptions:
         return cls(engine=engine, nodes=nodes, **base)
 
 
-def resolve_model(spec: str, trace: RoutingTrace) -> tuple[ModelSpec, bool, str | None]:
-    """The cost-side model for ``trace``: ``(model, exact, assumption)``.
+def resolve_model(spec: str, trace: RoutingTrace) -> ModelSpec:
+    """The cost-side model for ``trace``: ValueError unless its experts, top-k and MoE layers match.
 
-    ``auto`` picks the built-in model with the trace's expert count, top-k and layer count. A model
-    whose expert count or top-k differs is used for the cost and memory side only (``exact`` False):
-    balance always comes from the trace's own experts, never from experts mapped onto the model's.
+    ``auto`` picks the built-in model with the trace's expert count, top-k and layer count. A model of
+    another shape is refused, naming both: its figures would price experts or layers the trace never saw.
     """
     E, k, L = trace.num_logical_experts, trace.top_k, trace.num_layers
     if spec.lower() == AUTO_MODEL:
         for name in BUILTIN_MODELS:
             m = load_model(name)
             if (m.num_logical_experts, m.top_k, m.num_moe_layers) == (E, k, L):
-                return m, True, None
+                return m
         raise ValueError(
             f"--model auto: no built-in model has the trace's {E} experts, top-{k} and {L} MoE layers; "
             f"name one of {', '.join(BUILTIN_MODELS)} or a model JSON"
         )
     model = load_model(spec)
-    if (model.num_logical_experts, model.top_k) == (E, k):
-        return model, True, None
-    why = (
-        f"the trace has {E} experts (top-{k}, {L} layers), {model.name} has {model.num_logical_experts} "
-        f"(top-{model.top_k}, {model.num_moe_layers} MoE layers): balance (PAR) is measured on the trace's "
-        f"own {E} experts; {model.name} is used only for step time and memory, with the trace's PAR applied "
-        f"to its per-GPU load and its {model.num_moe_layers} layers (not exact; use --model auto or a "
-        f"model with {E} experts for exact figures)"
-    )
-    return model, False, why
+    if (model.num_logical_experts, model.top_k, model.num_moe_layers) != (E, k, L):
+        raise ValueError(
+            f"the trace has {E} experts, top-{k}, {L} MoE layers but {model.name} has "
+            f"{model.num_logical_experts} experts, top-{model.top_k}, {model.num_moe_layers} MoE layers: "
+            f"advise prices the model the trace was recorded from; use --model auto or a model JSON of the "
+            f"trace's shape"
+        )
+    return model

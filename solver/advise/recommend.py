@@ -1,96 +1,172 @@
-"""The recommendation: which option to run, the engine's launch flags for it, and the figures behind it.
+"""The recommendation: which option the engine can run, which pays beyond its band per GB spent, and
+the launch command that starts it.
 
-Flag names as the engines spell them (SGLang 0.5.23 ``arg_groups/fields/exec_.py``, vLLM 0.33
-``config/parallel.py`` and ``engine/arg_utils.py``); our plugin spec as ``docs/serving.md`` gives it.
+Flag names as the engines' parsers spell them (SGLang 0.5.23 ``ServerArgs.add_cli_args``, vLLM 0.33
+``engine/arg_utils.py``; ``tests/test_advise_engines.py`` checks every flag printed here against them).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 from placement.dispatch import get_dispatch
-from solver.advise.balance import ENGINE, NO_EPLB, OURS, RUNTIME
+from solver.advise.balance import ENGINE, NO_EPLB, RUNTIME
+from solver.advise.engines import ENGINES, architecture_of, can_balance, can_dispatch
 from solver.advise.options import engine_flag_value
+from solver.advise.phases import gain
 
-__all__ = ["choose_row", "launch_flags", "recommendation_text"]
+__all__ = ["GB_FLOOR", "HF_IDS", "Choice", "Launch", "availability", "choose", "launch", "net_gain"]
 
-_KIND_ORDER = {NO_EPLB: 0, ENGINE: 1, OURS: 2}
-TIE = 0.01  # rows within 1% of the fastest decode step count as tied: the cheaper one is chosen
+GB_FLOOR = 0.25  # GB per GPU: an option that spends less counts as spending this (gain per GB stays finite)
+HF_IDS = {
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "deepseek-r1": "deepseek-ai/DeepSeek-R1",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+    "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
+    "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+    "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
+}
+SGLANG_FILE = "expert_location.json"
+VLLM_FILE = "placement.json"
+STATIC_STEP_INTERVAL = 100  # vLLM: the first rearrangement loads the file's map; later ones keep it
 
 
-def choose_row(rows):
-    """The row to recommend: fastest modelled decode MoE step among engine-runnable rows that fit in
-    memory; within 1% of it, the fewest redundant slots, then the engine's own option."""
-    ok = [r for r in rows if r.kind in _KIND_ORDER and r.memory.fits] or [
-        r for r in rows if r.kind in _KIND_ORDER
-    ]
-    best = min(r.decode.step_s for r in ok)
-    tied = [r for r in ok if r.decode.step_s <= best * (1 + TIE)]
-    return min(tied, key=lambda r: (r.redundant_per_gpu, _KIND_ORDER[r.kind], r.decode.step_s))
+def dispatch_algorithm(engine: str, dispatch: str) -> str:
+    """The engine's own name of a dispatch model (SGLang ``--ep-dispatch-algorithm``; vLLM ``hash``)."""
+    if engine == "vllm":
+        return "hash"
+    return engine_flag_value(get_dispatch(dispatch)) or "static"
 
 
-def launch_flags(engine: str, row, ep_size: int, interval_steps: int | None) -> list[str]:
-    """The engine's command-line pieces (environment first) for ``row``; ``interval_steps``: rebalance
-    every that many steps (None: the trace shows no gain from rebalancing)."""
-    n = row.redundant_per_gpu * ep_size
+def availability(engine: str, model_name: str, row, platform: str = "cuda") -> tuple[bool, str]:
+    """Whether ``engine`` can run ``row`` for the model (reason when not): the engines' table, plus lp
+    only with its per-step overhead priced."""
     if row.kind == NO_EPLB:
-        return ["(no EPLB flags: leave --enable-eplb off)"]
-    env = []
-    if row.kind == OURS:
-        env = [f"{engine.upper()}_PLUGINS=moe_placement", "MOE_PLACEMENT_EPLB=greedy"]
-    every = interval_steps if interval_steps is not None else 100000
+        return True, ""
+    if row.kind == RUNTIME:
+        return False, f"{row.dispatch} dispatch runs in our runtime_hooks EP layer, not in {engine}"
+    arch = architecture_of(model_name)
+    ok, why = can_dispatch(engine, dispatch_algorithm(engine, row.dispatch), arch, platform)
+    if not ok:
+        return ok, why
+    if get_dispatch(row.dispatch).needs_step_counts and not (row.decode.dispatch_overhead_ms > 0):
+        return False, f"{row.dispatch}: its per-step overhead (count all-reduce, LP per layer) is not priced"
+    return True, ""
+
+
+def net_gain(row, base) -> dict:
+    """Per-phase whole-step gains of ``row`` over ``base`` with bands, and the net (phases weighted
+    alike): ``{decode: (g, band), prefill: (g, band), net, band}``."""
+    d, p = gain(row.decode, base.decode), gain(row.prefill, base.prefill)
+    return {"decode": d, "prefill": p, "net": (d[0] + p[0]) / 2, "band": math.hypot(d[1], p[1]) / 2}
+
+
+@dataclass(frozen=True)
+class Choice:
+    row: object
+    reason: str
+
+
+def _pays(g: dict) -> bool:
+    worse = any(g[ph][0] + g[ph][1] < 0 for ph in ("decode", "prefill"))
+    return g["net"] - g["band"] > 0 and not worse
+
+
+def choose(rows, base, available: dict) -> Choice:
+    """The runnable row that fits in memory and pays beyond its band with the most net gain per GB spent
+    (extra replica GB per GPU over the baseline, at least ``GB_FLOOR``); else no balancing."""
+    scored = []
+    for r in rows:
+        if r is base or not available[r.key][0] or not r.memory.fits:
+            continue
+        g = net_gain(r, base)
+        if _pays(g):
+            extra = max((r.memory.redundant_bytes - base.memory.redundant_bytes) / 1e9, GB_FLOOR)
+            scored.append((g["net"] / extra, -r.redundant_per_gpu, r))
+    if not scored:
+        return Choice(base, "no balancing: no runnable option that fits in memory gains beyond its band")
+    per_gb, _, best = max(scored, key=lambda s: (s[0], s[1]))
+    return Choice(best, f"largest net whole-step gain per GB spent ({per_gb * 100:.2f}% per GB per GPU)")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What to run: environment, the command, its flags (the EPLB part) and the files it names."""
+
+    env: tuple[str, ...]
+    command: str
+    flags: tuple[str, ...]
+    files: tuple[str, ...]
+
+
+def _parallel(engine: str, G: int, nodes: int, per_node: int) -> list[str]:
     if engine == "sglang":
-        algo = engine_flag_value(get_dispatch(row.dispatch)) or "static"
-        return env + [
-            "--moe-a2a-backend deepep",
-            "--enable-eplb",
-            f"--ep-num-redundant-experts {n}",
-            f"--ep-dispatch-algorithm {algo}",
-            f"--eplb-rebalance-num-iterations {every}",
+        out = [
+            f"--tp-size {G}",
+            f"--dp-size {G}",
+            "--enable-dp-attention",
+            f"--ep-size {G}",
+            f"--nnodes {nodes}",
         ]
-    cfg = json.dumps({"num_redundant_experts": n, "step_interval": every})
-    return env + ["--enable-expert-parallel", "--enable-eplb", f"--eplb-config '{cfg}'"]
+        out += ["--node-rank 0"] + (["--dist-init-addr HEAD_IP:5000"] if nodes > 1 else [])
+        return out + ["--moe-a2a-backend deepep", "--deepep-mode auto"]
+    out = ["--tensor-parallel-size 1", f"--data-parallel-size {G}", f"--data-parallel-size-local {per_node}"]
+    out += ["--data-parallel-address HEAD_IP"] if nodes > 1 else []
+    return out + ["--enable-expert-parallel", f"--all2all-backend {ENGINES['vllm'].deepep_modes['decode']}"]
 
 
-def _pct(a: float, b: float) -> str:
-    return f"{(1 - a / b) * 100:+.1f}%" if b > 0 else "n/a"
+def _eplb_flags(
+    engine: str, row, redundant: int, interval: int | None, output: str
+) -> tuple[list, list, list]:
+    """``(env, flags, files)`` of the balancing part."""
+    if engine == "sglang":
+        flags = [f"--ep-num-redundant-experts {redundant}"] if redundant else []
+        if row.kind == NO_EPLB:
+            return [], flags, []
+        path = f"{output}/{SGLANG_FILE}"
+        flags += [f"--ep-dispatch-algorithm {dispatch_algorithm(engine, row.dispatch)}"]
+        flags += [f"--init-expert-location {path}"]
+        if interval is not None:
+            flags += ["--enable-eplb", f"--eplb-rebalance-num-iterations {interval}"]
+        return [], flags, [path]
+    if row.kind == NO_EPLB and not redundant:
+        return [], [], []
+    if interval is not None and row.kind == ENGINE:
+        cfg = {
+            "num_redundant_experts": redundant,
+            "window_size": interval,
+            "step_interval": interval,
+            "use_async": True,
+        }
+        return [], ["--enable-eplb", f"--eplb-config '{json.dumps(cfg)}'"], []
+    path = f"{output}/{VLLM_FILE}"
+    cfg = {
+        "num_redundant_experts": redundant,
+        "step_interval": interval or STATIC_STEP_INTERVAL,
+        "use_async": True,
+    }
+    env = ["VLLM_PLUGINS=moe_placement", f"MOE_PLACEMENT_EPLB=file:{path}"]
+    return env, ["--enable-eplb", f"--eplb-config '{json.dumps(cfg)}'"], [path]
 
 
-def recommendation_text(engine: str, row, baseline, rows, be, flags: list[str], model_name: str) -> str:
-    """One paragraph: what to run, the flags, and the figures it rests on."""
-    d = get_dispatch(row.dispatch)
-    what = {
-        NO_EPLB: "no EPLB (trivial placement)",
-        ENGINE: f"the engine's EPLB with {row.redundant_per_gpu} redundant slot(s) per GPU",
-        OURS: f"our placement (fitted for {d.name}) with {row.redundant_per_gpu} redundant slot(s) per GPU",
-    }[row.kind]
-    text = (
-        f"Run {engine} with {what}, dispatch {d.name}: {' '.join(flags)}. "
-        f"On the held-out half it gives window PAR {row.scores.window_par:.3f} and per-step PAR "
-        f"{row.scores.step_par_decode:.3f} (no EPLB: {baseline.scores.window_par:.3f} / "
-        f"{baseline.scores.step_par_decode:.3f}); modelled decode MoE step {row.decode.step_s * 1e3:.2f} ms vs "
-        f"{baseline.decode.step_s * 1e3:.2f} ms ({_pct(row.decode.step_s, baseline.decode.step_s)} faster), "
-        f"prefill {row.prefill.step_s * 1e3:.1f} ms vs {baseline.prefill.step_s * 1e3:.1f} ms, for "
-        f"{row.memory.redundant_bytes / 1e9:.2f} GB per GPU of replicas ({row.memory.kv_tokens_lost:,.0f} "
-        f"KV-cache tokens of {model_name})."
-    )
-    if be.interval_s is None:
-        text += (
-            f" Rebalancing does not pay on this trace (a re-placement one window later saves "
-            f"{be.saving * 100:.2f}% of the decode MoE step; a move takes {be.move_s * 1e3:.1f} ms): "
-            f"rebalance rarely."
-        )
+def launch(
+    engine: str, row, model_name: str, options, redundant: int, interval: int | None, output: str
+) -> Launch:
+    """The command that starts ``row`` on ``engine`` (run once per node: ``--node-rank`` / DP ranks vary)."""
+    G, N = options.ep_size, options.nodes
+    model = HF_IDS.get(model_name.lower(), "MODEL_PATH")
+    env, flags, files = _eplb_flags(engine, row, redundant, interval, output)
+    if engine == "sglang":
+        head = f"python -m sglang.launch_server --model-path {model}"
     else:
-        text += (
-            f" A rebalance moves experts for {be.move_s * 1e3:.1f} ms and saves {be.saving * 100:.2f}% of the "
-            f"decode MoE step: it pays every {be.interval_s:.2f} s ({math.ceil(be.interval_steps):,} decode "
-            f"steps) or less often; the trace's windows last {be.window_s:.2f} s of decode."
-        )
-    runtime = [r for r in rows if r.kind == RUNTIME and r.redundant_per_gpu == row.redundant_per_gpu]
-    for r in runtime:
-        text += (
-            f" Our own runtime (runtime_hooks EP layer, not the engine) with {r.dispatch} would reach per-step "
-            f"PAR {r.scores.step_par_decode:.3f}, decode {r.decode.step_s * 1e3:.2f} ms."
-        )
-    return text
+        head = f"vllm serve {model}"
+    parts = [*env, head, *_parallel(engine, G, N, options.gpus_per_node), *flags]
+    return Launch(tuple(env), " ".join(parts), tuple(flags), tuple(files))
+
+
+def greyed_reason(engine: str, model_name: str) -> str | None:
+    """Why no EPLB option at all can run (the architecture), or None."""
+    ok, why = can_balance(engine, architecture_of(model_name))
+    return None if ok else why

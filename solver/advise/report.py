@@ -1,5 +1,10 @@
-"""The self-contained HTML report of an :class:`~solver.advise.core.Advice`: inline CSS, three plots as
-inline SVG (matplotlib, fixed hash salt and no date: the same advice gives the same bytes)."""
+"""The self-contained HTML report of an :class:`~solver.advise.core.Advice`: inline CSS, plots as inline
+SVG (matplotlib, fixed hash salt and no date: the same advice gives the same bytes).
+
+Layout: the launch command and flags first (copyable), then the recommendation, the options (greyed
+where the engine cannot run them, with the reason), the plots (linear axes, legends outside the plots)
+and the assumptions. Every header says "modelled": the figures come from a cost model, not a run.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +14,18 @@ from typing import Any
 
 __all__ = ["PLOT_COUNT", "render_html"]
 
-PLOT_COUNT = 3
+PLOT_COUNT = 2
 _CSS = (
     "body{font-family:sans-serif;margin:24px;max-width:1150px;color:#222}"
     "table{border-collapse:collapse;font-size:12px;margin:8px 0}"
     "td,th{border:1px solid #bbb;padding:3px 6px;text-align:right}th{background:#eee}"
-    "tr.chosen td{background:#e6f4e6;font-weight:bold}"
+    "tr.chosen td{background:#e6f4e6;font-weight:bold}tr.grey td{color:#999}"
     "figure{margin:12px 0}figcaption{font-size:12px;color:#444}"
     ".rec{background:#f3f7ff;border-left:4px solid #369;padding:8px 12px}"
-    "code{background:#f4f4f4;padding:1px 3px}"
+    "pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all;user-select:all}"
+    ".warn{color:#a40}"
 )
-_COLS = (
-    ("option", "option"),
-    ("dispatch", "dispatch"),
-    ("redundant_per_gpu", "r/GPU"),
-    ("window_par", "window PAR"),
-    ("step_par_decode", "step PAR decode"),
-    ("step_par_prefill", "step PAR prefill"),
-    ("decode_moe_ms", "decode MoE ms"),
-    ("prefill_moe_ms", "prefill MoE ms"),
-    ("redundant_gb_per_gpu", "replica GB/GPU"),
-    ("kv_tokens_lost_per_gpu", "KV tokens lost/GPU"),
-)
+_PHASES = ("decode", "prefill")
 
 
 def _svg(fig) -> str:
@@ -40,91 +35,121 @@ def _svg(fig) -> str:
     return text[text.index("<svg") :]
 
 
+def _series(d: dict) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for o in d["options"]:
+        out.setdefault((o["option"], o["dispatch"]), []).append(o)
+    return out
+
+
+def _gain_plot(plt, d: dict) -> str:
+    """Whole-step gain vs replica GB per GPU, one panel per phase, error bars = the band; the GB the
+    user's batch x context leaves for replicas marked; unrunnable options hollow; series at the same GB
+    nudged apart by a hair so their bars do not hide each other."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    limit = d["context"]["replica_gb_limit"]
+    marks = []
+    for ax, ph in zip(axes, _PHASES):
+        series = _series(d)
+        span = max([o["phases"][ph]["memory_gb"] for o in d["options"]] + [0.1])
+        for i, ((kind, disp), opts) in enumerate(series.items()):
+            nudge = (i - (len(series) - 1) / 2) * 0.012 * span  # options at the same GB side by side
+            x = [o["phases"][ph]["memory_gb"] + nudge for o in opts]
+            y = [o["phases"][ph]["whole_step_gain"] * 100 for o in opts]
+            e = [o["phases"][ph]["band"] * 100 for o in opts]
+            ok = all(o["available"] for o in opts)
+            ax.errorbar(
+                x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", mfc=f"C{i}" if ok else "white",
+                ls="-" if ok else ":", label=f"{kind} / {disp}" + ("" if ok else " (not runnable)"),
+            )  # fmt: skip
+        ax.axhline(0, color="#888", lw=0.8)
+        if limit is not None and limit > 0:
+            if limit <= 3 * span:  # drawn only where it does not squash the options onto the y axis
+                marks.append(ax.axvline(limit, color="#a40", ls="--", lw=1))
+        ax.set_title(f"{ph} (modelled)", fontsize=10)
+        ax.set_xlabel("replica GB per GPU")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("whole-step gain over no EPLB, %")
+    b, c = d["context"]["decode_batch"], d["context"]["context_len"]
+    handles, labels = axes[0].get_legend_handles_labels()
+    if marks:
+        labels = [*labels, f"GB left for replicas at batch {b} x context {c}"]
+        handles = [*handles, marks[0]]
+    elif limit is not None:
+        labels = [*labels, f"batch {b} x context {c} leaves {limit:,.0f} GB for replicas (off the axis)"]
+        handles = [*handles, plt.Line2D([], [], color="#a40", ls="--", lw=1)]
+    fig.legend(
+        handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, fontsize=8, frameon=False
+    )
+    out = _svg(fig)
+    plt.close(fig)
+    return out
+
+
 def _balance_plot(plt, d: dict) -> str:
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    series: dict[tuple[str, str], list[tuple[int, float, float]]] = {}
-    for r in d["rows"]:
-        series.setdefault((r["option"], r["dispatch"]), []).append(
-            (r["redundant_per_gpu"], r["step_par_decode"], r["window_par"])
-        )
-    base = [r for r in d["rows"] if r["redundant_per_gpu"] == 0 and r["option"] != "no EPLB"]
-    for (kind, disp), pts in series.items():  # the r=0 row (one replica: any dispatch) starts every line
-        if base and not any(p[0] == 0 for p in pts):
-            pts.append((0, base[0]["step_par_decode"], base[0]["window_par"]))
-        pts.sort()
-        x = [p[0] for p in pts]
-        line = ax.plot(x, [p[1] for p in pts], marker="o", label=f"{kind} / {disp} (step)")[0]
-        ax.plot(x, [p[2] for p in pts], ls="--", color=line.get_color(), alpha=0.6)
-    ax.set_xlabel("redundant slots per GPU")
-    ax.set_ylabel("held-out PAR (solid: per step, dashed: window)")
-    ax.legend(fontsize=6, ncol=2)
-    ax.grid(alpha=0.3)
-    out = _svg(fig)
-    plt.close(fig)
-    return out
-
-
-def _step_plot(plt, d: dict) -> str:
-    c = d["step_curve"]
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for s in c["series"]:
-        line = ax.loglog(c["batch_per_rank"], s["step_ms"], marker=".", label=s["key"])[0]
-        ax.axvline(s["crossover_batch"], color=line.get_color(), ls=":", lw=1)
-    ax.set_xlabel("tokens per rank per step (dotted: memory-bound | compute-bound crossover)")
-    ax.set_ylabel("modelled MoE step time, ms")
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3, which="both")
-    out = _svg(fig)
-    plt.close(fig)
-    return out
-
-
-def _front_plot(plt, d: dict) -> str:
-    pts = d["migration_front"]
+    """Held-out window PAR vs redundant slots per GPU (linear axes, legend outside)."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    x = [p["move"]["arrived_experts"] for p in pts]
-    y = [p["held_out_par"] for p in pts]
-    ax.plot(x, y, marker="o")
-    for p, xi, yi in zip(pts, x, y):
-        label = "no budget" if p["max_moves"] is None else f"max_moves={p['max_moves']}"
-        ax.annotate(label, (xi, yi), fontsize=7, textcoords="offset points", xytext=(4, 4))
-    ax.set_xlabel("arrived experts (trace layers)")
-    ax.set_ylabel(f"held-out window PAR ({d['drift']['dispatch']})")
+    for i, ((kind, disp), opts) in enumerate(_series(d).items()):
+        pts = sorted((o["redundant_per_gpu"], o["window_par"]) for o in opts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=f"C{i}", label=f"{kind} / {disp}")
+    ax.set_xlabel("redundant slots per GPU")
+    ax.set_ylabel("held-out window PAR")
     ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
     out = _svg(fig)
     plt.close(fig)
     return out
-
-
-def _table(d: dict) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for _, h in _COLS)
-    body = []
-    for r in d["rows"]:
-        cls = ' class="chosen"' if r["key"] == d["chosen"] else ""
-        cells = "".join(f"<td>{html.escape(_fmt(r[k]))}</td>" for k, _ in _COLS)
-        body.append(f"<tr{cls}>{cells}</tr>")
-    return f"<table><tr>{head}</tr>{''.join(body)}</table>"
 
 
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.3f}"
-    return str(v)
+    return "" if v is None else str(v)
 
 
-def _migration_table(d: dict) -> str:
-    be = d["break_even"]
-    rows = [
-        ("drift (mean stale / fresh PAR, window i -> i+1)", f"{d['drift']['ratio']:.4f}"),
-        ("rebalance move, modelled", f"{be['move_s'] * 1e3:.2f} ms"),
-        ("decode MoE step saved by a rebalance", f"{be['saving'] * 100:.3f}%"),
-        ("break-even interval", "never" if be["interval_s"] is None else f"{be['interval_s']:.3f} s"),
-        ("one trace window of decode", f"{be['window_s']:.3f} s"),
-    ]
-    return (
-        "<table>"
-        + "".join(f"<tr><th>{html.escape(a)}</th><td>{html.escape(b)}</td></tr>" for a, b in rows)
-        + "</table>"
+def _pct(ph: dict) -> str:
+    return f"{ph['whole_step_gain'] * 100:+.2f}% ± {ph['band'] * 100:.2f}"
+
+
+def _table(d: dict) -> str:
+    heads = ("option", "dispatch", "r/GPU", "runs on the engine", "window PAR", "decode gain", "prefill gain",
+             "lp/dispatch overhead ms", "replica GB/GPU", "KV tokens lost/GPU", "fits")  # fmt: skip
+    rows = []
+    chosen = d["recommendation"]["option"]
+    for o in d["options"]:
+        dec, pre = o["phases"]["decode"], o["phases"]["prefill"]
+        cells = (o["option"], o["dispatch"], o["redundant_per_gpu"],
+                 "yes" if o["available"] else f"no: {o['unavailable_reason']}", o["window_par"], _pct(dec),
+                 _pct(pre), dec["dispatch_overhead_ms"], dec["memory_gb"], dec["kv_tokens_lost"],
+                 "yes" if o["fits"] else "no")  # fmt: skip
+        cls = "chosen" if o["key"] == chosen else ("grey" if not o["available"] else "")
+        tds = "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
+        rows.append(f'<tr class="{cls}">{tds}</tr>')
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def _kv_table(pairs: list[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{html.escape(a)}</th><td>{html.escape(b)}</td></tr>" for a, b in pairs)
+    return f"<table>{body}</table>"
+
+
+def _rebalance_table(rb: dict) -> str:
+    g = rb["out_of_sample_gain"]
+    return _kv_table(
+        [
+            (
+                "periodic rebalance",
+                "none" if rb["interval_steps"] is None else f"every {rb['interval_steps']:,} steps",
+            ),
+            (
+                "out-of-sample gain (next window)",
+                "n/a" if g is None else f"{g * 100:+.2f}% ± {rb['band'] * 100:.2f}",
+            ),
+            ("stall per rearrangement", f"{rb['stall_ms']:.0f} ms" + (" (async)" if rb["async"] else "")),
+            ("why", rb["reason"]),
+            ("stall source", rb["stall_source"]),
+        ]
     )
 
 
@@ -136,26 +161,34 @@ def render_html(advice) -> str:
     import matplotlib.pyplot as plt
 
     d = advice if isinstance(advice, dict) else advice.to_dict()
-    c = d["context"]
+    c, rec = d["context"], d["recommendation"]
     with matplotlib.rc_context({"svg.hashsalt": "moe-placement-advise", "svg.fonttype": "path"}):
         plots = [
             (
-                "Balance vs redundant slots per GPU, per option and dispatch model (held-out half)",
-                _balance_plot(plt, d),
+                "Modelled whole-step gain vs replica GB per GPU, per phase (error bars: the band)",
+                _gain_plot(plt, d),
             ),
-            (f"Decode MoE step time vs batch, {c['model']} on {c['hardware']}", _step_plot(plt, d)),
-            ("Migration front: experts moved vs held-out PAR, per max_moves budget", _front_plot(plt, d)),
+            ("Modelled: held-out window PAR vs redundant slots per GPU", _balance_plot(plt, d)),
         ]
     figs = "".join(f"<figure>{svg}<figcaption>{html.escape(cap)}</figcaption></figure>" for cap, svg in plots)
-    assumptions = "".join(f"<li>{html.escape(a)}</li>" for a in d["assumptions"])
+    esc = html.escape
+    title = f"moe-placement advise (modelled): {c['engine']} {c['engine_version']}, {c['model']}, {c['nodes']} x {c['gpus_per_node']} {c['hardware']}"
+    flags = " ".join(rec["flags"]) or "(no EPLB flags)"
+    warn = "".join(f'<li class="warn">{esc(w)}</li>' for w in d["warnings"])
     t = c["trace"]
-    title = f"moe-placement advise: {c['engine']}, {c['model']}, {c['nodes']} x {c['gpus_per_node']} {c['hardware']}"
     return (
-        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
-        f"<p>Trace {html.escape(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "
-        f"{t['layers']} layers; fit on {t['fit_tokens']:,}, scored on {t['held_out_tokens']:,} held-out tokens.</p>"
-        f'<h2>Recommendation</h2><p class="rec">{html.escape(d["recommendation"])}</p>'
-        f"<h2>Options</h2>{_table(d)}<h2>Migration</h2>{_migration_table(d)}<h2>Plots</h2>{figs}"
-        f"<h2>Model and assumptions</h2><ul>{assumptions}</ul></body></html>\n"
+        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
+        f"</head><body><h1>{esc(title)}</h1>"
+        f'<h2>Launch command (modelled choice)</h2><pre class="cmd">{esc(rec["launch_command"])}</pre>'
+        f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
+        f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p><ul>{warn}</ul>'
+        f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "
+        f"{t['layers']} layers; held-out steps: decode {d['held_out_steps']['decode']}, prefill "
+        f"{d['held_out_steps']['prefill']}.</p>"
+        f"<h2>Options (modelled, held-out half)</h2>{_table(d)}"
+        f"<h2>Rebalancing (modelled, out of sample)</h2>{_rebalance_table(rec['rebalance'])}"
+        f"<h2>Plots (modelled)</h2>{figs}"
+        f"<h2>Model and assumptions (modelled figures)</h2><ul>"
+        + "".join(f"<li>{esc(a)}</li>" for a in d["assumptions"])
+        + "</ul></body></html>\n"
     )

@@ -1,0 +1,116 @@
+"""Pricing one option in one phase (decode or prefill) on the held-out steps, and its gain over a baseline.
+
+The one place advise turns a placement into step time: :func:`price_phase`, with the one cost model
+(:func:`placement.cost.step_time.step_time_from_arrays`: whole step = MoE layers + the dispatch's own
+per-step cost + the rest of the step). The held-out steps are cut into ``BLOCKS`` blocks of consecutive
+steps, each priced alone: the mean step is their step-weighted mean, and the band of a gain is twice the
+standard error of the per-block gains (paired: the same blocks for option and baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
+from placement.cost.step_time import step_time_from_arrays
+from placement.model import Placement
+from placement.steps import Steps, make_steps
+from profiling.trace import RoutingTrace
+
+__all__ = [
+    "BLOCKS",
+    "MODEL_NOTE",
+    "PHASES",
+    "PhasePrice",
+    "count_steps",
+    "gain",
+    "held_out_steps",
+    "price_phase",
+]
+
+PHASES = ("decode", "prefill")
+BLOCKS = 8  # blocks of held-out steps the band is measured over
+
+
+@dataclass(frozen=True)
+class PhasePrice:
+    """One option in one phase on the held-out steps: mean whole-step and MoE milliseconds, the dispatch's
+    own per-step cost, and the whole-step milliseconds of each block of steps (``[B]``, for the band)."""
+
+    phase: str
+    step_tokens: int
+    num_steps: int
+    whole_ms: float
+    moe_ms: float
+    dispatch_overhead_ms: float
+    block_whole_ms: tuple[float, ...]
+    calibrated: bool = False
+
+
+def held_out_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int, seed: int = 0) -> Steps:
+    """The held-out steps of ``phase`` (:func:`placement.steps.make_steps`: decode = continuous batching of
+    ``step_tokens`` sequences per rank, prefill = chunks of ``step_tokens`` consecutive tokens)."""
+    return make_steps(held, ep_size, phase, step_tokens, seed=seed)
+
+
+def count_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int) -> int:
+    """Held-out steps of ``phase`` with ``step_tokens`` tokens per rank on ``ep_size`` ranks (0: none fits)."""
+    try:
+        return held_out_steps(held, ep_size, phase, step_tokens).num_steps
+    except ValueError:
+        return 0
+
+
+def price_phase(
+    placement: Placement,
+    held: RoutingTrace,
+    steps: Steps,
+    dispatch: str,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    context_len: int,
+) -> PhasePrice:
+    """Price ``placement`` under ``dispatch`` on the held-out ``steps`` (module docstring)."""
+    assert held.topk_ids is not None
+    ids = np.asarray(held.topk_ids)[steps.token]  # [N, L, k]
+    S = steps.num_steps
+    edges = np.linspace(0, S, min(BLOCKS, S) + 1).round().astype(int)
+    parts = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = (steps.step >= lo) & (steps.step < hi)
+        parts.append(
+            step_time_from_arrays(
+                placement, ids[m], steps.step[m] - lo, steps.rank[m], int(hi - lo), steps.step_tokens, steps.phase,
+                dispatch, model, cluster, rows=steps.row[m], context_len=context_len,
+            )
+        )  # fmt: skip
+    w = np.diff(edges) / S
+
+    def mean(attr: str) -> float:
+        return float(sum(wi * getattr(p, attr) for wi, p in zip(w, parts)))
+
+    whole = tuple(p.whole_ms for p in parts)
+    return PhasePrice(
+        steps.phase, steps.step_tokens, S, mean("whole_ms"), mean("moe_ms"), mean("dispatch_overhead_ms"), whole,
+        parts[0].calibrated,
+    )  # fmt: skip
+
+
+def gain(option: PhasePrice, baseline: PhasePrice) -> tuple[float, float]:
+    """``(gain, band)``: throughput gain of ``option`` over ``baseline`` and twice its standard error."""
+    g = baseline.whole_ms / option.whole_ms - 1.0 if option.whole_ms > 0 else 0.0
+    a, b = np.asarray(option.block_whole_ms), np.asarray(baseline.block_whole_ms)
+    if a.size < 2 or a.size != b.size:
+        return float(g), 0.0
+    per = b / np.where(a > 0, a, 1.0) - 1.0
+    return float(g), float(2.0 * per.std(ddof=1) / math.sqrt(per.size))
+
+
+MODEL_NOTE = (
+    "step time: placement.cost.step_time (one cost model: per GPU grouped GEMM from tokens and active experts, "
+    "dispatch/combine by kernel per phase, the dispatch's own per-step cost, attention and the rest of the step)"
+)
