@@ -12,8 +12,14 @@ from collections.abc import Iterable
 
 __all__ = [
     "MAX_EXPERTS",
+    "MAX_FIT_STEPS",
+    "MAX_HIDDEN_SIZE",
+    "MAX_INTERMEDIATE_SIZE",
+    "MAX_LAYERS",
     "MAX_LAYER_ID",
     "MAX_RANKS",
+    "MAX_SEARCH_SAMPLES",
+    "MAX_TIME_LIMIT_S",
     "MAX_TOTAL_TOKENS",
     "check_layer_ids",
     "check_limit",
@@ -23,6 +29,12 @@ MAX_LAYER_ID = 100_000  # largest layer id (and hidden-layer count - 1) a file m
 MAX_EXPERTS = 65_536  # logical experts per layer, and physical slots per layer
 MAX_RANKS = 65_536  # EP ranks / source ranks
 MAX_TOTAL_TOKENS = 2**53  # total load of a trace: above it float64 sums are no longer exact
+MAX_LAYERS = MAX_LAYER_ID + 1  # decoder layers of a model description (DeepSeek-V3: 61)
+MAX_HIDDEN_SIZE = 1 << 20  # a model's hidden size (DeepSeek-V3: 7168)
+MAX_INTERMEDIATE_SIZE = 1 << 22  # an MLP's or expert's intermediate size (DeepSeek-V3 dense: 18432)
+MAX_TIME_LIMIT_S = 1e7  # a solve's wall-clock budget, seconds (about 115 days; the CLI's MAX_SECONDS)
+MAX_FIT_STEPS = 1_000_000  # search steps (swap or move attempts) per layer of a fit (defaults: 60, 300)
+MAX_SEARCH_SAMPLES = 100_000  # sampled dealings / steps a fit averages over (defaults: 16, 96)
 
 
 def check_limit(value: int, limit: int, what: str, limit_name: str, where: str = "") -> int:
