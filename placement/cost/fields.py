@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["Range", "check_fields", "check_value"]
+__all__ = ["Range", "check_fields", "check_value", "show"]
 
 
 class Range(NamedTuple):
@@ -52,13 +52,18 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, (float, np.floating))) and not isinstance(v, (bool, np.bool_))
 
 
-def _show(v: Any) -> str:
+def show(v: Any) -> str:
     text = (
         repr(v)
         if not _is_int(v) or abs(v) < 10**60
         else f"an integer of about {int(int(v).bit_length() * 0.30103) + 1} digits"
     )
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _refuse(where: str, name: str, value: Any, accepted: str) -> ValueError:
+    """The one-line error: ``where: name is value; accepted: ...`` (no ``where:`` when empty)."""
+    return ValueError(f"{where + ': ' if where else ''}{name} is {show(value)}; accepted: {accepted}")
 
 
 def check_value(name: str, value: Any, kind: str, rule: Range | None, where: str) -> None:
@@ -75,19 +80,17 @@ def check_value(name: str, value: Any, kind: str, rule: Range | None, where: str
         _check_number(name, value, kind == "int", rule, where)
     elif kind == "str":
         if not isinstance(value, str) or len(value) > MAX_TEXT:
-            raise ValueError(
-                f"{where}: {name} is {_show(value)}; accepted: a string of at most {MAX_TEXT} characters"
-            )
+            raise _refuse(where, name, value, f"a string of at most {MAX_TEXT} characters")
     elif kind == "bool":
         if not isinstance(value, (bool, np.bool_)):
-            raise ValueError(f"{where}: {name} is {_show(value)}; accepted: true or false")
+            raise _refuse(where, name, value, "true or false")
     elif kind.startswith("tuple["):
         _check_tuple(name, value, kind, rule, where)
     elif kind.startswith(("Mapping", "dict")):
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise ValueError(f"{where}: {name} is {_show(value)}; accepted: a JSON object (string keys)")
+            raise _refuse(where, name, value, "a JSON object (string keys)")
     elif type(value).__name__ != kind:  # a class name (a nested spec)
-        raise ValueError(f"{where}: {name} is {_show(value)}; accepted: a {kind}")
+        raise _refuse(where, name, value, f"a {kind}")
 
 
 def _check_number(name: str, value: Any, integer: bool, rule: Range | None, where: str) -> None:
@@ -98,21 +101,22 @@ def _check_number(name: str, value: Any, integer: bool, rule: Range | None, wher
     except OverflowError:  # an integer of hundreds of digits
         x = math.inf
     if not math.isfinite(x) or not rule.holds(x):
-        raise ValueError(f"{where}: {name} is {_show(value)}; accepted: {rule.text(integer)}")
+        raise _refuse(where, name, value, rule.text(integer))
 
 
 def _check_tuple(name: str, value: Any, kind: str, rule: Range | None, where: str) -> None:
     """``tuple[int, ...]`` (any length up to MAX_SEQUENCE) or ``tuple[float, float]`` (that length)."""
     items = kind[len("tuple[") : -1].split(",")
     if not isinstance(value, (tuple, list)) or len(value) > MAX_SEQUENCE:
-        raise ValueError(f"{where}: {name} is {_show(value)}; accepted: a list of {items[0]}s")
+        raise _refuse(where, name, value, f"a list of {items[0]}s")
     if items[-1] != "..." and len(value) != len(items):
-        raise ValueError(f"{where}: {name} is {_show(value)}; accepted: a list of {len(items)} {items[0]}s")
+        raise _refuse(where, name, value, f"a list of {len(items)} {items[0]}s")
     for i, v in enumerate(value):
         check_value(f"{name}[{i}]", v, items[0], rule, where)
 
 
-def check_fields(obj: Any, table: Mapping[str, Range], where: str) -> None:
-    """Every field of the dataclass ``obj`` by its annotation and ``table``'s range (else the default)."""
+def check_fields(obj: Any, table: Mapping[str, Range], where: str, prefix: str = "") -> None:
+    """Every field of the dataclass ``obj`` by its annotation and ``table``'s range (else the default);
+    messages name the field as ``prefix + name`` (``prefix`` ``"FitOptions."``, say)."""
     for f in fields(obj):
-        check_value(f.name, getattr(obj, f.name), str(f.type), table.get(f.name), where)
+        check_value(prefix + f.name, getattr(obj, f.name), str(f.type), table.get(f.name), where)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from placement.cost.fields import Range, check_fields
+from placement.cost.fields import Range, check_fields, show
 from profiling.limits import MAX_RANKS
 
 __all__ = [
@@ -37,7 +37,7 @@ TB = 1e12
 # cost model prints finite and of sane magnitude (a FLOP rate of 1e-300 would print a 300-digit time).
 _BANDWIDTH = Range(1e6, 1e15)  # bytes/s: 1 MB/s .. 1 PB/s
 _SECONDS = Range(0.0, 1.0)  # fixed costs per call
-_EFFICIENCY = Range(0.0, 1.0, lo_open=True)
+_EFFICIENCY = Range(0.01, 1.0)  # achieved share of a peak
 _RANGES = {
     # LinkSpec
     "bandwidth": _BANDWIDTH,
@@ -270,7 +270,7 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
         )
     base = d["base"].lower() if isinstance(d["base"], str) else d["base"]
     if not isinstance(base, str) or base not in GPUS:
-        raise ValueError(f"{path}: unknown base GPU {base!r}; use one of {HARDWARE_NAMES}")
+        raise ValueError(f"{path}: unknown base GPU {show(base)}; use one of {HARDWARE_NAMES}")
     allowed = {
         "flops_fp8",
         "flops_bf16",

@@ -43,8 +43,8 @@ _RANGES = {
     "num_shared_experts": Range(0, MAX_EXPERTS),
     "shared_intermediate_size": Range(0, MAX_INTERMEDIATE_SIZE),
     "dense_intermediate_size": Range(0, MAX_INTERMEDIATE_SIZE),
-    "weight_bytes": Range(0.0, 8.0, lo_open=True),  # FP4 0.5 .. FP64 8
-    "kv_cache_bytes": Range(0.0, 8.0, lo_open=True),
+    "weight_bytes": Range(0.125, 8.0),  # one bit .. FP64
+    "kv_cache_bytes": Range(0.125, 8.0),
     "num_attention_heads": Range(1, 1 << 16),
     "num_kv_heads": Range(1, 1 << 16),
     "head_dim": Range(1, 1 << 16),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,11 +49,17 @@ class _Setup:
     layer_ids: tuple[int, ...] | list[int] | None
     notes: list[str]
     lock: threading.Lock
+    out_of_time: list[int] = field(default_factory=list)  # layers whose backend the deadline skipped
+    workers: int = 1
+    started: list[int] = field(default_factory=lambda: [0])  # layers begun so far (a shared counter)
+    overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [seconds, layers] outside backends
 
 
 def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
     """Layer ``l``: its map ``[P]`` (never worse than greedy's) and its report."""
     t0 = time.perf_counter()
+    with ctx.lock:
+        ctx.started[0] += 1
     wl = ctx.wnorm[:, l]  # [W, E]
     pb = _layer_problem(ctx, wl)
     g_val, inc_val, inc, iters = _start(ctx, pb, l, t0)
@@ -70,7 +76,11 @@ def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
     if model_val >= g_val - 1e-12 * max(1, g_val):
         row = ctx.greedy_map[l]
         model_val = g_val
-    return row, _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
+    report = _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
+    with ctx.lock:  # what a layer costs besides its backend, for the deadline's reserve (_wall_left)
+        ctx.overhead[0] += time.perf_counter() - t0 - (res.wall if res is not None else 0.0)
+        ctx.overhead[1] += 1
+    return row, report
 
 
 def _layer_problem(ctx: _Setup, wl: np.ndarray) -> _Layer:
@@ -100,7 +110,8 @@ def _start(ctx: _Setup, pb: _Layer, l: int, t0: float) -> tuple[float, float, np
         if _valid_node(hm, pb):
             cands.append((pb.value(hm, _counts_of(hm, E)), hm, "hint"))
     inc_val, inc, _ = min(cands, key=lambda c: c[0])
-    ls_deadline = None if ctx.options.deterministic else min(ctx.deadline, t0 + ctx.per_layer * 0.5)
+    # the whole solve's deadline is a hard wall in both modes (deterministic: iteration counts within it)
+    ls_deadline = ctx.deadline if ctx.options.deterministic else min(ctx.deadline, t0 + ctx.per_layer * 0.5)
     ls_assign, iters = _local_search(pb, inc, ctx.ls_iters, ls_deadline)
     ls_val = pb.value(ls_assign, _counts_of(ls_assign, E))
     if ls_val < inc_val:
@@ -123,10 +134,15 @@ def _run_backend(
     is left. Large layers go to the neighbourhood search; a failing backend is a result, not an error."""
     opt = ctx.options
     gap_now = (inc_val - model_lb) / inc_val if inc_val > 0 else 0.0
+    wall_left = _wall_left(ctx, t0)
     if opt.deterministic:  # the layer's whole share: a budget that does not depend on how long the start took
         remaining = ctx.per_layer
     else:
-        remaining = min(ctx.per_layer - (time.perf_counter() - t0), ctx.deadline - time.perf_counter())
+        remaining = min(ctx.per_layer - (time.perf_counter() - t0), wall_left)
+    if gap_now > 1e-9 and wall_left <= 0.02:
+        with ctx.lock:
+            ctx.out_of_time.append(l)
+        return None
     if not (gap_now > 1e-9 and remaining > 0.02):
         return None
     P = ctx.topology.num_physical_experts
@@ -135,12 +151,34 @@ def _run_backend(
             return _large_layer(pb, inc, opt.seed, remaining, opt.deterministic, ctx.ls_iters, ctx.deadline)
         if opt.backend == "cpsat":
             return _solve_cpsat(
-                pb, inc, inc_val, opt.objective, wl, P, opt.seed, remaining, opt.deterministic, lb_true
+                pb,
+                inc,
+                inc_val,
+                opt.objective,
+                wl,
+                P,
+                opt.seed,
+                remaining,
+                opt.deterministic,
+                lb_true,
+                wall_left,
             )
-        return _solve_milp(pb, inc, inc_val, opt.objective, wl, P, opt.seed, remaining, lb_true)
+        return _solve_milp(
+            pb, inc, inc_val, opt.objective, wl, P, opt.seed, min(remaining, wall_left), lb_true
+        )
     except Exception as exc:  # a solver failure is data, not an exception
         log.warning("layer %d: %s backend failed: %s", l, opt.backend, exc)
         return _Result(None, "error", None, False, 0.0, f"{type(exc).__name__}: {exc}")
+
+
+def _wall_left(ctx: _Setup, t0: float) -> float:
+    """Seconds this layer's backend may still use: the whole solve's time limit is a hard wall, less
+    what the layers not yet begun need besides their backends (the mean so far; before any layer has
+    finished, twice this layer's start)."""
+    pending = ctx.agg.shape[0] - ctx.started[0]
+    spent, done = ctx.overhead
+    per_layer = spent / done if done else 2.0 * (time.perf_counter() - t0)
+    return ctx.deadline - time.perf_counter() - 1.2 * per_layer * pending / ctx.workers
 
 
 def _take_result(

@@ -21,6 +21,7 @@ import numpy as np
 
 from placement.model import Placement
 from placement.topology import Topology
+from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
 from solver.exact.cpsat import _interrupt_solves, _reset_interrupt
@@ -167,8 +168,7 @@ def _check_inputs(
         raise ValueError(f"unknown backend {options.backend!r}; use 'cpsat' or 'milp'")
     if options.objective not in ("tokens", "decode"):
         raise ValueError(f"unknown objective {options.objective!r}; use 'tokens' or 'decode'")
-    if not options.time_limit > 0:
-        raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
+    check_time_limit(options.time_limit)  # finite and bounded: the solve's hard wall
     agg, wins, trace_layers, top_k = _as_windows(load_or_trace, options.robust, options.num_windows)
     robust_m = _parse_robust(options.robust, wins.shape[0])
     if not np.all(np.isfinite(wins)) or wins.min(initial=0) < 0:
@@ -265,6 +265,7 @@ def _solve_plain(
         layer_ids=layer_ids,
         notes=[],
         lock=threading.Lock(),
+        workers=workers,
     )
     _reset_interrupt()
     if workers == 1:
@@ -331,6 +332,13 @@ def _normalised_windows(wins: np.ndarray, robust_m: int, G: int) -> np.ndarray:
     return wins
 
 
+def _out_of_time_note(time_limit: float, skipped: int, L: int) -> str:
+    return (
+        f"time limit {time_limit:g} s reached: {skipped} of {L} layers kept their start (greedy or local "
+        f"search) without the exact search; raise time_limit for those layers to be searched"
+    )
+
+
 def _plain_result(
     ctx: _Setup,
     results: list[tuple[np.ndarray, LayerReport]],
@@ -343,6 +351,8 @@ def _plain_result(
     """The placement ``[L, P]`` of the layers' maps and the solve's report with its parameters."""
     opt = ctx.options
     phy2log = np.stack([r[0] for r in results])
+    if ctx.out_of_time:
+        ctx.notes.append(_out_of_time_note(opt.time_limit, len(ctx.out_of_time), len(results)))
     params = {
         "backend": opt.backend,
         "seed": opt.seed,
