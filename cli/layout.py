@@ -9,18 +9,24 @@ from pathlib import Path
 
 from cli.common import (
     CliError,
+    bounded_int,
     check_folder_outputs,
     echo,
     ep_size_int,
     expert_count_int,
     non_negative_int,
     open_trace,
-    positive_int,
     seconds,
     seed_int,
     warn,
 )
-from profiling.limits import MAX_RANKS
+from profiling.limits import MAX_RANKS, MAX_STEP_TOKENS
+
+# GPUs one plan may span: every EP size and instance split of the cluster is placed and costed, which
+# grows faster than the GPU count (2,048 GPUs: about 80 s on one core); a larger cluster is instances
+# of at most this size, which the plan already compares
+MAX_LAYOUT_GPUS = 2048
+step_tokens_int = bounded_int(1, MAX_STEP_TOKENS, "MAX_STEP_TOKENS")
 
 # The files --output gets (_write_outputs), checked against the inputs before anything is computed.
 _OUTPUT_FILES = (
@@ -66,13 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     p.add_argument(
         "--batch-per-rank",
-        type=positive_int,
+        type=step_tokens_int,
         default=None,
         help="tokens per GPU per step (default 128 decode, 8192 prefill)",
     )
     p.add_argument(
         "--context-len",
-        type=positive_int,
+        type=step_tokens_int,
         default=4096,
         help="decode: cached tokens per sequence; prefill: prompt length",
     )
@@ -201,6 +207,13 @@ def _read_inputs(args):
         raise CliError(
             f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
             f"GPUs, over the accepted {MAX_RANKS} (MAX_RANKS)"
+        )
+    if args.nodes * args.gpus_per_node > MAX_LAYOUT_GPUS:
+        raise CliError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
+            f"GPUs, over the {MAX_LAYOUT_GPUS} one plan may span (MAX_LAYOUT_GPUS: every EP size is placed "
+            f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
+            f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
     if args.output:
         model_files = [args.model, str(Path(args.model) / "config.json")]

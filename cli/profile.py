@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 
 from cli.common import CliError, check_writes, echo, positive_int, progress, seed_int, warn
-from profiling.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
@@ -81,14 +80,7 @@ def _load_model(folder: Path, cfg_path: Path, seed: int, device: str):
     import torch
     import transformers
 
-    from profiling.fileio import load_json
-
-    raw = load_json(cfg_path)
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise CliError(
-            f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained"
-        )
-    _check_config(raw, cfg_path)
+    raw = _read_config(cfg_path)
     try:
         config = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as exc:
@@ -106,49 +98,23 @@ def _load_model(folder: Path, cfg_path: Path, seed: int, device: str):
     return model.to(device).eval(), config, weights
 
 
-# sizes a config may state, checked before transformers builds anything from them
-_CONFIG_SIZES = {
-    "num_hidden_layers": MAX_LAYERS,
-    "hidden_size": MAX_HIDDEN_SIZE,
-    "intermediate_size": MAX_INTERMEDIATE_SIZE,
-    "moe_intermediate_size": MAX_INTERMEDIATE_SIZE,
-    "vocab_size": 1 << 24,
-    "num_attention_heads": 1 << 16,
-    "num_key_value_heads": 1 << 16,
-    "head_dim": 1 << 16,
-    "num_local_experts": MAX_EXPERTS,
-    "num_experts": MAX_EXPERTS,
-    "n_routed_experts": MAX_EXPERTS,
-    "num_experts_per_tok": MAX_EXPERTS,
-    "max_position_embeddings": 1 << 24,
-}
-_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+def _read_config(cfg_path: Path) -> dict:
+    """The HF config as a dict, refused (before torch is imported or anything is built) when it is not
+    one, states sizes out of range or weights the machine cannot hold
+    (:func:`placement.cost.modelspec.check_hf_config_fits`)."""
+    from placement.cost.modelspec import check_hf_config_fits
+    from profiling.fileio import load_json
 
-
-def _check_config(raw: dict, cfg_path: Path) -> None:
-    """Refuse, before the model is built, a config whose sizes are out of range or whose weights (as
-    float32, what random and default-loaded weights take) need more memory than the machine has."""
-    from placement.cost.fields import Range, check_value
-    from placement.cost.modelspec import model_from_hf_config
-    from profiling.limits import check_memory
-
-    try:
-        for key, hi in _CONFIG_SIZES.items():
-            if raw.get(key) is not None:
-                check_value(key, raw[key], "int", Range(1, hi), str(cfg_path))
-        if not any(raw.get(k) is not None for k in _EXPERT_KEYS):
-            return  # a layout the cost model does not map: the sizes above bound it
-        spec = model_from_hf_config(raw, where=str(cfg_path))
-        params = (
-            spec.non_expert_bytes() + spec.expert_bytes * spec.num_logical_experts * spec.num_moe_layers
-        ) / spec.weight_bytes
-        check_memory(
-            4.0 * params,
-            f"{cfg_path}: the model's {params:,.0f} weights (float32)",
-            "use a smaller config (fewer layers, experts or a smaller hidden size)",
+    raw = load_json(cfg_path)
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise CliError(
+            f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained"
         )
+    try:
+        check_hf_config_fits(raw, str(cfg_path))
     except ValueError as exc:
         raise CliError(str(exc)) from None
+    return raw
 
 
 def _tokenizer(folder: Path, cfg_path: Path):
@@ -280,6 +246,7 @@ def _print_summary(summary: dict, trace, wall: float, as_json: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Steps: check paths -> load model and tokenizer -> tokenise -> record routing -> write -> print."""
     out, texts, stream_dir = _check_paths(args)
+    _read_config(_model_folder(args.model)[1])  # sizes checked before torch is imported
     try:
         import torch  # noqa: F401 - checked here so a missing torch is one clear line
     except ImportError as exc:

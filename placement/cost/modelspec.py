@@ -15,7 +15,7 @@ from typing import Any
 from placement.cost.fields import Range, check_fields, check_value
 from profiling.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
 
-__all__ = ["BUILTIN_MODELS", "ModelSpec", "load_model", "model_from_hf_config"]
+__all__ = ["BUILTIN_MODELS", "ModelSpec", "check_hf_config_fits", "load_model", "model_from_hf_config"]
 
 _MODELS_DIR = Path(__file__).with_name("models")
 BUILTIN_MODELS = {
@@ -308,25 +308,29 @@ def model_from_hf_config(
         raise ValueError(f"{where}: {exc}") from None
 
 
-def _hf_int(c: Mapping[str, Any], where: str, rule: Range, *keys: str) -> int | None:
-    """The first of ``keys`` present (not null) as an int checked against ``rule`` (0 is let through
-    for the caller's "absent" reading), else None."""
+def _hf_int(c: Mapping[str, Any], where: str, rule: Range, *keys: str, zero: bool = True) -> int | None:
+    """The first of ``keys`` present (not null) as an int checked against ``rule`` (with ``zero``, 0 is
+    let through for the caller's "absent" reading), else None."""
     for k in keys:
         v = c.get(k)
         if v is not None:
-            check_value(k, v, "int", Range(0, rule.hi) if v == 0 else rule, where)
+            check_value(k, v, "int", Range(0, rule.hi) if zero and _is_zero(v) else rule, where)
             return int(v)
     return None
+
+
+def _is_zero(v: Any) -> bool:
+    return type(v) is int and v == 0
 
 
 def _hf_moe_layers(c: Mapping[str, Any], mt: str, L: int, where: str) -> list[int]:
     """Indices of the MoE layers among ``L`` decoder layers (DeepSeek dense-first, Qwen sparse step)."""
     if "first_k_dense_replace" in c or mt.startswith("deepseek"):
         first = _hf_int(c, where, _RANGES["num_layers"], "first_k_dense_replace") or 0
-        freq = _hf_int(c, where, Range(1, MAX_LAYERS), "moe_layer_freq") or 1
+        freq = _hf_int(c, where, Range(1, MAX_LAYERS), "moe_layer_freq", zero=False) or 1
         return [i for i in range(L) if i >= first and i % freq == 0]
     if "decoder_sparse_step" in c or "mlp_only_layers" in c:
-        step = _hf_int(c, where, Range(1, MAX_LAYERS), "decoder_sparse_step") or 1
+        step = _hf_int(c, where, Range(1, MAX_LAYERS), "decoder_sparse_step", zero=False) or 1
         only = c.get("mlp_only_layers") or []
         check_value("mlp_only_layers", only, "tuple[int, ...]", Range(0, MAX_LAYERS), where)
         dense = set(only)
@@ -365,6 +369,48 @@ def _hf_attention(c: Mapping[str, Any], d: int, where: str) -> dict[str, Any]:
         "qk_nope_head_dim": get("qk_nope_head_dim"),
         "v_head_dim": get("v_head_dim"),
     }
+
+
+# sizes a HF config may state, checked before a model is built from it (check_hf_config_fits)
+_HF_SIZES = {
+    "num_hidden_layers": MAX_LAYERS,
+    "hidden_size": MAX_HIDDEN_SIZE,
+    "intermediate_size": MAX_INTERMEDIATE_SIZE,
+    "moe_intermediate_size": MAX_INTERMEDIATE_SIZE,
+    "vocab_size": 1 << 24,
+    "num_attention_heads": 1 << 16,
+    "num_key_value_heads": 1 << 16,
+    "head_dim": 1 << 16,
+    "num_local_experts": MAX_EXPERTS,
+    "num_experts": MAX_EXPERTS,
+    "n_routed_experts": MAX_EXPERTS,
+    "num_experts_per_tok": MAX_EXPERTS,
+    "max_position_embeddings": 1 << 24,
+}
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
+def check_hf_config_fits(cfg: Mapping[str, Any], where: str, bytes_per_weight: float = 4.0) -> None:
+    """A ValueError before anything is built from a HF ``config.json`` dict whose sizes are out of range
+    or whose weights (``bytes_per_weight`` each: 4 for float32, what random and default-loaded weights
+    take) need more than 80% of the memory available now. Layouts the cost model does not map (no
+    routed-expert count) are bounded by their sizes only."""
+    from profiling.limits import check_memory
+
+    for key, hi in _HF_SIZES.items():
+        if cfg.get(key) is not None:
+            check_value(key, cfg[key], "int", Range(1, hi), where)
+    if not any(cfg.get(k) is not None for k in _EXPERT_KEYS):
+        return
+    m = model_from_hf_config(cfg, where=where)
+    weights = (
+        m.non_expert_bytes() + m.expert_bytes * m.num_logical_experts * m.num_moe_layers
+    ) / m.weight_bytes
+    check_memory(
+        bytes_per_weight * weights,
+        f"{where}: the model ({weights:,.0f} weights of {bytes_per_weight:g} bytes)",
+        "use a smaller config (fewer layers or experts, a smaller hidden size)",
+    )
 
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
