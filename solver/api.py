@@ -52,7 +52,7 @@ from placement.model import Placement
 from placement.topology import Topology
 from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
 from profiling.trace import RoutingTrace
-from solver.budget import check_time_limit
+from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import DispatchFit, even_rank_counts, fit_for_dispatch, fit_for_dispatch_load
 from solver.exact import ExactOptions, run_exact
 from solver.greedy import GreedyOptions, run_greedy
@@ -182,6 +182,8 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
     merged.update(spec.fixed)
     if "time_limit" in merged:  # every solver's: a finite wall-clock budget for the whole solve
         check_time_limit(merged["time_limit"])
+    if merged.get("work_limit") is not None:  # a counted-step budget for the whole solve
+        Budget(0.0, merged["work_limit"])
     return options_from(spec.options, name, merged)
 
 

@@ -450,3 +450,48 @@ def test_exact_time_limit_is_a_wall_for_all_layers():
     assert any("time limit 2 s reached" in n for n in rep.notes)
     assert pl.physical_to_logical_map.shape == (3000, 20)
     assert all(l.objective <= l.baseline_objective + 1e-9 for l in rep.layers)  # never worse than greedy
+
+
+@pytest.mark.parametrize("d", [[1, 2], "deepseek", 3])
+def test_model_description_not_an_object(d):
+    with pytest.raises(ValueError, match="JSON object"):
+        ModelSpec.from_dict(d, where="m.json")
+    with pytest.raises(ValueError, match="JSON object"):
+        model_from_hf_config(d, where="config.json")
+
+
+@pytest.mark.parametrize("key", ["num_attention_heads", "num_key_value_heads", "vocab_size"])
+def test_hf_zero_is_refused_not_read_as_absent(key):
+    with pytest.raises(ValueError, match=key):
+        model_from_hf_config(_hf(**{key: 0}), where="cfg.json")
+
+
+def test_long_name_is_cut_in_messages():
+    with pytest.raises(ValueError) as info:
+        ModelSpec.from_dict({**_model_dict(), "name": "x" * 5_000, "top_k": 0}, where="m.json")
+    assert "top_k" in str(info.value) and len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize(
+    "kw, word",
+    [({"robust": "max", "num_windows": 10**9}, "MAX_SEARCH_SAMPLES"), ({"workers": 10**6}, "workers")],
+)
+def test_exact_window_and_thread_counts_bounded(kw, word):
+    from placement.topology import Topology
+    from profiling.synthetic import synthetic_trace
+    from solver.exact import solve_exact
+
+    tr = synthetic_trace(num_tokens=500, num_layers=2, num_logical_experts=8, top_k=2)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=word):
+        solve_exact(tr, Topology(2, 8), time_limit=1.0, **kw)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_pipeline_work_limit_bounded_for_the_whole_solve():
+    """A work limit of 1e12 steps over 100,000 layers is 1e7 a layer: refused for the solve as a whole."""
+    from solver.api import make_options
+
+    with pytest.raises(ValueError, match="MAX_WORK_STEPS"):
+        make_options("locality", {"work_limit": 10**12})
+    assert make_options("locality", {"work_limit": 1000}).work_limit == 1000

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from placement.cost.fields import Range, check_fields, check_value
+from placement.cost.fields import Range, check_fields, check_value, show
 from profiling.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "check_hf_config_fits", "load_model", "model_from_hf_config"]
@@ -137,7 +137,7 @@ class ModelSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layer_ids", _as_tuple(self.moe_layer_ids))
-        where = f"model {self.name!r}" if isinstance(self.name, str) else "model"
+        where = f"model {show(self.name)}" if isinstance(self.name, str) else "model"
         check_fields(self, _RANGES, where)
         object.__setattr__(self, "moe_layer_ids", tuple(int(i) for i in self.moe_layer_ids))
         _check_shape(self, where)
@@ -209,6 +209,8 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str = "model description") -> ModelSpec:
+        if not isinstance(d, Mapping):
+            raise ValueError(f"{where}: a model description is a JSON object, got {type(d).__name__}")
         d = dict(d)
         if "moe_layer_ids" not in d and "first_moe_layer" in d:
             # the layer count is checked before the range of ids is built from it
@@ -261,6 +263,8 @@ def model_from_hf_config(
     ``qk_rope_head_dim`` etc., ``quantization_config.quant_method == "fp8"`` for FP8 weights.
     Each integer is checked (type and range) before it is used; ``where`` (the file) starts the messages.
     """
+    if not isinstance(cfg, Mapping):
+        raise ValueError(f"{where or 'config.json'}: a HF config is a JSON object, got {type(cfg).__name__}")
     c = dict(cfg)
     mt = str(c.get("model_type", "")).lower()
     where = f"{where or 'config.json'} ({mt or 'unknown model_type'})"
@@ -282,7 +286,7 @@ def model_from_hf_config(
     moe = _hf_moe_layers(c, mt, L, where)
     n_shared, shared_f = _hf_shared_experts(c, f, where)
     attention = _hf_attention(c, d, where)
-    vocab = _hf_int(c, where, _RANGES["vocab_size"], "vocab_size") or 32000
+    vocab = _hf_int(c, where, _RANGES["vocab_size"], "vocab_size", zero=False) or 32000
     groups = _hf_int(c, where, _RANGES["num_groups"], "n_group") or None
     topk_group = _hf_int(c, where, _RANGES["topk_group"], "topk_group") or None
     try:
@@ -326,7 +330,7 @@ def _is_zero(v: Any) -> bool:
 def _hf_moe_layers(c: Mapping[str, Any], mt: str, L: int, where: str) -> list[int]:
     """Indices of the MoE layers among ``L`` decoder layers (DeepSeek dense-first, Qwen sparse step)."""
     if "first_k_dense_replace" in c or mt.startswith("deepseek"):
-        first = _hf_int(c, where, _RANGES["num_layers"], "first_k_dense_replace") or 0
+        first = _hf_int(c, where, Range(0, MAX_LAYERS), "first_k_dense_replace") or 0
         freq = _hf_int(c, where, Range(1, MAX_LAYERS), "moe_layer_freq", zero=False) or 1
         return [i for i in range(L) if i >= first and i % freq == 0]
     if "decoder_sparse_step" in c or "mlp_only_layers" in c:
@@ -355,13 +359,13 @@ def _hf_attention(c: Mapping[str, Any], d: int, where: str) -> dict[str, Any]:
     def get(key: str) -> int:
         return _hf_int(c, where, _RANGES.get(key, _DIM), key) or 0
 
-    H = _hf_int(c, where, _RANGES["num_attention_heads"], "num_attention_heads") or 32
+    H = _hf_int(c, where, _RANGES["num_attention_heads"], "num_attention_heads", zero=False) or 32
     mla = bool(get("kv_lora_rank"))
     head_dim = get("head_dim") or (get("v_head_dim") if mla else 0) or max(d // H, 1)
     return {
         "attention": "mla" if mla else "gqa",
         "num_attention_heads": H,
-        "num_kv_heads": _hf_int(c, where, _RANGES["num_kv_heads"], "num_key_value_heads") or H,
+        "num_kv_heads": _hf_int(c, where, _RANGES["num_kv_heads"], "num_key_value_heads", zero=False) or H,
         "head_dim": head_dim,
         "kv_lora_rank": get("kv_lora_rank"),
         "q_lora_rank": get("q_lora_rank"),

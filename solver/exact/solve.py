@@ -21,6 +21,8 @@ import numpy as np
 
 from placement.model import Placement
 from placement.topology import Topology
+from profiling.limits import MAX_SEARCH_SAMPLES, check_memory
+from profiling.trace import RoutingTrace
 from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
@@ -169,6 +171,7 @@ def _check_inputs(
     if options.objective not in ("tokens", "decode"):
         raise ValueError(f"unknown objective {options.objective!r}; use 'tokens' or 'decode'")
     check_time_limit(options.time_limit)  # finite and bounded: the solve's hard wall
+    _check_num_windows(load_or_trace, options)
     agg, wins, trace_layers, top_k = _as_windows(load_or_trace, options.robust, options.num_windows)
     robust_m = _parse_robust(options.robust, wins.shape[0])
     if not np.all(np.isfinite(wins)) or wins.min(initial=0) < 0:
@@ -186,6 +189,19 @@ def _check_inputs(
     if options.weighted not in (False, True, "shares"):
         raise ValueError(f"weighted must be False, True or 'shares', got {options.weighted!r}")
     return agg, wins, robust_m, top_k, layer_ids
+
+
+def _check_num_windows(load_or_trace: LoadOrTrace, options: ExactOptions) -> None:
+    """``num_windows`` an integer in ``1..MAX_SEARCH_SAMPLES`` whose ``[W, L, E]`` windows (a robust
+    fit on a trace builds them) fit in memory, checked before they are built."""
+    W = options.num_windows
+    if isinstance(W, bool) or not isinstance(W, (int, np.integer)) or not 1 <= W <= MAX_SEARCH_SAMPLES:
+        raise ValueError(
+            f"num_windows is {W!r}; accepted: an integer in 1..{MAX_SEARCH_SAMPLES} (MAX_SEARCH_SAMPLES)"
+        )
+    if options.robust and isinstance(load_or_trace, RoutingTrace):
+        L, E = load_or_trace.num_layers, load_or_trace.num_logical_experts
+        check_memory(2 * 8.0 * W * L * E, f"num_windows={W} windows of {L} x {E} loads", "use fewer windows")
 
 
 def _solve_for_weighted_dispatch(
@@ -315,7 +331,13 @@ def _hint_map(hint: Placement | None, greedy_map: np.ndarray, E: int) -> np.ndar
 
 
 def _worker_count(workers: int | None, L: int) -> int:
-    """Threads for the layers: ``workers`` or the usable CPUs, at most one per layer."""
+    """Threads for the layers: ``workers`` (1..1024) or the usable CPUs, at most one per layer."""
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or not 1 <= workers <= 1024
+    ):
+        raise ValueError(
+            f"workers is {workers!r}; accepted: an integer in 1..1024 threads, or None for the CPUs"
+        )
     workers = int(
         workers
         or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
