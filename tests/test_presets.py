@@ -495,3 +495,23 @@ def test_pipeline_work_limit_bounded_for_the_whole_solve():
     with pytest.raises(ValueError, match="MAX_WORK_STEPS"):
         make_options("locality", {"work_limit": 10**12})
     assert make_options("locality", {"work_limit": 1000}).work_limit == 1000
+
+
+def test_exact_time_limit_is_a_wall_through_the_noise_gate():
+    """A windowed trace goes through the noise gate (greedy's noise, the gate's migration per layer):
+    2,000 layers at time_limit 2 s once took minutes (0.05 s floors and a migration per layer)."""
+    from placement.topology import Topology
+    from profiling.trace import RoutingTrace
+    from solver.exact import solve_exact
+
+    rng = np.random.default_rng(1)
+    L = 2000
+    mean = rng.zipf(1.6, size=(1, L, 16)).clip(max=50) * 20
+    tr = RoutingTrace(
+        num_logical_experts=16, layer_ids=tuple(range(L)), window_counts=rng.poisson(mean, (8, L, 16))
+    )
+    t0 = time.perf_counter()
+    pl, rep = solve_exact(tr, Topology(4, 20), backend="cpsat", time_limit=2.0, workers=1)
+    assert time.perf_counter() - t0 < 15
+    assert any("time limit" in n for n in rep.notes)
+    assert all(l.objective <= l.baseline_objective + 1e-9 for l in rep.layers)

@@ -140,6 +140,17 @@ class _Gate:
     seed: int
 
 
+def _gate_prepare(
+    load_or_trace: LoadOrTrace, topology: Topology, source: NoiseSource, seed: int, layer_ids
+) -> tuple[Placement, np.ndarray]:
+    """What the gate needs before the exact solve: greedy's placement of the summed load and the noise
+    ``[L]`` of its layers' peaks (:func:`peak_noise`)."""
+    g_pl, _ = greedy_placement(
+        _aggregate(load_or_trace), topology, mode="global", layer_ids=layer_ids or None
+    )
+    return g_pl, peak_noise(source, g_pl, seed)
+
+
 def _noise_gate(
     load_or_trace: LoadOrTrace,
     topology: Topology,
@@ -151,8 +162,12 @@ def _noise_gate(
     time_limit: float,
     t_start: float,
     deterministic: bool = False,
+    prepared: tuple[Placement, np.ndarray] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
+
+    ``prepared``: greedy's placement and its noise ``[L]`` (:func:`_gate_prepare`), made before the exact
+    solve so that their cost comes out of the time limit before the exact layers run, not after.
 
     Re-places each layer with :func:`solver.migration.solve_migration` from greedy's placement with
     ``move_cost = k * sigma_l`` (``sigma_l``: :func:`peak_noise` of greedy's layer), then keeps the exact
@@ -163,8 +178,7 @@ def _noise_gate(
 
     agg = _aggregate(load_or_trace)
     L, E = agg.shape
-    g_pl, _ = greedy_placement(agg, topology, mode="global", layer_ids=pl.layer_ids or None)
-    sigma = peak_noise(source, g_pl, seed)
+    g_pl, sigma = prepared or _gate_prepare(load_or_trace, topology, source, seed, pl.layer_ids)
     exact_moved = moved_pairs(g_pl, pl)  # [L]
     rows = pl.physical_to_logical_map.copy()
     layers, changed, kept_exact = [], 0, 0

@@ -50,9 +50,8 @@ class _Setup:
     notes: list[str]
     lock: threading.Lock
     out_of_time: list[int] = field(default_factory=list)  # layers whose backend the deadline skipped
-    workers: int = 1
     started: list[int] = field(default_factory=lambda: [0])  # layers begun so far (a shared counter)
-    overhead: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [seconds, layers] outside backends
+    skip_cost: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [seconds, layers] of greedy reports
 
 
 def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
@@ -60,6 +59,8 @@ def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
     t0 = time.perf_counter()
     with ctx.lock:
         ctx.started[0] += 1
+    if _wall_left(ctx, t0) <= 0:  # out of time before the layer begins
+        return _out_of_time_layer(ctx, l, t0)
     wl = ctx.wnorm[:, l]  # [W, E]
     pb = _layer_problem(ctx, wl)
     g_val, inc_val, inc, iters = _start(ctx, pb, l, t0)
@@ -76,11 +77,51 @@ def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
     if model_val >= g_val - 1e-12 * max(1, g_val):
         row = ctx.greedy_map[l]
         model_val = g_val
-    report = _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
-    with ctx.lock:  # what a layer costs besides its backend, for the deadline's reserve (_wall_left)
-        ctx.overhead[0] += time.perf_counter() - t0 - (res.wall if res is not None else 0.0)
-        ctx.overhead[1] += 1
-    return row, report
+    return row, _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
+
+
+def _out_of_time_layer(ctx: _Setup, l: int, t0: float) -> tuple[np.ndarray, LayerReport]:
+    """Layer ``l`` with no time left: :func:`greedy_layer` (its cost counted for the reserve)."""
+    out = greedy_layer(ctx, l, t0)
+    with ctx.lock:
+        ctx.out_of_time.append(l)
+        ctx.skip_cost[0] += time.perf_counter() - t0
+        ctx.skip_cost[1] += 1
+    return out
+
+
+def greedy_layer(ctx: _Setup, l: int, t0: float) -> tuple[np.ndarray, LayerReport]:
+    """Layer ``l``'s greedy map ``[P]`` and a report of its peak, built without the layer's cost table
+    or search (the model's objective values are then None): what a layer past the deadline gets."""
+    topo, opt, w = ctx.topology, ctx.options, ctx.agg[l]  # w: [E]
+    row = ctx.greedy_map[l]
+    g_tok = even_split_peak(row, w, topo.ep_size, topo.slots_per_gpu)
+    extra = {
+        "backend": opt.backend,
+        "proved_by": None,
+        "model_objective": None,
+        "model_baseline": None,
+        "model_bound": None,
+        "local_search_iters": 0,
+        "restricted": False,
+        "counts_changed": 0,
+        "solver_wall_s": 0.0,
+        "out_of_time": True,
+    }
+    if opt.weighted:
+        shares, wpeak = weighted_shares(row, w, topo)
+        extra.update(replica_shares=shares.tolist(), weighted_objective=wpeak)
+        extra["weighted_bound"] = float(max(w.sum() / topo.ep_size, w.max() / ctx.rmax))
+    return row, LayerReport(
+        layer_id=int(ctx.layer_ids[l]) if ctx.layer_ids else l,
+        status="greedy_fallback",
+        objective=g_tok,
+        bound=float(min(ctx.cb_agg[l], g_tok)),
+        wall_time_s=time.perf_counter() - t0,
+        baseline_objective=g_tok,
+        mean_load=float(w.sum() / topo.ep_size),
+        extra=extra,
+    )
 
 
 def _layer_problem(ctx: _Setup, wl: np.ndarray) -> _Layer:
@@ -110,8 +151,10 @@ def _start(ctx: _Setup, pb: _Layer, l: int, t0: float) -> tuple[float, float, np
         if _valid_node(hm, pb):
             cands.append((pb.value(hm, _counts_of(hm, E)), hm, "hint"))
     inc_val, inc, _ = min(cands, key=lambda c: c[0])
-    # the whole solve's deadline is a hard wall in both modes (deterministic: iteration counts within it)
-    ls_deadline = ctx.deadline if ctx.options.deterministic else min(ctx.deadline, t0 + ctx.per_layer * 0.5)
+    # the whole solve's deadline (less the reserve of the layers not yet begun) is a hard wall in both
+    # modes; deterministic: iteration counts within it
+    wall = time.perf_counter() + _wall_left(ctx, t0)
+    ls_deadline = wall if ctx.options.deterministic else min(wall, t0 + ctx.per_layer * 0.5)
     ls_assign, iters = _local_search(pb, inc, ctx.ls_iters, ls_deadline)
     ls_val = pb.value(ls_assign, _counts_of(ls_assign, E))
     if ls_val < inc_val:
@@ -172,13 +215,12 @@ def _run_backend(
 
 
 def _wall_left(ctx: _Setup, t0: float) -> float:
-    """Seconds this layer's backend may still use: the whole solve's time limit is a hard wall, less
-    what the layers not yet begun need besides their backends (the mean so far; before any layer has
-    finished, twice this layer's start)."""
+    """Seconds this layer's search may still use: the whole solve's time limit is a hard wall, less
+    what the layers not yet begun need if they all end as :func:`greedy_layer` (1.5 x its mean cost,
+    measured once before the layers and on every such layer)."""
     pending = ctx.agg.shape[0] - ctx.started[0]
-    spent, done = ctx.overhead
-    per_layer = spent / done if done else 2.0 * (time.perf_counter() - t0)
-    return ctx.deadline - time.perf_counter() - 1.2 * per_layer * pending / ctx.workers
+    spent, done = ctx.skip_cost
+    return ctx.deadline - time.perf_counter() - 1.5 * (spent / max(done, 1)) * pending
 
 
 def _take_result(

@@ -27,10 +27,10 @@ from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
 from solver.exact.cpsat import _interrupt_solves, _reset_interrupt
-from solver.exact.gate import _gate_noise_source, _noise_gate
+from solver.exact.gate import _gate_noise_source, _gate_prepare, _noise_gate
 from solver.exact.guard import _validation_guard, _validation_split
 from solver.exact.options import ExactOptions
-from solver.exact.per_layer import _Setup, _solve_layer
+from solver.exact.per_layer import _Setup, _solve_layer, greedy_layer
 from solver.greedy import greedy_placement
 from solver.problem import Problem
 from solver.report import LayerReport, SolveReport
@@ -115,9 +115,11 @@ def _solve(
     options: ExactOptions,
     num_groups: int | None,
     layer_ids: Sequence[int] | None,
+    deadline: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Check the input, then solve for weighted dispatch, through the noise gate or the validation
-    guard (each over inner plain solves), or plainly."""
+    guard (each over inner plain solves), or plainly. ``deadline``: a wall-clock end (``perf_counter``)
+    earlier than ``time_limit`` gives (an outer step's reserve)."""
     t_start = time.perf_counter()
     agg, wins, robust_m, top_k, layer_ids = _check_inputs(load_or_trace, topology, options, layer_ids)
     if options.weighted is True:
@@ -141,7 +143,11 @@ def _solve(
         if not (np.isfinite(noise_k) and noise_k >= 0):
             raise ValueError(f"noise_k must be a finite number >= 0 (sigmas per moved slot), got {noise_k!r}")
         inner = replace(inner, time_limit=0.85 * options.time_limit)
-        pl, rep = _solve(load_or_trace, topology, inner, num_groups, layer_ids)
+        # the gate's greedy start and noise first: their time comes out of the wall before the layers'
+        prepared = _gate_prepare(load_or_trace, topology, gate, options.seed, layer_ids)
+        pl, rep = _solve(
+            load_or_trace, topology, inner, num_groups, layer_ids, deadline=t_start + inner.time_limit
+        )
         return _noise_gate(
             load_or_trace,
             topology,
@@ -153,12 +159,15 @@ def _solve(
             options.time_limit,
             t_start,
             options.deterministic,
+            prepared,
         )
     if guard is not None:
         return _validation_guard(
             load_or_trace, topology, guard, inner, num_groups, layer_ids, t_start, _solve
         )
-    return _solve_plain(agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start)
+    return _solve_plain(
+        agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start, deadline
+    )
 
 
 def _check_inputs(
@@ -246,6 +255,7 @@ def _solve_plain(
     num_groups: int | None,
     layer_ids: Sequence[int] | None,
     t_start: float,
+    deadline: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """The plain solve: greedy start -> every layer (on ``workers`` threads) -> placement and report."""
     L, E = agg.shape
@@ -275,14 +285,16 @@ def _solve_plain(
         group_of_expert=np.arange(E) // (E // num_groups) if options.node_constraint else None,
         groups_per_node=(num_groups // N) if options.node_constraint else 0,
         per_layer=max(0.05, budget * workers / L * 0.85),
-        deadline=t_start + options.time_limit,
+        deadline=min(t_start + options.time_limit, deadline or np.inf),
         ls_iters=int(options.local_search_iters if options.local_search_iters is not None else 20 * G),
         cb_agg=count_lower_bound(agg, G, P),
         layer_ids=layer_ids,
         notes=[],
         lock=threading.Lock(),
-        workers=workers,
     )
+    t0 = time.perf_counter()  # one greedy report timed: the deadline's reserve per layer not yet begun
+    greedy_layer(ctx, 0, t0)
+    ctx.skip_cost[:] = [time.perf_counter() - t0, 1]
     _reset_interrupt()
     if workers == 1:
         results = [_solve_layer(ctx, l) for l in range(L)]
