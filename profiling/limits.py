@@ -13,35 +13,17 @@ from pathlib import Path
 
 __all__ = [
     "MAX_EXPERTS",
-    "MAX_FIT_STEPS",
-    "MAX_HIDDEN_SIZE",
-    "MAX_INTERMEDIATE_SIZE",
-    "MAX_LAYERS",
     "MAX_LAYER_ID",
     "MAX_RANKS",
-    "MAX_SEARCH_SAMPLES",
-    "MAX_TIME_LIMIT_S",
-    "MAX_STEP_TOKENS",
     "MAX_TOTAL_TOKENS",
-    "MAX_WORK_STEPS",
-    "available_memory_bytes",
     "check_layer_ids",
     "check_limit",
-    "check_memory",
 ]
 
 MAX_LAYER_ID = 100_000  # largest layer id (and hidden-layer count - 1) a file may use
 MAX_EXPERTS = 65_536  # logical experts per layer, and physical slots per layer
 MAX_RANKS = 65_536  # EP ranks / source ranks
 MAX_TOTAL_TOKENS = 2**53  # total load of a trace: above it float64 sums are no longer exact
-MAX_LAYERS = MAX_LAYER_ID + 1  # decoder layers of a model description (DeepSeek-V3: 61)
-MAX_HIDDEN_SIZE = 1 << 20  # a model's hidden size (DeepSeek-V3: 7168)
-MAX_INTERMEDIATE_SIZE = 1 << 22  # an MLP's or expert's intermediate size (DeepSeek-V3 dense: 18432)
-MAX_TIME_LIMIT_S = 1e7  # a solve's wall-clock budget, seconds (about 115 days; the CLI's MAX_SECONDS)
-MAX_FIT_STEPS = 1_000_000  # search steps (swap or move attempts) per layer of a fit (defaults: 60, 300)
-MAX_SEARCH_SAMPLES = 10_000  # sampled dealings / steps a fit holds at once (defaults: 16, 96)
-MAX_WORK_STEPS = 10_000_000  # a search's counted-step budget (a step is 1-10 ms: up to about a day)
-MAX_STEP_TOKENS = 1 << 24  # tokens per rank per step (a prefill chunk of 16M tokens)
 
 
 def check_limit(value: int, limit: int, what: str, limit_name: str, where: str = "") -> int:
@@ -74,6 +56,33 @@ def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = ""
         dup = next(i for i in out if i in seen or seen.add(i))  # type: ignore[func-returns-value]
         raise ValueError(f"{prefix}{what} lists layer id {dup} twice; each layer may appear once")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes a model description or a library call may ask for, checked before anything is allocated
+# or searched (a model of 1e9 layers, a fit of 1e12 steps, an infinite time limit)
+# ---------------------------------------------------------------------------------------------
+__all__ += [
+    "MAX_FIT_STEPS",
+    "MAX_HIDDEN_SIZE",
+    "MAX_INTERMEDIATE_SIZE",
+    "MAX_LAYERS",
+    "MAX_SEARCH_SAMPLES",
+    "MAX_STEP_TOKENS",
+    "MAX_TIME_LIMIT_S",
+    "MAX_WORK_STEPS",
+    "available_memory_bytes",
+    "check_memory",
+]
+
+MAX_LAYERS = MAX_LAYER_ID + 1  # decoder layers of a model description (DeepSeek-V3: 61)
+MAX_HIDDEN_SIZE = 1 << 20  # a model's hidden size (DeepSeek-V3: 7168)
+MAX_INTERMEDIATE_SIZE = 1 << 22  # an MLP's or expert's intermediate size (DeepSeek-V3 dense: 18432)
+MAX_TIME_LIMIT_S = 1e7  # a solve's wall-clock budget, seconds (about 115 days; the CLI's MAX_SECONDS)
+MAX_FIT_STEPS = 1_000_000  # search steps (swap or move attempts) per layer of a fit (defaults: 60, 300)
+MAX_SEARCH_SAMPLES = 10_000  # sampled dealings / steps a fit holds at once (defaults: 16, 96)
+MAX_WORK_STEPS = 10_000_000  # a search's counted-step budget (a step is 1-10 ms: up to about a day)
+MAX_STEP_TOKENS = 1 << 24  # tokens per rank per step (a prefill chunk of 16M tokens)
 
 
 def available_memory_bytes() -> int | None:
