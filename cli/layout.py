@@ -9,13 +9,13 @@ from pathlib import Path
 
 from cli.common import (
     CliError,
-    bounded_int,
     check_folder_outputs,
     echo,
     ep_size_int,
     expert_count_int,
     non_negative_int,
     open_trace,
+    positive_int,
     seconds,
     seed_int,
     warn,
@@ -26,7 +26,6 @@ from profiling.limits import MAX_RANKS, MAX_STEP_TOKENS
 # grows faster than the GPU count (2,048 GPUs: about 80 s on one core); a larger cluster is instances
 # of at most this size, which the plan already compares
 MAX_LAYOUT_GPUS = 2048
-step_tokens_int = bounded_int(1, MAX_STEP_TOKENS, "MAX_STEP_TOKENS")
 
 # The files --output gets (_write_outputs), checked against the inputs before anything is computed.
 _OUTPUT_FILES = (
@@ -72,13 +71,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     p.add_argument(
         "--batch-per-rank",
-        type=step_tokens_int,
+        type=positive_int,
         default=None,
         help="tokens per GPU per step (default 128 decode, 8192 prefill)",
     )
     p.add_argument(
         "--context-len",
-        type=step_tokens_int,
+        type=positive_int,
         default=4096,
         help="decode: cached tokens per sequence; prefill: prompt length",
     )
@@ -215,6 +214,9 @@ def _read_inputs(args):
             f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
             f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
+    for flag, value in (("--batch-per-rank", args.batch_per_rank), ("--context-len", args.context_len)):
+        if value is not None and value > MAX_STEP_TOKENS:
+            raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
     if args.output:
         model_files = [args.model, str(Path(args.model) / "config.json")]
         check_folder_outputs(args.output, _OUTPUT_FILES, inputs=[*model_files, args.trace, args.hardware])
