@@ -515,3 +515,20 @@ def test_exact_time_limit_is_a_wall_through_the_noise_gate():
     assert time.perf_counter() - t0 < 15
     assert any("time limit" in n for n in rep.notes)
     assert all(l.objective <= l.baseline_objective + 1e-9 for l in rep.layers)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0)])
+def test_exact_refuses_an_empty_load_with_its_shape(shape):
+    from placement.topology import Topology
+    from solver.exact import solve_exact
+
+    with pytest.raises(ValueError, match="at least one layer and one expert"):
+        solve_exact(np.ones(shape), Topology(2, 8), time_limit=1.0)
+
+
+def test_step_fit_count_blends_checked_item_by_item():
+    from solver.step_fit import StepFitOptions
+
+    assert StepFitOptions(count_blends=()).count_blends == ()  # no starts: search from the given placement
+    with pytest.raises(ValueError, match=r"StepFitOptions.count_blends\[0\]"):
+        StepFitOptions(count_blends=(math.nan,))

@@ -185,6 +185,8 @@ def _check_inputs(
     robust_m = _parse_robust(options.robust, wins.shape[0])
     if not np.all(np.isfinite(wins)) or wins.min(initial=0) < 0:
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    if agg.shape[0] < 1 or agg.shape[1] < 1:
+        raise ValueError(f"the load has shape {agg.shape}: it needs at least one layer and one expert")
     E = agg.shape[1]
     G, P, S = topology.ep_size, topology.num_physical_experts, topology.slots_per_gpu
     if layer_ids is None:
@@ -292,9 +294,10 @@ def _solve_plain(
         notes=[],
         lock=threading.Lock(),
     )
-    t0 = time.perf_counter()  # one greedy report timed: the deadline's reserve per layer not yet begun
-    greedy_layer(ctx, 0, t0)
-    ctx.skip_cost[:] = [time.perf_counter() - t0, 1]
+    if L:  # one greedy report timed: the deadline's reserve per layer not yet begun
+        t0 = time.perf_counter()
+        greedy_layer(ctx, 0, t0)
+        ctx.skip_cost[:] = [time.perf_counter() - t0, 1]
     _reset_interrupt()
     if workers == 1:
         results = [_solve_layer(ctx, l) for l in range(L)]
