@@ -532,3 +532,16 @@ def test_step_fit_count_blends_checked_item_by_item():
     assert StepFitOptions(count_blends=()).count_blends == ()  # no starts: search from the given placement
     with pytest.raises(ValueError, match=r"StepFitOptions.count_blends\[0\]"):
         StepFitOptions(count_blends=(math.nan,))
+
+
+def test_huge_hf_config_refused_by_validate_before_the_model_is_built(tmp_path):
+    """validate --model builds the model on every rank: a 1e9-layer config is refused before that."""
+    pytest.importorskip("transformers")
+    from runtime_hooks.hf_validate import _config
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(_hf(num_hidden_layers=10**9)))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="num_hidden_layers is 1000000000"):
+        _config(cfg)
+    assert time.perf_counter() - t0 < 10
