@@ -53,6 +53,11 @@ _RANGES = {
     "eta_memory": _EFFICIENCY,
     "eta_attention": _EFFICIENCY,
     "gemm_overhead": _SECONDS,
+    # fields the cost branch adds (unused until it is merged; any other new field: its kind's default)
+    "normal_bandwidth": _BANDWIDTH,
+    "normal_latency": _SECONDS,
+    "allreduce_latency": _SECONDS,
+    "split_overhead": _SECONDS,
     # ClusterSpec
     "gpus_per_node": Range(1, MAX_RANKS),
 }
