@@ -20,7 +20,12 @@ from cli.common import (
     seed_int,
     warn,
 )
-from profiling.limits import MAX_RANKS
+from profiling.limits import MAX_RANKS, MAX_STEP_TOKENS
+
+# GPUs one plan may span: every EP size and instance split of the cluster is placed and costed, which
+# grows faster than the GPU count (2,048 GPUs: about 80 s on one core); a larger cluster is instances
+# of at most this size, which the plan already compares
+MAX_LAYOUT_GPUS = 2048
 
 # The files --output gets (_write_outputs), checked against the inputs before anything is computed.
 _OUTPUT_FILES = (
@@ -210,6 +215,16 @@ def _read_inputs(args):
             f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
             f"GPUs, over the accepted {MAX_RANKS} (MAX_RANKS)"
         )
+    if args.nodes * args.gpus_per_node > MAX_LAYOUT_GPUS:
+        raise CliError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
+            f"GPUs, over the {MAX_LAYOUT_GPUS} one plan may span (MAX_LAYOUT_GPUS: every EP size is placed "
+            f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
+            f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
+        )
+    for flag, value in (("--batch-per-rank", args.batch_per_rank), ("--context-len", args.context_len)):
+        if value is not None and value > MAX_STEP_TOKENS:
+            raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
     if args.output:
         model_files = [args.model, str(Path(args.model) / "config.json")]
         check_folder_outputs(args.output, _OUTPUT_FILES, inputs=[*model_files, args.trace, args.hardware])

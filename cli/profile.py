@@ -80,13 +80,7 @@ def _load_model(folder: Path, cfg_path: Path, seed: int, device: str):
     import torch
     import transformers
 
-    from profiling.fileio import load_json
-
-    raw = load_json(cfg_path)
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise CliError(
-            f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained"
-        )
+    raw = _read_config(cfg_path)
     try:
         config = transformers.AutoConfig.for_model(**raw)
     except (ValueError, KeyError) as exc:
@@ -102,6 +96,25 @@ def _load_model(folder: Path, cfg_path: Path, seed: int, device: str):
         model = transformers.AutoModelForCausalLM.from_config(config)
         weights = "random"
     return model.to(device).eval(), config, weights
+
+
+def _read_config(cfg_path: Path) -> dict:
+    """The HF config as a dict, refused (before torch is imported or anything is built) when it is not
+    one, states sizes out of range or weights the machine cannot hold
+    (:func:`placement.cost.modelspec.check_hf_config_fits`)."""
+    from placement.cost.modelspec import check_hf_config_fits
+    from profiling.fileio import load_json
+
+    raw = load_json(cfg_path)
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise CliError(
+            f"{cfg_path}: not a HF config (no 'model_type'); write it with the config class's save_pretrained"
+        )
+    try:
+        check_hf_config_fits(raw, str(cfg_path))
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    return raw
 
 
 def _tokenizer(folder: Path, cfg_path: Path):
@@ -233,6 +246,7 @@ def _print_summary(summary: dict, trace, wall: float, as_json: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     """Steps: check paths -> load model and tokenizer -> tokenise -> record routing -> write -> print."""
     out, texts, stream_dir = _check_paths(args)
+    _read_config(_model_folder(args.model)[1])  # sizes checked before torch is imported
     try:
         import torch  # noqa: F401 - checked here so a missing torch is one clear line
     except ImportError as exc:

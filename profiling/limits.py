@@ -9,6 +9,7 @@ constant. The limits are far above any real model: DeepSeek-V3 has 61 layers and
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 
 __all__ = [
     "MAX_EXPERTS",
@@ -55,3 +56,53 @@ def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = ""
         dup = next(i for i in out if i in seen or seen.add(i))  # type: ignore[func-returns-value]
         raise ValueError(f"{prefix}{what} lists layer id {dup} twice; each layer may appear once")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sizes a model description or a library call may ask for, checked before anything is allocated
+# or searched (a model of 1e9 layers, a fit of 1e12 steps, an infinite time limit)
+# ---------------------------------------------------------------------------------------------
+__all__ += [
+    "MAX_FIT_STEPS",
+    "MAX_HIDDEN_SIZE",
+    "MAX_INTERMEDIATE_SIZE",
+    "MAX_LAYERS",
+    "MAX_SEARCH_SAMPLES",
+    "MAX_STEP_TOKENS",
+    "MAX_TIME_LIMIT_S",
+    "MAX_WORK_STEPS",
+    "available_memory_bytes",
+    "check_memory",
+]
+
+MAX_LAYERS = MAX_LAYER_ID + 1  # decoder layers of a model description (DeepSeek-V3: 61)
+MAX_HIDDEN_SIZE = 1 << 20  # a model's hidden size (DeepSeek-V3: 7168)
+MAX_INTERMEDIATE_SIZE = 1 << 22  # an MLP's or expert's intermediate size (DeepSeek-V3 dense: 18432)
+MAX_TIME_LIMIT_S = 1e7  # a solve's wall-clock budget, seconds (about 115 days; the CLI's MAX_SECONDS)
+MAX_FIT_STEPS = 1_000_000  # search steps (swap or move attempts) per layer of a fit (defaults: 60, 300)
+MAX_SEARCH_SAMPLES = 10_000  # sampled dealings / steps a fit holds at once (defaults: 16, 96)
+MAX_WORK_STEPS = 10_000_000  # a search's counted-step budget (a step is 1-10 ms: up to about a day)
+MAX_STEP_TOKENS = 1 << 24  # tokens per rank per step (a prefill chunk of 16M tokens)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the machine can still give (``MemAvailable`` of ``/proc/meminfo``), or None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(nbytes: float, what: str, fix: str, share: float = 0.8) -> None:
+    """A ValueError, before anything is allocated, when ``what`` needs ``nbytes`` and that is more than
+    ``share`` of the memory available now; ``fix`` ends the message. Nothing is checked where the
+    available memory is unknown."""
+    avail = available_memory_bytes()
+    if avail is not None and nbytes > share * avail:
+        raise ValueError(
+            f"{what} needs about {nbytes / 1e9:,.1f} GB, over {share:.0%} of the {avail / 1e9:,.1f} GB of "
+            f"memory available; {fix}"
+        )

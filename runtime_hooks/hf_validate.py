@@ -57,6 +57,7 @@ def _config(source):
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from placement.cost.modelspec import check_hf_config_fits
     from profiling.fileio import load_json
 
     if isinstance(source, PretrainedConfig):
@@ -76,6 +77,8 @@ def _config(source):
             f"--model {file}: model_type {model_type!r} is unknown to transformers "
             f"{_transformers_version()}; upgrade transformers or fix the config"
         )
+    # sizes, and weights (2 bytes each at least) against the memory available, before anything is built
+    check_hf_config_fits(doc, f"--model {file}", bytes_per_weight=2.0)
     try:
         return AutoConfig.from_pretrained(str(path))
     except _config_errors() as exc:

@@ -45,12 +45,15 @@ from typing import Any
 
 import numpy as np
 
+from placement.cost.fields import Range, check_fields
 from placement.dispatch import EVEN, DispatchModel, get_dispatch
 from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
+from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
 from profiling.trace import RoutingTrace
+from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import DispatchFit, even_rank_counts, fit_for_dispatch, fit_for_dispatch_load
 from solver.exact import ExactOptions, run_exact
 from solver.greedy import GreedyOptions, run_greedy
@@ -179,6 +182,10 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
     merged = {k: v for k, v in common.items() if k in known}
     merged.update(values or {})
     merged.update(spec.fixed)
+    if "time_limit" in merged:  # every solver's: a finite wall-clock budget for the whole solve
+        check_time_limit(merged["time_limit"])
+    if merged.get("work_limit") is not None:  # a counted-step budget for the whole solve
+        Budget(0.0, merged["work_limit"])
     return options_from(spec.options, name, merged)
 
 
@@ -195,6 +202,17 @@ def _has(problem: Problem, need: str) -> bool:
     if need == "needs_tokens":
         return problem.trace is not None and problem.trace.has_tokens
     return problem.previous is not None
+
+
+# accepted ranges of FitOptions' fields (bounded so that a call cannot ask for endless work)
+_FIT_RANGES = {
+    "steps": Range(0, MAX_FIT_STEPS),
+    "seed": Range(0, 2**32 - 1),
+    "dealings": Range(0, MAX_SEARCH_SAMPLES),
+    "noise_z": Range(0.0, 1e3),
+    "step_tokens": Range(1, MAX_STEP_TOKENS),
+    "step_moves": Range(0, MAX_FIT_STEPS),
+}
 
 
 @dataclass(frozen=True)
@@ -227,17 +245,7 @@ class FitOptions:
     hardware: str = DEFAULT_HARDWARE
 
     def __post_init__(self) -> None:
-        for name in ("steps", "dealings", "step_moves"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or int(v) != v or v < 0:
-                raise ValueError(f"FitOptions.{name} must be an integer >= 0, got {v!r}")
-        v = self.step_tokens
-        if v is not None and (isinstance(v, bool) or int(v) != v or v < 1):
-            raise ValueError(
-                f"FitOptions.step_tokens must be an integer >= 1 (tokens per rank per step), got {v!r}"
-            )
-        if not np.isfinite(self.noise_z) or self.noise_z < 0:
-            raise ValueError(f"FitOptions.noise_z must be a finite number >= 0, got {self.noise_z!r}")
+        check_fields(self, _FIT_RANGES, "", prefix="FitOptions.")
         if self.phase not in PHASES:
             raise ValueError(f"FitOptions.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
 

@@ -9,9 +9,13 @@ are then ignored.
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 
-__all__ = ["Budget", "as_budget"]
+from profiling.limits import MAX_TIME_LIMIT_S, MAX_WORK_STEPS
+
+__all__ = ["Budget", "as_budget", "check_time_limit"]
 
 # CP-SAT deterministic time (its own work unit, about a second on a current core) per budget step
 CPSAT_DET_PER_STEP = 0.005
@@ -25,8 +29,13 @@ class Budget:
     """
 
     def __init__(self, seconds: float, work: int | None = None):
-        if work is not None and int(work) < 0:
-            raise ValueError(f"work must be >= 0 steps (or None for a wall-clock budget), got {work}")
+        whole = isinstance(work, numbers.Integral) and not isinstance(work, bool)
+        if work is not None and not (whole and 0 <= work <= MAX_WORK_STEPS):
+            raise ValueError(
+                f"work is {work!r} steps; accepted: an integer in 0..{MAX_WORK_STEPS} (MAX_WORK_STEPS: a "
+                f"step is 1-10 ms), or None for a wall-clock budget"
+            )
+        _check_seconds(seconds, "a budget's seconds", 0.0)
         self.seconds = max(float(seconds), 0.0)
         self.work = None if work is None else int(work)
         self.used = 0
@@ -74,6 +83,29 @@ class Budget:
             if self.work is not None
             else f"Budget({self.seconds:.3g}s)"
         )
+
+
+def _check_seconds(value: object, what: str, low: float) -> float:
+    """``value`` as float when a real number with ``low < value <= MAX_TIME_LIMIT_S`` (``low`` 0.0:
+    ``>= 0``), else a one-line ValueError naming it."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    try:
+        x = float(value) if ok else math.nan  # type: ignore[arg-type]
+    except OverflowError:
+        x = math.inf
+    if not (math.isfinite(x) and (x > low if low > 0 else x >= 0) and x <= MAX_TIME_LIMIT_S):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(
+            f"{what} is {shown}; accepted: a finite number of seconds in "
+            f"{'(0' if low > 0 else '[0'}, {MAX_TIME_LIMIT_S:g}] (MAX_TIME_LIMIT_S); a time limit is a wall-clock budget"
+        )
+    return x
+
+
+def check_time_limit(value: object, what: str = "time_limit") -> float:
+    """A solve's time limit as float: a finite number of seconds in ``(0, MAX_TIME_LIMIT_S]`` (bool,
+    NaN and infinities refused), else a one-line ValueError naming ``what`` and the range."""
+    return _check_seconds(value, what, 1e-300)
 
 
 def as_budget(limit: float | Budget) -> Budget:

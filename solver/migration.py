@@ -62,6 +62,7 @@ import numpy as np
 from placement.dispatch import get_dispatch
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
+from solver.budget import check_time_limit
 from solver.greedy import greedy_placement
 from solver.migration_cpsat import exact_layer as _exact_layer
 from solver.migration_dispatch import Scorer, choose_layers, dispatch_scorer
@@ -337,8 +338,7 @@ def _validated(
     steps = options.max_steps
     if steps is not None and (isinstance(steps, bool) or int(steps) != steps or steps < 0):
         raise ValueError(f"max_steps must be a non-negative integer (search work limit), got {steps!r}")
-    if options.time_limit <= 0:
-        raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
+    check_time_limit(options.time_limit)
     ids = tuple(layer_ids) if layer_ids is not None else previous.layer_ids
     if len(ids) != L:
         raise ValueError(f"layer_ids has {len(ids)} entries for {L} layers")

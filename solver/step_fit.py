@@ -49,9 +49,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from placement.cost.fields import Range, check_fields
 from placement.dispatch import DispatchModel, get_dispatch
 from placement.model import Placement, compute_logical_maps
 from placement.steps import make_steps, step_counts
+from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
 from profiling.trace import RoutingTrace
 from solver.step_cost import StepCost, layer_seconds, slot_loads
 from solver.step_start import start_rows
@@ -115,6 +117,31 @@ class StepFitOptions:
     iters: int = 30
     phase: str = "decode"
     cost: StepCost | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, _STEP_FIT_RANGES, "", prefix="StepFitOptions.")
+
+
+# accepted ranges of StepFitOptions' fields: shares in [0, 1], counts bounded so that no call asks for
+# endless work or more sampled steps than memory holds (each sampled step is an [L, E] count array)
+_SHARE = Range(0.0, 1.0)
+_STEP_FIT_RANGES = {
+    "step_tokens": Range(1, MAX_STEP_TOKENS),
+    "num_steps": Range(1, MAX_SEARCH_SAMPLES),
+    "moves": Range(0, MAX_FIT_STEPS),
+    "seed": Range(0, 2**32 - 1),
+    "validation": Range(0.0, 0.9),
+    "window_slack": _SHARE,
+    "fit_window_slack": _SHARE,
+    "window_parts": Range(1, 1000),
+    "top_share": Range(0.0, 1.0, lo_open=True),
+    "top_slack": _SHARE,
+    "count_blends": _SHARE,
+    "count_quantile": _SHARE,
+    "pack_slack": _SHARE,
+    "draws": Range(1, 10_000),
+    "iters": Range(1, 10_000),
+}
 
 
 @dataclass(frozen=True, eq=False)

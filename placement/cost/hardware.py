@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from placement.cost.fields import Range, check_fields, show
+from profiling.limits import MAX_RANKS
+
 __all__ = [
     "LinkSpec",
     "GpuSpec",
@@ -29,6 +32,36 @@ __all__ = [
 
 GB = 1e9
 TB = 1e12
+
+# Accepted range of each numeric field of the specs below (a field not listed: its kind's default range,
+# placement.cost.fields). Ranges are far wider than any real part but keep every time and size the
+# cost model prints finite and of sane magnitude (a FLOP rate of 1e-300 would print a 300-digit time).
+_BANDWIDTH = Range(1e6, 1e15)  # bytes/s: 1 MB/s .. 1 PB/s
+_SECONDS = Range(0.0, 1.0)  # fixed costs per call
+_EFFICIENCY = Range(0.01, 1.0)  # achieved share of a peak
+_RANGES = {
+    # LinkSpec
+    "bandwidth": _BANDWIDTH,
+    "latency": _SECONDS,
+    "nominal_bandwidth": Range(0.0, 1e15),
+    "band": Range(0.0, 1e15),
+    # GpuSpec
+    "flops_fp8": Range(1e9, 1e19),  # FLOP/s: 1 GFLOP/s .. 10 EFLOP/s
+    "flops_bf16": Range(1e9, 1e19),
+    "hbm_bandwidth": _BANDWIDTH,
+    "hbm_bytes": Range(1e8, 1e14),  # 100 MB .. 100 TB
+    "eta_compute": _EFFICIENCY,
+    "eta_memory": _EFFICIENCY,
+    "eta_attention": _EFFICIENCY,
+    "gemm_overhead": _SECONDS,
+    # fields the cost branch adds (unused until it is merged; any other new field: its kind's default)
+    "normal_bandwidth": _BANDWIDTH,
+    "normal_latency": _SECONDS,
+    "allreduce_latency": _SECONDS,
+    "split_overhead": _SECONDS,
+    # ClusterSpec
+    "gpus_per_node": Range(1, MAX_RANKS),
+}
 
 
 @dataclass(frozen=True)
@@ -68,10 +101,10 @@ class LinkSpec:
         raise ValueError(f"link kernel must be 'low_latency' or 'normal', got {kind!r}")
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or self.latency < 0:
-            raise ValueError(
-                f"link {self.name!r}: bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}"
-            )
+        where = f"link {self.name!r}"
+        check_fields(self, _RANGES, where)
+        if self.band[0] > self.band[1]:
+            raise ValueError(f"{where}: band {self.band} must be (low, high) with low <= high")
 
 
 @dataclass(frozen=True)
@@ -105,12 +138,7 @@ class GpuSpec:
     split_overhead: float = 2e-6
 
     def __post_init__(self) -> None:
-        for k in ("flops_fp8", "flops_bf16", "hbm_bandwidth", "hbm_bytes"):
-            if not getattr(self, k) > 0:
-                raise ValueError(f"GPU {self.name!r}: {k} must be > 0, got {getattr(self, k)}")
-        for k in ("eta_compute", "eta_memory", "eta_attention"):
-            if not 0 < getattr(self, k) <= 1:
-                raise ValueError(f"GPU {self.name!r}: {k} must be in (0, 1], got {getattr(self, k)}")
+        check_fields(self, _RANGES, f"GPU {self.name!r}")
 
     @property
     def calibrated(self) -> bool:
@@ -146,8 +174,7 @@ class ClusterSpec:
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        if self.gpus_per_node < 1:
-            raise ValueError(f"gpus_per_node must be >= 1, got {self.gpus_per_node}")
+        check_fields(self, _RANGES, "cluster")
 
     @property
     def name(self) -> str:
@@ -307,9 +334,9 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
         raise ValueError(
             f"{path}: a GPU preset must be a JSON object with a 'base' GPU name (one of {HARDWARE_NAMES})"
         )
-    base = str(d["base"]).lower()
-    if base not in GPUS:
-        raise ValueError(f"{path}: unknown base GPU {base!r}; use one of {HARDWARE_NAMES}")
+    base = d["base"].lower() if isinstance(d["base"], str) else d["base"]
+    if not isinstance(base, str) or base not in GPUS:
+        raise ValueError(f"{path}: unknown base GPU {show(base)}; use one of {HARDWARE_NAMES}")
     allowed = {
         "flops_fp8",
         "flops_bf16",
@@ -325,12 +352,15 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
     extra = set(d) - allowed - {"base", "provenance", "source"}
     if extra:
         raise ValueError(f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: {sorted(allowed)}")
-    return replace(
-        GPUS[base],
-        **over,
-        source=str(d.get("source", f"fitted preset {path}")),
-        provenance=dict(d.get("provenance", {})),
-    )
+    try:
+        return replace(
+            GPUS[base],
+            **over,
+            source=d.get("source", f"fitted preset {path}"),
+            provenance=d.get("provenance", {}),
+        )
+    except ValueError as exc:  # the field checks of GpuSpec, named with the file
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def cluster_preset(
@@ -349,8 +379,8 @@ def cluster_preset(
     def link(name: str | None, default: LinkSpec) -> LinkSpec:
         if name is None:
             return default
-        if name.lower() not in LINKS:
+        if not isinstance(name, str) or name.lower() not in LINKS:
             raise ValueError(f"unknown link {name!r}; use one of {tuple(LINKS)}")
         return LINKS[name.lower()]
 
-    return ClusterSpec(gpu, link(intra, gpu.nvlink), link(inter, LINKS["rdma"]), int(gpus_per_node))
+    return ClusterSpec(gpu, link(intra, gpu.nvlink), link(inter, LINKS["rdma"]), gpus_per_node)

@@ -101,8 +101,10 @@ def _solve_cpsat(
     limit_s: float,
     deterministic: bool,
     lb_true: np.ndarray | None,
+    wall_left: float = float("inf"),
 ) -> _Result:
-    """Solve one layer's joint model from ``incumbent [G, S]`` (objective ``inc_value``).
+    """Solve one layer's joint model from ``incumbent [G, S]`` (objective ``inc_value``); never past
+    ``wall_left`` seconds (what is left of the whole solve's time limit).
 
     ``windows``: ``[W, E]`` the layer's loads; ``lb_true``: ``[W]`` valid lower bounds on the window
     peaks in true units, or None. Returns the backend's :class:`_Result` (bound in true units).
@@ -123,10 +125,12 @@ def _solve_cpsat(
     _add_hints(m, pb, d, v)
     # solve
     build = time.perf_counter() - t0
+    wall_left = max(0.01, wall_left - build)
     if deterministic:
-        solver = _cp_solver(seed, max(0.05, _DET_FACTOR * limit_s), max(0.5, _SAFETY_CAP * limit_s))
+        cap = min(max(0.5, _SAFETY_CAP * limit_s), wall_left)
+        solver = _cp_solver(seed, max(0.05, _DET_FACTOR * limit_s), cap)
     else:
-        solver = _cp_solver(seed, None, max(0.05, limit_s - build))
+        solver = _cp_solver(seed, None, min(max(0.05, limit_s - build), wall_left))
     st = _run_solve(solver, m)
     wall = time.perf_counter() - t0
     note = ""

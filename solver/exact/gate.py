@@ -140,6 +140,17 @@ class _Gate:
     seed: int
 
 
+def _gate_prepare(
+    load_or_trace: LoadOrTrace, topology: Topology, source: NoiseSource, seed: int, layer_ids
+) -> tuple[Placement, np.ndarray]:
+    """What the gate needs before the exact solve: greedy's placement of the summed load and the noise
+    ``[L]`` of its layers' peaks (:func:`peak_noise`)."""
+    g_pl, _ = greedy_placement(
+        _aggregate(load_or_trace), topology, mode="global", layer_ids=layer_ids or None
+    )
+    return g_pl, peak_noise(source, g_pl, seed)
+
+
 def _noise_gate(
     load_or_trace: LoadOrTrace,
     topology: Topology,
@@ -151,8 +162,12 @@ def _noise_gate(
     time_limit: float,
     t_start: float,
     deterministic: bool = False,
+    prepared: tuple[Placement, np.ndarray] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
+
+    ``prepared``: greedy's placement and its noise ``[L]`` (:func:`_gate_prepare`), made before the exact
+    solve so that their cost comes out of the time limit before the exact layers run, not after.
 
     Re-places each layer with :func:`solver.migration.solve_migration` from greedy's placement with
     ``move_cost = k * sigma_l`` (``sigma_l``: :func:`peak_noise` of greedy's layer), then keeps the exact
@@ -163,8 +178,7 @@ def _noise_gate(
 
     agg = _aggregate(load_or_trace)
     L, E = agg.shape
-    g_pl, _ = greedy_placement(agg, topology, mode="global", layer_ids=pl.layer_ids or None)
-    sigma = peak_noise(source, g_pl, seed)
+    g_pl, sigma = prepared or _gate_prepare(load_or_trace, topology, source, seed, pl.layer_ids)
     exact_moved = moved_pairs(g_pl, pl)  # [L]
     rows = pl.physical_to_logical_map.copy()
     layers, changed, kept_exact = [], 0, 0
@@ -173,8 +187,16 @@ def _noise_gate(
     left = 0.15 * time_limit if deterministic else time_limit - (time.perf_counter() - t_start)
     per = max(0.05, left / max(L, 1))
     gate = _Gate(agg, topology, g_pl, sigma, exact_moved, source, k, per, seed)
+    deadline = t_start + time_limit  # a hard wall: past it a layer is gated without the migration
+    spent, out_of_time = [0.0, 0], 0
     for l, lr in enumerate(rep.layers):
-        row, info = _gate_choice(gate, l, lr, rows)
+        t0 = time.perf_counter()
+        if t0 + (spent[0] / spent[1] if spent[1] else 0.0) > deadline:
+            row, info = _quick_choice(gate, l, lr, rows)
+            out_of_time += 1
+        else:
+            row, info = _gate_choice(gate, l, lr, rows)
+            spent = [spent[0] + time.perf_counter() - t0, spent[1] + 1]
         extra = {**lr.extra, "noise_gate": info}
         if info["kept_exact"]:
             kept_exact += 1
@@ -189,6 +211,11 @@ def _noise_gate(
         notes.append(
             f"noise gate ({desc}): {kept_exact} of {L} layers took the exact placement, {changed} a partial "
             f"move from greedy, {L - kept_exact - changed} kept greedy's (gain within the sampling noise)"
+        )
+    if out_of_time:
+        notes.append(
+            f"noise gate: time limit {time_limit:g} s reached: {out_of_time} of {L} layers chose between the "
+            f"exact and greedy placements without a partial move from greedy"
         )
     params = {**rep.params, "noise_gate": desc, "noise_gate_exact_layers": kept_exact}
     return _with_layers(pl, rep, rows, layers, {"noise_gate": desc}, params, notes, t_start)
@@ -226,6 +253,29 @@ def _gate_choice(gate: _Gate, l: int, lr: LayerReport, rows: np.ndarray) -> tupl
         ),
         "took": "greedy" if np.array_equal(row, g_row) else ("exact" if kept_exact else "migration"),
         "kept_exact": kept_exact,
+    }
+    return row, info
+
+
+def _quick_choice(gate: _Gate, l: int, lr: LayerReport, rows: np.ndarray) -> tuple[np.ndarray, dict]:
+    """The gate's choice without the migration (no time left): the exact row of ``rows [L, P]`` when
+    its peak plus the move cost of its moved slots is at most greedy's peak, else greedy's row."""
+    mc = gate.k * float(gate.sigma[l])
+    g_row = gate.greedy.physical_to_logical_map[l]
+    moved = int(gate.exact_moved[l])
+    kept_exact = bool(lr.objective + mc * moved <= lr.baseline_objective)
+    row = rows[l] if kept_exact else g_row
+    info = {
+        "sigma": float(gate.sigma[l]),
+        "move_cost": mc,
+        "k": gate.k,
+        "source": gate.source[0] + ("/groups" if gate.source[2] is not None else ""),
+        "exact_objective": float(lr.objective),
+        "greedy_objective": float(lr.baseline_objective),
+        "moved_slots_vs_greedy": moved if kept_exact else 0,
+        "took": "greedy" if np.array_equal(row, g_row) else "exact",
+        "kept_exact": kept_exact,
+        "out_of_time": True,
     }
     return row, info
 

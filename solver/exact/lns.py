@@ -31,7 +31,7 @@ def _large_layer(
     """
     t0 = time.perf_counter()
     rounds = max(4, int(_DET_FACTOR * limit_s / _LNS_ROUND_S))
-    dl = None if deterministic else min(deadline, t0 + limit_s)
+    dl = deadline if deterministic else min(deadline, t0 + limit_s)  # the solve's deadline: a hard wall
     assign = inc
     left = rounds
     k = 0

@@ -24,12 +24,17 @@ class ExactOptions:
         weighted: ``False``; ``"shares"`` (LP shares on the even-split optimum, in ``extra``); ``True``
             (placement chosen for weighted dispatch, :func:`solver.weighted.solve_weighted`; the report's
             ``objective`` is then the weighted peak and ``extra["even_objective"]`` the even-split one).
-        time_limit: total wall budget in seconds for all layers (solved in parallel on ``workers`` threads).
+        time_limit: total wall budget in seconds for all layers (solved in parallel on ``workers`` threads),
+            finite and at most ``MAX_TIME_LIMIT_S``. A hard wall in both modes: a layer whose search would
+            end past it (less a reserve for the layers not yet begun) keeps its start, greedy or local
+            search, and one note says how many did; only fixed per-layer setup and reporting (about a
+            millisecond a layer) can run past it.
         seed: CP-SAT random seed (also seeds the neighbourhood search).
         deterministic: ``True`` (default): one CP-SAT worker and deterministic-time limits derived from
             ``time_limit`` only, local and neighbourhood search bounded by iteration counts, so two runs
             with the same inputs and seed return the same map whatever the machine load (unless the
-            wall-clock safety cap of 4x a layer's share cuts a solve, which ``notes`` reports).
+            wall-clock safety cap of 4x a layer's share or the time limit's wall cuts a solve, which
+            ``notes`` reports).
             ``False``: wall-clock limits (uses the budget fully, not reproducible).
         hint: an extra starting placement (used when better than greedy).
         expert_bytes, hardware, batch_tokens_per_gpu: decode cost overrides (:class:`DecodeCost`).

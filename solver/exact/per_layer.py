@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,11 +49,18 @@ class _Setup:
     layer_ids: tuple[int, ...] | list[int] | None
     notes: list[str]
     lock: threading.Lock
+    out_of_time: list[int] = field(default_factory=list)  # layers whose backend the deadline skipped
+    started: list[int] = field(default_factory=lambda: [0])  # layers begun so far (a shared counter)
+    skip_cost: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [seconds, layers] of greedy reports
 
 
 def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
     """Layer ``l``: its map ``[P]`` (never worse than greedy's) and its report."""
     t0 = time.perf_counter()
+    with ctx.lock:
+        ctx.started[0] += 1
+    if _wall_left(ctx, t0) <= 0:  # out of time before the layer begins
+        return _out_of_time_layer(ctx, l, t0)
     wl = ctx.wnorm[:, l]  # [W, E]
     pb = _layer_problem(ctx, wl)
     g_val, inc_val, inc, iters = _start(ctx, pb, l, t0)
@@ -71,6 +78,50 @@ def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
         row = ctx.greedy_map[l]
         model_val = g_val
     return row, _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
+
+
+def _out_of_time_layer(ctx: _Setup, l: int, t0: float) -> tuple[np.ndarray, LayerReport]:
+    """Layer ``l`` with no time left: :func:`greedy_layer` (its cost counted for the reserve)."""
+    out = greedy_layer(ctx, l, t0)
+    with ctx.lock:
+        ctx.out_of_time.append(l)
+        ctx.skip_cost[0] += time.perf_counter() - t0
+        ctx.skip_cost[1] += 1
+    return out
+
+
+def greedy_layer(ctx: _Setup, l: int, t0: float) -> tuple[np.ndarray, LayerReport]:
+    """Layer ``l``'s greedy map ``[P]`` and a report of its peak, built without the layer's cost table
+    or search (the model's objective values are then None): what a layer past the deadline gets."""
+    topo, opt, w = ctx.topology, ctx.options, ctx.agg[l]  # w: [E]
+    row = ctx.greedy_map[l]
+    g_tok = even_split_peak(row, w, topo.ep_size, topo.slots_per_gpu)
+    extra = {
+        "backend": opt.backend,
+        "proved_by": None,
+        "model_objective": None,
+        "model_baseline": None,
+        "model_bound": None,
+        "local_search_iters": 0,
+        "restricted": False,
+        "counts_changed": 0,
+        "solver_wall_s": 0.0,
+        "out_of_time": True,
+    }
+    if opt.weighted:
+        shares, wpeak = weighted_shares(row, w, topo)
+        extra.update(replica_shares=shares.tolist(), weighted_objective=wpeak)
+        extra["weighted_bound"] = float(max(w.sum() / topo.ep_size, w.max() / ctx.rmax))
+    return row, LayerReport(
+        layer_id=int(ctx.layer_ids[l]) if ctx.layer_ids else l,
+        status="greedy_fallback",
+        objective=g_tok,
+        bound=float(min(ctx.cb_agg[l], g_tok)),
+        wall_time_s=time.perf_counter() - t0,
+        baseline_objective=g_tok,
+        mean_load=float(w.sum() / topo.ep_size),
+        extra=extra,
+    )
 
 
 def _layer_problem(ctx: _Setup, wl: np.ndarray) -> _Layer:
@@ -100,7 +151,10 @@ def _start(ctx: _Setup, pb: _Layer, l: int, t0: float) -> tuple[float, float, np
         if _valid_node(hm, pb):
             cands.append((pb.value(hm, _counts_of(hm, E)), hm, "hint"))
     inc_val, inc, _ = min(cands, key=lambda c: c[0])
-    ls_deadline = None if ctx.options.deterministic else min(ctx.deadline, t0 + ctx.per_layer * 0.5)
+    # the whole solve's deadline (less the reserve of the layers not yet begun) is a hard wall in both
+    # modes; deterministic: iteration counts within it
+    wall = time.perf_counter() + _wall_left(ctx, t0)
+    ls_deadline = wall if ctx.options.deterministic else min(wall, t0 + ctx.per_layer * 0.5)
     ls_assign, iters = _local_search(pb, inc, ctx.ls_iters, ls_deadline)
     ls_val = pb.value(ls_assign, _counts_of(ls_assign, E))
     if ls_val < inc_val:
@@ -123,10 +177,15 @@ def _run_backend(
     is left. Large layers go to the neighbourhood search; a failing backend is a result, not an error."""
     opt = ctx.options
     gap_now = (inc_val - model_lb) / inc_val if inc_val > 0 else 0.0
+    wall_left = _wall_left(ctx, t0)
     if opt.deterministic:  # the layer's whole share: a budget that does not depend on how long the start took
         remaining = ctx.per_layer
     else:
-        remaining = min(ctx.per_layer - (time.perf_counter() - t0), ctx.deadline - time.perf_counter())
+        remaining = min(ctx.per_layer - (time.perf_counter() - t0), wall_left)
+    if gap_now > 1e-9 and wall_left <= 0.02:
+        with ctx.lock:
+            ctx.out_of_time.append(l)
+        return None
     if not (gap_now > 1e-9 and remaining > 0.02):
         return None
     P = ctx.topology.num_physical_experts
@@ -135,12 +194,33 @@ def _run_backend(
             return _large_layer(pb, inc, opt.seed, remaining, opt.deterministic, ctx.ls_iters, ctx.deadline)
         if opt.backend == "cpsat":
             return _solve_cpsat(
-                pb, inc, inc_val, opt.objective, wl, P, opt.seed, remaining, opt.deterministic, lb_true
+                pb,
+                inc,
+                inc_val,
+                opt.objective,
+                wl,
+                P,
+                opt.seed,
+                remaining,
+                opt.deterministic,
+                lb_true,
+                wall_left,
             )
-        return _solve_milp(pb, inc, inc_val, opt.objective, wl, P, opt.seed, remaining, lb_true)
+        return _solve_milp(
+            pb, inc, inc_val, opt.objective, wl, P, opt.seed, min(remaining, wall_left), lb_true
+        )
     except Exception as exc:  # a solver failure is data, not an exception
         log.warning("layer %d: %s backend failed: %s", l, opt.backend, exc)
         return _Result(None, "error", None, False, 0.0, f"{type(exc).__name__}: {exc}")
+
+
+def _wall_left(ctx: _Setup, t0: float) -> float:
+    """Seconds this layer's search may still use: the whole solve's time limit is a hard wall, less
+    what the layers not yet begun need if they all end as :func:`greedy_layer` (1.5 x its mean cost,
+    measured once before the layers and on every such layer)."""
+    pending = ctx.agg.shape[0] - ctx.started[0]
+    spent, done = ctx.skip_cost
+    return ctx.deadline - time.perf_counter() - 1.5 * (spent / max(done, 1)) * pending
 
 
 def _take_result(

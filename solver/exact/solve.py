@@ -21,13 +21,16 @@ import numpy as np
 
 from placement.model import Placement
 from placement.topology import Topology
+from profiling.limits import MAX_SEARCH_SAMPLES, check_memory
+from profiling.trace import RoutingTrace
+from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
 from solver.exact.cpsat import _interrupt_solves, _reset_interrupt
-from solver.exact.gate import _gate_noise_source, _noise_gate
+from solver.exact.gate import _gate_noise_source, _gate_prepare, _noise_gate
 from solver.exact.guard import _validation_guard, _validation_split
 from solver.exact.options import ExactOptions
-from solver.exact.per_layer import _Setup, _solve_layer
+from solver.exact.per_layer import _Setup, _solve_layer, greedy_layer
 from solver.greedy import greedy_placement
 from solver.problem import Problem
 from solver.report import LayerReport, SolveReport
@@ -112,9 +115,11 @@ def _solve(
     options: ExactOptions,
     num_groups: int | None,
     layer_ids: Sequence[int] | None,
+    deadline: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Check the input, then solve for weighted dispatch, through the noise gate or the validation
-    guard (each over inner plain solves), or plainly."""
+    guard (each over inner plain solves), or plainly. ``deadline``: a wall-clock end (``perf_counter``)
+    earlier than ``time_limit`` gives (an outer step's reserve)."""
     t_start = time.perf_counter()
     agg, wins, robust_m, top_k, layer_ids = _check_inputs(load_or_trace, topology, options, layer_ids)
     if options.weighted is True:
@@ -138,7 +143,11 @@ def _solve(
         if not (np.isfinite(noise_k) and noise_k >= 0):
             raise ValueError(f"noise_k must be a finite number >= 0 (sigmas per moved slot), got {noise_k!r}")
         inner = replace(inner, time_limit=0.85 * options.time_limit)
-        pl, rep = _solve(load_or_trace, topology, inner, num_groups, layer_ids)
+        # the gate's greedy start and noise first: their time comes out of the wall before the layers'
+        prepared = _gate_prepare(load_or_trace, topology, gate, options.seed, layer_ids)
+        pl, rep = _solve(
+            load_or_trace, topology, inner, num_groups, layer_ids, deadline=t_start + inner.time_limit
+        )
         return _noise_gate(
             load_or_trace,
             topology,
@@ -150,12 +159,15 @@ def _solve(
             options.time_limit,
             t_start,
             options.deterministic,
+            prepared,
         )
     if guard is not None:
         return _validation_guard(
             load_or_trace, topology, guard, inner, num_groups, layer_ids, t_start, _solve
         )
-    return _solve_plain(agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start)
+    return _solve_plain(
+        agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start, deadline
+    )
 
 
 def _check_inputs(
@@ -167,12 +179,14 @@ def _check_inputs(
         raise ValueError(f"unknown backend {options.backend!r}; use 'cpsat' or 'milp'")
     if options.objective not in ("tokens", "decode"):
         raise ValueError(f"unknown objective {options.objective!r}; use 'tokens' or 'decode'")
-    if not options.time_limit > 0:
-        raise ValueError(f"time_limit must be > 0 seconds, got {options.time_limit}")
+    check_time_limit(options.time_limit)  # finite and bounded: the solve's hard wall
+    _check_num_windows(load_or_trace, options)
     agg, wins, trace_layers, top_k = _as_windows(load_or_trace, options.robust, options.num_windows)
     robust_m = _parse_robust(options.robust, wins.shape[0])
     if not np.all(np.isfinite(wins)) or wins.min(initial=0) < 0:
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    if agg.shape[0] < 1 or agg.shape[1] < 1:
+        raise ValueError(f"the load has shape {agg.shape}: it needs at least one layer and one expert")
     E = agg.shape[1]
     G, P, S = topology.ep_size, topology.num_physical_experts, topology.slots_per_gpu
     if layer_ids is None:
@@ -186,6 +200,19 @@ def _check_inputs(
     if options.weighted not in (False, True, "shares"):
         raise ValueError(f"weighted must be False, True or 'shares', got {options.weighted!r}")
     return agg, wins, robust_m, top_k, layer_ids
+
+
+def _check_num_windows(load_or_trace: LoadOrTrace, options: ExactOptions) -> None:
+    """``num_windows`` an integer in ``1..MAX_SEARCH_SAMPLES`` whose ``[W, L, E]`` windows (a robust
+    fit on a trace builds them) fit in memory, checked before they are built."""
+    W = options.num_windows
+    if isinstance(W, bool) or not isinstance(W, (int, np.integer)) or not 1 <= W <= MAX_SEARCH_SAMPLES:
+        raise ValueError(
+            f"num_windows is {W!r}; accepted: an integer in 1..{MAX_SEARCH_SAMPLES} (MAX_SEARCH_SAMPLES)"
+        )
+    if options.robust and isinstance(load_or_trace, RoutingTrace):
+        L, E = load_or_trace.num_layers, load_or_trace.num_logical_experts
+        check_memory(2 * 8.0 * W * L * E, f"num_windows={W} windows of {L} x {E} loads", "use fewer windows")
 
 
 def _solve_for_weighted_dispatch(
@@ -230,6 +257,7 @@ def _solve_plain(
     num_groups: int | None,
     layer_ids: Sequence[int] | None,
     t_start: float,
+    deadline: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """The plain solve: greedy start -> every layer (on ``workers`` threads) -> placement and report."""
     L, E = agg.shape
@@ -259,13 +287,17 @@ def _solve_plain(
         group_of_expert=np.arange(E) // (E // num_groups) if options.node_constraint else None,
         groups_per_node=(num_groups // N) if options.node_constraint else 0,
         per_layer=max(0.05, budget * workers / L * 0.85),
-        deadline=t_start + options.time_limit,
+        deadline=min(t_start + options.time_limit, deadline or np.inf),
         ls_iters=int(options.local_search_iters if options.local_search_iters is not None else 20 * G),
         cb_agg=count_lower_bound(agg, G, P),
         layer_ids=layer_ids,
         notes=[],
         lock=threading.Lock(),
     )
+    if L:  # one greedy report timed: the deadline's reserve per layer not yet begun
+        t0 = time.perf_counter()
+        greedy_layer(ctx, 0, t0)
+        ctx.skip_cost[:] = [time.perf_counter() - t0, 1]
     _reset_interrupt()
     if workers == 1:
         results = [_solve_layer(ctx, l) for l in range(L)]
@@ -314,7 +346,13 @@ def _hint_map(hint: Placement | None, greedy_map: np.ndarray, E: int) -> np.ndar
 
 
 def _worker_count(workers: int | None, L: int) -> int:
-    """Threads for the layers: ``workers`` or the usable CPUs, at most one per layer."""
+    """Threads for the layers: ``workers`` (1..1024) or the usable CPUs, at most one per layer."""
+    if workers is not None and (
+        isinstance(workers, bool) or not isinstance(workers, (int, np.integer)) or not 1 <= workers <= 1024
+    ):
+        raise ValueError(
+            f"workers is {workers!r}; accepted: an integer in 1..1024 threads, or None for the CPUs"
+        )
     workers = int(
         workers
         or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
@@ -331,6 +369,13 @@ def _normalised_windows(wins: np.ndarray, robust_m: int, G: int) -> np.ndarray:
     return wins
 
 
+def _out_of_time_note(time_limit: float, skipped: int, L: int) -> str:
+    return (
+        f"time limit {time_limit:g} s reached: {skipped} of {L} layers kept their start (greedy or local "
+        f"search) without the exact search; raise time_limit for those layers to be searched"
+    )
+
+
 def _plain_result(
     ctx: _Setup,
     results: list[tuple[np.ndarray, LayerReport]],
@@ -343,6 +388,8 @@ def _plain_result(
     """The placement ``[L, P]`` of the layers' maps and the solve's report with its parameters."""
     opt = ctx.options
     phy2log = np.stack([r[0] for r in results])
+    if ctx.out_of_time:
+        ctx.notes.append(_out_of_time_note(opt.time_limit, len(ctx.out_of_time), len(results)))
     params = {
         "backend": opt.backend,
         "seed": opt.seed,
