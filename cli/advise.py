@@ -121,11 +121,13 @@ def _write(out: Path, advice, d: dict) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     """Steps: check outputs -> read the trace -> advise -> write -> print."""
+    from profiling.readers import require_data
     from solver.advise import advise
 
     out = check_folder_outputs(args.output, [REPORT, JSON], [args.trace]) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
+    require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)
     advice = advise(trace, args.model, args.hardware, options, progress=_bar)
     d = advice.to_dict()
     files = _write(out, advice, d) if out is not None else []

@@ -279,6 +279,7 @@ def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | No
         if args.fit_fraction < 1.0:
             fit, held = trace.split(args.fit_fraction)
             require_data(fit, f"{args.trace} (the part fitted on, --fit-fraction {args.fit_fraction})")
+            require_data(held, f"{args.trace} (the held-out part, --fit-fraction {args.fit_fraction})")
         return fit.counts().astype(np.float64), fit, held, trace.layer_ids
     load = open_load(args.load)
     require_data(load, args.load)

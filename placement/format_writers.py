@@ -7,6 +7,7 @@ G = EP ranks, S = slots per GPU, E = logical experts.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -28,7 +29,7 @@ from placement.format_spec import (
     sidecar_path,
 )
 from placement.model import Placement, hidden_layer_rows, validate_map
-from profiling.fileio import atomic_write_bytes
+from profiling.fileio import atomic_write_files
 
 __all__ = ["write_placement"]
 
@@ -96,7 +97,8 @@ def write_placement(
 
     Args:
         placement: the placement (re-validated before anything is written).
-        path: the main output file. Engine formats also get the sidecar ``<path>.meta.json``.
+        path: the main output file. Engine formats also get the sidecar ``<path>.meta.json``, which
+            records the map's SHA-256 (``file_sha256``); the two are published together.
         format: one of :data:`FORMATS`. ``sglang`` writes ``torch.save`` output when ``path``
             ends in ``.pt``/``.pth`` and JSON otherwise.
         num_hidden_layers: ``sglang`` only: the model's ``config.num_hidden_layers`` ``H`` (the
@@ -120,8 +122,7 @@ def write_placement(
         raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")
     # Build every file's bytes first, so a failure leaves the disk untouched.
     files = _encode(placement, p2l, format, out, num_hidden_layers)
-    for target, data in files:
-        atomic_write_bytes(target, data)
+    atomic_write_files(files)  # the map and its sidecar as one: both of this call, or neither
     logger.info(
         "wrote %s placement (%d layers x %d slots) to %s", format, L, P, ", ".join(str(f) for f, _ in files)
     )
@@ -149,6 +150,7 @@ def _encode(
     else:  # vllm (provisional)
         data = _vllm_bytes(placement, p2l)
         meta = _metadata(placement, fmt, out)
+    meta["file_sha256"] = hashlib.sha256(data).hexdigest()  # binds the sidecar to this map's bytes
     return [(out, data), (sidecar_path(out), (json.dumps(meta, indent=1) + "\n").encode("utf-8"))]
 
 

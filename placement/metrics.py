@@ -39,6 +39,7 @@ from placement.dispatch import (
 )
 from placement.model import Placement
 from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
+from profiling.readers import require_data
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -455,6 +456,7 @@ def imbalance_ratio(placement: Placement, trace_or_load, dispatch: Dispatch = EV
 
 
 def _gpu_load_any(placement, trace_or_load, dispatch):
+    require_data(trace_or_load, "the trace" if isinstance(trace_or_load, RoutingTrace) else "the load")
     if isinstance(trace_or_load, RoutingTrace):
         return trace_gpu_load(placement, trace_or_load, dispatch)
     model = get_dispatch(dispatch)
@@ -479,6 +481,7 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, dispat
     if not trace.has_tokens:
         raise ValueError("step_par needs a per-token trace (topk_ids)")
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
+    require_data(trace, "the trace")
     t = placement.topology
     G, L = t.ep_size, placement.num_layers
     per_step = step_tokens * G
@@ -637,6 +640,7 @@ def evaluate(
         )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
+    require_data(trace, "the trace")  # PAR of zero load is 0 / 0: undefined, not 1
     gl = trace_gpu_load(placement, trace, model, src, batch_tokens=step_tokens)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size

@@ -406,6 +406,7 @@ def require_data(data: RoutingTrace | np.ndarray, where: str) -> None:
         total, shape = float(arr.sum()), arr.shape[-2:]
     if total <= 0:
         raise ValueError(
-            f"{where}: every expert load is 0 (all {shape[0]} layers x {shape[1]} experts): there is nothing "
-            f"to balance; record traffic first, or check the chosen layers and windows"
+            f"{where}: every expert load is 0 (all {shape[0]} layers x {shape[1]} experts): nothing is routed, "
+            f"so balance (peak / mean of zero load) is undefined; record traffic first, or check the chosen "
+            f"layers and windows"
         )

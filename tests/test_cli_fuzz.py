@@ -58,6 +58,11 @@ def _write_inputs(d: Path) -> None:
     write_trace(trace, d / "t.npz")
     empty = np.zeros((0, L, 2), dtype=np.int64)  # [T=0, L, k]
     write_trace(RoutingTrace(E, topk_ids=empty, layer_ids=trace.layer_ids), d / "empty.npz")
+    unrouted = np.full((50, L, 2), -1, dtype=np.int64)  # [T, L, k]: every pick empty
+    write_trace(RoutingTrace(E, topk_ids=unrouted, layer_ids=trace.layer_ids), d / "neg.npz")
+    half = trace.topk_ids.copy()
+    half[200:] = -1  # the second half routes nothing: a held-out part with zero load
+    write_trace(RoutingTrace(E, topk_ids=half, layer_ids=trace.layer_ids), d / "half.npz")
     zeros = np.zeros((2, L, E), dtype=np.int64)  # [W, L, E]
     write_trace(RoutingTrace(E, window_counts=zeros, layer_ids=trace.layer_ids), d / "zeroc.npz")
     placement, _ = solve("greedy", topology=Topology.from_redundant(E, 0, G), trace=trace)
@@ -229,6 +234,18 @@ CASES = [
     (["evaluate", "{d}/p.json", "{d}/empty.npz"], "the trace has 0 tokens"),
     (["evaluate", "{d}/p.json", "{d}/zeroc.npz"], "every expert load is 0"),
     ([*VALIDATE, "--trace", "{d}/empty.npz"], "the trace has 0 tokens"),
+    # -- nothing routed (issue 36): PAR of zero load is undefined, never a perfect 1.0
+    (["inspect", "{d}/empty.npz"], "the trace has 0 tokens"),
+    (["inspect", "{d}/neg.npz"], "every expert load is 0"),
+    (["inspect", "{d}/neg.npz", "--json"], "balance (peak / mean of zero load) is undefined"),
+    (["inspect", "{d}/neg.npz", "--plot", "{d}/out"], "every expert load is 0"),
+    (["inspect", "{d}/neg.npz", "--chunk-tokens", "7"], "every expert load is 0"),
+    (["inspect", "{d}/zeroc.npz"], "every expert load is 0"),
+    (["solve", "--trace", "{d}/neg.npz", "--ep-size", "4", "-o", "{d}/out/q.json"], "every expert load is 0"),
+    (["solve", "--trace", "{d}/half.npz", "--ep-size", "4", "--fit-fraction", "0.5"], "the held-out part"),
+    (["evaluate", "{d}/p.json", "{d}/neg.npz"], "every expert load is 0"),
+    (["advise", "--trace", "{d}/neg.npz", "--nodes", "1", "--engine", "vllm"], "every expert load is 0"),
+    ([*VALIDATE, "--trace", "{d}/neg.npz"], "every expert load is 0"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),

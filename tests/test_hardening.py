@@ -363,3 +363,27 @@ def test_topology_at_the_limits_is_accepted():
     t = Topology(MAX_RANKS, MAX_EXPERTS, MAX_RANKS)
     assert t.slots_per_gpu == 1 and t.gpus_per_node == 1
     assert Topology.from_redundant(MAX_EXPERTS - 8, 8, 8).num_physical_experts == MAX_EXPERTS
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 36: nothing routed has no balance (library metrics)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids", [np.full((30, 2, 2), -1), np.zeros((0, 2, 2), dtype=np.int64)])
+def test_metrics_refuse_a_trace_that_routes_nothing(ids):
+    from placement.metrics import evaluate, par, step_par
+
+    trace = RoutingTrace(8, topk_ids=ids)
+    pl = Placement.trivial(2, 8, Topology(4, 8, 1))
+    for call in (
+        lambda: par(pl, trace),
+        lambda: evaluate(pl, trace),
+        lambda: evaluate(pl, trace, "balanced"),
+        lambda: step_par(pl, trace, 4),
+        lambda: par(pl, np.zeros((2, 8))),
+    ):
+        with pytest.raises(ValueError, match="0 tokens|every expert load is 0"):
+            call()
+    ok = ids.copy()
+    if ok.shape[0]:
+        ok[0, :, 0] = 3  # one routed pick: a defined (and valid) ratio
+        assert par(pl, RoutingTrace(8, topk_ids=ok)) == pytest.approx(4.0)
