@@ -490,7 +490,16 @@ def source_ranks_file(spec: str | None) -> str | None:
     instead of blocking the read); None for the named rules (round-robin, random[:SEED])."""
     from profiling.fileio import require_regular
 
-    if spec is None or not spec.endswith(".npy"):
+    if spec is None:
         return None
+    seed = spec.partition(":")[2] if spec.startswith("random:") else ""
+    if spec in ("round-robin", "random") or seed.isdigit():
+        return None
+    if spec.startswith("random:"):
+        raise CliError(f"--source-ranks {spec!r}: the seed after 'random:' must be a whole number")
+    if not spec.endswith(".npy"):
+        raise CliError(
+            f"--source-ranks {spec!r} is not a rule or a rank file: use round-robin, random[:SEED] or FILE.npy"
+        )
     require_regular(spec)
     return spec
