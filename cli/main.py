@@ -13,6 +13,7 @@ import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 import signal
 import sys
 import threading
@@ -59,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     0: done; 1: a bug (or a failed check, per command); 2: bad input; 130: interrupted (Ctrl-C at
     any point: outputs are written atomically, so nothing is left half-written); 143: SIGTERM (the
-    same clean-up).
+    same clean-up); 141: stdout closed early (``| head``), silently.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -98,7 +99,12 @@ def _run(argv: list[str], debug: bool) -> int:
     """Parse and run; every outcome as an exit code (see :func:`main`)."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that stopped early is seen below
+        return rc
+    except BrokenPipeError:  # `moe-placement inspect T | head -1`: the reader has all it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell tool killed by the closed pipe returns
     except Terminated:
         print("moe-placement: terminated (SIGTERM); nothing half-written is left", file=sys.stderr)
         return 143
@@ -111,6 +117,14 @@ def _run(argv: list[str], debug: bool) -> int:
         if debug:
             raise
         return _report(exc)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush does not fail on the closed pipe."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 # Errors that bad input raises past the readers: one line and exit code 2, like a ValueError.

@@ -75,6 +75,9 @@ def _write_inputs(d: Path) -> None:
     (d / "deep.json").write_text("[" * 200000 + "]" * 200000)
     (d / "deep.yaml").write_text("[" * 50000 + "]" * 50000)
     (d / "text.txt").write_text("some text to profile")
+    long = "9" * 5000  # over Python's int-digits limit: refused naming the file, not Python's limit
+    (d / "long.json").write_text('{"physical_to_logical_map": [[0, 1, 2, ' + long + "]]}")
+    (d / "long.yaml").write_text(f"num_slots: {long}\ninitial_global_assignments:\n  0: [0, 1]\n")
     (d / "placement.json").write_text(
         json.dumps({"model_type": "mixtral"})
     )  # a model file named like an output
@@ -264,6 +267,12 @@ CASES = [
     ([*SOLVE, "--wall-clock"], "--wall-clock applies to a solver bounded by --work-limit"),
     ([*SOLVE, "--format", "sglang"], "no -o FILE is written"),
     ([*LOAD, "--fit-fraction", "0.5"], "a --load matrix has none"),
+    # -- leaked internals (issue 36)
+    (["evaluate", "{d}/long.json", "{d}/t.npz", "--ep-size", "4"], "long.json: a number in it has over"),
+    (
+        ["convert", "{d}/long.yaml", "-o", "{d}/out/c.json", "--format", "native", "--ep-size", "2"],
+        "long.yaml",
+    ),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),

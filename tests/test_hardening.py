@@ -387,3 +387,71 @@ def test_metrics_refuse_a_trace_that_routes_nothing(ids):
     if ok.shape[0]:
         ok[0, :, 0] = 3  # one routed pick: a defined (and valid) ratio
         assert par(pl, RoutingTrace(8, topk_ids=ok)) == pytest.approx(4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 36: solver.api.solve refuses what it cannot place, naming the argument and the numbers
+# ---------------------------------------------------------------------------------------------
+def _api_trace():
+    return synthetic_trace(num_tokens=200, num_layers=2, num_logical_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"topology": None}, "topology must be a placement.topology.Topology, got NoneType"),
+        ({"topology": {"ep_size": 4, "num_physical_experts": 8}}, "got dict"),
+        ({"load": np.ones((3, 8))}, "the load is 3 layers x 8 experts but the trace is 2 layers x 8 experts"),
+        ({"load": np.ones((2, 6))}, "the load is 2 layers x 6 experts but the trace is 2 layers x 8"),
+        ({"trace": None, "load": np.zeros((2, 8))}, "every expert load is 0 (all 2 layers x 8 experts)"),
+        ({"trace": None, "load": np.ones((0, 8))}, "got shape (0, 8)"),
+        ({"trace": None, "load": "abc"}, "load must be numbers [layers, experts]"),
+        ({"num_groups": 0}, "num_groups=0 must be >= 1 and divide the 8 experts"),
+        ({"num_groups": -1}, "num_groups=-1"),
+        ({"num_groups": 3}, "num_groups=3"),
+        ({"num_groups": 2.5}, "num_groups must be an integer or None, got 2.5"),
+        ({"num_groups": True}, "num_groups must be an integer"),
+        ({"trace": "t.npz"}, "trace must be a profiling.trace.RoutingTrace, got str"),
+        ({"previous": "p.json"}, "previous must be a Placement, got str"),
+        ({"source_ranks": 3}, "source_ranks must be a spec string"),
+    ],
+)
+def test_library_solve_refuses_bad_arguments_with_a_value_error(kwargs, fragment):
+    from solver.api import solve
+
+    args = {"topology": Topology.from_redundant(8, 0, 4), "trace": _api_trace(), **kwargs}
+    with pytest.raises(ValueError) as info:
+        solve("greedy", **args)
+    assert fragment in str(info.value)
+
+
+def test_library_solve_refuses_a_previous_placement_of_another_shape():
+    from solver.api import solve
+
+    topo = Topology.from_redundant(8, 0, 4)
+    prev = Placement.trivial(3, 8, topo)
+    with pytest.raises(
+        ValueError, match="previous has 3 layers x 8 experts on 8 slots but the problem has 2 x 8"
+    ):
+        solve("migration", topology=topo, trace=_api_trace(), previous=prev, options={"max_moves": 2})
+    ok = solve("migration", topology=topo, trace=_api_trace(), previous=Placement.trivial(2, 8, topo))
+    assert ok.placement.num_layers == 2
+
+
+def test_output_piped_to_a_reader_that_stops_early_is_silent(tmp_path):
+    """``moe-placement inspect T | head -1``: no 'Broken pipe' error; exit 141 (128 + SIGPIPE)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 4, (20, 3000, 1))  # 3,000 layers: the table is far over a pipe's buffer
+    write_trace(RoutingTrace(4, topk_ids=ids), tmp_path / "wide.npz")
+    for extra in ([], ["--json"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "inspect", str(tmp_path / "wide.npz"), *extra],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout.readline()  # the first line, then the reader goes away
+        proc.stdout.close()
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        assert rc == 141 and err == "", (rc, err)
