@@ -89,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--hidden", type=hidden_size_int, default=32, help="hidden size of the test experts (default 32)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds (> 0) before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds (>= 1) before the ranks are stopped")
     p.add_argument("--ep-size", type=ep_size_int, help="ep_size for engine formats that do not store it")
     p.add_argument("--num-nodes", type=ep_size_int, help="nodes for engine formats that do not store it")
     p.add_argument(
@@ -107,6 +107,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+MIN_TIMEOUT = 1.0  # seconds: the ranks' rendezvous alone (spawn, connect to the store) needs about this
+
+
 def check_numbers(
     args: argparse.Namespace,
     *,
@@ -116,7 +119,8 @@ def check_numbers(
 ) -> None:
     """The numeric flags in range (None: not given), else one :class:`CliError` line naming the flag.
 
-    ``positive``: finite and > 0 (seconds, at most ``cli.common.MAX_SECONDS``); ``at_least_one``:
+    ``positive``: finite and > 0 (seconds, at most ``cli.common.MAX_SECONDS``; ``timeout`` at least
+    :data:`MIN_TIMEOUT`); ``at_least_one``:
     integers >= 1 (``ranks`` also at most :data:`MAX_RANKS`); ``non_negative``: integers >= 0 (``seed``
     also at most ``cli.common.MAX_SEED``).
     """
@@ -129,6 +133,11 @@ def check_numbers(
         v = getattr(args, name, None)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise CliError(f"{flag(name)} must be a finite number > 0, got {v}; e.g. {flag(name)} 300")
+        if name == "timeout" and v is not None and v < MIN_TIMEOUT:  # else c10d's own connect error
+            raise CliError(
+                f"--timeout {v:g} s is too short for the ranks to start and meet (their rendezvous alone "
+                f"takes about {MIN_TIMEOUT:g} s); use --timeout {MIN_TIMEOUT:g} or more"
+            )
     for name in at_least_one:
         v = getattr(args, name, None)
         if v is not None and v < 1:
@@ -156,6 +165,7 @@ def _check_args(args: argparse.Namespace, placement) -> None:
         at_least_one=("ranks", "tokens_per_rank", "hidden", "ep_size", "num_nodes"),
         non_negative=("seed", "offset"),
     )
+
     runtime_dispatch(args.policy)
     G = placement.topology.ep_size
     if G > MAX_RANKS:

@@ -67,6 +67,16 @@ def _int_scalar(arrays, key, path):
     return int(v.ravel()[0])
 
 
+def _int_vector(arrays, key, path) -> np.ndarray:
+    """Field ``key`` as int64 ``[n]``: a 1-D integer array, else an InputFileError naming it."""
+    v = np.asarray(arrays[key])
+    if v.ndim != 1 or v.dtype.kind not in "iu":
+        raise InputFileError(
+            f"{path}: field {key!r} must be a 1-D integer array, got {v.dtype} of shape {v.shape}"
+        )
+    return v.astype(np.int64)
+
+
 def _str_scalar(arrays, key, default=""):
     if key not in arrays:
         return default
@@ -186,7 +196,12 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
     E = num_logical_experts
     counts_field = "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
     if E is None and counts_field is not None:
-        E = int(np.asarray(arrays[counts_field]).shape[-1])
+        shape = np.asarray(arrays[counts_field]).shape
+        if not shape or shape[-1] < 1:
+            raise InputFileError(
+                f"{p}: field {counts_field!r} must be counts [..., experts], got shape {shape}; or drop it"
+            )
+        E = int(shape[-1])
     if E is None:
         E = int(ids.max()) + 1 if ids.size else 1
     return ids.astype(np.int32), E
@@ -196,7 +211,7 @@ def _segment_keep(arrays, p, T: int, keep_segments, meta: dict) -> np.ndarray | 
     """Rows to keep by ``segment`` ``[T]``: bool ``[T]``, or None to keep all (notes the drop in ``meta``)."""
     if "segment" not in arrays:
         return None
-    seg = np.asarray(arrays["segment"]).astype(np.int64)
+    seg = _int_vector(arrays, "segment", p)
     if seg.shape != (T,):
         raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
     segs = (
@@ -214,7 +229,7 @@ def _batch_steps(arrays, p, T: int, keep: np.ndarray | None) -> np.ndarray | Non
     """Step offsets int64 ``[S + 1]`` where ``batch_id`` ``[T]`` changes (over the kept rows), or None."""
     if "batch_id" not in arrays:
         return None
-    b = np.asarray(arrays["batch_id"]).astype(np.int64)
+    b = _int_vector(arrays, "batch_id", p)
     if b.shape != (T,):
         raise InputFileError(f"{p}: field 'batch_id' has shape {b.shape}, expected ({T},)")
     bk = b if keep is None else b[keep]
@@ -240,7 +255,7 @@ def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> Ro
                 f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries"
             )
     if seq is not None:
-        seq = np.asarray(seq).astype(np.int64)
+        seq = _int_vector(arrays, "seq_offsets", p)
         if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
             seq = np.concatenate([seq, [ids.shape[0]]])
     return RoutingTrace(

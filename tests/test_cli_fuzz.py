@@ -75,6 +75,10 @@ def _write_inputs(d: Path) -> None:
     (d / "deep.json").write_text("[" * 200000 + "]" * 200000)
     (d / "deep.yaml").write_text("[" * 50000 + "]" * 50000)
     (d / "text.txt").write_text("some text to profile")
+    ids = trace.topk_ids
+    np.savez(d / "seq0d.npz", topk_ids=ids, seq_offsets=np.array(2**62))  # a scalar, not boundaries
+    np.savez(d / "segnan.npz", topk_ids=ids, segment=np.array([np.nan]), counts_real=np.ones((L, E)))
+    np.savez(d / "counts0d.npz", topk_ids=ids, counts=np.array("abc"))
     long = "9" * 5000  # over Python's int-digits limit: refused naming the file, not Python's limit
     (d / "long.json").write_text('{"physical_to_logical_map": [[0, 1, 2, ' + long + "]]}")
     (d / "long.yaml").write_text(f"num_slots: {long}\ninitial_global_assignments:\n  0: [0, 1]\n")
@@ -273,6 +277,11 @@ CASES = [
         ["convert", "{d}/long.yaml", "-o", "{d}/out/c.json", "--format", "native", "--ep-size", "2"],
         "long.yaml",
     ),
+    (["inspect", "{d}/seq0d.npz"], "field 'seq_offsets' must be a 1-D integer array, got int64 of shape ()"),
+    (["solve", "--trace", "{d}/segnan.npz", "--ep-size", "4"], "field 'segment' must be a 1-D integer array"),
+    (["evaluate", "{d}/p.json", "{d}/counts0d.npz"], "field 'counts' must be counts [..., experts]"),
+    ([*VALIDATE, "--timeout", "0.001"], "--timeout 0.001 s is too short for the ranks to start and meet"),
+    ([*SERVE, "--timeout", "0.01"], "--timeout 0.01 s is too short"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),
