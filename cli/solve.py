@@ -43,6 +43,7 @@ from cli.common import (
     seed_int,
     source_ranks_file,
     warn,
+    warn_colocated,
     workers_int,
 )
 
@@ -337,7 +338,7 @@ def _read_previous(args, L: int, topo: Topology) -> Placement | None:
     """``--previous`` with its move budget, checked against the problem's shape ``[L, P]``."""
     if args.previous:
         previous = open_placement(
-            args.previous, engine_map=True, ep_size=args.ep_size, num_nodes=args.num_nodes
+            args.previous, engine_map=True, warn_now=False, ep_size=args.ep_size, num_nodes=args.num_nodes
         )
         if previous.physical_to_logical_map.shape != (L, topo.num_physical_experts):
             raise CliError(
@@ -346,6 +347,7 @@ def _read_previous(args, L: int, topo: Topology) -> Placement | None:
             )
         if args.max_moves is None and args.move_cost is None:
             raise CliError("--previous needs --max-moves M or --move-cost C")
+        warn_colocated(args.previous, previous)
         return previous
     if args.max_moves is not None or args.move_cost is not None:
         raise CliError("--max-moves/--move-cost need --previous OLD (the current placement)")

@@ -26,6 +26,7 @@ from placement.format_spec import (
     SIDECAR_SCHEMA,
     VLLM_RECORD_TYPE,
     VLLM_RECORD_VERSION,
+    check_output_name,
     sidecar_path,
 )
 from placement.model import Placement, hidden_layer_rows, validate_map
@@ -109,7 +110,8 @@ def write_placement(
         ``[main file]`` or ``[main file, sidecar]``.
 
     Raises:
-        ValueError: unknown format, invalid placement, ``num_hidden_layers`` too small, or the
+        ValueError: unknown format, invalid placement, ``num_hidden_layers`` too small, a file name
+            that would not read back as ``format`` (``.pt`` other than sglang, trtllm as ``.json``), or the
             output folder missing (:class:`~profiling.fileio.InputFileError`). Nothing is written
             then, and existing files keep their content.
     """
@@ -120,6 +122,7 @@ def write_placement(
     L, P = p2l.shape
     if num_hidden_layers is not None and format != "sglang":
         raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")
+    check_output_name(out, format)  # a name the readers would not read back as this format
     # Build every file's bytes first, so a failure leaves the disk untouched.
     files = _encode(placement, p2l, format, out, num_hidden_layers)
     atomic_write_files(files)  # the map and its sidecar as one: both of this call, or neither

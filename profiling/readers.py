@@ -113,6 +113,7 @@ def read_trace(
     if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
+        _no_domains(p, domains)
         return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
     kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
     arrays = load_npz(p, **kwargs)
@@ -127,21 +128,33 @@ def read_trace(
 def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
     """Dispatch on the layout the keys show: native, per-token, per-domain counts or counts."""
     if "schema" in arrays:
+        _no_domains(p, domains)
         return _native_trace(arrays, p)
     layer_ids = (
         tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
     )
     if "topk_ids" in arrays:
+        _no_domains(p, domains)
         return _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids)
     domain_keys = sorted(k for k in arrays if k.startswith(counts_key + "__"))
     if domain_keys:
         return _domain_trace(arrays, p, num_logical_experts, domains, counts_key, domain_keys, layer_ids)
+    _no_domains(p, domains)
     if "counts" in arrays:
         return _counts_trace(arrays, p, num_logical_experts, layer_ids)
     raise InputFileError(
         f"{p}: not a routing trace: no 'topk_ids', 'counts', '{counts_key}__<domain>' or native 'schema' field "
         f"(fields present: {sorted(arrays)[:8]})"
     )
+
+
+def _no_domains(p, domains) -> None:
+    """``domains`` picks windows of a per-domain file only; anywhere else it would be ignored."""
+    if domains is not None:
+        raise InputFileError(
+            f"{p}: domains {list(domains)[:4]} were asked for, but this trace has no per-domain counts "
+            f"('<key>__<domain>' fields); drop --domains"
+        )
 
 
 def _native_metadata(arrays, p) -> dict:

@@ -24,6 +24,7 @@ import pytest
 
 from cli.main import main
 from placement.formats import write_placement
+from placement.model import Placement
 from placement.topology import Topology
 from profiling.readers import write_trace
 from profiling.synthetic import synthetic_trace
@@ -76,6 +77,11 @@ def _write_inputs(d: Path) -> None:
     (d / "deep.yaml").write_text("[" * 50000 + "]" * 50000)
     (d / "text.txt").write_text("some text to profile")
     ids = trace.topk_ids
+    np.savez(d / "c.npz", counts=np.ones((L, E)))  # counts only, no tokens
+    co = Placement(
+        np.array([[0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]] * L), E, Topology(G, 12, 1), (0, 1), {}, True
+    )
+    write_placement(co, d / "co.json")  # an engine map with co-located replicas, 12 slots
     np.savez(d / "seq0d.npz", topk_ids=ids, seq_offsets=np.array(2**62))  # a scalar, not boundaries
     np.savez(d / "segnan.npz", topk_ids=ids, segment=np.array([np.nan]), counts_real=np.ones((L, E)))
     np.savez(d / "counts0d.npz", topk_ids=ids, counts=np.array("abc"))
@@ -282,6 +288,20 @@ CASES = [
     (["evaluate", "{d}/p.json", "{d}/counts0d.npz"], "field 'counts' must be counts [..., experts]"),
     ([*VALIDATE, "--timeout", "0.001"], "--timeout 0.001 s is too short for the ranks to start and meet"),
     ([*SERVE, "--timeout", "0.01"], "--timeout 0.01 s is too short"),
+    (["inspect", "{d}/t.npz", "--domains", "arxiv"], "this trace has no per-domain counts"),
+    (["inspect", "{d}/c.npz", "--domains", "arxiv"], "drop --domains"),
+    (
+        ["evaluate", "{d}/p.json", "{d}/c.npz", "--hidden-size", "64"],
+        "--hidden-size applies to per-token metrics",
+    ),
+    (
+        ["evaluate", "{d}/p.json", "{d}/c.npz", "--step-tokens", "8"],
+        "--step-tokens applies to per-token metrics",
+    ),
+    ([*SOLVE, "-o", "{d}/out/x.pt"], "a .pt file is read back as SGLang's torch.save map; name it .json"),
+    (["convert", "{d}/p.json", "-o", "{d}/out/c.json", "--format", "trtllm"], "TensorRT-LLM's file is YAML"),
+    (["convert", "{d}/p.json", "-o", "{d}/out/c.pth", "--format", "vllm"], "name it .json"),
+    ([*SOLVE, "--previous", "{d}/co.json", "--max-moves", "1"], "--previous has shape (2, 12)"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),
