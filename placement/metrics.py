@@ -401,6 +401,12 @@ def route_tokens(
         raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
     T, L, k = ids.shape
     _check_compatible(placement, L, placement.num_logical_experts, "topk_ids")
+    if ids.size and not (
+        ids.dtype.kind in "iu" and -1 <= ids.min() and ids.max() < placement.num_logical_experts
+    ):
+        raise ValueError(
+            f"topk_ids must be integer ids in [-1, {placement.num_logical_experts}), got {ids.dtype}"
+        )
     tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
     src = np.asarray(src_gpu, dtype=np.int64)
     if model.route is not None:
@@ -476,8 +482,8 @@ def step_par(placement: Placement, trace: RoutingTrace, step_tokens: int, dispat
         mean over steps is worst), ``step_par_per_layer`` and ``num_steps``.
     """
     model = get_dispatch(dispatch)
-    if step_tokens < 1:
-        raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+    if not isinstance(step_tokens, (int, np.integer)) or step_tokens < 1:
+        raise ValueError(f"step_tokens must be an integer >= 1, got {step_tokens!r}")
     if not trace.has_tokens:
         raise ValueError("step_par needs a per-token trace (topk_ids)")
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")

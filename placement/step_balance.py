@@ -156,6 +156,8 @@ def batch_counts(counts, plan: StepPlan) -> tuple[np.ndarray, tuple[int, ...]]:
         )
     if c.size and int(c.min()) < 0:
         raise ValueError(f"counts must be >= 0, got minimum {int(c.min())}; pass token counts, not deltas")
+    if c.size and float(c.sum(-1, dtype=np.float64).max()) >= INF:  # labels and peaks are int64 below INF
+        raise ValueError(f"counts sum to over {INF} tokens in one step (2**40); pass one step's token counts")
     lead = c.shape[: c.ndim - len(tail)]
     return c.astype(np.int64).reshape(-1, L, E), lead
 

@@ -246,6 +246,8 @@ def _temp_file(target: Path, mode: str = "wb") -> Iterator[tuple[IO, str]]:
     folder = _folder(target)
     if not folder.is_dir():
         raise InputFileError(f"cannot write {target}: folder {folder} does not exist; create it first")
+    if target.is_dir():
+        raise InputFileError(f"cannot write {target}: it is a folder; give a file path inside it")
     clean_stale_temps(target)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_temp_tag()}.", suffix=".tmp", dir=folder)
     try:

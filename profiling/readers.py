@@ -27,7 +27,7 @@ import numpy as np
 from profiling.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
 from profiling.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
 from profiling.textparse import parse_json
-from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace
+from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace, _check_num_experts
 
 __all__ = [
     "check_load",
@@ -68,8 +68,11 @@ def _int_scalar(arrays, key, path):
 
 
 def _int_vector(arrays, key, path) -> np.ndarray:
-    """Field ``key`` as int64 ``[n]``: a 1-D integer array, else an InputFileError naming it."""
+    """Field ``key`` as int64 ``[n]``: a 1-D integer array (or floats holding whole numbers), else an
+    InputFileError naming it."""
     v = np.asarray(arrays[key])
+    if v.ndim == 1 and v.dtype.kind == "f" and np.isfinite(v).all() and (v == np.round(v)).all():
+        v = v.astype(np.int64)  # whole numbers saved as floats, read as before
     if v.ndim != 1 or v.dtype.kind not in "iu":
         raise InputFileError(
             f"{path}: field {key!r} must be a 1-D integer array, got {v.dtype} of shape {v.shape}"
@@ -110,6 +113,8 @@ def read_trace(
         InputFileError (a ValueError) naming the file, the field and the expected form.
     """
     p = Path(path)
+    if num_logical_experts is not None:
+        _check_num_experts(num_logical_experts)  # ValueError naming the value
     if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
@@ -331,6 +336,8 @@ def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write the native npz format (atomically)."""
+    if not isinstance(trace, RoutingTrace):
+        raise TypeError(f"write_trace needs a RoutingTrace, got {type(trace).__name__}")
     arrays: dict[str, Any] = {
         "schema": np.array(TRACE_SCHEMA),
         "schema_version": np.array(TRACE_SCHEMA_VERSION),

@@ -180,6 +180,10 @@ class StepBalancer:
             raise ValueError(
                 f"counts must be >= 0, got minimum {int(counts.min())}; pass token counts, not deltas"
             )
+        if validate and counts.numel() and float(counts.double().sum(-1).max()) >= INF:  # as the numpy twin
+            raise ValueError(
+                f"counts sum to over {INF} tokens in one step (2**40); pass one step's token counts"
+            )
         lead = tuple(counts.shape[: counts.ndim - len(tail)])
         return counts.to(device=self.l2p.device, dtype=torch.int64).reshape(-1, L, E), lead
 

@@ -455,3 +455,51 @@ def test_output_piped_to_a_reader_that_stops_early_is_silent(tmp_path):
         rc = proc.wait(timeout=60)
         err = proc.stderr.read().decode()
         assert rc == 141 and err == "", (rc, err)
+
+
+def _lib_calls():
+    """(name, call, fragment): library calls on odd input, each a ValueError/TypeError naming it."""
+    import torch
+
+    from placement.formats import write_placement
+    from placement.metrics import route_tokens, step_par
+    from placement.step_balance import balanced_quotas
+    from runtime_hooks.step_balance import StepBalancer
+
+    topo = Topology(4, 8, 1)
+    pl = Placement.trivial(2, 8, topo)
+    tr = synthetic_trace(num_tokens=100, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=5)
+    l2p = pl.logical_to_physical_map[0]
+    huge = np.full(8, 2**60)
+    return [
+        (
+            "provenance",
+            lambda d: Placement(np.arange(8)[None], 8, topo, (0,), [1]),
+            "provenance must be a mapping",
+        ),
+        ("topology", lambda d: Placement(np.arange(8)[None], 8, {"ep_size": 4}), "topology must be a"),
+        ("trace rows", lambda d: tr.select_layers([5]), "outside this trace's rows 0..1"),
+        ("placement rows", lambda d: pl.select_layers([7]), "outside this placement's rows 0..1"),
+        ("placement to folder", lambda d: write_placement(pl, d), "it is a folder"),
+        ("trace to folder", lambda d: write_trace(tr, d), "it is a folder"),
+        ("write_trace type", lambda d: write_trace("t.npz", d / "t.npz"), "needs a RoutingTrace"),
+        ("read_trace E", lambda d: read_trace(d / "t.npz", num_logical_experts=0), "positive integer, got 0"),
+        ("step_par float", lambda d: step_par(pl, tr, 2.5), "step_tokens must be an integer >= 1, got 2.5"),
+        ("route oob", lambda d: route_tokens(pl, np.full((5, 2, 2), 99), np.zeros(5, int)), "in [-1, 8)"),
+        ("quotas huge", lambda d: balanced_quotas(huge, l2p, 2), "over 1099511627776 tokens in one step"),
+        ("torch huge", lambda d: StepBalancer(l2p, 2).quotas(torch.from_numpy(huge)), "in one step (2**40)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_library_calls_on_odd_input_raise_a_clear_error(tmp_path, index):
+    name, call, fragment = _lib_calls()[index]
+    write_trace(
+        synthetic_trace(num_tokens=50, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=5),
+        tmp_path / "t.npz",
+    )
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises((ValueError, TypeError)) as info:
+        call(tmp_path)
+    assert fragment in str(info.value), (name, str(info.value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary file left
