@@ -394,3 +394,21 @@ def test_balanced_splits_colocated_maps_exactly_and_optimally(seed, G, S, E):
     np.testing.assert_array_equal(
         StepBalancer(l2p, S, early_exit=False).quotas(torch.from_numpy(many)).numpy(), ref
     )
+
+
+def test_cli_evaluate_balanced_scores_an_engine_map_with_colocated_replicas(tmp_path, capsys):
+    from cli.main import main
+    from placement.formats import write_placement
+    from profiling.readers import write_trace
+
+    pl = _colocated_case(1, 8, 4, 12)  # an engine map with an expert twice on a GPU (IndexError before)
+    rng = np.random.default_rng(1)
+    ids = np.stack([rng.choice(12, 2, replace=False, p=rng.dirichlet(np.full(12, 0.4))) for _ in range(320)])
+    write_trace(RoutingTrace(12, topk_ids=ids[:, None, :]), tmp_path / "t.npz")
+    write_placement(pl, tmp_path / "engine.json")
+    assert (
+        main(["evaluate", str(tmp_path / "engine.json"), str(tmp_path / "t.npz"), "--dispatch", "balanced"])
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "step_par" in out.out and "hold two replicas of one expert" in out.err
