@@ -74,9 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="deprecated alias of --dispatch",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
-    p.add_argument(
-        "--offset", type=non_negative_int, default=0, help="first replayed token of the trace (default 0)"
-    )
+    p.add_argument("--offset", type=non_negative_int, help="first replayed token of the trace (default 0)")
     p.add_argument(
         "--layers",
         type=layer_row_int,
@@ -85,9 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "layer of the model, in model order (default: rows matched by layer id)",
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument(
-        "--hidden", type=hidden_size_int, default=32, help="hidden size of the test experts (default 32)"
-    )
+    p.add_argument("--hidden", type=hidden_size_int, help="hidden size of the test experts (default 32)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds (>= 1) before the ranks are stopped")
     p.add_argument("--ep-size", type=ep_size_int, help="ep_size for engine formats that do not store it")
@@ -100,7 +96,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
-        default="float32",
         help="model dtype with --model (default float32)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -153,6 +148,22 @@ def check_numbers(
     ranks = getattr(args, "ranks", None)
     if ranks is not None and ranks > MAX_RANKS:
         raise CliError(f"--ranks {ranks} is above the limit of {MAX_RANKS} ranks per launch; use fewer ranks")
+
+
+def _refuse_ignored_flags(args: argparse.Namespace) -> None:
+    """A flag the chosen mode does not use is refused (one line), then the defaults are filled in."""
+    unused = (
+        {"--offset": args.offset, "--hidden": args.hidden}  # the model routes its own tokens, own sizes
+        if args.model is not None
+        else {"--dtype": args.dtype}
+    )
+    for flag, value in unused.items():
+        if value is not None:
+            where = "the replayed trace and test experts, not --model" if args.model else "--model only"
+            raise CliError(f"{flag} applies to {where}; drop it")
+    args.offset = 0 if args.offset is None else args.offset
+    args.hidden = 32 if args.hidden is None else args.hidden
+    args.dtype = args.dtype or "float32"
 
 
 def _check_args(args: argparse.Namespace, placement) -> None:
@@ -225,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime_hooks.validate import ValidationSpec, validate_placement
 
     check_numbers(args, at_least_one=("ep_size", "num_nodes"))
+    _refuse_ignored_flags(args)
     placement = _load_placement(args)
     _check_args(args, placement)
     if args.model is not None:

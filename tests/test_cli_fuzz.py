@@ -302,6 +302,12 @@ CASES = [
     (["convert", "{d}/p.json", "-o", "{d}/out/c.json", "--format", "trtllm"], "TensorRT-LLM's file is YAML"),
     (["convert", "{d}/p.json", "-o", "{d}/out/c.pth", "--format", "vllm"], "name it .json"),
     ([*SOLVE, "--previous", "{d}/co.json", "--max-moves", "1"], "--previous has shape (2, 12)"),
+    ([*VALIDATE, "--dtype", "bfloat16"], "--dtype applies to --model only"),
+    (
+        [*VALIDATE, "--model", "{d}/placement.json", "--hidden", "64"],
+        "--hidden applies to the replayed trace",
+    ),
+    ([*VALIDATE, "--model", "{d}/placement.json", "--offset", "3"], "--offset applies to the replayed trace"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),
