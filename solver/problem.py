@@ -54,9 +54,7 @@ class Problem:
         """Refuse what no solver can place, naming the argument and the numbers (a ValueError)."""
         _check_topology(self.topology)
         L, E = _check_load(self.load)
-        _check_trace(self.trace, L, E)
-        if self.layer_ids and len(self.layer_ids) != L:
-            raise ValueError(f"layer_ids has {len(self.layer_ids)} entries but the load has {L} layers")
+        _check_trace(self.trace, L, E)  # layer_ids may name a subset of the rows (locality picks them)
         _check_groups(self.num_groups, E)
         _check_previous(self.previous, L, E, self.topology)
         if self.source_ranks is not None and not isinstance(self.source_ranks, str):

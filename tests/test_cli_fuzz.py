@@ -308,6 +308,9 @@ CASES = [
         "--hidden applies to the replayed trace",
     ),
     ([*VALIDATE, "--model", "{d}/placement.json", "--offset", "3"], "--offset applies to the replayed trace"),
+    ([*SERVE, "--rebalance-every", "0", "--max-moves", "2"], "--max-moves applies to re-solves"),
+    ([*SERVE, "--rebalance-every", "0", "--no-wait"], "--rebalance-every 0 runs none"),
+    ([*SERVE, "--placement", "{d}/p.json", "--redundant", "2"], "--placement FILE brings its own"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),
