@@ -39,7 +39,7 @@ from placement.format_spec import (
 )
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.fileio import InputFileError
+from profiling.fileio import InputFileError, require_regular
 from profiling.limits import MAX_LAYER_ID, check_layer_ids
 
 __all__ = ["read_placement"]
@@ -61,7 +61,8 @@ class _Options:
         self.values = {k: v for k, v in given.items() if v is not None}
         self.sidecar: dict | None = None
         side = sidecar_path(p)
-        if use_sidecar and side.is_file():
+        if use_sidecar and os.path.lexists(side):
+            require_regular(side)  # a folder, FIFO or dangling link there is named, not taken for "none"
             self.sidecar = _read_sidecar(side, fmt)
             s = self.sidecar
             _check_digest(p, side, s, digest)

@@ -191,3 +191,32 @@ def test_atomic_write_files_writes_nothing_when_one_folder_is_missing(tmp_path):
     with pytest.raises(InputFileError, match="does not exist"):
         atomic_write_files([(a, b"new"), (tmp_path / "nodir" / "b.txt", b"new")])
     assert a.read_text() == "old" and _temps(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda side: side.mkdir(), "is a folder"),
+        (lambda side: os.mkfifo(side), "is a FIFO"),
+        (lambda side: os.symlink(side.parent / "gone.json", side), "no such file"),
+        (lambda side: side.write_text('{"schema": "x"}'), "not a placement sidecar"),
+    ],
+)
+def test_a_sidecar_that_is_no_file_is_named_not_taken_for_none(tmp_path, make, fragment):
+    a = tmp_path / "a.json"
+    write_placement(_placement(8), a, "sglang")
+    sidecar_path(a).unlink()
+    make(sidecar_path(a))
+    with pytest.raises(InputFileError, match=fragment):
+        read_placement(a, ep_size=8)
+
+
+def test_a_digest_that_is_not_a_sha256_is_refused(tmp_path):
+    import json
+
+    a = tmp_path / "a.json"
+    write_placement(_placement(8), a, "sglang")
+    side = json.loads(sidecar_path(a).read_text())
+    sidecar_path(a).write_text(json.dumps({**side, "file_sha256": 5}))
+    with pytest.raises(InputFileError, match="'file_sha256' must be 64 hex digits, got 5"):
+        read_placement(a)
