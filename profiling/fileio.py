@@ -15,7 +15,6 @@ FIFO or a device passed as an input is refused at once instead of blocking or re
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import glob
 import io
 import json
@@ -32,6 +31,11 @@ from typing import IO
 import numpy as np
 
 from profiling.textparse import InputFileError, parse_json
+
+try:  # POSIX: the folder lock that serialises concurrent writers of one file pair
+    import fcntl
+except ImportError:  # pragma: no cover - elsewhere the sidecar's digest still refuses a mixed pair
+    fcntl = None
 
 __all__ = [
     "atomic_write",
@@ -284,7 +288,7 @@ def _publishing(folders: Sequence[Path]) -> Iterator[None]:
         if hasattr(signal, "pthread_sigmask"):
             old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
             stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old)
-        for folder in sorted({os.path.realpath(f) for f in folders}):
+        for folder in sorted({os.path.realpath(f) for f in folders}) if fcntl is not None else ():
             with contextlib.suppress(OSError):
                 fd = os.open(folder, os.O_RDONLY)
                 stack.callback(os.close, fd)
