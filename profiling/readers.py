@@ -403,6 +403,8 @@ def check_load(load, where: str) -> np.ndarray:
         raise ValueError(
             f"{where}: the load has {arr.shape[-1]} experts, over the accepted {MAX_EXPERTS} (MAX_EXPERTS)"
         )
+    if 0 in arr.shape[-2:]:
+        raise ValueError(f"{where}: a load needs at least one layer and one expert, got shape {arr.shape}")
     arr = arr.astype(np.float64)
     if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
         raise ValueError(f"{where}: the load holds NaN, inf or negative entries; loads are token counts >= 0")

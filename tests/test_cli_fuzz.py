@@ -71,6 +71,7 @@ def _write_inputs(d: Path) -> None:
     write_placement(placement, d / "p.yaml", "trtllm")  # with its sidecar p.yaml.meta.json
     np.save(d / "load.npy", np.ones((L, E)))
     np.save(d / "zero.npy", np.zeros((L, E)))
+    np.save(d / "nolayers.npy", np.zeros((0, E)))
     np.save(d / "nan.npy", np.full((L, E), np.nan))
     np.save(d / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     (d / "deep.json").write_text("[" * 200000 + "]" * 200000)
@@ -311,6 +312,7 @@ CASES = [
     ([*SERVE, "--rebalance-every", "0", "--max-moves", "2"], "--max-moves applies to re-solves"),
     ([*SERVE, "--rebalance-every", "0", "--no-wait"], "--rebalance-every 0 runs none"),
     ([*SERVE, "--placement", "{d}/p.json", "--redundant", "2"], "--placement FILE brings its own"),
+    (["solve", "--load", "{d}/nolayers.npy", "--ep-size", "4"], "needs at least one layer and one expert"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),
