@@ -152,6 +152,7 @@ def _write(out: Path, advice, d: dict) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     """Steps: check outputs -> read the trace -> advise -> write -> print."""
+    from profiling.readers import require_data
     from solver.advise import advise
     from solver.advise.recommend import SGLANG_FILE, VLLM_FILE
 
@@ -159,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
+    require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)
     try:
         advice = advise(
             trace, args.model, args.hardware, options, progress=_bar, **({"output": str(out)} if out else {})

@@ -330,11 +330,12 @@ def open_load(path: str) -> np.ndarray:
     return arr
 
 
-def open_placement(path: str, *, engine_map: bool = False, **kw):
+def open_placement(path: str, *, engine_map: bool = False, warn_now: bool = True, **kw):
     """A placement file in any format :func:`placement.formats.read_placement` reads (CliError when missing).
 
     ``engine_map``: accept two replicas of one expert on one GPU (the engines' balancers write such
-    maps), with one warning naming them and the SGLang hazard.
+    maps), with one warning naming them and the SGLang hazard (``warn_now=False``: the caller warns
+    with :func:`warn_colocated` once its own checks passed, so a refusal stays one line).
     """
     from placement.formats import read_placement
 
@@ -343,7 +344,7 @@ def open_placement(path: str, *, engine_map: bool = False, **kw):
         raise CliError(f"placement file {p} does not exist")
     with reading(p):
         placement = read_placement(p, allow_colocated_replicas=engine_map, **kw)
-    if engine_map:
+    if engine_map and warn_now:
         warn_colocated(p, placement)
     return placement
 
@@ -478,11 +479,12 @@ def input_sidecars(*paths: str | None) -> list[str]:
 def output_files(path: str | Path | None, fmt: str) -> list[Path]:
     """The files :func:`placement.formats.write_placement` writes for ``path`` in ``fmt``: the file and,
     for the engine formats, its sidecar (native placements carry their metadata inside)."""
-    from placement.formats import FORMATS, sidecar_path
+    from placement.formats import FORMATS, check_output_name, sidecar_path
 
     if path is None:
         return []
     p = Path(path)
+    check_output_name(p, fmt)  # before any work: a name that would not read back as fmt
     return [p] if fmt == FORMATS[0] else [p, sidecar_path(p)]
 
 
@@ -513,7 +515,16 @@ def source_ranks_file(spec: str | None) -> str | None:
     instead of blocking the read); None for the named rules (round-robin, random[:SEED])."""
     from profiling.fileio import require_regular
 
-    if spec is None or not spec.endswith(".npy"):
+    if spec is None:
         return None
+    seed = spec.partition(":")[2] if spec.startswith("random:") else ""
+    if spec in ("round-robin", "random") or seed.isdigit():
+        return None
+    if spec.startswith("random:"):
+        raise CliError(f"--source-ranks {spec!r}: the seed after 'random:' must be a whole number")
+    if not spec.endswith(".npy"):
+        raise CliError(
+            f"--source-ranks {spec!r} is not a rule or a rank file: use round-robin, random[:SEED] or FILE.npy"
+        )
     require_regular(spec)
     return spec

@@ -98,6 +98,11 @@ def _read_inputs(args: argparse.Namespace):
     if trace.num_layers != placement.num_layers and set(placement.layer_ids) <= set(trace.layer_ids):
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
     require_data(trace, args.trace)
+    for flag, value in (("--hidden-size", args.hidden_size), ("--step-tokens", args.step_tokens)):
+        if value is not None and not trace.has_tokens:  # it would be silently ignored
+            raise CliError(
+                f"{flag} applies to per-token metrics (communication, step PAR); {args.trace} has counts only: drop it"
+            )
     src = None
     how = None
     if args.source_ranks is not None:

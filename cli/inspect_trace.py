@@ -153,9 +153,12 @@ def _print_skew(trace, rows: list[dict], summary: dict, plots: list[str]) -> Non
 def cmd_inspect(args: argparse.Namespace) -> int:
     """Steps: check the plot folder -> load (or stream) the trace -> per-layer skew -> plots -> print
     (table or JSON)."""
+    from profiling.readers import require_data
+
     if args.plot:
         check_folder_outputs(args.plot, _PLOT_FILES, inputs=[args.trace])
     trace = _load_inspected(args)
+    require_data(trace, args.trace)  # max/mean of zero load is 0 / 0: undefined, never a perfect 1.000
     rows, summary = _skew_summary(trace)
     plots = _write_plots(args, trace)
     if args.json:

@@ -9,11 +9,15 @@ own with ``add_parser(subparsers)`` and a command function (``cli.inspect_trace`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 
 from cli import convert, demo, evaluate, inspect_trace, solve
 from cli.common import root_parser
@@ -55,16 +59,55 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the sub-command; the exit code.
 
     0: done; 1: a bug (or a failed check, per command); 2: bad input; 130: interrupted (Ctrl-C at
-    any point: outputs are written atomically, so nothing is left half-written).
+    any point: outputs are written atomically, so nothing is left half-written); 143: SIGTERM (the
+    same clean-up); 141: stdout closed early (``| head``), silently.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     logging.basicConfig(
         level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
+    with _terminate_as_exception():
+        return _run(argv, debug)
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwinds like Ctrl-C, so temporary files are removed and outputs stay whole."""
+
+
+@contextlib.contextmanager
+def _terminate_as_exception() -> Iterator[None]:
+    """While a command runs, SIGTERM raises :class:`Terminated` (where Python's default would die at
+    once and leave temporary files); only from the main thread and when no handler is installed."""
+    installed = threading.current_thread() is threading.main_thread() and (
+        signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    )
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    if installed:
+        signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _run(argv: list[str], debug: bool) -> int:
+    """Parse and run; every outcome as an exit code (see :func:`main`)."""
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that stopped early is seen below
+        return rc
+    except BrokenPipeError:  # `moe-placement inspect T | head -1`: the reader has all it wanted
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE, what a shell tool killed by the closed pipe returns
+    except Terminated:
+        print("moe-placement: terminated (SIGTERM); nothing half-written is left", file=sys.stderr)
+        return 143
     except SystemExit as exc:  # argparse: --help (0) or a bad flag (2, its one line already printed)
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     except KeyboardInterrupt:
@@ -74,6 +117,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         return _report(exc)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's last flush does not fail on the closed pipe."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 # Errors that bad input raises past the readers: one line and exit code 2, like a ValueError.

@@ -105,6 +105,19 @@ def _spec(args: argparse.Namespace):
     runtime_dispatch(args.dispatch)
     if args.layers and not args.placement:
         raise CliError("--layers maps the rows of --placement; pass --placement FILE or drop --layers")
+    if args.redundant is not None and args.placement:
+        raise CliError("--redundant shapes the default placement; --placement FILE brings its own: drop one")
+    given = [
+        f
+        for f, v in (
+            ("--max-moves", args.max_moves),
+            ("--gain-gate", args.gain_gate),
+            ("--no-wait", args.no_wait),
+        )
+        if v
+    ]
+    if args.rebalance_every == 0 and given:
+        raise CliError(f"{given[0]} applies to re-solves, and --rebalance-every 0 runs none: drop one")
     info = describe_model(args.model)
     if args.placement:
         placement = open_placement(args.placement)

@@ -44,8 +44,10 @@ from cli.common import (
     seed_int,
     source_ranks_file,
     warn,
+    warn_colocated,
     workers_int,
 )
+from cli.solve_flags import refuse_ignored_flags
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -99,9 +101,9 @@ def _add_problem_args(p: argparse.ArgumentParser) -> None:
 
 def _add_exact_args(p: argparse.ArgumentParser) -> None:
     """cpsat / milp: objective, robust fit, weighted dispatch, node constraint."""
-    p.add_argument("--objective", choices=("tokens", "decode"), default="tokens")
+    p.add_argument("--objective", choices=("tokens", "decode"), help="default: tokens")
     p.add_argument("--robust", help="robust fit over windows: 'max' or a quantile like q90")
-    p.add_argument("--num-windows", type=positive_int, default=4)
+    p.add_argument("--num-windows", type=positive_int, help="windows of the robust fit (default 4)")
     p.add_argument(
         "--weighted", action="store_true", help="also choose per-replica token shares (weighted dispatch)"
     )
@@ -115,8 +117,7 @@ def _add_locality_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--balance-slack",
         type=non_negative_float,
-        default=0.02,
-        help="locality: allowed node-load excess over the mean",
+        help="locality: allowed node-load excess over the mean (default 0.02)",
     )
     p.add_argument(
         "--everywhere",
@@ -286,6 +287,7 @@ def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | No
         if args.fit_fraction < 1.0:
             fit, held = trace.split(args.fit_fraction)
             require_data(fit, f"{args.trace} (the part fitted on, --fit-fraction {args.fit_fraction})")
+            require_data(held, f"{args.trace} (the held-out part, --fit-fraction {args.fit_fraction})")
         return fit.counts().astype(np.float64), fit, held, trace.layer_ids
     load = open_load(args.load)
     require_data(load, args.load)
@@ -296,7 +298,7 @@ def _read_previous(args, L: int, topo: Topology) -> Placement | None:
     """``--previous`` with its move budget, checked against the problem's shape ``[L, P]``."""
     if args.previous:
         previous = open_placement(
-            args.previous, engine_map=True, ep_size=args.ep_size, num_nodes=args.num_nodes
+            args.previous, engine_map=True, warn_now=False, ep_size=args.ep_size, num_nodes=args.num_nodes
         )
         if previous.physical_to_logical_map.shape != (L, topo.num_physical_experts):
             raise CliError(
@@ -305,6 +307,7 @@ def _read_previous(args, L: int, topo: Topology) -> Placement | None:
             )
         if args.max_moves is None and args.move_cost is None:
             raise CliError("--previous needs --max-moves M or --move-cost C")
+        warn_colocated(args.previous, previous)
         return previous
     if args.max_moves is not None or args.move_cost is not None:
         raise CliError("--max-moves/--move-cost need --previous OLD (the current placement)")
@@ -550,6 +553,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     out = _check_files(args)
     prob = _read_problem(args)
     spec = SOLVERS[prob.name]
+    refuse_ignored_flags(args, prob, spec)
     t0 = time.perf_counter()
     result = _solve(args, prob, spec)
     wall = time.perf_counter() - t0

@@ -74,9 +74,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="deprecated alias of --dispatch",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
-    p.add_argument(
-        "--offset", type=non_negative_int, default=0, help="first replayed token of the trace (default 0)"
-    )
+    p.add_argument("--offset", type=non_negative_int, help="first replayed token of the trace (default 0)")
     p.add_argument(
         "--layers",
         type=layer_row_int,
@@ -85,11 +83,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "layer of the model, in model order (default: rows matched by layer id)",
     )
     p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    p.add_argument(
-        "--hidden", type=hidden_size_int, default=32, help="hidden size of the test experts (default 32)"
-    )
+    p.add_argument("--hidden", type=hidden_size_int, help="hidden size of the test experts (default 32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds (> 0) before the ranks are stopped")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds (>= 1) before the ranks are stopped")
     p.add_argument("--ep-size", type=ep_size_int, help="ep_size for engine formats that do not store it")
     p.add_argument("--num-nodes", type=ep_size_int, help="nodes for engine formats that do not store it")
     p.add_argument(
@@ -100,11 +96,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16"),
-        default="float32",
         help="model dtype with --model (default float32)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
+
+
+MIN_TIMEOUT = 1.0  # seconds: the ranks' rendezvous alone (spawn, connect to the store) needs about this
 
 
 def check_numbers(
@@ -116,7 +114,8 @@ def check_numbers(
 ) -> None:
     """The numeric flags in range (None: not given), else one :class:`CliError` line naming the flag.
 
-    ``positive``: finite and > 0 (seconds, at most ``cli.common.MAX_SECONDS``); ``at_least_one``:
+    ``positive``: finite and > 0 (seconds, at most ``cli.common.MAX_SECONDS``; ``timeout`` at least
+    :data:`MIN_TIMEOUT`); ``at_least_one``:
     integers >= 1 (``ranks`` also at most :data:`MAX_RANKS`); ``non_negative``: integers >= 0 (``seed``
     also at most ``cli.common.MAX_SEED``).
     """
@@ -129,6 +128,11 @@ def check_numbers(
         v = getattr(args, name, None)
         if v is not None and not (math.isfinite(v) and v > 0):
             raise CliError(f"{flag(name)} must be a finite number > 0, got {v}; e.g. {flag(name)} 300")
+        if name == "timeout" and v is not None and v < MIN_TIMEOUT:  # else c10d's own connect error
+            raise CliError(
+                f"--timeout {v:g} s is too short for the ranks to start and meet (their rendezvous alone "
+                f"takes about {MIN_TIMEOUT:g} s); use --timeout {MIN_TIMEOUT:g} or more"
+            )
     for name in at_least_one:
         v = getattr(args, name, None)
         if v is not None and v < 1:
@@ -146,6 +150,22 @@ def check_numbers(
         raise CliError(f"--ranks {ranks} is above the limit of {MAX_RANKS} ranks per launch; use fewer ranks")
 
 
+def _refuse_ignored_flags(args: argparse.Namespace) -> None:
+    """A flag the chosen mode does not use is refused (one line), then the defaults are filled in."""
+    unused = (
+        {"--offset": args.offset, "--hidden": args.hidden}  # the model routes its own tokens, own sizes
+        if args.model is not None
+        else {"--dtype": args.dtype}
+    )
+    for flag, value in unused.items():
+        if value is not None:
+            where = "the replayed trace and test experts, not --model" if args.model else "--model only"
+            raise CliError(f"{flag} applies to {where}; drop it")
+    args.offset = 0 if args.offset is None else args.offset
+    args.hidden = 32 if args.hidden is None else args.hidden
+    args.dtype = args.dtype or "float32"
+
+
 def _check_args(args: argparse.Namespace, placement) -> None:
     """Numeric flags, the dispatch model and the rank count, before anything is launched."""
     from runtime_hooks.ep_layer import runtime_dispatch
@@ -156,6 +176,7 @@ def _check_args(args: argparse.Namespace, placement) -> None:
         at_least_one=("ranks", "tokens_per_rank", "hidden", "ep_size", "num_nodes"),
         non_negative=("seed", "offset"),
     )
+
     runtime_dispatch(args.policy)
     G = placement.topology.ep_size
     if G > MAX_RANKS:
@@ -215,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     from runtime_hooks.validate import ValidationSpec, validate_placement
 
     check_numbers(args, at_least_one=("ep_size", "num_nodes"))
+    _refuse_ignored_flags(args)
     placement = _load_placement(args)
     _check_args(args, placement)
     if args.model is not None:

@@ -9,6 +9,7 @@ naming the file, the field and the expected form.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,8 +29,9 @@ MAX_TEXT_BYTES = 512 * 1024**2
 MAX_PT_BYTES = 2 * 1024**3
 
 
-def _read_text(p: Path) -> str:
-    data = read_regular_bytes(p, MAX_TEXT_BYTES, "a placement file")
+def _read_text(p: Path, data: bytes | None = None) -> str:
+    if data is None:
+        data = read_regular_bytes(p, MAX_TEXT_BYTES, "a placement file")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -44,8 +46,8 @@ def _parse_yaml(p: Path, text: str):
     return parse_yaml(text, str(p))
 
 
-def _load_pt(p: Path):
-    return safe_torch_load(p, MAX_PT_BYTES, "a .pt placement")
+def _load_pt(p: Path, data: bytes | None = None):
+    return safe_torch_load(p, MAX_PT_BYTES, "a .pt placement", data=data)
 
 
 def _is_int(x) -> bool:
@@ -147,15 +149,27 @@ def _format_of(doc) -> str | None:
 
 def _load_any(p: Path) -> tuple[Any, str]:
     """Load a placement file safely; return ``(content, kind)`` with kind ``json``/``yaml``/``pt``."""
+    doc, kind, _ = load_with_digest(p)
+    return doc, kind
+
+
+def load_with_digest(p: Path) -> tuple[Any, str, str]:
+    """``(content, kind, sha256 hex of the bytes parsed)``: the file is read once, so the digest is
+    that of the content returned even while another process replaces the file."""
     require_regular(p)
-    if p.suffix in _PT_SUFFIXES:
-        return _load_pt(p), "pt"
-    text = _read_text(p)
+    pt = p.suffix in _PT_SUFFIXES
+    data = read_regular_bytes(
+        p, MAX_PT_BYTES if pt else MAX_TEXT_BYTES, "a .pt placement" if pt else "a placement file"
+    )
+    digest = hashlib.sha256(data).hexdigest()
+    if pt:
+        return _load_pt(p, data), "pt", digest
+    text = _read_text(p, data)
     if p.suffix in _YAML_SUFFIXES:
-        return _parse_yaml(p, text), "yaml"
+        return _parse_yaml(p, text), "yaml", digest
     if p.suffix == ".json" or text.lstrip()[:1] in ("{", "["):
-        return _parse_json(p, text), "json"
-    return _parse_yaml(p, text), "yaml"
+        return _parse_json(p, text), "json", digest
+    return _parse_yaml(p, text), "yaml", digest
 
 
 def detect_format(path: str | os.PathLike) -> str:

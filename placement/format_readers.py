@@ -24,10 +24,10 @@ from placement.format_load import (
     _is_int,
     _layer_id_list,
     _layer_key,
-    _load_any,
     _parse_json,
     _read_text,
     _unknown_msg,
+    load_with_digest,
 )
 from placement.format_spec import (
     FORMATS,
@@ -39,7 +39,7 @@ from placement.format_spec import (
 )
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.fileio import InputFileError
+from profiling.fileio import InputFileError, require_regular
 from profiling.limits import MAX_LAYER_ID, check_layer_ids
 
 __all__ = ["read_placement"]
@@ -56,14 +56,16 @@ logger = logging.getLogger("placement.formats")
 class _Options:
     """Values the caller passed, merged with a sidecar; a conflict between the two is an error."""
 
-    def __init__(self, p: Path, fmt: str, given: dict, use_sidecar: bool):
+    def __init__(self, p: Path, fmt: str, given: dict, use_sidecar: bool, digest: str | None = None):
         self.p = p
         self.values = {k: v for k, v in given.items() if v is not None}
         self.sidecar: dict | None = None
         side = sidecar_path(p)
-        if use_sidecar and side.is_file():
+        if use_sidecar and os.path.lexists(side):
+            require_regular(side)  # a folder, FIFO or dangling link there is named, not taken for "none"
             self.sidecar = _read_sidecar(side, fmt)
             s = self.sidecar
+            _check_digest(p, side, s, digest)
             topo = s["topology"]
             from_side = {
                 "ep_size": topo["ep_size"],
@@ -100,6 +102,22 @@ class _Options:
 
 def _norm(v):
     return [int(x) for x in v] if isinstance(v, (list, tuple, np.ndarray)) else v
+
+
+def _check_digest(p: Path, side: Path, s: dict, digest: str | None) -> None:
+    """A sidecar that records ``file_sha256`` describes only the map with those bytes (older sidecars
+    record none and are taken as they are)."""
+    want = s.get("file_sha256")
+    if want is None or digest is None:
+        return
+    if not isinstance(want, str) or len(want) != 64:
+        raise InputFileError(f"{side}: field 'file_sha256' must be 64 hex digits, got {want!r:.80}")
+    if want.lower() != digest:
+        raise InputFileError(
+            f"{side} describes another version of {p.name} (its file_sha256 {want[:12]}... is not the file's "
+            f"{digest[:12]}...): the pair comes from two different writes; write both again (solve or "
+            f"convert -o {p.name}), or delete the sidecar and pass ep_size"
+        )
 
 
 def _read_sidecar(side: Path, fmt: str) -> dict:
@@ -487,7 +505,7 @@ def read_placement(
     p = Path(path)
     if format is not None and format not in FORMATS:
         raise ValueError(f"unknown placement format {format!r}; choose one of {', '.join(FORMATS)}")
-    doc, kind = _load_any(p)
+    doc, kind, digest = load_with_digest(p)
     detected = "sglang" if kind == "pt" and isinstance(doc, dict) else _format_of(doc)
     if detected is None:
         raise InputFileError(_unknown_msg(p, doc))
@@ -511,7 +529,7 @@ def read_placement(
     ):
         if v is not None and (not _is_int(v) or v < 1):
             raise ValueError(f"{key} must be a positive integer, got {v!r}")
-    opts = _Options(p, detected, given, use_sidecar=detected != "native")
+    opts = _Options(p, detected, given, use_sidecar=detected != "native", digest=digest)
     try:
         return _READERS[detected](p, doc, opts)
     except InputFileError:

@@ -7,6 +7,7 @@ G = EP ranks, S = slots per GPU, E = logical experts.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -25,10 +26,11 @@ from placement.format_spec import (
     SIDECAR_SCHEMA,
     VLLM_RECORD_TYPE,
     VLLM_RECORD_VERSION,
+    check_output_name,
     sidecar_path,
 )
 from placement.model import Placement, hidden_layer_rows, validate_map
-from profiling.fileio import atomic_write_bytes
+from profiling.fileio import atomic_write_files
 
 __all__ = ["write_placement"]
 
@@ -96,7 +98,8 @@ def write_placement(
 
     Args:
         placement: the placement (re-validated before anything is written).
-        path: the main output file. Engine formats also get the sidecar ``<path>.meta.json``.
+        path: the main output file. Engine formats also get the sidecar ``<path>.meta.json``, which
+            records the map's SHA-256 (``file_sha256``); the two are published together.
         format: one of :data:`FORMATS`. ``sglang`` writes ``torch.save`` output when ``path``
             ends in ``.pt``/``.pth`` and JSON otherwise.
         num_hidden_layers: ``sglang`` only: the model's ``config.num_hidden_layers`` ``H`` (the
@@ -107,7 +110,8 @@ def write_placement(
         ``[main file]`` or ``[main file, sidecar]``.
 
     Raises:
-        ValueError: unknown format, invalid placement, ``num_hidden_layers`` too small, or the
+        ValueError: unknown format, invalid placement, ``num_hidden_layers`` too small, a file name
+            that would not read back as ``format`` (``.pt`` other than sglang, trtllm as ``.json``), or the
             output folder missing (:class:`~profiling.fileio.InputFileError`). Nothing is written
             then, and existing files keep their content.
     """
@@ -118,10 +122,10 @@ def write_placement(
     L, P = p2l.shape
     if num_hidden_layers is not None and format != "sglang":
         raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")
+    check_output_name(out, format)  # a name the readers would not read back as this format
     # Build every file's bytes first, so a failure leaves the disk untouched.
     files = _encode(placement, p2l, format, out, num_hidden_layers)
-    for target, data in files:
-        atomic_write_bytes(target, data)
+    atomic_write_files(files)  # the map and its sidecar as one: both of this call, or neither
     logger.info(
         "wrote %s placement (%d layers x %d slots) to %s", format, L, P, ", ".join(str(f) for f, _ in files)
     )
@@ -149,6 +153,7 @@ def _encode(
     else:  # vllm (provisional)
         data = _vllm_bytes(placement, p2l)
         meta = _metadata(placement, fmt, out)
+    meta["file_sha256"] = hashlib.sha256(data).hexdigest()  # binds the sidecar to this map's bytes
     return [(out, data), (sidecar_path(out), (json.dumps(meta, indent=1) + "\n").encode("utf-8"))]
 
 

@@ -43,6 +43,7 @@ from placement.format_spec import (
     PLACEMENT_SCHEMA,
     PLACEMENT_SCHEMA_VERSION,
     SIDECAR_SCHEMA,
+    check_output_name,
     sidecar_path,
 )
 from placement.format_spec import SIDECAR_SUFFIX as SIDECAR_SUFFIX  # re-exported
@@ -55,6 +56,7 @@ __all__ = [
     "PLACEMENT_SCHEMA",
     "PLACEMENT_SCHEMA_VERSION",
     "SIDECAR_SCHEMA",
+    "check_output_name",
     "detect_format",
     "read_placement",
     "sidecar_path",

@@ -40,6 +40,7 @@ from placement.dispatch import (
 from placement.model import Placement
 from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES, make_steps
+from profiling.readers import require_data
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -403,6 +404,12 @@ def route_tokens(
         raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
     T, L, k = ids.shape
     _check_compatible(placement, L, placement.num_logical_experts, "topk_ids")
+    if ids.size and not (
+        ids.dtype.kind in "iu" and -1 <= ids.min() and ids.max() < placement.num_logical_experts
+    ):
+        raise ValueError(
+            f"topk_ids must be integer ids in [-1, {placement.num_logical_experts}), got {ids.dtype}"
+        )
     tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
     src = np.asarray(src_gpu, dtype=np.int64)
     if model.route is not None:
@@ -458,6 +465,7 @@ def imbalance_ratio(placement: Placement, trace_or_load, dispatch: Dispatch = EV
 
 
 def _gpu_load_any(placement, trace_or_load, dispatch):
+    require_data(trace_or_load, "the trace" if isinstance(trace_or_load, RoutingTrace) else "the load")
     if isinstance(trace_or_load, RoutingTrace):
         return trace_gpu_load(placement, trace_or_load, dispatch)
     model = get_dispatch(dispatch)
@@ -493,6 +501,7 @@ def step_par(
     if not trace.has_tokens:
         raise ValueError("step_par needs a per-token trace (topk_ids)")
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
+    require_data(trace, "the trace")
     steps = make_steps(trace, placement.topology.ep_size, phase, step_tokens, seed=seed, max_steps=max_steps)
     G, L, S = placement.topology.ep_size, placement.num_layers, max(steps.num_steps, 1)
     assert trace.topk_ids is not None
@@ -650,6 +659,7 @@ def evaluate(
         )
     load = trace.counts()
     _check_compatible(placement, load.shape[0], load.shape[1], "the trace")
+    require_data(trace, "the trace")  # PAR of zero load is 0 / 0: undefined, not 1
     if phase is not None and phase not in PHASES + ("engine",):
         raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
     batch = step_tokens if step_tokens is not None else DEFAULT_STEP_TOKENS.get(phase or "")

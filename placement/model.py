@@ -65,6 +65,8 @@ def validate_map(
     or two replicas of one expert share a GPU (unless ``allow_colocated_replicas``, used only to
     reproduce the published greedy packing exactly).
     """
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a placement.topology.Topology, got {type(topology).__name__}")
     arr = np.asarray(physical_to_logical_map)
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind == "f" and arr.size and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
@@ -209,6 +211,8 @@ class Placement:
         if min(ids) < 0:
             raise ValueError(f"layer_ids must be >= 0, got {list(ids)}")
         object.__setattr__(self, "layer_ids", ids)
+        if not isinstance(self.provenance, Mapping):
+            raise ValueError(f"provenance must be a mapping (a dict), got {type(self.provenance).__name__}")
         object.__setattr__(self, "provenance", dict(self.provenance))
 
     # ---- named constructors -------------------------------------------------------------------
@@ -300,7 +304,9 @@ class Placement:
 
     def select_layers(self, indices: Sequence[int]) -> Placement:
         """A placement over a subset of rows (by row index, not layer id)."""
-        idx = list(indices)
+        idx = [int(i) for i in indices]
+        if any(not 0 <= i < self.num_layers for i in idx):
+            raise ValueError(f"rows {idx[:8]} are outside this placement's rows 0..{self.num_layers - 1}")
         return Placement(
             self.physical_to_logical_map[idx],
             self.num_logical_experts,

@@ -68,6 +68,9 @@ class StepPlan:
         slot_rank: int64 ``[L, P]`` replica index of each slot within its expert (ascending slots).
         replicas: int64 ``[L, E]`` replica count per expert.
         slots_per_gpu: ``S``; ``num_gpus``: ``G``.
+        slot_live: bool ``[L, P]``: the slot holds a replica the split uses. A slot the map leaves
+            out (a co-located duplicate dropped by :func:`placement.dispatch.balanced.step_map`) gets
+            no tokens and is never a target; its ``slot_expert``/``slot_rank`` are 0.
     """
 
     l2p: np.ndarray
@@ -76,6 +79,7 @@ class StepPlan:
     replicas: np.ndarray
     slots_per_gpu: int
     num_gpus: int
+    slot_live: np.ndarray
 
 
 def _check_l2p(l2p, slots_per_gpu: int) -> tuple[np.ndarray, int]:
@@ -127,10 +131,12 @@ def step_plan(logical_to_physical_map, slots_per_gpu: int) -> StepPlan:
         )
     slot_expert = np.zeros((L, P), np.int64)
     slot_rank = np.zeros((L, P), np.int64)
+    live = np.zeros((L, P), bool)
     ll, ee, rr = np.nonzero(l2p >= 0)  # one entry per replica
     slot_expert[ll, l2p[ll, ee, rr]] = ee
     slot_rank[ll, l2p[ll, ee, rr]] = rr
-    return StepPlan(l2p, slot_expert, slot_rank, (l2p >= 0).sum(-1), S, P // S)
+    live[ll, l2p[ll, ee, rr]] = True
+    return StepPlan(l2p, slot_expert, slot_rank, (l2p >= 0).sum(-1), S, P // S, live)
 
 
 def batch_counts(counts, plan: StepPlan) -> tuple[np.ndarray, tuple[int, ...]]:
@@ -150,6 +156,8 @@ def batch_counts(counts, plan: StepPlan) -> tuple[np.ndarray, tuple[int, ...]]:
         )
     if c.size and int(c.min()) < 0:
         raise ValueError(f"counts must be >= 0, got minimum {int(c.min())}; pass token counts, not deltas")
+    if c.size and float(c.sum(-1, dtype=np.float64).max()) >= INF:  # labels and peaks are int64 below INF
+        raise ValueError(f"counts sum to over {INF} tokens in one step (2**40); pass one step's token counts")
     lead = c.shape[: c.ndim - len(tail)]
     return c.astype(np.int64).reshape(-1, L, E), lead
 
@@ -159,10 +167,10 @@ def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
     return np.take_along_axis(a, idx.reshape(idx.shape[0], -1), axis=1).reshape(idx.shape)
 
 
-def _initial(c: np.ndarray, se: np.ndarray, sr: np.ndarray, n: np.ndarray) -> np.ndarray:
-    """Even split in slot space: ``c [N, E]``, ``se, sr [N, P]``, ``n [N, E]`` -> ``q [N, P]``."""
+def _initial(c: np.ndarray, se: np.ndarray, sr: np.ndarray, n: np.ndarray, live: np.ndarray) -> np.ndarray:
+    """Even split in slot space: ``c [N, E]``, ``se, sr, live [N, P]``, ``n [N, E]`` -> ``q [N, P]``."""
     ce, ne = _take(c, se), _take(n, se)  # [N, P]
-    return ce // ne + (sr < ce % ne)
+    return np.where(live, ce // ne + (sr < ce % ne), 0)
 
 
 def _lower_bound(c, q, n, se, G: int) -> np.ndarray:
@@ -191,24 +199,24 @@ def _labels(dist, ld, q, Tp, gpu_er, se, hops: int) -> np.ndarray:
     return np.where(dist >= min(G, CAP), INF, dist)
 
 
-def _targets(ld, Tp, dist, gslot, se, P: int) -> tuple[np.ndarray, np.ndarray]:
+def _targets(ld, Tp, dist, gslot, se, live, P: int) -> tuple[np.ndarray, np.ndarray]:
     """Per slot ``[N, P]``: label of its expert's best replica and that replica's slot.
 
-    Best: lowest label, then most room below ``Tp``, then lowest slot (one packed int64 key).
+    Best: lowest label, then most room below ``Tp``, then lowest slot (one packed int64 key); a slot
+    that is not ``live [N, P]`` is no replica and never a target.
     """
     N, E = ld.shape[0], int(se.max()) + 1
     sb = max(P - 1, 1).bit_length()
     room = np.clip(Tp[:, None] - ld, 0, ROOM - 1)  # [N, G]
     key = ((np.minimum(dist, LCAP) << RB) | (ROOM - 1 - room)) << sb  # [N, G]
     best = np.full((N, E), INF << sb)
-    np.minimum.at(
-        best, (np.broadcast_to(np.arange(N)[:, None], se.shape), se), _take(key, gslot) | np.arange(P)
-    )
+    cand = np.where(live, _take(key, gslot) | np.arange(P), INF << sb)  # [N, P]
+    np.minimum.at(best, (np.broadcast_to(np.arange(N)[:, None], se.shape), se), cand)
     kp = _take(best, se)  # [N, P]
     return kp >> (sb + RB), kp & ((1 << sb) - 1)
 
 
-def _push(q, ld, Tp, dist, gslot, se) -> tuple[np.ndarray, np.ndarray]:
+def _push(q, ld, Tp, dist, gslot, se, live) -> tuple[np.ndarray, np.ndarray]:
     """Move every GPU's excess over ``Tp`` one hop downhill: new ``q [N, P]`` and a bound ``[N]``.
 
     Each loaded slot sends to its expert's best replica one label lower (:func:`_targets`), earlier
@@ -219,7 +227,7 @@ def _push(q, ld, Tp, dist, gslot, se) -> tuple[np.ndarray, np.ndarray]:
     N, G = ld.shape
     P = q.shape[1]
     rows = np.broadcast_to(np.arange(N)[:, None], q.shape)
-    dmin, tgt = _targets(ld, Tp, dist, gslot, se, P)
+    dmin, tgt = _targets(ld, Tp, dist, gslot, se, live, P)
     du = _take(dist, gslot)  # [N, P] label of each slot's GPU
     stuck = dist >= INF  # [N, G]
     leak = np.where(q > 0, du - dmin, 0).max(-1) > INF - LCAP  # a stuck slot's expert reaches out
@@ -257,10 +265,11 @@ def solve_slots(
         return np.broadcast_to(a[None], (B,) + a.shape).reshape((N,) + a.shape[1:])
 
     se, sr, n, l2p = rows(plan.slot_expert), rows(plan.slot_rank), rows(plan.replicas), rows(plan.l2p)
+    live = rows(plan.slot_live)  # [N, P]
     gpu_er = np.where(l2p >= 0, l2p // S, G)  # [N, E, R]
     gslot = np.broadcast_to(np.arange(P, dtype=np.int64) // S, (N, P))
     cf = c.reshape(N, E)
-    q = _initial(cf, se, sr, n)  # [N, P]
+    q = _initial(cf, se, sr, n, live)  # [N, P]
     T = _lower_bound(cf, q, n, se, G)
     out = np.empty((N, P), np.int64)
     active = np.arange(N)  # rows still searching
@@ -277,12 +286,12 @@ def solve_slots(
             active, q, T, best, best_peak, dist, ld = (
                 a[keep] for a in (active, q, T, best, best_peak, dist, ld)
             )
-            se, gpu_er, gslot = se[keep], gpu_er[keep], gslot[keep]
+            se, gpu_er, gslot, live = se[keep], gpu_er[keep], gslot[keep], live[keep]
             if active.size == 0:
                 break
         Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
         dist = _labels(dist, ld, q, Tp, gpu_er, se, depth)
-        q, bound = _push(q, ld, Tp, dist, gslot, se)
+        q, bound = _push(q, ld, Tp, dist, gslot, se, live)
         T = np.maximum(T, bound)
     out[active] = best
     return out.reshape(B, L, P)

@@ -15,9 +15,12 @@ FIFO or a device passed as an input is refused at once instead of blocking or re
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
+import signal
+import socket
 import stat
 import tempfile
 import zipfile
@@ -29,11 +32,18 @@ import numpy as np
 
 from profiling.textparse import InputFileError, parse_json
 
+try:  # POSIX: the folder lock that serialises concurrent writers of one file pair
+    import fcntl
+except ImportError:  # pragma: no cover - elsewhere the sidecar's digest still refuses a mixed pair
+    fcntl = None
+
 __all__ = [
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "atomic_write_files",
+    "clean_stale_temps",
     "atomic_save_npz",
     "check_outputs",
     "load_npy",
@@ -193,6 +203,134 @@ def _target_mode(target: Path) -> int:
         return 0o666 & ~_umask()
 
 
+def _temp_tag() -> str:
+    """``<host>-<pid>``: whose temporary file it is (host sanitized to letters, digits and '-')."""
+    host = "".join(ch if ch.isalnum() or ch == "-" else "-" for ch in socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by another user
+        return True
+    return True
+
+
+def clean_stale_temps(target: str | os.PathLike) -> list[Path]:
+    """Remove the temporary files ``.<name>.<host>-<pid>.*.tmp`` of ``target`` that a killed writer
+    on this host left behind (its process is gone); a live writer's file, or another host's, is kept.
+
+    Returns the files removed.
+    """
+    t = Path(target)
+    folder = _folder(t)
+    host = _temp_tag().rsplit("-", 1)[0]
+    removed = []
+    for tmp in folder.glob(f".{glob.escape(t.name)}.*.tmp"):
+        tag = tmp.name[len(t.name) + 2 :].split(".", 1)[0]  # <host>-<pid>
+        h, _, pid = tag.rpartition("-")
+        if h == host and pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _folder(target: Path) -> Path:
+    return target.parent if str(target.parent) else Path(".")
+
+
+@contextlib.contextmanager
+def _temp_file(target: Path, mode: str = "wb") -> Iterator[tuple[IO, str]]:
+    """Open a temporary sibling ``.<name>.<host>-<pid>.XXXX.tmp`` of ``target`` (stale ones of killed
+    writers removed first); fsynced when the block ends, removed if it raises."""
+    folder = _folder(target)
+    if not folder.is_dir():
+        raise InputFileError(f"cannot write {target}: folder {folder} does not exist; create it first")
+    if target.is_dir():
+        raise InputFileError(f"cannot write {target}: it is a folder; give a file path inside it")
+    clean_stale_temps(target)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{_temp_tag()}.", suffix=".tmp", dir=folder)
+    try:
+        with contextlib.suppress(OSError):  # mkstemp makes 0600; keep the target's (or umask's) mode
+            os.fchmod(fd, _target_mode(target))
+        with os.fdopen(fd, mode) as fh:
+            yield fh, tmp
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _fsync_folder(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # make the renames durable where the OS allows it
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+_DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def _publishing(folders: Sequence[Path]) -> Iterator[None]:
+    """Hold an exclusive lock on every folder and defer SIGINT/SIGTERM/SIGHUP while renaming, so that
+    concurrent writers of one pair publish one after the other and a signal lands before or after the
+    renames, never between them (SIGKILL still can: readers check the sidecar's digest)."""
+    with contextlib.ExitStack() as stack:
+        if hasattr(signal, "pthread_sigmask"):
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+            stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old)
+        for folder in sorted({os.path.realpath(f) for f in folders}) if fcntl is not None else ():
+            with contextlib.suppress(OSError):
+                fd = os.open(folder, os.O_RDONLY)
+                stack.callback(os.close, fd)
+                fcntl.flock(fd, fcntl.LOCK_EX)  # released when closed
+        yield
+
+
+def _publish(pairs: Sequence[tuple[str, Path]]) -> None:
+    """Rename every ``(temporary file, target)`` as one step (:func:`_publishing`), then make it durable."""
+    with _publishing([_folder(t) for _, t in pairs]):
+        for tmp, t in pairs:
+            os.replace(tmp, t)
+    for folder in {_folder(t) for _, t in pairs}:
+        _fsync_folder(folder)
+
+
+def _unlink_all(paths) -> None:
+    for tmp in paths:  # a renamed one no longer exists under its unique temporary name
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def atomic_write_files(files: Sequence[tuple[str | os.PathLike, bytes]]) -> list[Path]:
+    """Write several files as one (a map and its sidecar): each goes to a fsynced temporary sibling
+    first, then all are renamed over their targets under a folder lock with signals deferred.
+
+    A failure or an interrupt before the renames leaves every target as it was and no temporary file;
+    two concurrent calls for the same targets leave all files of one of them. Returns the targets.
+    """
+    pairs: list[tuple[str, Path]] = []
+    try:
+        for t, data in files:
+            with _temp_file(Path(t)) as (fh, tmp):
+                fh.write(data)
+            pairs.append((tmp, Path(t)))
+        _publish(pairs)
+    except BaseException:
+        _unlink_all(tmp for tmp, _ in pairs)
+        raise
+    return [t for _, t in pairs]
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     """Open a temporary sibling of ``path`` for writing; rename it over ``path`` on success.
@@ -200,27 +338,12 @@ def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO]:
     On any exception the temporary file is removed and ``path`` is left as it was.
     """
     target = Path(path)
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise InputFileError(f"cannot write {target}: folder {folder} does not exist; create it first")
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    with _temp_file(target, mode) as (fh, tmp):
+        yield fh
     try:
-        with contextlib.suppress(OSError):  # mkstemp makes 0600; keep the target's (or umask's) mode
-            os.fchmod(fd, _target_mode(target))
-        with os.fdopen(fd, mode) as fh:
-            yield fh
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-        with contextlib.suppress(OSError):  # make the rename durable where the OS allows it
-            dfd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+        _publish([(tmp, target)])
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        _unlink_all([tmp])
         raise
 
 
@@ -390,14 +513,16 @@ def iter_npz_array_chunks(path: str | os.PathLike, key: str, chunk_rows: int = 6
                 left -= n
 
 
-def safe_torch_load(path: str | os.PathLike, max_bytes: int, what: str = "a .pt file"):
+def safe_torch_load(
+    path: str | os.PathLike, max_bytes: int, what: str = "a .pt file", data: bytes | None = None
+):
     """``torch.load(weights_only=True)`` with a size check; torch is imported lazily.
 
     Only tensors, dicts, lists and numbers are loaded, never pickled objects. Any failure becomes an
-    :class:`InputFileError` naming the file.
+    :class:`InputFileError` naming the file. ``data``: the file's bytes, already read.
     """
-    p = require_regular(path)
-    size = p.stat().st_size
+    p = require_regular(path) if data is None else Path(path)
+    size = p.stat().st_size if data is None else len(data)
     if size > max_bytes:
         raise InputFileError(f"{p}: {size} bytes is over the {max_bytes}-byte limit for {what}")
     try:
@@ -407,7 +532,7 @@ def safe_torch_load(path: str | os.PathLike, max_bytes: int, what: str = "a .pt 
             f"{p}: reading {what} needs torch (pip install 'moe-placement[torch]')"
         ) from None
     try:
-        return torch.load(p, map_location="cpu", weights_only=True)
+        return torch.load(p if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
         raise InputFileError(
             f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "

@@ -27,7 +27,7 @@ import numpy as np
 from profiling.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
 from profiling.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
 from profiling.textparse import parse_json
-from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace
+from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace, _check_num_experts
 
 __all__ = [
     "check_load",
@@ -67,6 +67,19 @@ def _int_scalar(arrays, key, path):
     return int(v.ravel()[0])
 
 
+def _int_vector(arrays, key, path) -> np.ndarray:
+    """Field ``key`` as int64 ``[n]``: a 1-D integer array (or floats holding whole numbers), else an
+    InputFileError naming it."""
+    v = np.asarray(arrays[key])
+    if v.ndim == 1 and v.dtype.kind == "f" and np.isfinite(v).all() and (v == np.round(v)).all():
+        v = v.astype(np.int64)  # whole numbers saved as floats, read as before
+    if v.ndim != 1 or v.dtype.kind not in "iu":
+        raise InputFileError(
+            f"{path}: field {key!r} must be a 1-D integer array, got {v.dtype} of shape {v.shape}"
+        )
+    return v.astype(np.int64)
+
+
 def _str_scalar(arrays, key, default=""):
     if key not in arrays:
         return default
@@ -100,9 +113,12 @@ def read_trace(
         InputFileError (a ValueError) naming the file, the field and the expected form.
     """
     p = Path(path)
+    if num_logical_experts is not None:
+        _check_num_experts(num_logical_experts)  # ValueError naming the value
     if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
+        _no_domains(p, domains)
         return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
     kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
     arrays = load_npz(p, **kwargs)
@@ -117,21 +133,33 @@ def read_trace(
 def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
     """Dispatch on the layout the keys show: native, per-token, per-domain counts or counts."""
     if "schema" in arrays:
+        _no_domains(p, domains)
         return _native_trace(arrays, p)
     layer_ids = (
         tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
     )
     if "topk_ids" in arrays:
+        _no_domains(p, domains)
         return _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids)
     domain_keys = sorted(k for k in arrays if k.startswith(counts_key + "__"))
     if domain_keys:
         return _domain_trace(arrays, p, num_logical_experts, domains, counts_key, domain_keys, layer_ids)
+    _no_domains(p, domains)
     if "counts" in arrays:
         return _counts_trace(arrays, p, num_logical_experts, layer_ids)
     raise InputFileError(
         f"{p}: not a routing trace: no 'topk_ids', 'counts', '{counts_key}__<domain>' or native 'schema' field "
         f"(fields present: {sorted(arrays)[:8]})"
     )
+
+
+def _no_domains(p, domains) -> None:
+    """``domains`` picks windows of a per-domain file only; anywhere else it would be ignored."""
+    if domains is not None:
+        raise InputFileError(
+            f"{p}: domains {list(domains)[:4]} were asked for, but this trace has no per-domain counts "
+            f"('<key>__<domain>' fields); drop --domains"
+        )
 
 
 def _native_metadata(arrays, p) -> dict:
@@ -186,7 +214,12 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
     E = num_logical_experts
     counts_field = "counts_real" if "counts_real" in arrays else ("counts" if "counts" in arrays else None)
     if E is None and counts_field is not None:
-        E = int(np.asarray(arrays[counts_field]).shape[-1])
+        shape = np.asarray(arrays[counts_field]).shape
+        if not shape or shape[-1] < 1:
+            raise InputFileError(
+                f"{p}: field {counts_field!r} must be counts [..., experts], got shape {shape}; or drop it"
+            )
+        E = int(shape[-1])
     if E is None:
         E = int(ids.max()) + 1 if ids.size else 1
     return ids.astype(np.int32), E
@@ -196,7 +229,7 @@ def _segment_keep(arrays, p, T: int, keep_segments, meta: dict) -> np.ndarray | 
     """Rows to keep by ``segment`` ``[T]``: bool ``[T]``, or None to keep all (notes the drop in ``meta``)."""
     if "segment" not in arrays:
         return None
-    seg = np.asarray(arrays["segment"]).astype(np.int64)
+    seg = _int_vector(arrays, "segment", p)
     if seg.shape != (T,):
         raise InputFileError(f"{p}: field 'segment' has shape {seg.shape}, expected ({T},)")
     segs = (
@@ -214,7 +247,7 @@ def _batch_steps(arrays, p, T: int, keep: np.ndarray | None) -> np.ndarray | Non
     """Step offsets int64 ``[S + 1]`` where ``batch_id`` ``[T]`` changes (over the kept rows), or None."""
     if "batch_id" not in arrays:
         return None
-    b = np.asarray(arrays["batch_id"]).astype(np.int64)
+    b = _int_vector(arrays, "batch_id", p)
     if b.shape != (T,):
         raise InputFileError(f"{p}: field 'batch_id' has shape {b.shape}, expected ({T},)")
     bk = b if keep is None else b[keep]
@@ -240,7 +273,7 @@ def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> Ro
                 f"{p}: both 'segment' and 'seq_offsets' present; cannot filter prompt boundaries"
             )
     if seq is not None:
-        seq = np.asarray(seq).astype(np.int64)
+        seq = _int_vector(arrays, "seq_offsets", p)
         if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
             seq = np.concatenate([seq, [ids.shape[0]]])
     return RoutingTrace(
@@ -303,6 +336,8 @@ def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write the native npz format (atomically)."""
+    if not isinstance(trace, RoutingTrace):
+        raise TypeError(f"write_trace needs a RoutingTrace, got {type(trace).__name__}")
     arrays: dict[str, Any] = {
         "schema": np.array(TRACE_SCHEMA),
         "schema_version": np.array(TRACE_SCHEMA_VERSION),
@@ -368,6 +403,8 @@ def check_load(load, where: str) -> np.ndarray:
         raise ValueError(
             f"{where}: the load has {arr.shape[-1]} experts, over the accepted {MAX_EXPERTS} (MAX_EXPERTS)"
         )
+    if 0 in arr.shape[-2:]:
+        raise ValueError(f"{where}: a load needs at least one layer and one expert, got shape {arr.shape}")
     arr = arr.astype(np.float64)
     if not np.all(np.isfinite(arr)) or (arr.size and arr.min() < 0):
         raise ValueError(f"{where}: the load holds NaN, inf or negative entries; loads are token counts >= 0")
@@ -406,6 +443,7 @@ def require_data(data: RoutingTrace | np.ndarray, where: str) -> None:
         total, shape = float(arr.sum()), arr.shape[-2:]
     if total <= 0:
         raise ValueError(
-            f"{where}: every expert load is 0 (all {shape[0]} layers x {shape[1]} experts): there is nothing "
-            f"to balance; record traffic first, or check the chosen layers and windows"
+            f"{where}: every expert load is 0 (all {shape[0]} layers x {shape[1]} experts): nothing is routed, "
+            f"so balance (peak / mean of zero load) is undefined; record traffic first, or check the chosen "
+            f"layers and windows"
         )

@@ -12,6 +12,7 @@ Every failure raises :class:`InputFileError` (a ``ValueError``) naming the file.
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 __all__ = ["InputFileError", "YAML_NODE_SLACK", "parse_json", "parse_yaml"]
@@ -68,6 +69,15 @@ def parse_json(text: str, where: str) -> Any:
         raise InputFileError(
             f"{where}: JSON nested too deeply for the parser; placement and trace files nest a few levels"
         ) from None
+    except ValueError as exc:  # an integer longer than the interpreter converts (sys.get_int_max_str_digits)
+        raise InputFileError(_long_number_msg(where, exc)) from None
+
+
+def _long_number_msg(where: str, exc: ValueError) -> str:
+    if "digits" not in str(exc):
+        return f"{where}: a value cannot be read ({' '.join(str(exc).split())[:120]})"
+    digits = getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+    return f"{where}: a number in it has over {digits} digits; the file is corrupt (its ids and sizes are small integers)"
 
 
 def _loader_class():
@@ -169,5 +179,7 @@ def parse_yaml(text: str, where: str) -> Any:
         raise InputFileError(f"{where}: invalid or unsafe YAML ({' '.join(str(exc).split())})") from None
     except RecursionError:
         raise InputFileError(f"{where}: YAML nested too deeply for the parser") from None
+    except ValueError as exc:  # an integer longer than the interpreter converts
+        raise InputFileError(_long_number_msg(where, exc)) from None
     finally:
         loader.dispose()

@@ -292,8 +292,11 @@ class RoutingTrace:
         )
 
     def select_layers(self, indices: Sequence[int]) -> RoutingTrace:
-        """Keep the given layer rows (by row index)."""
+        """Keep the given layer rows (by row index, ``0 .. num_layers - 1``)."""
         idx = [int(i) for i in indices]
+        bad = [i for i in idx if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"layer rows {bad[:8]} are outside this trace's rows 0..{self.num_layers - 1}")
         return RoutingTrace(
             num_logical_experts=self.num_logical_experts,
             topk_ids=None if self.topk_ids is None else self.topk_ids[:, idx],

@@ -55,32 +55,36 @@ def _per_slot(a: torch.Tensor, gslot: torch.Tensor) -> torch.Tensor:
     return a[:, :, None].expand(-1, -1, gslot.shape[1] // a.shape[1]).reshape(gslot.shape)
 
 
-def _labels(dist, ld, q, Tp, gslot, se, E: int, hops: int) -> torch.Tensor:
+def _labels(dist, ld, q, Tp, gslot, se, se_live, E: int, hops: int) -> torch.Tensor:
     """``hops`` relabel sweeps of the warm labels ``dist [N, G]`` (hops to a GPU below ``Tp [N]``).
 
-    ``ld [N, G]``, ``q [N, P]``, ``gslot, se [N, P]``. Kept negated so every minimum is a max.
+    ``ld [N, G]``, ``q [N, P]``, ``gslot, se [N, P]``; ``se_live [N, P]``: ``se``, or ``E + 1`` on a
+    slot that holds no replica (its label reaches no expert). Kept negated so every minimum is a max.
     """
     N, G = ld.shape
     sink = torch.where(ld < Tp[:, None], 0, -INF - hops)  # [N, G]
     se_has = torch.where(q > 0, se, E)  # [N, P] unloaded slots read the spare column E
     nd = -dist
     for _ in range(hops):
-        de = _per_expert_max(_per_slot(nd, gslot), se, E + 1, -INF)  # [N, E+1] nearest replica
+        de = _per_expert_max(_per_slot(nd, gslot), se_live, E + 2, -INF)  # [N, E+2] nearest replica
         nd = torch.maximum(torch.gather(de, 1, se_has).reshape(N, G, -1).amax(-1) - 1, sink)
     return torch.where(nd <= -min(G, CAP), INF, -nd)
 
 
-def _targets(ld, Tp, dist, gslot, se, slot, E: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per slot ``[N, P]``: label of its expert's best replica (lowest label, most room, lowest slot), slot."""
+def _targets(ld, Tp, dist, gslot, se, se_live, slot, E: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per slot ``[N, P]``: label of its expert's best replica (lowest label, most room, lowest slot), slot.
+
+    A slot holding no replica (``se_live == E + 1``) is never a target: it reduces into a spare column.
+    """
     sb = max(P - 1, 1).bit_length()
     room = (Tp[:, None] - ld).clamp(min=0, max=ROOM - 1)  # [N, G]
     key = ((dist.clamp(max=LCAP) << RB) | (ROOM - 1 - room)) << sb  # [N, G]
-    best = torch.full((ld.shape[0], E), INF << sb, dtype=ld.dtype, device=ld.device)
-    kp = torch.gather(best.scatter_reduce_(1, se, _per_slot(key, gslot) | slot, "amin"), 1, se)
+    best = torch.full((ld.shape[0], E + 2), INF << sb, dtype=ld.dtype, device=ld.device)
+    kp = torch.gather(best.scatter_reduce_(1, se_live, _per_slot(key, gslot) | slot, "amin"), 1, se)
     return kp >> (sb + RB), kp & ((1 << sb) - 1)
 
 
-def _push(q, ld, Tp, dist, gslot, se, slot, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _push(q, ld, Tp, dist, gslot, se, se_live, slot, E: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Move every GPU's excess over ``Tp`` one hop downhill: new ``q [N, P]`` and the closed bound ``[N]``.
 
     As in the numpy reference: earlier slots of a GPU first; a GPU below ``Tp`` offered more than its
@@ -89,7 +93,7 @@ def _push(q, ld, Tp, dist, gslot, se, slot, E: int) -> tuple[torch.Tensor, torch
     """
     N, G = ld.shape
     P = q.shape[1]
-    dmin, tgt = _targets(ld, Tp, dist, gslot, se, slot, E, P)
+    dmin, tgt = _targets(ld, Tp, dist, gslot, se, se_live, slot, E, P)
     du = _per_slot(dist, gslot)  # [N, P]
     stuck = dist >= INF  # [N, G] no path: closed unless a loaded slot's expert has a replica outside
     leak = torch.where(q > 0, du - dmin, 0).amax(-1) > INF - LCAP  # a stuck slot's expert reaches out
@@ -155,6 +159,8 @@ class StepBalancer:
         self.l2p = as_t(plan.l2p)  # [L, E, R]
         self.slot_expert, self.slot_rank = as_t(plan.slot_expert), as_t(plan.slot_rank)  # [L, P]
         self.replicas = as_t(plan.replicas)  # [L, E]
+        self.live = torch.as_tensor(plan.slot_live, device=dev)  # [L, P] bool: the slot holds a replica
+        self.slot_expert_live = torch.where(self.live, self.slot_expert, E + 1)  # [L, P]: E + 1 where none
         P = plan.slot_expert.shape[1]
         self.gslot = torch.arange(P, dtype=torch.int64, device=dev) // self.slots_per_gpu  # [P]
         self.slot = torch.arange(P, dtype=torch.int64, device=dev)  # [P]
@@ -174,6 +180,10 @@ class StepBalancer:
             raise ValueError(
                 f"counts must be >= 0, got minimum {int(counts.min())}; pass token counts, not deltas"
             )
+        if validate and counts.numel() and float(counts.double().sum(-1).max()) >= INF:  # as the numpy twin
+            raise ValueError(
+                f"counts sum to over {INF} tokens in one step (2**40); pass one step's token counts"
+            )
         lead = tuple(counts.shape[: counts.ndim - len(tail)])
         return counts.to(device=self.l2p.device, dtype=torch.int64).reshape(-1, L, E), lead
 
@@ -189,11 +199,12 @@ class StepBalancer:
             )
 
         se, sr, n = rows(self.slot_expert), rows(self.slot_rank), rows(self.replicas)  # [N, P], [N, E]
+        live, se_live = rows(self.live), rows(self.slot_expert_live)  # [N, P]
         gslot = self.gslot.expand(N, -1).contiguous()  # [N, P]
         slot = self.slot.expand(N, -1)  # [N, P]
         cf = c.reshape(N, E)
         ce, ne = _take(cf, se), _take(n, se)  # [N, P]
-        q = ce // ne + (sr < ce % ne).to(torch.int64)  # even split, remainder to the first replicas
+        q = torch.where(live, ce // ne + (sr < ce % ne).to(torch.int64), 0)  # even split, remainder first
         T = _lower_bound(cf, q, n, se, G)
         out = torch.empty_like(q)
         active = torch.arange(N, device=q.device)  # rows still searching (all of them on CUDA)
@@ -212,12 +223,12 @@ class StepBalancer:
                     active, q, T, best, best_peak, dist, ld = (
                         a[keep] for a in (active, q, T, best, best_peak, dist, ld)
                     )
-                    se, gslot, slot = se[keep], gslot[keep], slot[keep]
+                    se, se_live, gslot, slot = se[keep], se_live[keep], gslot[keep], slot[keep]
                     if active.numel() == 0:
                         break
             Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
-            dist = _labels(dist, ld, q, Tp, gslot, se, E, self.depth)
-            q, bound = _push(q, ld, Tp, dist, gslot, se, slot, E)
+            dist = _labels(dist, ld, q, Tp, gslot, se, se_live, E, self.depth)
+            q, bound = _push(q, ld, Tp, dist, gslot, se, se_live, slot, E)
             T = torch.maximum(T, bound)
         if not self.early_exit:
             return best.reshape(B, L, -1)

@@ -467,4 +467,10 @@ def solve(
         dispatch=dispatch,
         source_ranks=source_ranks,
     )
+    if not float(problem.load.sum()) > 0:
+        L, E = problem.load.shape
+        raise ValueError(
+            f"every expert load is 0 (all {L} layers x {E} experts): nothing is routed, so there is no balance "
+            f"to place for; pass a load or trace with routed tokens"
+        )
     return run(name, problem, make_options(name, options, seed=seed, time_limit=time_limit), fit)

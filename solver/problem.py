@@ -50,6 +50,19 @@ class Problem:
     dispatch: str = EVEN.name
     source_ranks: str | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse what no solver can place, naming the argument and the numbers (a ValueError)."""
+        _check_topology(self.topology)
+        L, E = _check_load(self.load)
+        _check_trace(self.trace, L, E)  # layer_ids may name a subset of the rows (locality picks them)
+        _check_groups(self.num_groups, E)
+        _check_previous(self.previous, L, E, self.topology)
+        if self.source_ranks is not None and not isinstance(self.source_ranks, str):
+            raise ValueError(
+                f"source_ranks must be a spec string (round-robin, random[:SEED], a .npy path), "
+                f"got {type(self.source_ranks).__name__}"
+            )
+
     @classmethod
     def build(
         cls,
@@ -68,10 +81,16 @@ class Problem:
         if load is None:
             if trace is None:
                 raise ValueError("a placement problem needs a load [layers, experts] or a trace")
+            _check_trace(trace, None, None)
             load = trace.counts()
             if layer_ids is None:
                 layer_ids = trace.layer_ids
-        load = np.asarray(load, dtype=np.float64)
+        try:
+            load = np.asarray(load, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"load must be numbers [layers, experts] (tokens per expert), got {type(load).__name__}"
+            ) from None
         ids = tuple(int(i) for i in (layer_ids or ()))
         return cls(topology, load, trace, ids, num_groups, previous, check_dispatch(dispatch), source_ranks)
 
@@ -79,6 +98,66 @@ class Problem:
     def layer_id_list(self) -> list[int] | None:
         """``layer_ids`` as the solvers' keyword takes it (None when not given)."""
         return list(self.layer_ids) if self.layer_ids else None
+
+
+def _check_topology(topology) -> None:
+    if not isinstance(topology, Topology):
+        raise ValueError(
+            f"topology must be a placement.topology.Topology, got {type(topology).__name__}; build one with "
+            f"Topology(ep_size=G, num_physical_experts=P, num_nodes=N) or Topology.from_redundant(E, R, G, N)"
+        )
+
+
+def _check_load(load: np.ndarray) -> tuple[int, int]:
+    """``load`` float64 ``[L, E]``, non-empty, finite, >= 0: ``(L, E)``."""
+    if not isinstance(load, np.ndarray) or load.dtype != np.float64:
+        raise ValueError("load must be a float64 array [layers, experts]; build problems with Problem.build")
+    if load.ndim != 2 or 0 in load.shape:
+        raise ValueError(f"load must be [layers, experts] with both >= 1, got shape {load.shape}")
+    if not np.isfinite(load).all() or (load < 0).any():
+        raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
+    return load.shape
+
+
+def _check_trace(trace, L: int | None, E: int | None) -> None:
+    """A :class:`RoutingTrace` whose layers and experts are the load's (when the load was given too)."""
+    if trace is None:
+        return
+    if not isinstance(trace, RoutingTrace):
+        raise ValueError(
+            f"trace must be a profiling.trace.RoutingTrace, got {type(trace).__name__}; "
+            f"read a file with profiling.readers.read_trace"
+        )
+    if L is not None and (trace.num_layers, trace.num_logical_experts) != (L, E):
+        raise ValueError(
+            f"the load is {L} layers x {E} experts but the trace is {trace.num_layers} layers x "
+            f"{trace.num_logical_experts} experts; pass the trace's counts (or omit load)"
+        )
+
+
+def _check_groups(num_groups, E: int) -> None:
+    if num_groups is None:
+        return
+    if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
+        raise ValueError(f"num_groups must be an integer or None, got {num_groups!r}")
+    if num_groups < 1 or E % num_groups:
+        raise ValueError(f"num_groups={num_groups} must be >= 1 and divide the {E} experts (or be None)")
+
+
+def _check_previous(previous, L: int, E: int, topology: Topology) -> None:
+    if previous is None:
+        return
+    if not isinstance(previous, Placement):
+        raise ValueError(
+            f"previous must be a Placement, got {type(previous).__name__}; read a file with "
+            f"placement.formats.read_placement"
+        )
+    have = (previous.num_layers, previous.num_logical_experts, previous.num_physical_experts)
+    if have != (L, E, topology.num_physical_experts):
+        raise ValueError(
+            f"previous has {have[0]} layers x {have[1]} experts on {have[2]} slots but the problem has {L} x {E} "
+            f"on {topology.num_physical_experts}; pass the placement in service for this model and topology"
+        )
 
 
 def options_from(cls: type, solver: str, values: dict) -> object:

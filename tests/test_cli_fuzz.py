@@ -24,6 +24,7 @@ import pytest
 
 from cli.main import main
 from placement.formats import write_placement
+from placement.model import Placement
 from placement.topology import Topology
 from profiling.readers import write_trace
 from profiling.synthetic import synthetic_trace
@@ -58,6 +59,11 @@ def _write_inputs(d: Path) -> None:
     write_trace(trace, d / "t.npz")
     empty = np.zeros((0, L, 2), dtype=np.int64)  # [T=0, L, k]
     write_trace(RoutingTrace(E, topk_ids=empty, layer_ids=trace.layer_ids), d / "empty.npz")
+    unrouted = np.full((50, L, 2), -1, dtype=np.int64)  # [T, L, k]: every pick empty
+    write_trace(RoutingTrace(E, topk_ids=unrouted, layer_ids=trace.layer_ids), d / "neg.npz")
+    half = trace.topk_ids.copy()
+    half[200:] = -1  # the second half routes nothing: a held-out part with zero load
+    write_trace(RoutingTrace(E, topk_ids=half, layer_ids=trace.layer_ids), d / "half.npz")
     zeros = np.zeros((2, L, E), dtype=np.int64)  # [W, L, E]
     write_trace(RoutingTrace(E, window_counts=zeros, layer_ids=trace.layer_ids), d / "zeroc.npz")
     placement, _ = solve("greedy", topology=Topology.from_redundant(E, 0, G), trace=trace)
@@ -65,11 +71,24 @@ def _write_inputs(d: Path) -> None:
     write_placement(placement, d / "p.yaml", "trtllm")  # with its sidecar p.yaml.meta.json
     np.save(d / "load.npy", np.ones((L, E)))
     np.save(d / "zero.npy", np.zeros((L, E)))
+    np.save(d / "nolayers.npy", np.zeros((0, E)))
     np.save(d / "nan.npy", np.full((L, E), np.nan))
     np.save(d / "objects.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     (d / "deep.json").write_text("[" * 200000 + "]" * 200000)
     (d / "deep.yaml").write_text("[" * 50000 + "]" * 50000)
     (d / "text.txt").write_text("some text to profile")
+    ids = trace.topk_ids
+    np.savez(d / "c.npz", counts=np.ones((L, E)))  # counts only, no tokens
+    co = Placement(
+        np.array([[0, 0, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3]] * L), E, Topology(G, 12, 1), (0, 1), {}, True
+    )
+    write_placement(co, d / "co.json")  # an engine map with co-located replicas, 12 slots
+    np.savez(d / "seq0d.npz", topk_ids=ids, seq_offsets=np.array(2**62))  # a scalar, not boundaries
+    np.savez(d / "segnan.npz", topk_ids=ids, segment=np.array([np.nan]), counts_real=np.ones((L, E)))
+    np.savez(d / "counts0d.npz", topk_ids=ids, counts=np.array("abc"))
+    long = "9" * 5000  # over Python's int-digits limit: refused naming the file, not Python's limit
+    (d / "long.json").write_text('{"physical_to_logical_map": [[0, 1, 2, ' + long + "]]}")
+    (d / "long.yaml").write_text(f"num_slots: {long}\ninitial_global_assignments:\n  0: [0, 1]\n")
     (d / "placement.json").write_text(
         json.dumps({"model_type": "mixtral"})
     )  # a model file named like an output
@@ -241,6 +260,71 @@ CASES = [
     (["evaluate", "{d}/p.json", "{d}/empty.npz"], "the trace has 0 tokens"),
     (["evaluate", "{d}/p.json", "{d}/zeroc.npz"], "every expert load is 0"),
     ([*VALIDATE, "--trace", "{d}/empty.npz"], "the trace has 0 tokens"),
+    # -- nothing routed (issue 36): PAR of zero load is undefined, never a perfect 1.0
+    (["inspect", "{d}/empty.npz"], "the trace has 0 tokens"),
+    (["inspect", "{d}/neg.npz"], "every expert load is 0"),
+    (["inspect", "{d}/neg.npz", "--json"], "balance (peak / mean of zero load) is undefined"),
+    (["inspect", "{d}/neg.npz", "--plot", "{d}/out"], "every expert load is 0"),
+    (["inspect", "{d}/neg.npz", "--chunk-tokens", "7"], "every expert load is 0"),
+    (["inspect", "{d}/zeroc.npz"], "every expert load is 0"),
+    (["solve", "--trace", "{d}/neg.npz", "--ep-size", "4", "-o", "{d}/out/q.json"], "every expert load is 0"),
+    (["solve", "--trace", "{d}/half.npz", "--ep-size", "4", "--fit-fraction", "0.5"], "the held-out part"),
+    (["evaluate", "{d}/p.json", "{d}/neg.npz"], "every expert load is 0"),
+    (["advise", "--trace", "{d}/neg.npz", "--nodes", "1", "--engine", "vllm"], "every expert load is 0"),
+    ([*VALIDATE, "--trace", "{d}/neg.npz"], "every expert load is 0"),
+    # -- flags that cannot take effect on this run (issue 36): refused, never silently ignored
+    ([*SOLVE, "--robust", "max"], "--robust applies to the cpsat and milp solvers, not greedy"),
+    ([*SOLVE, "--weighted", "-o", "{d}/out/q.json"], "--weighted applies to the cpsat and milp solvers"),
+    ([*SOLVE, "--num-windows", "3"], "--num-windows applies"),
+    ([*SOLVE, "--solver", "locality", "--objective", "decode"], "--objective applies to the cpsat and milp"),
+    (
+        [*SOLVE, "--solver", "cpsat", "--balance-slack", "0.1"],
+        "--balance-slack applies to the locality solver",
+    ),
+    ([*SOLVE, "--previous", "{d}/p.json", "--max-moves", "1", "--robust", "max"], "not migration"),
+    ([*SOLVE, "--max-moves", "1"], "need --previous"),
+    ([*SOLVE, "--source-ranks", "nosuch"], "'nosuch' is not a rule or a rank file"),
+    ([*EVAL, "--source-ranks", "nosuch"], "'nosuch' is not a rule or a rank file"),
+    ([*SOLVE, "--source-ranks", "round-robin"], "nothing in this run uses source ranks"),
+    ([*SOLVE, "--step-tokens", "8"], "--step-tokens applies to a per-step dispatch model"),
+    ([*SOLVE, "--wall-clock"], "--wall-clock applies to a solver bounded by --work-limit"),
+    ([*SOLVE, "--format", "sglang"], "no -o FILE is written"),
+    ([*LOAD, "--fit-fraction", "0.5"], "a --load matrix has none"),
+    # -- leaked internals (issue 36)
+    (["evaluate", "{d}/long.json", "{d}/t.npz", "--ep-size", "4"], "long.json: a number in it has over"),
+    (
+        ["convert", "{d}/long.yaml", "-o", "{d}/out/c.json", "--format", "native", "--ep-size", "2"],
+        "long.yaml",
+    ),
+    (["inspect", "{d}/seq0d.npz"], "field 'seq_offsets' must be a 1-D integer array, got int64 of shape ()"),
+    (["solve", "--trace", "{d}/segnan.npz", "--ep-size", "4"], "field 'segment' must be a 1-D integer array"),
+    (["evaluate", "{d}/p.json", "{d}/counts0d.npz"], "field 'counts' must be counts [..., experts]"),
+    ([*VALIDATE, "--timeout", "0.001"], "--timeout 0.001 s is too short for the ranks to start and meet"),
+    ([*SERVE, "--timeout", "0.01"], "--timeout 0.01 s is too short"),
+    (["inspect", "{d}/t.npz", "--domains", "arxiv"], "this trace has no per-domain counts"),
+    (["inspect", "{d}/c.npz", "--domains", "arxiv"], "drop --domains"),
+    (
+        ["evaluate", "{d}/p.json", "{d}/c.npz", "--hidden-size", "64"],
+        "--hidden-size applies to per-token metrics",
+    ),
+    (
+        ["evaluate", "{d}/p.json", "{d}/c.npz", "--step-tokens", "8"],
+        "--step-tokens applies to per-token metrics",
+    ),
+    ([*SOLVE, "-o", "{d}/out/x.pt"], "a .pt file is read back as SGLang's torch.save map; name it .json"),
+    (["convert", "{d}/p.json", "-o", "{d}/out/c.json", "--format", "trtllm"], "TensorRT-LLM's file is YAML"),
+    (["convert", "{d}/p.json", "-o", "{d}/out/c.pth", "--format", "vllm"], "name it .json"),
+    ([*SOLVE, "--previous", "{d}/co.json", "--max-moves", "1"], "--previous has shape (2, 12)"),
+    ([*VALIDATE, "--dtype", "bfloat16"], "--dtype applies to --model only"),
+    (
+        [*VALIDATE, "--model", "{d}/placement.json", "--hidden", "64"],
+        "--hidden applies to the replayed trace",
+    ),
+    ([*VALIDATE, "--model", "{d}/placement.json", "--offset", "3"], "--offset applies to the replayed trace"),
+    ([*SERVE, "--rebalance-every", "0", "--max-moves", "2"], "--max-moves applies to re-solves"),
+    ([*SERVE, "--rebalance-every", "0", "--no-wait"], "--rebalance-every 0 runs none"),
+    ([*SERVE, "--placement", "{d}/p.json", "--redundant", "2"], "--placement FILE brings its own"),
+    (["solve", "--load", "{d}/nolayers.npy", "--ep-size", "4"], "needs at least one layer and one expert"),
     # -- FIFOs are refused at once, never read
     (["solve", "--trace", "{d}/fifo.npz", "--ep-size", "4"], "FIFO"),
     (["solve", "--load", "{d}/fifo.npy", "--ep-size", "4"], "FIFO"),

@@ -545,3 +545,21 @@ def test_deepseek_greedy_placement_in_every_format(tmp_path, deepseek_trace):
     assert np.array_equal(full[1:], placement.physical_to_logical_map)
     gia = yaml.safe_load((tmp_path / "moe_load_balancer.yaml").read_text())["initial_global_assignments"]
     assert sorted(gia) == list(range(1, 27))
+
+
+@pytest.mark.parametrize(
+    "fmt, name, fragment",
+    [
+        ("native", "p.pt", "read back as SGLang's torch.save map; name it .json"),
+        ("vllm", "p.pth", "name it .json"),
+        ("trtllm", "p.pt", "name it .yaml"),
+        ("trtllm", "p.json", "TensorRT-LLM's file is YAML"),
+    ],
+)
+def test_a_name_that_would_not_read_back_is_refused_before_writing(tmp_path, placement, fmt, name, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        write_placement(placement, tmp_path / name, fmt)
+    assert list(tmp_path.iterdir()) == []
+    for ok in ("p.json", "p.yaml", "p.txt") if fmt != "trtllm" else ("p.yaml", "p.yml"):
+        write_placement(placement, tmp_path / ok, fmt)
+        assert read_placement(tmp_path / ok) == placement  # every accepted name reads back

@@ -363,3 +363,143 @@ def test_topology_at_the_limits_is_accepted():
     t = Topology(MAX_RANKS, MAX_EXPERTS, MAX_RANKS)
     assert t.slots_per_gpu == 1 and t.gpus_per_node == 1
     assert Topology.from_redundant(MAX_EXPERTS - 8, 8, 8).num_physical_experts == MAX_EXPERTS
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 36: nothing routed has no balance (library metrics)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("ids", [np.full((30, 2, 2), -1), np.zeros((0, 2, 2), dtype=np.int64)])
+def test_metrics_refuse_a_trace_that_routes_nothing(ids):
+    from placement.metrics import evaluate, par, step_par
+
+    trace = RoutingTrace(8, topk_ids=ids)
+    pl = Placement.trivial(2, 8, Topology(4, 8, 1))
+    for call in (
+        lambda: par(pl, trace),
+        lambda: evaluate(pl, trace),
+        lambda: evaluate(pl, trace, "balanced"),
+        lambda: step_par(pl, trace, 4),
+        lambda: par(pl, np.zeros((2, 8))),
+    ):
+        with pytest.raises(ValueError, match="0 tokens|every expert load is 0"):
+            call()
+    ok = ids.copy()
+    if ok.shape[0]:
+        ok[0, :, 0] = 3  # one routed pick: a defined (and valid) ratio
+        assert par(pl, RoutingTrace(8, topk_ids=ok)) == pytest.approx(4.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 36: solver.api.solve refuses what it cannot place, naming the argument and the numbers
+# ---------------------------------------------------------------------------------------------
+def _api_trace():
+    return synthetic_trace(num_tokens=200, num_layers=2, num_logical_experts=8, top_k=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"topology": None}, "topology must be a placement.topology.Topology, got NoneType"),
+        ({"topology": {"ep_size": 4, "num_physical_experts": 8}}, "got dict"),
+        ({"load": np.ones((3, 8))}, "the load is 3 layers x 8 experts but the trace is 2 layers x 8 experts"),
+        ({"load": np.ones((2, 6))}, "the load is 2 layers x 6 experts but the trace is 2 layers x 8"),
+        ({"trace": None, "load": np.zeros((2, 8))}, "every expert load is 0 (all 2 layers x 8 experts)"),
+        ({"trace": None, "load": np.ones((0, 8))}, "got shape (0, 8)"),
+        ({"trace": None, "load": "abc"}, "load must be numbers [layers, experts]"),
+        ({"num_groups": 0}, "num_groups=0 must be >= 1 and divide the 8 experts"),
+        ({"num_groups": -1}, "num_groups=-1"),
+        ({"num_groups": 3}, "num_groups=3"),
+        ({"num_groups": 2.5}, "num_groups must be an integer or None, got 2.5"),
+        ({"num_groups": True}, "num_groups must be an integer"),
+        ({"trace": "t.npz"}, "trace must be a profiling.trace.RoutingTrace, got str"),
+        ({"previous": "p.json"}, "previous must be a Placement, got str"),
+        ({"source_ranks": 3}, "source_ranks must be a spec string"),
+    ],
+)
+def test_library_solve_refuses_bad_arguments_with_a_value_error(kwargs, fragment):
+    from solver.api import solve
+
+    args = {"topology": Topology.from_redundant(8, 0, 4), "trace": _api_trace(), **kwargs}
+    with pytest.raises(ValueError) as info:
+        solve("greedy", **args)
+    assert fragment in str(info.value)
+
+
+def test_library_solve_refuses_a_previous_placement_of_another_shape():
+    from solver.api import solve
+
+    topo = Topology.from_redundant(8, 0, 4)
+    prev = Placement.trivial(3, 8, topo)
+    with pytest.raises(
+        ValueError, match="previous has 3 layers x 8 experts on 8 slots but the problem has 2 x 8"
+    ):
+        solve("migration", topology=topo, trace=_api_trace(), previous=prev, options={"max_moves": 2})
+    ok = solve("migration", topology=topo, trace=_api_trace(), previous=Placement.trivial(2, 8, topo))
+    assert ok.placement.num_layers == 2
+
+
+def test_output_piped_to_a_reader_that_stops_early_is_silent(tmp_path):
+    """``moe-placement inspect T | head -1``: no 'Broken pipe' error; exit 141 (128 + SIGPIPE)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 4, (20, 3000, 1))  # 3,000 layers: the table is far over a pipe's buffer
+    write_trace(RoutingTrace(4, topk_ids=ids), tmp_path / "wide.npz")
+    for extra in ([], ["--json"]):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cli", "inspect", str(tmp_path / "wide.npz"), *extra],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert proc.stdout.readline()  # the first line, then the reader goes away
+        proc.stdout.close()
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read().decode()
+        assert rc == 141 and err == "", (rc, err)
+
+
+def _lib_calls():
+    """(name, call, fragment): library calls on odd input, each a ValueError/TypeError naming it."""
+    import torch
+
+    from placement.formats import write_placement
+    from placement.metrics import route_tokens, step_par
+    from placement.step_balance import balanced_quotas
+    from runtime_hooks.step_balance import StepBalancer
+
+    topo = Topology(4, 8, 1)
+    pl = Placement.trivial(2, 8, topo)
+    tr = synthetic_trace(num_tokens=100, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=5)
+    l2p = pl.logical_to_physical_map[0]
+    huge = np.full(8, 2**60)
+    return [
+        (
+            "provenance",
+            lambda d: Placement(np.arange(8)[None], 8, topo, (0,), [1]),
+            "provenance must be a mapping",
+        ),
+        ("topology", lambda d: Placement(np.arange(8)[None], 8, {"ep_size": 4}), "topology must be a"),
+        ("trace rows", lambda d: tr.select_layers([5]), "outside this trace's rows 0..1"),
+        ("placement rows", lambda d: pl.select_layers([7]), "outside this placement's rows 0..1"),
+        ("placement to folder", lambda d: write_placement(pl, d), "it is a folder"),
+        ("trace to folder", lambda d: write_trace(tr, d), "it is a folder"),
+        ("write_trace type", lambda d: write_trace("t.npz", d / "t.npz"), "needs a RoutingTrace"),
+        ("read_trace E", lambda d: read_trace(d / "t.npz", num_logical_experts=0), "positive integer, got 0"),
+        ("step_par float", lambda d: step_par(pl, tr, 2.5), "step_tokens must be an integer >= 1, got 2.5"),
+        ("route oob", lambda d: route_tokens(pl, np.full((5, 2, 2), 99), np.zeros(5, int)), "in [-1, 8)"),
+        ("quotas huge", lambda d: balanced_quotas(huge, l2p, 2), "over 1099511627776 tokens in one step"),
+        ("torch huge", lambda d: StepBalancer(l2p, 2).quotas(torch.from_numpy(huge)), "in one step (2**40)"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(12))
+def test_library_calls_on_odd_input_raise_a_clear_error(tmp_path, index):
+    name, call, fragment = _lib_calls()[index]
+    write_trace(
+        synthetic_trace(num_tokens=50, num_layers=1, num_logical_experts=8, top_k=2, num_prompts=5),
+        tmp_path / "t.npz",
+    )
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises((ValueError, TypeError)) as info:
+        call(tmp_path)
+    assert fragment in str(info.value), (name, str(info.value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no temporary file left

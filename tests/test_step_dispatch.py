@@ -346,3 +346,70 @@ def test_empty_picks_are_counted_nowhere(model):
         want = balanced_step_load(pl, 0, c[None, :])[0]
         got = np.bincount(out[out >= 0], minlength=topo.num_physical_experts)
         np.testing.assert_array_equal(got, want)
+
+
+def _colocated_case(seed: int, G: int, S: int, E: int) -> Placement:
+    """An engine-style map (DeepSeek's greedy packs replicas freely): at least one expert twice on a GPU."""
+    rng = np.random.default_rng(seed)
+    P = G * S
+    while True:
+        row = np.r_[np.arange(E), rng.choice(E, P - E, p=rng.dirichlet(np.full(E, 0.3)))]
+        rng.shuffle(row)
+        per = np.sort(row.reshape(G, S), axis=1)
+        if (per[:, 1:] == per[:, :-1]).any():
+            topo = Topology(ep_size=G, num_physical_experts=P, num_nodes=1)
+            return Placement(row[None], E, topo, allow_colocated_replicas=True)
+
+
+@pytest.mark.parametrize(
+    "seed, G, S, E", [(0, 32, 3, 64), (1, 32, 3, 64), (2, 4, 3, 7), (3, 3, 3, 4), (4, 8, 4, 12)]
+)
+def test_balanced_splits_colocated_maps_exactly_and_optimally(seed, G, S, E):
+    import torch
+
+    from placement.dispatch.balanced import route_balanced, step_map
+    from runtime_hooks.step_balance import StepBalancer
+
+    pl = _colocated_case(seed, G, S, E)
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.4))
+    T = 40 * G
+    ids = np.stack([rng.choice(E, 2, replace=False, p=pop) for _ in range(T)])  # [T, 2]
+    src = rng.integers(0, G, T)
+    slots = route_balanced(pl, 0, ids, src)  # raised IndexError before holes were left out of the split
+    l2p = step_map(pl, 0)
+    counts = np.bincount(ids.ravel(), minlength=E)
+    q = balanced_quotas(counts, l2p, S)  # [E, R]
+    np.testing.assert_array_equal(q.sum(-1), counts)
+    got = np.bincount(slots.ravel(), minlength=G * S)
+    want = np.zeros(G * S, np.int64)
+    want[l2p[l2p >= 0]] = q[l2p >= 0]
+    np.testing.assert_array_equal(got, want)
+    dropped = np.setdiff1d(np.arange(G * S), l2p[l2p >= 0])
+    assert dropped.size and (got[dropped] == 0).all()  # the second copy on a GPU receives none
+    peak = got.reshape(G, S).sum(1).max()
+    assert peak == np.ceil(highs_step_peak(counts, l2p, S, G) - 1e-9)  # optimal over the map's replicas
+    many = np.stack([counts, np.roll(counts, 3), np.zeros_like(counts)])
+    ref = balanced_quotas(many, l2p, S)
+    np.testing.assert_array_equal(StepBalancer(l2p, S).quotas(torch.from_numpy(many)).numpy(), ref)
+    np.testing.assert_array_equal(
+        StepBalancer(l2p, S, early_exit=False).quotas(torch.from_numpy(many)).numpy(), ref
+    )
+
+
+def test_cli_evaluate_balanced_scores_an_engine_map_with_colocated_replicas(tmp_path, capsys):
+    from cli.main import main
+    from placement.formats import write_placement
+    from profiling.readers import write_trace
+
+    pl = _colocated_case(1, 8, 4, 12)  # an engine map with an expert twice on a GPU (IndexError before)
+    rng = np.random.default_rng(1)
+    ids = np.stack([rng.choice(12, 2, replace=False, p=rng.dirichlet(np.full(12, 0.4))) for _ in range(320)])
+    write_trace(RoutingTrace(12, topk_ids=ids[:, None, :]), tmp_path / "t.npz")
+    write_placement(pl, tmp_path / "engine.json")
+    assert (
+        main(["evaluate", str(tmp_path / "engine.json"), str(tmp_path / "t.npz"), "--dispatch", "balanced"])
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "step_par" in out.out and "hold two replicas of one expert" in out.err
