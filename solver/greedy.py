@@ -39,6 +39,8 @@ __all__ = [
     "replicate",
     "balanced_packing",
     "greedy_replica_counts",
+    "hierarchical_groups",
+    "group_nodes",
     "run_greedy",
 ]
 
@@ -181,6 +183,36 @@ def _repair_colocation(w, keys, pack_index, rank_in_pack, num_packs) -> None:
             _, q, other = best
             pack_index[x, item], pack_index[x, other] = q, p
             rank_in_pack[x, item], rank_in_pack[x, other] = rank_in_pack[x, other], rank_in_pack[x, item]
+
+
+def hierarchical_groups(num_groups: int | None, num_experts: int, num_nodes: int) -> int | None:
+    """``num_groups`` when a call is hierarchical (the groups divide the experts and divide over more
+    than one node: every group then lives on one node, as the engines' hierarchical policy keeps it),
+    else None."""
+    if not num_groups or num_nodes <= 1 or num_experts % num_groups or num_groups % num_nodes:
+        return None
+    return int(num_groups)
+
+
+def group_nodes(phy2log: np.ndarray, num_experts: int, num_groups: int, topology: Topology) -> np.ndarray:
+    """The node each expert group sits on, int64 ``[L, num_groups]``: ``-1`` where a group's replicas
+    span more than one node (``num_nodes``: a group on no slot). Groups are contiguous id ranges
+    (``num_experts / num_groups`` experts each).
+
+    Args:
+        phy2log: int ``[L, P]`` map; topology: its ``P`` slots over ``N`` nodes.
+    """
+    p2l = np.asarray(phy2log, dtype=np.int64)
+    L, P = p2l.shape
+    size = max(1, num_experts // num_groups)
+    node = np.arange(P) // (P // topology.num_nodes)  # [P] node of each slot
+    grp = p2l // size  # [L, P]
+    low = np.full((L, num_groups), topology.num_nodes, dtype=np.int64)
+    high = np.full((L, num_groups), -1, dtype=np.int64)
+    rows = np.repeat(np.arange(L), P)
+    np.minimum.at(low, (rows, grp.ravel()), np.tile(node, L))
+    np.maximum.at(high, (rows, grp.ravel()), np.tile(node, L))
+    return np.where(low == high, low, -1)
 
 
 def _inverse(perm: np.ndarray) -> np.ndarray:
