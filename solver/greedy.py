@@ -215,6 +215,92 @@ def group_nodes(phy2log: np.ndarray, num_experts: int, num_groups: int, topology
     return np.where(low == high, low, -1)
 
 
+# Count changes the cap-aware recount tries per round (all of them on small rows) and rounds per row.
+RECOUNT_PAIRS = 64
+RECOUNT_ROUNDS = 16
+
+
+def _packed_peaks(w: np.ndarray, cnts: np.ndarray, num_packs: int) -> np.ndarray:
+    """Peak pack loads ``[K]`` of one row's replicas under ``K`` count vectors (``w [n]`` loads,
+    ``cnts [K, n]`` replicas each, split evenly), each packed by :func:`balanced_packing` with no two
+    replicas of one item in a pack; ``inf`` where that packing fails."""
+    items = np.stack([np.repeat(np.arange(w.size), c) for c in cnts])  # [K, slots]
+    share = np.take_along_axis(w[None, :] / cnts, items, axis=1)  # [K, slots]
+    try:
+        pack, _ = balanced_packing(share, num_packs, item_key=items)
+    except ValueError:  # one row's swap repair failed: score the rows one by one
+        if len(cnts) == 1:
+            return np.array([np.inf])
+        return np.concatenate([_packed_peaks(w, c[None, :], num_packs) for c in cnts])
+    loads = np.zeros((len(cnts), num_packs))
+    np.add.at(loads, (np.repeat(np.arange(len(cnts)), items.shape[1]), pack.ravel()), share.ravel())
+    return loads.max(axis=1)
+
+
+def _count_moves(w: np.ndarray, cnt: np.ndarray, cap: int) -> np.ndarray:
+    """Candidate counts ``[K, n]``: ``cnt`` with one replica moved from an expert with 2+ replicas to
+    one under ``cap``; all such moves when few, else the cheapest replicas to give up against the
+    heaviest experts to split further (:data:`RECOUNT_PAIRS`)."""
+    donors = np.flatnonzero(cnt >= 2)
+    takers = np.flatnonzero(cnt < cap)
+    if donors.size * takers.size > RECOUNT_PAIRS:
+        k = max(1, int(np.sqrt(RECOUNT_PAIRS)))
+        donors = donors[np.argsort(w[donors] / (cnt[donors] - 1), kind="stable")[:k]]
+        takers = takers[np.argsort(-w[takers] / cnt[takers], kind="stable")[:k]]
+    pairs = [(a, b) for a in donors for b in takers if a != b]
+    cands = np.tile(cnt, (len(pairs), 1))
+    for i, (a, b) in enumerate(pairs):
+        cands[i, a] -= 1
+        cands[i, b] += 1
+    return cands
+
+
+def _recount_row(w: np.ndarray, cnt: np.ndarray, num_packs: int) -> tuple[np.ndarray, float]:
+    """Replica counts ``[n]`` and their packed peak for one row whose counts ``cnt`` pack worse with
+    distinct replicas per pack than without: single-replica moves while one lowers the distinct
+    packing's peak (at most ``num_packs`` replicas an item; :data:`RECOUNT_ROUNDS` rounds)."""
+    best, peak = cnt.copy(), float(_packed_peaks(w, cnt[None, :], num_packs)[0])
+    for _ in range(RECOUNT_ROUNDS):
+        cands = _count_moves(w, best, num_packs)
+        if not len(cands):
+            break
+        peaks = _packed_peaks(w, cands, num_packs)
+        i = int(np.argmin(peaks))  # first best on ties: deterministic
+        if peaks[i] >= peak * (1 - 1e-12):
+            break
+        best, peak = cands[i], float(peaks[i])
+    return best, peak
+
+
+def _recount_under_cap(
+    w: np.ndarray, phy: np.ndarray, cnt: np.ndarray, share: np.ndarray, pack: np.ndarray, num_packs: int
+) -> bool:
+    """Counts re-chosen knowing that no pack holds an item twice, in place; True when a row changed.
+
+    Rows (``w [X, n]`` loads, ``phy [X, slots]`` slot -> item, ``cnt [X, n]`` counts, ``share [X, slots]``
+    per-replica loads, ``pack [X, slots]`` their distinct packing) where that packing peaks above the
+    packing that may co-locate (the cap cost balance) take the counts of :func:`_recount_row` when
+    they peak lower; every other row stays as it is, slot for slot.
+    """
+    X, slots = share.shape
+    if num_packs <= 1 or slots <= w.shape[1]:  # one GPU, or no redundant slot: nothing to choose
+        return False
+    rows = np.repeat(np.arange(X), slots)
+    capped = np.zeros((X, num_packs))
+    np.add.at(capped, (rows, pack.ravel()), share.ravel())
+    free_pack, _ = balanced_packing(share, num_packs)  # [X, slots] co-location allowed
+    free = np.zeros((X, num_packs))
+    np.add.at(free, (rows, free_pack.ravel()), share.ravel())
+    changed = False
+    for x in np.flatnonzero(capped.max(axis=1) > free.max(axis=1) * (1 + 1e-12)):
+        new, peak = _recount_row(w[x], cnt[x], num_packs)
+        if peak < capped[x].max() * (1 - 1e-12):
+            cnt[x] = new
+            phy[x] = np.concatenate([np.arange(w.shape[1]), np.repeat(np.arange(w.shape[1]), new - 1)])
+            changed = True
+    return changed
+
+
 def _inverse(perm: np.ndarray) -> np.ndarray:
     inv = np.empty_like(perm)
     np.put_along_axis(inv, perm, np.broadcast_to(np.arange(perm.shape[1]), perm.shape), axis=1)
@@ -244,10 +330,14 @@ def _hierarchical(weight: np.ndarray, P: int, num_groups: int, num_nodes: int, n
     cap = None if parity else gpus_per_node
     phy2mlog, _, mlogcnt = replicate(w_mlog, p_node, cap)  # [L*N, P/N], [L*N, E/N]
 
-    # Step 3: replicas -> GPUs inside each node.
+    # Step 3: replicas -> GPUs inside each node (without parity: counts re-chosen where the
+    # no-co-location cap costs balance).
     per_replica = np.take_along_axis(w_mlog / mlogcnt, phy2mlog, axis=1)  # [L*N, P/N]
     key = None if parity else phy2mlog
     pack, rank = balanced_packing(per_replica, gpus_per_node, item_key=key)
+    if not parity and _recount_under_cap(w_mlog, phy2mlog, mlogcnt, per_replica, pack, gpus_per_node):
+        per_replica = np.take_along_axis(w_mlog / mlogcnt, phy2mlog, axis=1)
+        pack, rank = balanced_packing(per_replica, gpus_per_node, item_key=phy2mlog)
     phy2pphy = pack * slots_per_gpu + rank  # replica -> slot within the node
     pphy2phy = _inverse(phy2pphy)
     pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1)  # [L*N, P/N]
