@@ -228,8 +228,10 @@ def _layer_peaks(engine: str, load: np.ndarray, m: np.ndarray, topo: Topology) -
 
 
 def guarantee_rows(engine, default, windows, topo, groups):
-    """One row per spec: (spec, calls, co-located maps, split groups, worst-layer and summed peak
-    ratios to the engine default on fresh calls, or None when the policy declined every call)."""
+    """One row per spec: (spec, calls, declined calls, co-located maps, split groups, worst-layer and
+    summed peak ratios to the engine default on fresh calls (None when the policy declined every
+    call), and the layers over 0.5% less balanced than the engine's, with in brackets those where the
+    engine's map co-locates replicas)."""
     from runtime_hooks.engine_plugins.policy import PolicyError
     from solver.greedy import group_nodes, hierarchical_groups
 
@@ -238,7 +240,7 @@ def guarantee_rows(engine, default, windows, topo, groups):
     keep = hierarchical_groups(groups, E, N)
     rows = []
     for text in GUARANTEE_SPECS:
-        calls = colocated = split = declined = 0
+        calls = colocated = split = declined = over = over_colocated = 0
         ratios, sums = [], [0.0, 0.0]
         for k in range(1, len(windows)):
             load, before = windows[k].counts(), default(windows[k - 1].counts(), topo, groups, None)
@@ -257,9 +259,17 @@ def guarantee_rows(engine, default, windows, topo, groups):
                 if prev is None:
                     ours, theirs = _layer_peaks(engine, load, m, topo), _layer_peaks(engine, load, base, topo)
                     ratios.append(float((ours / theirs).max()))
+                    worse = ours > theirs * 1.005  # [L] layers over 0.5% less balanced than the engine's
+                    eng = np.sort(base.reshape(base.shape[0], G, -1), axis=2)
+                    eng_col = (eng[:, :, 1:] == eng[:, :, :-1]).any(axis=(1, 2))  # [L] it co-locates there
+                    over, over_colocated = (
+                        over + int(worse.sum()),
+                        over_colocated + int((worse & eng_col).sum()),
+                    )
                     sums = [sums[0] + ours.sum(), sums[1] + theirs.sum()]
         worst = max(ratios) if ratios else None
-        rows.append((text, calls, declined, colocated, split, worst, sums[0] / sums[1] if ratios else None))
+        total = sums[0] / sums[1] if ratios else None
+        rows.append((text, calls, declined, colocated, split, worst, total, f"{over} ({over_colocated})"))
     return rows
 
 
@@ -279,12 +289,12 @@ def print_guarantees(root: str, num_windows: int) -> None:
             f"{'engine':<8}{'spec':<26}{'calls':>6}{'declined':>9}{'co-located':>11}{'split':>7}{'worst layer':>13}{'sum':>8}"
         )
         for engine, default in (("vllm", vllm_default), ("sglang", sglang_default)):
-            for text, calls, declined, col, split, worst, total in guarantee_rows(
+            for text, calls, declined, col, split, worst, total, over in guarantee_rows(
                 engine, default, windows, topo, groups
             ):
                 w = "-" if worst is None else f"{worst:.4f}"
                 t = "-" if total is None else f"{total:.4f}"
-                print(f"{engine:<8}{text:<26}{calls:>6}{declined:>9}{col:>11}{split:>7}{w:>13}{t:>8}")
+                print(f"{engine:<8}{text:<26}{calls:>6}{declined:>9}{col:>11}{split:>7}{w:>13}{t:>8}  {over}")
 
 
 def main() -> None:

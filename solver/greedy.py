@@ -230,7 +230,8 @@ def _packed_peaks(w: np.ndarray, cnts: np.ndarray, num_packs: int) -> np.ndarray
     """Peak pack loads ``[K]`` of ``K`` rows of replicas (``w [K, n]`` loads, ``cnts [K, n]`` replicas
     each, split evenly; every row the same total), each packed by :func:`balanced_packing` with no
     two replicas of one item in a pack; ``inf`` where that packing fails."""
-    items = np.stack([np.repeat(np.arange(w.shape[1]), c) for c in cnts])  # [K, slots]
+    K, n = cnts.shape
+    items = np.repeat(np.tile(np.arange(n), K), cnts.ravel()).reshape(K, -1)  # [K, slots]
     share = np.take_along_axis(w / cnts, items, axis=1)  # [K, slots]
     try:
         pack, _ = balanced_packing(share, num_packs, item_key=items)
@@ -255,11 +256,12 @@ def _count_moves(w: np.ndarray, cnt: np.ndarray, cap: int) -> np.ndarray:
         k = max(1, int(np.sqrt(RECOUNT_PAIRS)))
         donors = donors[np.argsort(w[donors] / (cnt[donors] - 1), kind="stable")[:k]]
         takers = takers[np.argsort(-w[takers] / cnt[takers], kind="stable")[:k]]
-    pairs = [(a, b) for a in donors for b in takers if a != b]
-    cands = np.tile(cnt, (len(pairs), 1))
-    for i, (a, b) in enumerate(pairs):
-        cands[i, a] -= 1
-        cands[i, b] += 1
+    a, b = np.repeat(donors, takers.size), np.tile(takers, donors.size)
+    a, b = a[a != b], b[a != b]
+    cands = np.tile(cnt, (a.size, 1))
+    rows = np.arange(a.size)
+    cands[rows, a] -= 1
+    cands[rows, b] += 1
     return cands
 
 
