@@ -176,6 +176,7 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
         if not verdict.rebalance:
             kept = _kept(spec, in_service, w, groups, verdict.reason)
             if kept is not None:
+                check_map(kept, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
                 return kept
         else:
             log.info("moe_placement %s: rebalancing (%s)", spec.text, verdict.reason)
