@@ -340,8 +340,8 @@ def _solve(
 ) -> np.ndarray:
     """``greedy``/``exact``/``migration`` through the pipeline under the engine's dispatch model;
     int64 ``[L, P]``. On a hierarchical call (``hierarchical``: its groups) every expert group stays
-    on one node: greedy's hierarchical mode, exact's node constraint, a fit inside nodes; migration
-    (whose moves know no groups) is answered by greedy when its map splits a group (logged)."""
+    on one node: greedy's hierarchical mode, exact's node constraint, a fit inside nodes; migration's
+    moves know no groups, so its layers that split one are replaced (:func:`_unsplit`, logged)."""
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
