@@ -23,6 +23,17 @@ PAR to fresh greedy's that the map closes, and the rebalance rule's verdict (``e
 DeepSeek-V2-Lite in BF16, NVLink, stall 1, vLLM's horizon of 3 windows) with its break-even in windows::
 
     PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py --shift
+
+``--guarantees`` (issue 36's done-when figures) checks what every map our policies return promises,
+on real traces under each engine's own calls: a fresh call per window, and a call with the engine
+default's map of the previous window in service (vLLM's may hold co-located replicas; the rule may
+keep it). Topologies: DeepSeek-V2-Lite on 32 GPUs / 4 nodes / 96 slots as 8 groups of 8 experts (a
+hierarchical call) and on 16 GPUs / 2 nodes / 80 slots (global); Mixtral on 8 GPUs / 2 nodes / 16
+slots as 2 groups of 4. Columns: calls, maps with co-located replicas, expert groups split over
+nodes, and on fresh calls the peak GPU load against the engine default's (even split for vLLM;
+SGLang's static table, counts split evenly over the ranks, for SGLang): worst layer and the sum::
+
+    PYTHONPATH=. .engines-venv/bin/python benchmarks/engine_plugins.py --guarantees [--windows 4]
 """
 
 from __future__ import annotations
@@ -200,11 +211,101 @@ def print_shift(root: str) -> None:
         )
 
 
+GUARANTEE_SPECS = ("greedy", "migration", "migration:max_moves=64", "exact:time_limit=2")
+GUARANTEE_CASES = (  # (trace, GPUs, nodes, redundant slots, groups)
+    ("deepseek-v2-lite", 32, 4, 32, 8),
+    ("deepseek-v2-lite", 16, 2, 16, 1),
+    ("mixtral-mmlu", 8, 2, 8, 2),
+)
+
+
+def _layer_peaks(engine: str, load: np.ndarray, m: np.ndarray, topo: Topology) -> np.ndarray:
+    """Peak GPU load per layer ``[L]`` the engine serves ``m [L, P]`` with (see ``--guarantees``)."""
+    from solver.dispatch_fit import even_rank_counts
+
+    pl = Placement(m, load.shape[1], topo, allow_colocated_replicas=True)
+    return rank_gpu_load(pl, even_rank_counts(load, topo.ep_size), ENGINE_DISPATCH[engine]).max(axis=1)
+
+
+def guarantee_rows(engine, default, windows, topo, groups):
+    """One row per spec: (spec, calls, declined calls, co-located maps, split groups, worst-layer and
+    summed peak ratios to the engine default on fresh calls (None when the policy declined every
+    call), and the layers over 0.5% less balanced than the engine's, with in brackets those where the
+    engine's map co-locates replicas)."""
+    from runtime_hooks.engine_plugins.policy import PolicyError
+    from solver.greedy import group_nodes, hierarchical_groups
+
+    E = windows[0].num_logical_experts
+    P, G, N = topo.num_physical_experts, topo.ep_size, topo.num_nodes
+    keep = hierarchical_groups(groups, E, N)
+    rows = []
+    for text in GUARANTEE_SPECS:
+        calls = colocated = split = declined = over = over_colocated = 0
+        ratios, sums = [], [0.0, 0.0]
+        for k in range(1, len(windows)):
+            load, before = windows[k].counts(), default(windows[k - 1].counts(), topo, groups, None)
+            base = default(load, topo, groups, None)
+            for prev in (None, before):
+                try:
+                    m = place(parse_spec(text), EngineCall(engine, load, P, G, N, groups, prev))
+                except PolicyError:  # the engine's own algorithm answers (logged by the hooks)
+                    declined += 1
+                    continue
+                calls += 1
+                per_gpu = np.sort(m.reshape(m.shape[0], G, -1), axis=2)
+                colocated += int((per_gpu[:, :, 1:] == per_gpu[:, :, :-1]).any())
+                if keep:
+                    split += int((group_nodes(m, E, keep, topo) < 0).sum())
+                if prev is None:
+                    ours, theirs = _layer_peaks(engine, load, m, topo), _layer_peaks(engine, load, base, topo)
+                    ratios.append(float((ours / theirs).max()))
+                    worse = ours > theirs * 1.005  # [L] layers over 0.5% less balanced than the engine's
+                    eng = np.sort(base.reshape(base.shape[0], G, -1), axis=2)
+                    eng_col = (eng[:, :, 1:] == eng[:, :, :-1]).any(axis=(1, 2))  # [L] it co-locates there
+                    over, over_colocated = (
+                        over + int(worse.sum()),
+                        over_colocated + int((worse & eng_col).sum()),
+                    )
+                    sums = [sums[0] + ours.sum(), sums[1] + theirs.sum()]
+        worst = max(ratios) if ratios else None
+        total = sums[0] / sums[1] if ratios else None
+        rows.append((text, calls, declined, colocated, split, worst, total, f"{over} ({over_colocated})"))
+    return rows
+
+
+def print_guarantees(root: str, num_windows: int) -> None:
+    for label, ep, nodes, redundant, groups in GUARANTEE_CASES:
+        path = os.path.join(root, TRACES[label][0])
+        if not os.path.exists(path):
+            print(f"skip {label}: {path} not found (set MOE_TRACES_DIR)")
+            continue
+        windows = read_trace(path).windows(num_windows)
+        E = windows[0].num_logical_experts
+        topo = Topology.from_redundant(E, redundant, ep, nodes)
+        print(
+            f"\n{label}: {E} experts + {redundant} redundant on {ep} GPUs / {nodes} nodes, {groups} group(s)"
+        )
+        print(
+            f"{'engine':<8}{'spec':<26}{'calls':>6}{'declined':>9}{'co-located':>11}{'split':>7}{'worst layer':>13}{'sum':>8}"
+        )
+        for engine, default in (("vllm", vllm_default), ("sglang", sglang_default)):
+            for text, calls, declined, col, split, worst, total, over in guarantee_rows(
+                engine, default, windows, topo, groups
+            ):
+                w = "-" if worst is None else f"{worst:.4f}"
+                t = "-" if total is None else f"{total:.4f}"
+                print(f"{engine:<8}{text:<26}{calls:>6}{declined:>9}{col:>11}{split:>7}{w:>13}{t:>8}  {over}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--windows", type=int, default=6, help="consecutive windows per trace (>= 3)")
     ap.add_argument("--shift", action="store_true", help="the domain-shift case from vLLM's map (issue 26)")
+    ap.add_argument("--guarantees", action="store_true", help="what every map of ours promises (issue 36)")
     args = ap.parse_args()
+    if args.guarantees:
+        print_guarantees(default_traces_dir(), args.windows)
+        return
     if args.shift:
         print_shift(default_traces_dir())
         return

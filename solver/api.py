@@ -363,10 +363,16 @@ def _fit(
             seed=o.seed,
             dealings=o.dealings,
             noise_z=o.noise_z,
+            num_groups=problem.num_groups,
         )
     else:
         placement, fit = fit_for_dispatch_load(
-            placement, problem.load, problem.dispatch, steps=o.steps, seed=o.seed
+            placement,
+            problem.load,
+            problem.dispatch,
+            steps=o.steps,
+            seed=o.seed,
+            num_groups=problem.num_groups,
         )
     notes.append(fit.note())
     return placement, fit

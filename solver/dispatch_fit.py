@@ -42,6 +42,7 @@ from placement.dispatch import (
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement, compute_logical_maps, hidden_layer_rows
 from profiling.trace import RoutingTrace
+from solver.greedy import group_nodes, hierarchical_groups
 
 __all__ = [
     "DispatchFit",
@@ -156,11 +157,18 @@ class _LayerSearch:
     """
 
     def __init__(
-        self, placement: Placement, states: list, share: np.ndarray, train: np.ndarray, check: np.ndarray
+        self,
+        placement: Placement,
+        states: list,
+        share: np.ndarray,
+        train: np.ndarray,
+        check: np.ndarray,
+        within_node: bool = False,
     ):
         self.topo = placement.topology
         self.E = placement.num_logical_experts
         self.states, self.share, self.train, self.check = states, share, train, check
+        self.within_node = within_node  # swaps only between GPUs of one node (groups stay on nodes)
 
     def table(self, row: np.ndarray) -> tuple[np.ndarray, list]:
         """Every rank's choice ``[G, E]`` for map row ``[P]``, and the generators' states after it."""
@@ -179,13 +187,18 @@ class _LayerSearch:
         return float(loads.max(axis=1).mean()), loads.mean(axis=0)
 
     def search(self, row: np.ndarray, steps: int, rng: np.random.Generator) -> np.ndarray:
-        """Swap a slot of the busiest GPU with a slot elsewhere while that lowers the score."""
+        """Swap a slot of the busiest GPU with a slot elsewhere (in its node, ``within_node``) while
+        that lowers the score."""
         S = self.topo.slots_per_gpu
+        node_slots = row.size // self.topo.num_nodes
         best, (peak, loads) = row, self.score(row)
         for _ in range(steps):
             g = int(np.argmax(loads))
             a = g * S + int(rng.integers(S))
-            b = int(rng.integers(row.size))
+            if self.within_node:
+                b = a // node_slots * node_slots + int(rng.integers(node_slots))
+            else:
+                b = int(rng.integers(row.size))
             h = b // S
             if (
                 h == g
@@ -219,10 +232,16 @@ def _beats_noise(layer: _LayerSearch, base: np.ndarray, cand: np.ndarray, z: flo
 
 
 def _searched(
-    placement: Placement, start: Placement, fit_parts, steps: int, seed: int, z: float = 0.0
+    placement: Placement,
+    start: Placement,
+    fit_parts,
+    steps: int,
+    seed: int,
+    z: float = 0.0,
+    within_node: bool = False,
 ) -> tuple[Placement, np.ndarray]:
     """Layer by layer: the better of the placement's and ``start``'s row for an even table, improved by
-    swaps, kept where :func:`_beats_noise` says the gain is real.
+    swaps (inside nodes when ``within_node``), kept where :func:`_beats_noise` says the gain is real.
 
     Returns the placement and a bool ``[L]`` of the layers changed.
     """
@@ -239,7 +258,7 @@ def _searched(
         if l is None:  # a dense layer's trivial row: its replicas still advance every rank's generator
             states = _draw(states, full[h], placement.num_logical_experts, placement.topology)[1]
             continue
-        layer = _LayerSearch(placement, states, dealt[:, l], train[l], check[l])
+        layer = _LayerSearch(placement, states, dealt[:, l], train[l], check[l], within_node)
         base = placement.physical_to_logical_map[l]
         begin = min((base, start.physical_to_logical_map[l]), key=lambda r: layer.score(r)[0])
         cand = layer.search(begin.copy(), steps, rng)
@@ -291,6 +310,7 @@ def fit_for_dispatch(
     seed: int = 0,
     dealings: int = 16,
     noise_z: float = 0.0,
+    num_groups: int | None = None,
 ) -> tuple[Placement, DispatchFit]:
     """Move replicas so SGLang's rule splits the load better, layer by layer, fit and validated.
 
@@ -303,6 +323,8 @@ def fit_for_dispatch(
         steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: random
             dealings of the fit prompts to the ranks the search averages its peak over; noise_z:
             standard errors the mean gain over them must exceed to change a layer.
+        num_groups: expert groups of a hierarchical placement: when the placement keeps each group
+            on one node (:func:`solver.greedy.group_nodes`), replicas move only inside their node.
 
     Returns:
         The placement (its peaks summed over layers never higher than the input's on the fit part nor
@@ -319,18 +341,26 @@ def fit_for_dispatch(
     parts = (rank_expert_counts(train, G, source_ranks), rank_expert_counts(check, G, source_ranks))
     static = dispatch == SGLANG_STATIC.name
     dealt = _random_dealings(train, G, dealings, seed) if static else None  # [K, L, G, E]
-    return _fit(placement, train.counts(), dealt, parts, dispatch, steps, seed, noise_z)
+    return _fit(placement, train.counts(), dealt, parts, dispatch, steps, seed, noise_z, num_groups)
 
 
 def fit_for_dispatch_load(
-    placement: Placement, load: np.ndarray, dispatch: str, *, steps: int = 60, seed: int = 0
+    placement: Placement,
+    load: np.ndarray,
+    dispatch: str,
+    *,
+    steps: int = 60,
+    seed: int = 0,
+    num_groups: int | None = None,
 ) -> tuple[Placement, DispatchFit]:
     """:func:`fit_for_dispatch` for counts only: ``load [L, E]`` taken as split evenly over the ranks
-    (:func:`even_rank_counts`), which is then the one dealing, the fit part and the validation part."""
+    (:func:`even_rank_counts`), which is then the one dealing, the fit part and the validation part;
+    ``num_groups`` as there."""
     dispatch = _check_table(dispatch)
     counts = even_rank_counts(load, placement.topology.ep_size)  # [L, G, E]
     dealt = counts[None] if dispatch == SGLANG_STATIC.name else None  # [1, L, G, E]
-    return _fit(placement, np.asarray(load, dtype=np.float64), dealt, (counts, counts), dispatch, steps, seed)
+    w = np.asarray(load, dtype=np.float64)
+    return _fit(placement, w, dealt, (counts, counts), dispatch, steps, seed, num_groups=num_groups)
 
 
 def _fit(
@@ -342,20 +372,34 @@ def _fit(
     steps: int,
     seed: int,
     noise_z: float = 0.0,
+    num_groups: int | None = None,
 ) -> tuple[Placement, DispatchFit]:
     """Spread over nodes, then search layer by layer (``sglang-static``, ``dealt [K, L, G, E]``) or
-    take the spread layers that help (``sglang-dynamic``), then check the whole.
+    take the spread layers that help (``sglang-dynamic``), then check the whole. A placement that
+    keeps ``num_groups`` expert groups each on one node keeps them there: no spread, swaps inside nodes.
 
     ``train_load [L, E]``: the fit part's tokens per expert; ``parts``: tokens per (rank, expert)
     ``[L, G, E]`` of the fit part and of the validation part.
     """
     train, check = parts
-    spread = spread_over_nodes(placement, train_load)
+    keep_nodes = _groups_on_nodes(placement, num_groups)
+    spread = placement if keep_nodes else spread_over_nodes(placement, train_load)
     if dealt is not None:
-        chosen, take = _searched(placement, spread, (dealt, train, check), steps, seed, noise_z)
+        fit_parts = (dealt, train, check)
+        chosen, take = _searched(placement, spread, fit_parts, steps, seed, noise_z, keep_nodes)
     else:
         chosen, take = _mixed(placement, spread, train, check, dispatch)
     return _checked(placement, chosen, take, train, check, dispatch)
+
+
+def _groups_on_nodes(placement: Placement, num_groups: int | None) -> bool:
+    """``placement`` is hierarchical for ``num_groups`` (they divide over its nodes) and keeps every
+    group on one node in every layer."""
+    t = placement.topology
+    if hierarchical_groups(num_groups, placement.num_logical_experts, t.num_nodes) is None:
+        return False
+    nodes = group_nodes(placement.physical_to_logical_map, placement.num_logical_experts, num_groups, t)
+    return bool((nodes >= 0).all())
 
 
 def _checked(placement, chosen, take, train, check, dispatch) -> tuple[Placement, DispatchFit]:

@@ -73,6 +73,19 @@ def keep_slots(new: Placement, previous: Placement) -> Placement:
     return Placement(p2l, E, t, new.layer_ids, new.provenance)
 
 
+def _home_nodes(row: np.ndarray, E: int, num_groups: int | None, t) -> np.ndarray | None:
+    """int64 ``[E]``: the node holding each expert's group in map ``row [P]``, or None (no groups, or
+    a group already over several nodes: nothing to keep)."""
+    if not num_groups or t.num_nodes <= 1 or E % num_groups:
+        return None
+    from solver.greedy import group_nodes
+
+    nodes = group_nodes(row[None, :], E, num_groups, t)[0]  # [groups]
+    if (nodes < 0).any() or (nodes >= t.num_nodes).any():
+        return None
+    return np.repeat(nodes, E // num_groups)
+
+
 def keep_slots_batched(new: Placement, previous: Placement) -> Placement:
     """:func:`keep_slots`, batched over layers and GPUs (the same map; no Python loop per GPU).
 
@@ -179,17 +192,22 @@ def colocated_extra_copies(placement: Placement) -> np.ndarray:
     return (gpu[..., 1:] == gpu[..., :-1]).sum(axis=(1, 2)).astype(np.int64)
 
 
-def repair_colocated(placement: Placement, load: np.ndarray) -> tuple[Placement, np.ndarray]:
+def repair_colocated(
+    placement: Placement, load: np.ndarray, num_groups: int | None = None
+) -> tuple[Placement, np.ndarray]:
     """The cheapest valid placement from a map holding an expert twice on a GPU, and its moved slots.
 
     Every extra copy (a slot whose expert already sits in an earlier slot of its GPU) is overwritten
     with an expert that GPU lacks: the one with the highest per-replica load ``load / replicas`` (ties:
     lowest id), replica counts updated as it goes. One moved slot per extra copy, the least any repair
-    can move (:func:`colocated_extra_copies`); every other slot keeps its expert and its index.
+    can move (:func:`colocated_extra_copies`); every other slot keeps its expert and its index. With
+    ``num_groups`` (a hierarchical map: every expert group on one node) the expert taken is one of the
+    GPU's own node's groups, so the repair splits no group over nodes.
 
     Args:
         placement: the map in service (``allow_colocated_replicas`` may be set), ``[L, P]``.
         load: ``[L, E]`` the load the re-placement is for (which expert takes a freed slot).
+        num_groups: expert groups kept on nodes, or None.
 
     Returns:
         ``(valid placement, moved int64 [L])`` with ``moved[l]`` slots changed in layer ``l``.
@@ -207,13 +225,17 @@ def repair_colocated(placement: Placement, load: np.ndarray) -> tuple[Placement,
     rows = placement.physical_to_logical_map.copy()  # [L, P]
     moved = np.zeros(placement.num_layers, dtype=np.int64)
     for l, row in enumerate(rows):
+        home = _home_nodes(row, E, num_groups, t)  # [E] node of each expert's group, or None
         cnt = np.bincount(row, minlength=E).astype(np.float64)  # [E] replicas
         for g in range(G):
             seg = row[g * S : (g + 1) * S]  # [S] a view: writes go to rows
             for s in range(1, S):
                 if seg[s] not in seg[:s]:
                     continue
-                score = np.where(np.isin(np.arange(E), seg), -np.inf, w[l] / cnt)  # [E] per-replica load
+                barred = np.isin(np.arange(E), seg)  # [E]
+                if home is not None and (~barred & (home == g // t.gpus_per_node)).any():
+                    barred |= home != g // t.gpus_per_node  # stay inside the node's own groups
+                score = np.where(barred, -np.inf, w[l] / cnt)  # [E] per-replica load
                 b = int(np.argmax(score))
                 cnt[seg[s]] -= 1
                 cnt[b] += 1

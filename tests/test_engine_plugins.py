@@ -276,11 +276,22 @@ def _engines_python() -> Path:
     given = os.environ.get("MOE_ENGINES_PYTHON")
     path = Path(given) if given else ROOT / ".engines-venv" / "bin" / "python"
     if not path.exists():
-        pytest.skip(
-            f"no engines environment at {path} (set MOE_ENGINES_PYTHON, or build .engines-venv with "
-            "/work/shared/tools/engines-venv.sh)"
-        )
+        pytest.skip(ENGINES_SKIP)
     return path
+
+
+# the same on every machine: no path of this one (issue 36)
+ENGINES_SKIP = (
+    "no engines environment: set MOE_ENGINES_PYTHON to a Python with vLLM's and SGLang's code, or "
+    "build .engines-venv in the repository root (docs/serving.md)"
+)
+
+
+def test_the_skip_reason_names_no_machine_path(monkeypatch):
+    monkeypatch.setenv("MOE_ENGINES_PYTHON", str(ROOT / "no-such-dir" / "python"))
+    with pytest.raises(pytest.skip.Exception) as skipped:
+        _engines_python()
+    assert str(skipped.value) == ENGINES_SKIP and str(ROOT) not in str(skipped.value)
 
 
 def _entry_points_dir(tmp_path: Path) -> Path:
@@ -341,7 +352,11 @@ _ENGINE_SCRIPT = textwrap.dedent(
         out["unset_untouched"] = load_with(None) is eplb.DefaultEplbPolicy
         default_map = eplb.DefaultEplbPolicy.rebalance_experts(weight, P, GROUPS, N, G, None)
         kept = load_with("migration").rebalance_experts(weight, P, GROUPS, N, G, default_map)
-        out["kept"] = bool((kept == default_map).all())  # the same load again: a move does not pay
+        # the same load again: a move does not pay, so vLLM's map stays, its co-located copies repaired
+        # with one moved slot each
+        per_gpu = default_map.numpy().reshape(L, G, P // G)
+        extra = sum(P // G - len(set(gpu.tolist())) for layer in per_gpu for gpu in layer)
+        out["kept"] = int((checked(kept) != default_map.numpy()).sum()) == extra
         ours = load_with("migration:always=1")
         out["ours_installed"] = ours is not eplb.DefaultEplbPolicy and issubclass(ours, eplb.AbstractEplbPolicy)
         first = checked(ours.rebalance_experts(weight, P, GROUPS, N, G, default_map))
@@ -432,7 +447,7 @@ def test_sglang_maps_are_fitted_for_its_table(text):
     from solver.dispatch_fit import even_rank_counts
 
     load = _skewed_load(5)
-    kw = dict(load=load, P=48, G=8, N=2, groups=4)
+    kw = dict(load=load, P=48, G=8, N=2, groups=None)  # global: hierarchical calls are tested below
     unfitted = place(parse_spec(text), _call(engine="vllm", **kw))  # vLLM: no table, same solve
     fitted = place(parse_spec(text), _call(engine="sglang", **kw))
     check_map(fitted, 32, 48, 8, 6)
@@ -537,8 +552,11 @@ def test_a_rebalance_that_does_not_pay_keeps_the_map_in_service(caplog):
     call = EngineCall("vllm", new / 1000, 48, 8, 2, None, prev)  # a tiny window: no gain pays a copy
     with caplog.at_level("INFO"):
         kept = place(parse_spec("migration"), call)
-    assert (kept == prev).all() and kept.dtype == np.int64
+    # kept, its one co-located copy per layer repaired with one moved slot each (issue 36)
+    assert kept.dtype == np.int64 and (kept != prev).sum(axis=1).tolist() == [1] * 6
+    check_map(kept, 32, 48, 8, 6)
     assert "map in service kept (does not pay: gain" in caplog.text and "arrived experts" in caplog.text
+    assert "6 co-located replica(s) repaired" in caplog.text
     moved = place(parse_spec("migration:always=1"), call)
     assert (moved != prev).any()
     big = EngineCall("vllm", new * 1000, 48, 8, 2, None, prev)  # a heavy window pays for the same copy
@@ -664,3 +682,119 @@ def test_rule_options_parse():
     for bad in ("greedy:always=2", "migration:stall=1.5", "exact:horizon=0"):
         with pytest.raises(SpecError, match="must be"):
             parse_spec(bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hierarchical calls, kept maps, the file cache (issue 36)
+# ---------------------------------------------------------------------------------------------
+# (load [L, E], P, G, N, groups): DeepSeek EPLB's README example; vLLM's test_additional_cases #1
+# (16 experts in 8 groups, 24 slots on 8 GPUs over 4 nodes); a skewed load
+VLLM_CASE_1 = np.array([[50, 100, 75, 120, 90, 60, 80, 110, 40, 70, 95, 85, 65, 55, 45, 35]])
+HIERARCHICAL = [(README_WEIGHT, 16, 8, 2, 4), (VLLM_CASE_1, 24, 8, 4, 8), (_skewed_load(7), 48, 8, 2, 4)]
+
+
+def _split_groups(phy2log: np.ndarray, E: int, groups: int, G: int, P: int, N: int) -> int:
+    """Groups (over all layers) whose replicas sit on more than one node."""
+    from placement.topology import Topology
+    from solver.greedy import group_nodes
+
+    return int((group_nodes(phy2log, E, groups, Topology(G, P, N)) < 0).sum())
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("text", ["greedy", "exact:time_limit=1", "migration:always=1"])
+def test_hierarchical_calls_keep_every_group_on_one_node(engine, text):
+    for load, P, G, N, groups in HIERARCHICAL:
+        E = load.shape[1]
+        fresh = place(parse_spec(text), EngineCall(engine, load, P, G, N, groups, None))
+        assert _split_groups(fresh, E, groups, G, P, N) == 0, (load.shape, P)
+        shifted = load[:, ::-1].copy()  # from that map in service, a domain shift
+        again = place(parse_spec(text), EngineCall(engine, shifted, P, G, N, groups, fresh))
+        assert _split_groups(again, E, groups, G, P, N) == 0, (load.shape, P)
+
+
+def test_migration_with_a_budget_keeps_groups_on_nodes_or_refuses():
+    load, P, G, N, groups = HIERARCHICAL[2]
+    first = place(parse_spec("greedy"), EngineCall("vllm", load, P, G, N, groups, None))
+    shifted = load[:, ::-1].copy()
+    for budget in (4, 40, 400):
+        try:
+            out = place(
+                parse_spec(f"migration:max_moves={budget},always=1"),
+                _call(load=shifted, previous=first, P=P, G=G, N=N),
+            )
+        except PolicyError as exc:  # the engine's own (hierarchical) algorithm then answers
+            assert "max_moves" in str(exc)
+            continue
+        assert _split_groups(out, 32, groups, G, P, N) == 0 and (out != first).sum() <= budget
+
+
+def test_check_groups_refuses_a_split_group():
+    from placement.topology import Topology
+    from runtime_hooks.engine_plugins.policy import check_groups
+
+    split = np.array(README_PHY2LOG)
+    split[0, [0, 15]] = split[0, [15, 0]]  # expert 5 (group 1) to node 1, expert 1 (group 0) to node 0
+    check_map(split, 12, 16, 8, 2)  # a valid map otherwise
+    with pytest.raises(PolicyError, match="layer 0: an expert group spans two nodes"):
+        check_groups(split, 12, 4, Topology(8, 16, 2))
+    check_groups(split, 12, None, Topology(8, 16, 2))  # a global call: nothing to keep
+
+
+def _copied_rows(row: np.ndarray, load: np.ndarray, G: int, N: int):
+    """``row [P]`` with one GPU's slot ``s > 0`` overwritten by its first (no expert left without a
+    replica), for each (GPU, slot) where the hottest expert per replica the GPU lacks sits on another
+    node first, then the others (``[P]`` rows)."""
+    P = row.size
+    S = P // G
+    cross, local = [], []
+    for g, s in ((g, s) for g in range(G) for s in range(1, S)):
+        trial = row.copy()
+        trial[g * S + s] = trial[g * S]
+        cnt = np.bincount(trial, minlength=load.size)
+        if cnt.min() == 0:
+            continue
+        score = np.where(np.isin(np.arange(load.size), trial[g * S : (g + 1) * S]), -np.inf, load / cnt)
+        hot_node = int(np.flatnonzero(trial == np.argmax(score))[0]) // (P // N)
+        (cross if hot_node != g // (G // N) else local).append(trial)
+    return cross + local
+
+
+def test_a_kept_map_is_repaired_inside_each_groups_node(caplog):
+    from placement.model import Placement
+    from placement.topology import Topology
+    from solver.migration_slots import repair_colocated
+
+    load, P, G, N, groups = HIERARCHICAL[2]
+    prev = place(parse_spec("greedy"), EngineCall("vllm", load, P, G, N, groups, None)).copy()
+    for l in range(6):  # one GPU holds its first expert twice (vLLM's maps do such things), one
+        # where a repair blind to groups would take an expert of another node's group
+        prev[l] = _copied_rows(prev[l], load[l], G, N)[0]
+    call = EngineCall("vllm", load / 1000, P, G, N, groups, prev)  # a tiny window: nothing pays
+    with caplog.at_level("INFO"):
+        kept = place(parse_spec("migration"), call)
+    check_map(kept, 32, P, G, 6)
+    assert (kept != prev).sum(axis=1).tolist() == [1] * 6  # one slot per layer
+    assert _split_groups(kept, 32, groups, G, P, N) == 0
+    assert "6 co-located replica(s) repaired" in caplog.text
+    # the repair blind to groups takes the hottest expert the GPU lacks, wherever its group lives
+    topo = Topology(G, P, N)
+    blind = repair_colocated(Placement(prev, 32, topo, allow_colocated_replicas=True), load / 1000)[0]
+    assert _split_groups(blind.physical_to_logical_map, 32, groups, G, P, N) > 0
+
+
+def test_the_file_cache_is_bounded(tmp_path):
+    from placement.formats import write_placement
+    from placement.model import Placement
+    from placement.topology import Topology
+    from runtime_hooks.engine_plugins import policy
+
+    path = tmp_path / "placement.json"
+    policy._FILE_CACHE.clear()
+    base = np.array(README_PHY2LOG)
+    for version in range(3 * policy.FILE_CACHE_ENTRIES):  # the served file rewritten again and again
+        mapping = np.roll(base, version, axis=1)
+        write_placement(Placement(mapping, 12, Topology(8, 16, 2)), path, "native")
+        os.utime(path, ns=(version * 10**9, version * 10**9))  # a new version even within a clock tick
+        assert (place(parse_spec(f"file:{path}"), _call()) == mapping).all()
+        assert len(policy._FILE_CACHE) == min(version + 1, policy.FILE_CACHE_ENTRIES)

@@ -119,3 +119,41 @@ def test_policy_keyword_is_a_deprecated_alias_of_mode():
     assert not np.array_equal(hier.physical_to_logical_map, flat.physical_to_logical_map)
     with pytest.raises(ValueError, match="unknown greedy mode 'flat'"):
         greedy_placement(w, topo, 4, mode="flat")
+
+
+# vLLM's test_additional_cases #1 (tests/distributed/test_eplb_algo.py): 16 experts in 8 groups,
+# 24 slots on 8 GPUs over 4 nodes; vLLM's default places it at a peak GPU load of 155
+VLLM_CASE_1 = np.array([[50, 100, 75, 120, 90, 60, 80, 110, 40, 70, 95, 85, 65, 55, 45, 35]], dtype=float)
+
+
+def test_counts_chosen_under_the_no_colocation_cap():
+    topo = Topology(8, 24, 4)
+    p, _ = greedy_placement(VLLM_CASE_1, topo, num_groups=8)
+    engine, _ = greedy_placement(VLLM_CASE_1, topo, num_groups=8, parity=True)  # vLLM's own algorithm
+    peak = expected_gpu_load(p, VLLM_CASE_1).max()
+    assert peak == 155.0 and peak <= expected_gpu_load(engine, VLLM_CASE_1).max()
+    # the node of experts 6-9 (loads 80, 110, 40, 70): DeepSeek's counts {6: 2, 7: 2} cannot fit two
+    # GPUs of 3 distinct experts under 165; the cap-aware counts give 8 the second replica instead
+    assert p.logical_replica_count[0, 6:10].tolist() == [1, 2, 2, 1]
+
+
+def test_counts_change_only_where_the_cap_costs_balance(monkeypatch):
+    from solver import greedy
+
+    rng = np.random.default_rng(11)
+    w = rng.gamma(0.5, 100.0, (40, 8))  # few experts, many replicas: the cap often binds
+    topo = Topology(4, 16, 1)
+    new, _ = greedy_placement(w, topo)
+    monkeypatch.setattr(greedy, "_recount_under_cap", lambda *args: False)  # DeepSeek's counts
+    old, _ = greedy_placement(w, topo)
+    cnt = old.logical_replica_count  # [L, E]
+    share = np.take_along_axis(w / cnt, old.physical_to_logical_map, axis=1)  # [L, P]
+    pack, _ = balanced_packing(share, 4)  # the same counts packed with co-location allowed
+    free = np.stack([np.bincount(pack[l], weights=share[l], minlength=4) for l in range(40)]).max(axis=1)
+    peak_old = expected_gpu_load(old, w).max(axis=1)
+    peak_new = expected_gpu_load(new, w).max(axis=1)
+    fits = peak_old <= free * (1 + greedy.RECOUNT_TRIGGER)  # [L] the cap costs (almost) nothing: kept
+    assert fits.any() and (~fits).any()
+    same = (new.physical_to_logical_map == old.physical_to_logical_map).all(axis=1)
+    assert same[fits].all()
+    assert (peak_new <= peak_old + 1e-9).all() and (peak_new[~fits] < peak_old[~fits]).any()

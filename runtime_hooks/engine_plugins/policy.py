@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,12 +33,15 @@ from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 if TYPE_CHECKING:
     from placement.model import Placement
     from placement.topology import Topology
+    from solver.problem import Problem
 
 __all__ = [
     "ENGINE_DISPATCH",
     "ENGINE_HORIZON",
     "EngineCall",
     "PolicyError",
+    "call_groups",
+    "check_groups",
     "check_map",
     "exact_seconds",
     "fit_options",
@@ -52,7 +56,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ENGINE_DISPATCH = {"vllm": VLLM_HASH.name, "sglang": SGLANG_STATIC.name}  # each engine's replica choice
-_FILE_CACHE: dict[tuple, np.ndarray] = {}
+# Maps read from ``file:PATH``, one entry per (file version, call shape), the newest last; a rewrite
+# of the served file adds a version, so the oldest are dropped beyond FILE_CACHE_ENTRIES.
+_FILE_CACHE: OrderedDict[tuple, np.ndarray] = OrderedDict()
+FILE_CACHE_ENTRIES = 4
 # Windows of load a new map serves before the next rebalance, by default: the engine's rebalance
 # interval over its load window (vLLM: step_interval 3000 / window_size 1000; SGLang: taken as 1).
 ENGINE_HORIZON = {"vllm": 3.0, "sglang": 1.0}
@@ -146,25 +153,101 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
 
     Steps: validate the call -> the map in service as it is (co-located replicas allowed) -> solve
     (``migration`` starts from that map; the solver repairs it and counts the repair toward
-    ``max_moves``) -> check -> the rebalance rule: with a map in service, a new map that does not pay
-    for its migration is dropped and the map in service is returned unchanged (``always=1``: never).
+    ``max_moves``) -> check (on a hierarchical call, :func:`call_groups`, no expert group over two
+    nodes) -> the rebalance rule: with a map in service, a new map that does not pay for its
+    migration is dropped and the map in service kept (``always=1``: never), repaired of co-located
+    replicas with one moved slot each (:func:`_kept`).
     """
     w = validate_call(call)
     topo = call.topology()
+    groups = call_groups(call, topo, w.shape[1])
     in_service = _previous(call, topo, w.shape[1])
     if spec.kind == "file":
         phy2log = _from_file(spec.path, call, topo, w.shape)
+        _warn_split(spec, phy2log, w.shape[1], groups, topo)  # the user's own map: served as written
     else:
-        phy2log = _solve(spec, call, topo, w, in_service)
+        phy2log = _solve(spec, call, topo, w, in_service, groups)
     phy2log = np.array(phy2log, dtype=np.int64, order="C")  # a writable copy the engine may own
     check_map(phy2log, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+    if spec.kind != "file":
+        check_groups(phy2log, w.shape[1], groups, topo)
     if in_service is not None and spec.kind != "file":
         verdict = rebalance_verdict(spec, in_service, phy2log, w, call.engine)
         if not verdict.rebalance:
-            log.info("moe_placement %s: map in service kept (%s)", spec.text, verdict.reason)
-            return np.array(in_service.physical_to_logical_map, dtype=np.int64, order="C")
-        log.info("moe_placement %s: rebalancing (%s)", spec.text, verdict.reason)
+            kept = _kept(spec, in_service, w, groups, verdict.reason)
+            if kept is not None:
+                check_map(kept, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+                return kept
+        else:
+            log.info("moe_placement %s: rebalancing (%s)", spec.text, verdict.reason)
     return phy2log
+
+
+def call_groups(call: EngineCall, topo: Topology, E: int) -> int | None:
+    """The call's expert groups when it is hierarchical (they divide the ``E`` experts and divide
+    over more than one node: the engines then keep each group on one node), else None."""
+    from solver.greedy import hierarchical_groups
+
+    return hierarchical_groups(call.num_groups, E, topo.num_nodes)
+
+
+def check_groups(phy2log: np.ndarray, E: int, groups: int | None, topo: Topology) -> None:
+    """Raise :class:`PolicyError` when ``phy2log [L, P]`` puts one of ``groups`` expert groups on two
+    nodes (nothing to check when ``groups`` is None)."""
+    split = _split_layers(phy2log, E, groups, topo)
+    if split.size:
+        raise PolicyError(
+            f"layer {int(split[0])}: an expert group spans two nodes on a hierarchical call "
+            f"({groups} groups over {topo.num_nodes} nodes)"
+        )
+
+
+def _split_layers(phy2log: np.ndarray, E: int, groups: int | None, topo: Topology) -> np.ndarray:
+    """int64 indices of the layers of ``phy2log [L, P]`` with a group over several nodes."""
+    if groups is None:
+        return np.zeros(0, dtype=np.int64)
+    from solver.greedy import group_nodes
+
+    return np.flatnonzero((group_nodes(phy2log, E, groups, topo) < 0).any(axis=1))
+
+
+def _warn_split(spec: PolicySpec, phy2log: np.ndarray, E: int, groups: int | None, topo: Topology) -> None:
+    split = _split_layers(phy2log, E, groups, topo)
+    if split.size:
+        log.warning(
+            "moe_placement %s: the file splits expert groups over nodes in %d layer(s) on a hierarchical "
+            "call; served as written (solve it with --num-groups to keep groups on nodes)",
+            spec.text, split.size,
+        )  # fmt: skip
+
+
+def _kept(
+    spec: PolicySpec, in_service: Placement, w: np.ndarray, groups: int | None, reason: str
+) -> np.ndarray | None:
+    """The map in service, kept: int64 ``[L, P]``, its co-located replicas (vLLM's own maps hold
+    some) repaired with one moved slot each, the fewest any repair moves (inside each group's node on
+    a hierarchical call); None when it splits an expert group over nodes on a hierarchical call
+    (the new map is then served)."""
+    from solver.migration_slots import repair_colocated
+
+    p2l = in_service.physical_to_logical_map
+    topo = in_service.topology
+    split = _split_layers(p2l, in_service.num_logical_experts, groups, topo)
+    if split.size:
+        log.info(
+            "moe_placement %s: map in service splits expert groups over nodes in %d layer(s) on a "
+            "hierarchical call; rebalancing although it does not pay (%s)", spec.text, split.size, reason,
+        )  # fmt: skip
+        return None
+    repaired, moved = repair_colocated(in_service, w, groups)
+    if moved.sum():
+        log.info(
+            "moe_placement %s: map in service kept (%s), %d co-located replica(s) repaired with one "
+            "moved slot each", spec.text, reason, int(moved.sum()),
+        )  # fmt: skip
+    else:
+        log.info("moe_placement %s: map in service kept (%s)", spec.text, reason)
+    return np.array(repaired.physical_to_logical_map, dtype=np.int64, order="C")
 
 
 def rule_params(spec: PolicySpec, engine: str) -> RuleParams:
@@ -248,17 +331,66 @@ def _previous(call: EngineCall, topo: Topology, E: int) -> Placement | None:
 
 
 def _solve(
-    spec: PolicySpec, call: EngineCall, topo: Topology, w: np.ndarray, previous: Placement | None
+    spec: PolicySpec,
+    call: EngineCall,
+    topo: Topology,
+    w: np.ndarray,
+    previous: Placement | None,
+    hierarchical: int | None = None,
 ) -> np.ndarray:
     """``greedy``/``exact``/``migration`` through the pipeline under the engine's dispatch model;
-    int64 ``[L, P]``."""
-    from placement.dispatch import get_dispatch
-    from solver.api import make_options, run
-    from solver.migration_slots import keep_slots_batched, repair_colocated
+    int64 ``[L, P]``. On a hierarchical call (``hierarchical``: its groups) every expert group stays
+    on one node: greedy's hierarchical mode, exact's node constraint, a fit inside nodes; migration's
+    moves know no groups, so its layers that split one are replaced (:func:`_unsplit`, logged)."""
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
     problem = Problem.build(topo, load=w, num_groups=groups, previous=previous, dispatch=call.dispatch_model)
+    name, values = _solver_for(spec, problem, w, hierarchical)
+    phy2log = _run(spec, problem, name, values, w)
+    split = _split_layers(phy2log, w.shape[1], hierarchical, topo)
+    if name == "migration" and split.size:
+        phy2log = _unsplit(spec, problem, phy2log, split, w)
+    return phy2log
+
+
+def _unsplit(spec: PolicySpec, problem: Problem, phy2log: np.ndarray, split: np.ndarray, w: np.ndarray):
+    """Migration's map ``[L, P]`` with its ``split`` layers (an expert group over two nodes on a
+    hierarchical call: its moves know no groups) replaced, logged: without a move budget by greedy's
+    hierarchical layer, with one by the map in service (repaired of co-located replicas inside each
+    group's node; greedy's layer where that map splits groups too); :class:`PolicyError` when the
+    result moves more than ``max_moves`` slots."""
+    from solver.migration_slots import repair_colocated
+
+    previous = problem.previous
+    E, topo = w.shape[1], problem.topology
+    greedy = _run(spec, problem, "greedy", {}, w)  # [L, P]
+    rows = greedy
+    if spec.max_moves is not None:
+        kept = repair_colocated(previous, w, problem.num_groups)[0].physical_to_logical_map
+        rows = kept.copy()
+        bad = _split_layers(kept, E, problem.num_groups, topo)
+        rows[bad] = greedy[bad]
+    out = phy2log.copy()
+    out[split] = rows[split]
+    log.info(
+        "moe_placement %s: migration split expert groups over nodes in %d layer(s) of a hierarchical call; "
+        "those layers are %s", spec.text, split.size,
+        "greedy's" if spec.max_moves is None else "the map in service's (repaired)",
+    )  # fmt: skip
+    moved = int((out != previous.physical_to_logical_map).sum())
+    if spec.max_moves is not None and moved > spec.max_moves:
+        raise PolicyError(
+            f"migration kept expert groups on nodes with {moved} moved slots, over max_moves={spec.max_moves}"
+        )
+    return out
+
+
+def _solver_for(
+    spec: PolicySpec, problem: Problem, w: np.ndarray, hierarchical: int | None
+) -> tuple[str, dict]:
+    """The pipeline's solver name and options for ``spec`` on ``problem``."""
+    previous = problem.previous
     if spec.kind == "exact":
         need = exact_seconds(*w.shape)
         if need > spec.time_limit:
@@ -267,12 +399,13 @@ def _solve(
                 f"{spec.time_limit:g} s budget; raise time_limit, use migration, or solve offline and "
                 "serve the result with file:PATH"
             )
-        name, values = "cpsat", {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
-    elif spec.kind == "migration" and previous is not None:
+        values = {"deterministic": True, "workers": 1, "time_limit": spec.time_limit}
+        return "cpsat", {**values, "node_constraint": hierarchical is not None}
+    if spec.kind == "migration" and previous is not None:
         # from the map in service whatever it holds: co-located replicas are repaired by the solver
         # (one moved slot each), counted toward max_moves (a hard cap: ValueError when the repair alone
         # exceeds it, and the engine's algorithm answers)
-        values = {
+        return "migration", {
             "method": "incremental",
             "max_moves": spec.max_moves,
             # without a move budget, balance comes first: a layer whose incremental result is less
@@ -281,11 +414,19 @@ def _solve(
             "max_steps": migration_steps(spec.time_limit),
             "time_limit": max(MIGRATION_SAFETY_CAP, 10 * spec.time_limit),  # wall safety cap only
         }
-        name = "migration"
-    else:
-        if spec.kind == "migration":
-            log.info("moe_placement migration: no map in service; greedy from scratch instead")
-        name, values = "greedy", {}
+    if spec.kind == "migration":
+        log.info("moe_placement migration: no map in service; greedy from scratch instead")
+    return "greedy", {}
+
+
+def _run(spec: PolicySpec, problem: Problem, name: str, values: dict, w: np.ndarray) -> np.ndarray:
+    """Solver ``name`` with ``values`` through the pipeline (fit step sized to the budget), slots of
+    experts that stay on a GPU kept; int64 ``[L, P]``."""
+    from placement.dispatch import get_dispatch
+    from solver.api import make_options, run
+    from solver.migration_slots import keep_slots_batched, repair_colocated
+
+    topo, previous = problem.topology, problem.previous
     fit = fit_options(spec.time_limit, w.shape[0], w.shape[1], topo.ep_size)
     if not fit.enabled and get_dispatch(problem.dispatch).table:
         log.info(
@@ -319,12 +460,14 @@ def _from_file(path: str, call: EngineCall, topo: Topology, shape: tuple[int, in
     L, E = shape
     stat = _file_stat(path)
     key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size, call.engine, L, E, topo)
-    if key not in _FILE_CACHE:
-        placement = read_placement(
-            path, ep_size=topo.ep_size, num_nodes=topo.num_nodes, num_logical_experts=E
-        )
-        _FILE_CACHE[key] = _engine_rows(placement, call.engine, L, E, topo.num_physical_experts)
-        log.info("moe_placement file:%s: %d layers x %d slots", path, L, topo.num_physical_experts)
+    if key in _FILE_CACHE:
+        _FILE_CACHE.move_to_end(key)
+        return _FILE_CACHE[key]
+    placement = read_placement(path, ep_size=topo.ep_size, num_nodes=topo.num_nodes, num_logical_experts=E)
+    _FILE_CACHE[key] = _engine_rows(placement, call.engine, L, E, topo.num_physical_experts)
+    while len(_FILE_CACHE) > FILE_CACHE_ENTRIES:
+        _FILE_CACHE.popitem(last=False)  # the least recently used version
+    log.info("moe_placement file:%s: %d layers x %d slots", path, L, topo.num_physical_experts)
     return _FILE_CACHE[key]
 
 
