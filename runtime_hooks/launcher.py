@@ -32,29 +32,11 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from profiling.errors import WorkerError, WorkerTimeout  # re-exported: the family lives in profiling.errors
+
 __all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
 
 _CURRENT_STORE = None  # set inside workers
-
-
-class WorkerError(RuntimeError):
-    """A rank raised; ``.rank`` and ``.remote_traceback`` say which and where."""
-
-    def __init__(self, rank: int, remote_traceback: str):
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
-
-
-class WorkerTimeout(TimeoutError):
-    """Some ranks did not finish in time; ``.ranks`` lists them."""
-
-    def __init__(self, ranks: Sequence[int], timeout: float):
-        self.ranks = list(ranks)
-        super().__init__(
-            f"ranks {self.ranks} did not finish within {timeout:.1f} s; all workers were terminated "
-            f"(raise timeout= if the work is simply slow)"
-        )
 
 
 def current_store():

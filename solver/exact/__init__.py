@@ -51,7 +51,7 @@ and top-k ``k``, expert ``e`` gets ``lam_e = f_e * k * batch * G`` selections (`
 share); one of its ``r`` replicas is active with probability ``1 - exp(-lam_e / r)`` (Poisson), so
 ``c[e, r] = a * lam_e / r + t_read * (1 - exp(-lam_e / r))`` microseconds. Replicating a cold expert
 adds a weight read for few tokens, so the decode optimum replicates less than the token optimum.
-Defaults (see :class:`DecodeCost`) are DeepSeek-V3 on H100 from ../shared/docs/costmodel.md; this
+Defaults (see :class:`DecodeCost`) are DeepSeek-V3 on H100 (as in :mod:`placement.cost.hardware`); this
 package keeps its own small constants on purpose (no dependency on ``solver.planner.costmodel``).
 
 Robust (``robust="max"`` or ``"qNN"``): per window ``w`` the load is normalised to mean 1 per GPU and
