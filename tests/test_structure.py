@@ -426,13 +426,19 @@ def test_outside_references_but_not_citations_are_enforced(tmp_path):
                 def f():
                     """For how this works see vLLM's code."""
                     return "../shared/docs/x.md is a string, not prose"
+
+                # defined in docs/present.md; docs/missing.md is not in the repository
                 ''',
         },
     )
+    (root / "docs").mkdir()
+    (root / "docs" / "present.md").write_text("# here\n")
     assert counts.outside_references(root) == [
         "solver/r.py:2 '../shared/'",
+        "solver/r.py:8 'docs/costmodel.md'",
         "solver/r.py:8 'shared docs'",
         'solver/r.py:10 "see vLLM\'s code"',
+        "solver/r.py:13 'docs/missing.md'",
     ]
     assert check.measure(root).over_limit == ["outside_references"]
 

@@ -20,8 +20,9 @@ Rows:
 - ``import_fallbacks``: ``try`` blocks that import one of the project's own packages and catch
   ``ImportError`` (the project is always installed whole; an optional third-party extra is fine).
 - ``outside_references``: docstrings and comments that send the reader to a file outside the
-  repository (``../shared/docs/...``, "shared docs/...", an absolute path) or to another project's code
-  to learn how ours works ("see vLLM's code"). Naming the source of a figure or of a fact about an engine
+  repository (``../shared/docs/...``, "shared docs/...", an absolute path, a ``docs/NAME.md`` page
+  the repository's ``docs/`` does not hold) or to another project's code to learn how ours works
+  ("see vLLM's code"). Naming the source of a figure or of a fact about an engine
   (a URL, a paper, an engine's file) is a citation and is allowed.
 - ``solver_share``: percent of the package lines (``profiling`` ... ``cli``) under ``solver/``.
 - ``readme_lines`` / ``readme_deprecated``: README.md's line count, and the deprecated CLI flags (those
@@ -60,6 +61,7 @@ _OUTSIDE = re.compile(
     r"\.\./[\w.-]+/|\bshared[ /]docs?\b|\bshared/traces/\S+\.md|(?<![\w.])/(?:work|tmp|home|root)/"
     r"|\b[Ss]ee (?:the )?[\w-]+'s (?:own )?(?:code|source|implementation)",
 )
+_DOC_LINK = re.compile(r"(?<![\w./])docs/[\w.-]+\.md")
 _BUILTIN_EXCEPTIONS = frozenset(
     n
     for n in dir(builtins)
@@ -307,6 +309,9 @@ def outside_references(root: Path) -> list[str]:
             match = _OUTSIDE.search(text)
             if match:
                 found.append((_rel(root, path), line, match.group(0)))
+            for doc in _DOC_LINK.findall(text):  # a docs/ page the repository does not have
+                if not (root / doc).is_file():
+                    found.append((_rel(root, path), line, doc))
     return [f"{rel}:{line} {text!r}" for rel, line, text in sorted(set(found))]
 
 
