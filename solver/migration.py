@@ -45,8 +45,9 @@ on the objective.
 Layout: slot bookkeeping (:func:`keep_slots`, :func:`moved_pairs`, :func:`align_to_previous`, the
 repair) lives in :mod:`solver.migration_slots` and is re-exported here; the local search is
 :mod:`solver.migration_search`, the per-layer CP-SAT model :mod:`solver.migration_cpsat`, the
-dispatch-model scoring :mod:`solver.migration_dispatch`. :func:`solve_migration` (keywords) and :func:`run_migration` (the
-registry's ``(Problem, MigrationOptions)``) both run one pipeline, :func:`_migrate`.
+dispatch-model scoring :mod:`solver.migration_dispatch`. :func:`solve_migration` (arrays and a
+:class:`MigrationOptions`) and :func:`run_migration` (the registry's ``(Problem, MigrationOptions)``) both run
+one pipeline, :func:`_migrate`.
 """
 
 from __future__ import annotations
@@ -93,8 +94,7 @@ METHODS = ("auto", "exact", "incremental")
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MigrationOptions:
-    """How the migration-aware re-placement searches (every keyword of :func:`solve_migration`
-    except the load, the previous placement and the layer ids, with the same defaults).
+    """How the migration-aware re-placement searches (the ``options`` of :func:`solve_migration`).
 
     Attributes:
         max_moves: total moved slots allowed over all layers (None: no budget).
@@ -129,14 +129,8 @@ def run_migration(problem: Problem, options: MigrationOptions) -> tuple[Placemen
 def solve_migration(
     load: np.ndarray,
     previous: Placement,
+    options: MigrationOptions | None = None,
     *,
-    max_moves: int | None = None,
-    move_cost: float | None = None,
-    time_limit: float = 5.0,
-    seed: int = 0,
-    method: Literal["auto", "exact", "incremental"] = "auto",
-    drift_guard: float = 1.5,
-    max_steps: int | None = None,
     layer_ids: Sequence[int] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Re-place for a new load starting from ``previous``, trading balance against moved slots.
@@ -144,17 +138,11 @@ def solve_migration(
     Args:
         load: ``[L, E]`` tokens per logical expert (the window the new placement should serve).
         previous: the placement in service (``L`` layers, ``E`` experts).
-        max_moves: total moved slots allowed over all layers (None: no budget).
-        move_cost: objective cost of one moved slot, in load units (tokens of peak); None means 0,
-            so only the peak and ``max_moves`` matter.
-        time_limit: seconds for the whole solve (exact: split over layers).
-        seed: CP-SAT seed (the incremental search is deterministic).
-        method: ``incremental`` (also ``auto``) or ``exact`` (CP-SAT seeded with the incremental result).
-        drift_guard: fall back to a full re-solve (greedy + :func:`align_to_previous`) for a layer whose
-            incremental peak gap over the lower bound exceeds ``drift_guard`` x the full re-solve's gap.
-        max_steps: work limit of the search (None: none); see :class:`MigrationOptions`. With it the
-            result is the same for the same input whatever the machine's speed (unless the wall-clock
-            ``time_limit`` cuts in first, which the report's notes say).
+        options: the move budget, the move cost, the time and step limits, the method and the drift
+            guard (:class:`MigrationOptions`, every field documented there; default
+            ``MigrationOptions()``). With ``max_steps`` the result is the same for the same input
+            whatever the machine's speed (unless the wall-clock ``time_limit`` cuts in first, which the
+            report's notes say).
         layer_ids: real layer index per row (default: ``previous.layer_ids``).
 
     Returns:
@@ -163,8 +151,7 @@ def solve_migration(
         bound (or CP-SAT's bound), and ``extra`` holds ``moved_slots``, ``peak``, ``previous_peak``,
         ``full_resolve_peak``, ``full_resolve_moved_slots``, ``drift_fallback`` and move counts.
     """
-    options = MigrationOptions(max_moves, move_cost, time_limit, seed, method, drift_guard, max_steps)
-    return _migrate(load, previous, options, layer_ids)
+    return _migrate(load, previous, options if options is not None else MigrationOptions(), layer_ids)
 
 
 def _migrate(
