@@ -494,3 +494,22 @@ def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
         assert issubclass(cls, builtin)
     err = WorkerTimeout([1, 3], 2.0)
     assert err.ranks == [1, 3] and "2.0 s" in str(err)
+
+
+def test_inspect_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """The ImportError fallback is gone: a missing viz extra is checked up front, as bad input."""
+    import importlib.util
+
+    from cli.main import main
+    from profiling.readers import write_trace
+    from profiling.synthetic import synthetic_trace
+
+    path = tmp_path / "t.npz"
+    write_trace(
+        synthetic_trace(num_tokens=200, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=4), path
+    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    assert main(["inspect", str(path), "--plot", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moe-placement: error: --plot needs the viz extra: pip install matplotlib"]
