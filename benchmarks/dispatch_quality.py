@@ -109,9 +109,9 @@ def run(name: str, trace, ep: int, nodes: int, slots: int, with_locality: bool =
 
 def _locality(fit, topo: Topology):
     """The locality solver's placement (fitted for ``local``, a step budget of 100 per layer)."""
-    from solver.locality import solve_locality
+    from solver.locality import LocalityOptions, solve_locality
 
-    placement, _ = solve_locality(fit, topo, work_limit=100 * fit.num_layers, seed=0)
+    placement, _ = solve_locality(fit, topo, LocalityOptions(work_limit=100 * fit.num_layers, seed=0))
     return placement
 
 

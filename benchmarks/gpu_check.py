@@ -104,11 +104,11 @@ def _graph_checks(layer, hidden, dev):
     k, T, S = 4, 32, layer.slots_per_gpu
     x = torch.randn(T, hidden, device=dev)
     try:
-        from profiling.hooks import RoutingRecorder
+        from profiling.hooks import RecordOptions, RoutingRecorder
     except ImportError:
         RoutingRecorder = None
     rec = (
-        RoutingRecorder([0], layer.placement.num_logical_experts, k, mode="counts", device=dev)
+        RoutingRecorder([0], layer.placement.num_logical_experts, k, RecordOptions(mode="counts"), device=dev)
         if RoutingRecorder
         else None
     )

@@ -35,7 +35,7 @@ def bench_hooks(args) -> None:
     import torch
     import transformers
 
-    from profiling.hooks import RoutingRecorder, attach
+    from profiling.hooks import RecordOptions, RoutingRecorder, attach
 
     torch.set_num_threads(args.threads)
     cfg = transformers.Qwen3MoeConfig(
@@ -67,7 +67,7 @@ def bench_hooks(args) -> None:
     times: dict[str, list[float]] = {"off": [], "counts": [], "tokens": []}
     for _ in range(args.repeats):
         for mode in ("off", "counts", "tokens"):
-            rec = None if mode == "off" else attach(model, mode=mode, capacity_tokens=1 << 16)
+            rec = None if mode == "off" else attach(model, RecordOptions(mode=mode, capacity_tokens=1 << 16))
             t0 = time.perf_counter()
             fwd()
             times[mode].append(time.perf_counter() - t0)
@@ -79,7 +79,10 @@ def bench_hooks(args) -> None:
     rec_cost = {}
     for mode in ("counts", "tokens"):
         rec = RoutingRecorder(
-            list(range(args.layers)), args.experts, args.top_k, mode=mode, capacity_tokens=1 << 16
+            list(range(args.layers)),
+            args.experts,
+            args.top_k,
+            RecordOptions(mode=mode, capacity_tokens=1 << 16),
         )
         n = 200
         t0 = time.perf_counter()

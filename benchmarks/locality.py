@@ -17,7 +17,7 @@ import time
 
 from placement.topology import Topology
 from profiling.readers import default_traces_dir, read_trace
-from solver.locality import pareto
+from solver.locality import LocalityOptions, pareto
 
 TRACES = {
     # name: (relative path, hidden size, {ep_size: (num_nodes, num_redundant)})
@@ -171,12 +171,9 @@ def main(argv=None) -> int:
                 fit,
                 held,
                 topo,
+                LocalityOptions(seed=args.seed, time_limit=tl, hidden_size=hidden, **opts),
                 slacks=slacks,
-                seed=args.seed,
-                time_limit=tl,
-                hidden_size=hidden,
                 step_tokens=args.step_tokens,
-                options=opts,
                 variants=variants,
                 redeal=args.redeal,
             )

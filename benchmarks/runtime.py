@@ -51,11 +51,9 @@ def _bench_rank(
         stacks[name] = []
         for l in range(pl.num_layers):
             w = ExpertWeights.random(pl.num_logical_experts, hidden, hidden // 2, seed=l)
-            stacks[name].append(
-                EPMoELayer(
-                    pl, l, w, policy=policy, name=f"{name}{l}", simulated_seconds_per_token=sec_per_pick
-                )
-            )
+            layer = EPMoELayer(pl, l, w, policy=policy, name=f"{name}{l}")
+            layer.simulated_seconds_per_token = sec_per_pick  # a benchmark knob, not a constructor option
+            stacks[name].append(layer)
     out = {name: ([], []) for name in placements}
     g = torch.Generator().manual_seed(rank)
     # Placements take turns step by step, so load from other processes on this shared machine

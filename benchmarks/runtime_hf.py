@@ -94,7 +94,7 @@ def _hf_ep_rank(rank: int, ranks: int, ckpt: str, prompts, new_tokens: int, num_
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    from profiling.hooks import attach, find_moe_layers
+    from profiling.hooks import RecordOptions, attach, find_moe_layers
     from runtime_hooks.hf_serve import greedy_decode
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
@@ -102,7 +102,7 @@ def _hf_ep_rank(rank: int, ranks: int, ckpt: str, prompts, new_tokens: int, num_
     model = AutoModelForCausalLM.from_pretrained(ckpt, distributed_config=dc, dtype=torch.float32).eval()
     experts = find_moe_layers(model)[0].block.experts
     param = experts.gate_up_proj
-    recorder = attach(model, mode="counts", num_logical_experts=num_experts)
+    recorder = attach(model, RecordOptions(mode="counts"), num_logical_experts=num_experts)
     try:
         dist.barrier()
         t0 = time.perf_counter()

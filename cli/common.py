@@ -18,6 +18,7 @@ from typing import NoReturn, TypeVar
 
 import numpy as np
 
+from profiling.errors import CliError  # re-exported: the family lives in profiling.errors
 from profiling.limits import MAX_EXPERTS, MAX_LAYER_ID, MAX_RANKS
 
 T = TypeVar("T")
@@ -60,10 +61,6 @@ __all__ = [
     "warn",
     "workers_int",
 ]
-
-
-class CliError(ValueError):
-    """Bad input detected by the CLI: printed as one line, exit code 2."""
 
 
 def echo(*parts, file=None) -> None:

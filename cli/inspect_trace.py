@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 from pathlib import Path
 
@@ -122,10 +123,10 @@ def _write_plots(args, trace) -> list[str]:
     if args.plot:
         out = Path(args.plot)
         out.mkdir(parents=True, exist_ok=True)
-        try:
-            from profiling.plots import inspect_plots
-        except ImportError as exc:
-            raise CliError(f"--plot needs the viz extra (matplotlib): {exc}") from None
+        if importlib.util.find_spec("matplotlib") is None:
+            raise CliError("--plot needs the viz extra: pip install matplotlib")
+        from profiling.plots import inspect_plots
+
         plots = [str(p) for p in inspect_plots(trace, out)]
     return plots
 

@@ -254,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             f"profile needs torch and transformers (pip install torch transformers): {exc}"
         ) from None
 
-    from profiling.hooks import attach
+    from profiling.hooks import RecordOptions, attach
     from profiling.readers import write_trace
 
     folder, model, config, weights, vocab, encode, tok_name = _open_model(args)
@@ -264,10 +264,12 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"the text files {[str(t) for t in texts]} hold no tokens")
     rec = attach(
         model,
-        mode=args.mode,
-        capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
-        stream_dir=stream_dir,
-        chunk_tokens=2 * args.seq_len if stream_dir is not None else None,
+        RecordOptions(
+            mode=args.mode,
+            capacity_tokens=max(total, 1) if stream_dir is None else 4 * args.seq_len,
+            stream_dir=stream_dir,
+            chunk_tokens=2 * args.seq_len if stream_dir is not None else None,
+        ),
     )
     file_tokens, wall = _forward_all(model, rec, seqs, texts, args)
     name = f"{getattr(config, 'model_type', 'model')}-profile"

@@ -447,14 +447,11 @@ def _write_files(
 
         written = [str(p) for p in write_placement(placement, out, args.format)]
         if args.weighted and "weighted" in spec.flags:
-            try:
-                from solver.exact import replica_weights, write_replica_weights
+            from solver.exact import replica_weights, write_replica_weights
 
-                wpath = out.with_name(out.name + ".weights.json")
-                write_replica_weights(wpath, replica_weights(placement, prob.load), placement)
-                written.append(str(wpath))
-            except ImportError:
-                warn("weighted dispatch export is not available in this build")
+            wpath = out.with_name(out.name + ".weights.json")
+            write_replica_weights(wpath, replica_weights(placement, prob.load), placement)
+            written.append(str(wpath))
     if args.report:
         from profiling.fileio import atomic_write_json
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from placement.model import Placement
 
-__all__ = ["arrived_experts", "arrived_per_gpu", "arrived_per_layer", "expert_weight_bytes", "moved_bytes"]
+__all__ = ["arrived_experts", "arrived_per_gpu", "moved_bytes"]
 
 
 def _maps(previous: Placement, new: Placement) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -52,26 +52,9 @@ def arrived_per_gpu(previous: Placement, new: Placement) -> np.ndarray:
     return (_held(b, E, G) & ~_held(a, E, G)).sum(axis=2).astype(np.int64)
 
 
-def arrived_per_layer(previous: Placement, new: Placement) -> np.ndarray:
-    """int64 ``[L]``: arrived experts per layer."""
-    return arrived_per_gpu(previous, new).sum(axis=1)
-
-
 def arrived_experts(previous: Placement, new: Placement) -> int:
     """(layer, GPU, expert) triples of ``new`` whose GPU did not hold that expert in ``previous``."""
     return int(arrived_per_gpu(previous, new).sum())
-
-
-def expert_weight_bytes(hidden_size: int, intermediate_size: int, dtype_bytes: int = 2) -> int:
-    """Bytes of one expert's weights: gate, up and down projections, ``3 x d x f`` values."""
-    for name, v in (
-        ("hidden_size", hidden_size),
-        ("intermediate_size", intermediate_size),
-        ("dtype_bytes", dtype_bytes),
-    ):
-        if int(v) != v or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    return 3 * int(hidden_size) * int(intermediate_size) * int(dtype_bytes)
 
 
 def moved_bytes(previous: Placement, new: Placement, bytes_per_expert: int) -> int:

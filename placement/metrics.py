@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.churn import arrived_experts, arrived_per_layer, moved_bytes  # noqa: F401 (re-exported)
+from placement.churn import arrived_experts, moved_bytes  # noqa: F401 (re-exported)
 from placement.dispatch import (
     DISPATCH,
     EVEN,

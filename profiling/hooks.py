@@ -20,7 +20,7 @@ flushed (after a whole forward pass, from a hook on the root module).
 
 Example::
 
-    with attach(model, mode="tokens", capacity_tokens=65536) as rec:
+    with attach(model, RecordOptions(mode="tokens", capacity_tokens=65536)) as rec:
         model(input_ids)
     trace = rec.to_trace(name="my-run")
 
@@ -47,7 +47,7 @@ from profiling.fileio import InputFileError
 from profiling.readers import read_trace, write_trace
 from profiling.trace import RoutingTrace
 
-__all__ = ["RoutingRecorder", "MoeLayerSpec", "attach", "find_moe_layers", "read_stream"]
+__all__ = ["RecordOptions", "RoutingRecorder", "MoeLayerSpec", "attach", "find_moe_layers", "read_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -204,15 +204,12 @@ def read_stream(stream_dir: str | Path) -> RoutingTrace:
     )
 
 
-class RoutingRecorder:
-    """Accumulates selected expert ids of ``L`` MoE layers.
+@dataclass(frozen=True)
+class RecordOptions:
+    """What a :class:`RoutingRecorder` keeps (checked when the recorder is built).
 
-    Args:
-        layer_ids: the model's real layer index of each recorded row (``[L]``).
-        num_logical_experts: ``E``.
-        top_k: ``k``, the width of the per-token buffer (narrower layers are padded with -1).
+    Attributes:
         mode: ``"counts"`` (per-layer counts only) or ``"tokens"`` (counts plus per-token ids).
-        device: where the buffers live (the model's device).
         capacity_tokens: ``C``, ring-buffer capacity in recorded (sampled) tokens (tokens mode).
         sample_every: keep every ``s``-th token in the per-token buffer (counts always see all tokens).
         stream_dir: if set (tokens mode), complete tokens are written to ``stream_dir/chunk_*.npz``
@@ -220,19 +217,36 @@ class RoutingRecorder:
         chunk_tokens: tokens per streamed chunk (default ``C // 2``).
     """
 
+    mode: str = "counts"
+    capacity_tokens: int = 1 << 16
+    sample_every: int = 1
+    stream_dir: str | Path | None = None
+    chunk_tokens: int | None = None
+
+
+class RoutingRecorder:
+    """Accumulates selected expert ids of ``L`` MoE layers.
+
+    Args:
+        layer_ids: the model's real layer index of each recorded row (``[L]``).
+        num_logical_experts: ``E``.
+        top_k: ``k``, the width of the per-token buffer (narrower layers are padded with -1).
+        options: what to keep (:class:`RecordOptions`; default counts only).
+        device: where the buffers live (the model's device).
+    """
+
     def __init__(
         self,
         layer_ids: Sequence[int],
         num_logical_experts: int,
         top_k: int,
+        options: RecordOptions | None = None,
         *,
-        mode: str = "counts",
         device: torch.device | str | None = None,
-        capacity_tokens: int = 1 << 16,
-        sample_every: int = 1,
-        stream_dir: str | Path | None = None,
-        chunk_tokens: int | None = None,
     ) -> None:
+        o = options if options is not None else RecordOptions()
+        mode, capacity_tokens, sample_every = o.mode, o.capacity_tokens, o.sample_every
+        stream_dir, chunk_tokens = o.stream_dir, o.chunk_tokens
         if mode not in ("counts", "tokens"):
             raise ValueError(f"mode must be 'counts' or 'tokens', got {mode!r}")
         L = len(layer_ids)
@@ -564,12 +578,8 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def attach(
     model: nn.Module,
-    mode: str = "counts",
+    options: RecordOptions | None = None,
     *,
-    capacity_tokens: int = 1 << 16,
-    sample_every: int = 1,
-    stream_dir: str | Path | None = None,
-    chunk_tokens: int | None = None,
     adapters: Mapping[nn.Module, Callable[[nn.Module, Any, Any], torch.Tensor]] | None = None,
     layer_ids: Sequence[int] | None = None,
     num_logical_experts: int | None = None,
@@ -579,7 +589,7 @@ def attach(
 
     Args:
         model: a torch module; HF transformers MoE models are walked automatically.
-        mode: ``"counts"`` or ``"tokens"`` (see :class:`RoutingRecorder`).
+        options: what to record (:class:`RecordOptions`; default counts only).
         adapters: ``{module: fn(module, inputs, output) -> topk_ids [N, k]}`` for code paths the walker
             does not know; a forward hook on each module calls ``fn``. Layer ids come from the module
             path (``layers.<i>``) unless ``layer_ids`` is given; ``num_logical_experts`` and ``top_k``
@@ -593,19 +603,9 @@ def attach(
     else:
         hooks, ids_, E, k = _walked_hooks(model, num_logical_experts, top_k)
     ids_ = _final_layer_ids(ids_, layer_ids)
-    rec = RoutingRecorder(
-        ids_,
-        int(E),
-        int(k),
-        mode=mode,
-        device=device,
-        capacity_tokens=capacity_tokens,
-        sample_every=sample_every,
-        stream_dir=stream_dir,
-        chunk_tokens=chunk_tokens,
-    )
+    rec = RoutingRecorder(ids_, int(E), int(k), options, device=device)
     _register_hooks(model, rec, hooks)
-    log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, mode)
+    log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, rec.mode)
     return rec
 
 

@@ -17,28 +17,12 @@ __all__ = [
     "MAX_RANKS",
     "MAX_TOTAL_TOKENS",
     "check_layer_ids",
-    "check_limit",
 ]
 
 MAX_LAYER_ID = 100_000  # largest layer id (and hidden-layer count - 1) a file may use
 MAX_EXPERTS = 65_536  # logical experts per layer, and physical slots per layer
 MAX_RANKS = 65_536  # EP ranks / source ranks
 MAX_TOTAL_TOKENS = 2**53  # total load of a trace: above it float64 sums are no longer exact
-
-
-def check_limit(value: int, limit: int, what: str, limit_name: str, where: str = "") -> int:
-    """``value`` when ``0 <= value <= limit``, else a ValueError naming ``what``, the value and the limit.
-
-    ``where`` (a file name, say) starts the message when given.
-    """
-    v = int(value)
-    if not 0 <= v <= limit:
-        prefix = f"{where}: " if where else ""
-        raise ValueError(
-            f"{prefix}{what} is {v}, outside the accepted range 0..{limit} ({limit_name}); "
-            f"the file is corrupt or not from a supported engine"
-        )
-    return v
 
 
 def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = "") -> tuple[int, ...]:

@@ -43,7 +43,7 @@ _PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 
 def default_traces_dir() -> Path:
-    """``$MOE_TRACES_DIR`` if set, else ``../shared/traces`` from the project root (or the cwd)."""
+    """``$MOE_TRACES_DIR`` if set, else the folder ``shared/traces`` beside the project root (or the cwd)."""
     env = os.environ.get("MOE_TRACES_DIR")
     if env:
         return Path(env)

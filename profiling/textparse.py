@@ -15,15 +15,13 @@ import json
 import sys
 from typing import Any
 
+from profiling.errors import InputFileError  # re-exported: the family lives in profiling.errors
+
 __all__ = ["InputFileError", "YAML_NODE_SLACK", "parse_json", "parse_yaml"]
 
 # A YAML document may expand (aliases followed) to at most its length in bytes plus this many nodes:
 # a document without aliases has fewer nodes than bytes, so only alias expansion can pass the limit.
 YAML_NODE_SLACK = 100_000
-
-
-class InputFileError(ValueError):
-    """A file could not be read as the expected format. The message names the file and the field."""
 
 
 class _DuplicateKey(Exception):

@@ -282,8 +282,10 @@ class EPMoELayer:
         store: key-value store for migration decisions (default: the launcher's store).
         name: key prefix for migration records; a per-process construction counter is appended, so
             every rank must build its layers in the same order (the usual SPMD model code does).
-        simulated_seconds_per_token: sleep this long per received pick after the expert compute
-            (benchmarks only: models device time proportional to load without using the CPU cores).
+
+    Attribute ``simulated_seconds_per_token`` (default 0; benchmarks set it after construction): sleep
+    this long per received pick after the expert compute, to model device time proportional to load
+    without using the CPU cores.
     """
 
     def __init__(
@@ -297,7 +299,6 @@ class EPMoELayer:
         device=None,
         store=None,
         name: str | None = None,
-        simulated_seconds_per_token: float = 0.0,
     ):
         import torch.distributed as dist
 
@@ -333,7 +334,7 @@ class EPMoELayer:
         _INSTANCES += 1
         self.name = f"{name or 'layer' + str(placement.layer_ids[layer])}#{_INSTANCES}"
         self.weights = weights
-        self.simulated_seconds_per_token = float(simulated_seconds_per_token)
+        self.simulated_seconds_per_token = 0.0  # benchmarks only (see the class docstring)
         self.router = weights.router.to(self.device)
         self.migration_epoch = 0
         self.last_tokens_processed = 0

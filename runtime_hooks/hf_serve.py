@@ -252,10 +252,10 @@ class _LiveRebalance:
     """Counts routing, runs the rebalancer on rank 0, applies its placements on every rank."""
 
     def __init__(self, model, rows: Placement, layer_ids: tuple[int, ...], spec: ServeSpec, rank: int):
-        from profiling.hooks import attach
+        from profiling.hooks import RecordOptions, attach
 
         self.model, self.spec, self.rank = model, spec, rank
-        self.recorder = attach(model, mode="counts")
+        self.recorder = attach(model, RecordOptions(mode="counts"))
         missing = [lid for lid in layer_ids if lid not in self.recorder.layer_ids]
         if missing:
             raise ValueError(

@@ -30,31 +30,14 @@ import queue as _queue
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+from profiling.errors import WorkerError, WorkerTimeout  # re-exported: the family lives in profiling.errors
 
 __all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
 
 _CURRENT_STORE = None  # set inside workers
-
-
-class WorkerError(RuntimeError):
-    """A rank raised; ``.rank`` and ``.remote_traceback`` say which and where."""
-
-    def __init__(self, rank: int, remote_traceback: str):
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-        super().__init__(f"rank {rank} failed:\n{remote_traceback}")
-
-
-class WorkerTimeout(TimeoutError):
-    """Some ranks did not finish in time; ``.ranks`` lists them."""
-
-    def __init__(self, ranks: Sequence[int], timeout: float):
-        self.ranks = list(ranks)
-        super().__init__(
-            f"ranks {self.ranks} did not finish within {timeout:.1f} s; all workers were terminated "
-            f"(raise timeout= if the work is simply slow)"
-        )
 
 
 def current_store():
@@ -87,8 +70,20 @@ def _context(start_method: str | None):
     return ctx
 
 
-def _worker(rank, world_size, backend, host, port, pg_timeout, fn, args, results):
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where and how the ranks meet: the parent's TCP store and the process-group settings."""
+
+    world_size: int
+    backend: str
+    host: str
+    port: int
+    pg_timeout: float
+
+
+def _worker(rank: int, rdv: _Rendezvous, fn, args, results):
     global _CURRENT_STORE
+    world_size, backend = rdv.world_size, rdv.backend
     import torch
     import torch.distributed as dist
 
@@ -97,8 +92,8 @@ def _worker(rank, world_size, backend, host, port, pg_timeout, fn, args, results
             torch.set_num_threads(1)
         else:
             torch.cuda.set_device(device_for(backend, rank))
-        td = datetime.timedelta(seconds=pg_timeout)
-        store = dist.TCPStore(host, port, world_size + 1, False, timeout=td)
+        td = datetime.timedelta(seconds=rdv.pg_timeout)
+        store = dist.TCPStore(rdv.host, rdv.port, world_size + 1, False, timeout=td)
         _CURRENT_STORE = store
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=td)
         out = fn(rank, world_size, *args)
@@ -127,10 +122,9 @@ def _check_launch(world_size: int, backend: str) -> None:
             raise ValueError("backend 'nccl' needs CUDA GPUs, none is visible; use --backend gloo")
 
 
-def _start_workers(
-    ctx, world_size: int, backend: str, host: str, port: int, pg_timeout: float, fn, args, results
-):
+def _start_workers(ctx, rdv: _Rendezvous, fn, args, results):
     """Start one daemon process per rank (``OMP_NUM_THREADS=1`` in their environment on gloo)."""
+    world_size, backend = rdv.world_size, rdv.backend
     procs = []
     env_before = os.environ.get("OMP_NUM_THREADS")
     if backend == "gloo":
@@ -139,7 +133,7 @@ def _start_workers(
         for r in range(world_size):
             p = ctx.Process(
                 target=_worker,
-                args=(r, world_size, backend, host, port, pg_timeout, fn, tuple(args), results),
+                args=(r, rdv, fn, tuple(args), results),
                 daemon=True,
             )
             p.start()
@@ -242,7 +236,8 @@ def launch(
     )
     ctx = _context(start_method)
     results = ctx.Queue()
-    procs = _start_workers(ctx, world_size, backend, host, store.port, pg_timeout, fn, args, results)
+    rdv = _Rendezvous(world_size, backend, host, store.port, pg_timeout)
+    procs = _start_workers(ctx, rdv, fn, args, results)
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     try:

@@ -6,7 +6,7 @@ Pure numpy (no torch, no solver): the online rebalancer (:mod:`runtime_hooks.reb
 engine plugins (:mod:`runtime_hooks.engine_plugins.policy`) and the trace replay
 (:mod:`runtime_hooks.replay`) decide with the same three functions.
 
-Model (shared docs/costmodel.md, Migration; every constant a field of :class:`RuleParams`):
+Model (the migration cost below; every constant a field of :class:`RuleParams`):
 
 - **gain** over the next window: ``(sum over layers of peak_now - peak_new) x horizon x
   seconds_per_assignment``. ``peak_*`` are the peak GPU's token-expert assignments of the window

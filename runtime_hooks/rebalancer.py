@@ -13,7 +13,7 @@ Settings mirror vLLM's ``eplb_config`` names (``window_size``, ``step_interval``
 (``eplb_rebalance_num_iterations`` ~ ``step_interval``, ``expert_distribution_recorder_buffer_size``
 ~ ``window_size``).
 
-Cost model (../shared/docs/costmodel.md, Migration; every constant is an overridable field):
+Cost model (every constant is an overridable field; link figures as in :mod:`placement.cost.hardware`):
 
 - migration: ``T_move = max over GPUs(slots copied onto that GPU, all layers) * expert_bytes / B_link
   + alpha`` (copies to different GPUs run in parallel), :func:`placement.cost.primitives.move_time`.

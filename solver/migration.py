@@ -45,8 +45,9 @@ on the objective.
 Layout: slot bookkeeping (:func:`keep_slots`, :func:`moved_pairs`, :func:`align_to_previous`, the
 repair) lives in :mod:`solver.migration_slots` and is re-exported here; the local search is
 :mod:`solver.migration_search`, the per-layer CP-SAT model :mod:`solver.migration_cpsat`, the
-dispatch-model scoring :mod:`solver.migration_dispatch`. :func:`solve_migration` (keywords) and :func:`run_migration` (the
-registry's ``(Problem, MigrationOptions)``) both run one pipeline, :func:`_migrate`.
+dispatch-model scoring :mod:`solver.migration_dispatch`. :func:`solve_migration` (arrays and a
+:class:`MigrationOptions`) and :func:`run_migration` (the registry's ``(Problem, MigrationOptions)``) both run
+one pipeline, :func:`_migrate`.
 """
 
 from __future__ import annotations
@@ -94,8 +95,7 @@ METHODS = ("auto", "exact", "incremental")
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MigrationOptions:
-    """How the migration-aware re-placement searches (every keyword of :func:`solve_migration`
-    except the load, the previous placement and the layer ids, with the same defaults).
+    """How the migration-aware re-placement searches (the ``options`` of :func:`solve_migration`).
 
     Attributes:
         max_moves: total moved slots allowed over all layers (None: no budget).
@@ -130,14 +130,8 @@ def run_migration(problem: Problem, options: MigrationOptions) -> tuple[Placemen
 def solve_migration(
     load: np.ndarray,
     previous: Placement,
+    options: MigrationOptions | None = None,
     *,
-    max_moves: int | None = None,
-    move_cost: float | None = None,
-    time_limit: float = 5.0,
-    seed: int = 0,
-    method: Literal["auto", "exact", "incremental"] = "auto",
-    drift_guard: float = 1.5,
-    max_steps: int | None = None,
     layer_ids: Sequence[int] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Re-place for a new load starting from ``previous``, trading balance against moved slots.
@@ -145,17 +139,11 @@ def solve_migration(
     Args:
         load: ``[L, E]`` tokens per logical expert (the window the new placement should serve).
         previous: the placement in service (``L`` layers, ``E`` experts).
-        max_moves: total moved slots allowed over all layers (None: no budget).
-        move_cost: objective cost of one moved slot, in load units (tokens of peak); None means 0,
-            so only the peak and ``max_moves`` matter.
-        time_limit: seconds for the whole solve (exact: split over layers).
-        seed: CP-SAT seed (the incremental search is deterministic).
-        method: ``incremental`` (also ``auto``) or ``exact`` (CP-SAT seeded with the incremental result).
-        drift_guard: fall back to a full re-solve (greedy + :func:`align_to_previous`) for a layer whose
-            incremental peak gap over the lower bound exceeds ``drift_guard`` x the full re-solve's gap.
-        max_steps: work limit of the search (None: none); see :class:`MigrationOptions`. With it the
-            result is the same for the same input whatever the machine's speed (unless the wall-clock
-            ``time_limit`` cuts in first, which the report's notes say).
+        options: the move budget, the move cost, the time and step limits, the method and the drift
+            guard (:class:`MigrationOptions`, every field documented there; default
+            ``MigrationOptions()``). With ``max_steps`` the result is the same for the same input
+            whatever the machine's speed (unless the wall-clock ``time_limit`` cuts in first, which the
+            report's notes say).
         layer_ids: real layer index per row (default: ``previous.layer_ids``).
 
     Returns:
@@ -164,8 +152,7 @@ def solve_migration(
         bound (or CP-SAT's bound), and ``extra`` holds ``moved_slots``, ``peak``, ``previous_peak``,
         ``full_resolve_peak``, ``full_resolve_moved_slots``, ``drift_fallback`` and move counts.
     """
-    options = MigrationOptions(max_moves, move_cost, time_limit, seed, method, drift_guard, max_steps)
-    return _migrate(load, previous, options, layer_ids)
+    return _migrate(load, previous, options if options is not None else MigrationOptions(), layer_ids)
 
 
 def _migrate(
@@ -194,20 +181,17 @@ def _migrate(
     x_final = [full.x[l] if fallback[l] else st.x for l, st in enumerate(states)]
     if fallback.any():
         notes.append(f"drift guard: {int(fallback.sum())} layer(s) took the full re-solve")
+    out = _Outcome(x_final, ["heuristic"] * L, full.lb.astype(float).copy(), fallback, notes)
     # 3) Exact refinement per layer (budget per layer = what the incremental pass spent there).
-    statuses = ["heuristic"] * L
-    bounds = full.lb.astype(float).copy()
     if options.method == "exact":
-        statuses = _exact_refinement(w, states, x_final, bounds, notes, ids, mc, options, t0)
+        _exact_refinement(w, states, out, ids, mc, options, t0)
     # 4) Under a dispatch model with fixed per-rank shares, each layer takes its best candidate there.
     scorer, dispatch_note = dispatch_scorer(problem, E, ids)
     notes.extend([dispatch_note] if dispatch_note else [])
     dpeak = None if scorer is None else _dispatch_layers(previous, states, x_final, full, mc, budget, scorer)
     # 5) Never worse than staying put; keep slots of unchanged experts; churn against the map in service.
     guard = scorer is None  # under a dispatch model step 4 already compared each layer with staying put
-    rows, layers = _final_layers(
-        w, previous, states, x_final, statuses, bounds, full, fallback, mc, ids, guard
-    )
+    rows, layers = _final_layers(w, previous, states, out, full, mc, ids, guard)
     _churn_extras(layers, in_service, rows, repaired, dpeak)
     total = sum(lr.extra["moved_slots"] for lr in layers)
     assert options.max_moves is None or total <= options.max_moves, (total, options.max_moves)
@@ -369,6 +353,23 @@ def _incremental_pass(
 
 
 @dataclass(frozen=True)
+class _Outcome:
+    """What the pipeline decides per layer, filled step by step (the lists and arrays change in place).
+
+    Attributes:
+        x_final: L x bool ``[E, G]`` the chosen membership; statuses: L statuses (``heuristic`` until
+            CP-SAT says otherwise); bounds: float64 ``[L]`` peak lower bounds; fallback: bool ``[L]``
+            layers that took the full re-solve (drift guard); notes: the report's notes.
+    """
+
+    x_final: list[np.ndarray]
+    statuses: list[str]
+    bounds: np.ndarray
+    fallback: np.ndarray
+    notes: list[str]
+
+
+@dataclass(frozen=True)
 class _FullResolve:
     """A greedy solve from scratch relabelled to the previous placement, per layer.
 
@@ -422,25 +423,23 @@ def _drift_fallback(
 def _exact_refinement(
     w: np.ndarray,
     states: list[Layer],
-    x_final: list[np.ndarray],
-    bounds: np.ndarray,
-    notes: list[str],
+    out: _Outcome,
     ids: tuple[int, ...],
     mc: float,
     options: MigrationOptions,
     t0: float,
-) -> list[str]:
-    """CP-SAT per layer in the time left, hinted with ``x_final``; returns the per-layer statuses.
+) -> None:
+    """CP-SAT per layer in the time left, hinted with ``out.x_final``; sets ``out.statuses``.
 
     With ``options.max_steps`` set every layer gets the same share of the exact part (0.4 x
     ``time_limit``) as deterministic time instead of the wall time left, so the result does not
     depend on how fast the machine is.
 
-    Updates in place: ``x_final[l]`` (bool ``[E, G]``) when CP-SAT's result is better on the objective,
-    ``bounds [L]`` with CP-SAT's bound, and ``notes``.
+    Updates in place: ``out.x_final[l]`` (bool ``[E, G]``) when CP-SAT's result is better on the
+    objective, ``out.bounds [L]`` with CP-SAT's bound, ``out.statuses`` and ``out.notes``.
     """
     L = w.shape[0]
-    statuses = ["heuristic"] * L
+    x_final, statuses, bounds, notes = out.x_final, out.statuses, out.bounds, out.notes
     no_solution: list[int] = []
     remaining = max(0.05, options.time_limit - (time.perf_counter() - t0))
     deterministic = options.max_steps is not None
@@ -477,18 +476,14 @@ def _exact_refinement(
             f"CP-SAT found no solution within its time share on layer(s) {no_solution}; "
             f"their incremental result was kept (status heuristic)"
         )
-    return statuses
 
 
 def _final_layers(
     w: np.ndarray,
     previous: Placement,
     states: list[Layer],
-    x_final: list[np.ndarray],
-    statuses: list[str],
-    bounds: np.ndarray,
+    out: _Outcome,
     full: _FullResolve,
-    fallback: np.ndarray,
     mc: float,
     ids: tuple[int, ...],
     guard: bool = True,
@@ -496,8 +491,9 @@ def _final_layers(
     """``(rows: L x int64 [P] physical-to-logical maps, one LayerReport per layer)``.
 
     With ``guard``, a layer whose objective would exceed staying put keeps the previous placement
-    (``x_final`` is updated in place); every expert that stays on a GPU keeps its slot.
+    (``out.x_final`` is updated in place); every expert that stays on a GPU keeps its slot.
     """
+    x_final, statuses, bounds, fallback = out.x_final, out.statuses, out.bounds, out.fallback
     G, S = previous.topology.ep_size, previous.topology.slots_per_gpu
     prev_map = previous.physical_to_logical_map  # [L, P]
     rows, layers = [], []

@@ -18,7 +18,6 @@ from placement.model import Placement
 __all__ = [
     "colocated_extra_copies",
     "repair_colocated",
-    "separate_colocated",
     "align_to_previous",
     "fill_slots",
     "keep_slots",
@@ -242,35 +241,3 @@ def repair_colocated(
                 seg[s] = b
                 moved[l] += 1
     return Placement(rows, E, t, placement.layer_ids, placement.provenance), moved
-
-
-def separate_colocated(placement: Placement) -> tuple[Placement, int]:
-    """A valid placement from an engine map that puts two replicas of an expert on one GPU, and the
-    slots it moved: each extra copy swaps with a slot of another GPU that holds neither expert (the
-    first such GPU, then slot, in order), so replica counts stay and few weights move."""
-    t = placement.topology
-    S = t.slots_per_gpu
-    rows = placement.physical_to_logical_map.copy()  # [L, P]
-    moved = 0
-    for row in rows:
-        for g in range(t.ep_size):
-            for s in range(g * S, (g + 1) * S):
-                if row[s] in row[g * S : s]:  # a second copy on GPU g
-                    moved += _swap_out(row, s, g, S, t.ep_size)
-    out = Placement(rows, placement.num_logical_experts, t, placement.layer_ids, placement.provenance)
-    return out, moved
-
-
-def _swap_out(row: np.ndarray, s: int, g: int, S: int, G: int) -> int:
-    """Swap slot ``s`` (an extra copy on GPU ``g``) with a slot of a GPU holding neither expert: 2 moves."""
-    e = row[s]
-    here = set(row[g * S : (g + 1) * S].tolist())
-    for h in range(G):
-        gpu = row[h * S : (h + 1) * S]
-        if h == g or e in gpu:
-            continue
-        for t in range(h * S, (h + 1) * S):
-            if row[t] not in here:
-                row[s], row[t] = row[t], row[s]
-                return 2
-    raise ValueError(f"GPU {g} holds expert {e} twice and no other GPU can take the copy; add slots")

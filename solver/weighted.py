@@ -119,7 +119,7 @@ def construct_weighted_layer(
     assign = np.full((G, S), -1, dtype=np.int64)
     amount = np.zeros((G, S))
     for g in range(G):
-        taken, pieces, hi, rem = _fill_gpu(w, hot, pool, hi, rem, S, target, tol, G - g)
+        taken, pieces, hi, rem = _fill_gpu(w, hot, pool, (hi, rem), S, target, tol, G - g)
         s = 0
         for i in sorted(taken, reverse=True):
             assign[g, s], amount[g, s] = pool.take(i)
@@ -158,8 +158,7 @@ def _fill_gpu(
     w: np.ndarray,
     hot: list[int],
     pool: _ColdPool,
-    hi: int,
-    rem: float,
+    cursor: tuple[int, float],
     S: int,
     target: float,
     tol: float,
@@ -168,9 +167,10 @@ def _fill_gpu(
     """What the next GPU takes: fixed experts (pool indices) near the fixed load still to place per GPU
     left, and flexible pieces ``(expert, tokens)`` filling it to ``target`` with the least pieces.
 
-    ``hi, rem``: the current flexible expert (index into ``hot``) and its load still to place; returns
-    them as they are after this GPU.
+    ``cursor = (hi, rem)``: the current flexible expert (index into ``hot``) and its load still to place;
+    returns them as they are after this GPU.
     """
+    hi, rem = cursor
     h = len(hot)
     tau = pool.left / gpus_left
     n_min = 0 if hi >= h else 1

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from profiling.hooks import RoutingRecorder, attach, find_moe_layers, read_stream  # noqa: E402
+from profiling.hooks import RecordOptions, RoutingRecorder, attach, find_moe_layers, read_stream  # noqa: E402
 from profiling.readers import read_trace  # noqa: E402
 
 VOCAB = 96
@@ -114,7 +114,7 @@ def _forwards(model, seed=0):
 @pytest.mark.parametrize("mode", ["counts", "tokens"])
 def test_recorded_ids_equal_model_routing(tiny_model, mode):
     name, model = tiny_model
-    rec = attach(model, mode=mode, capacity_tokens=1000)
+    rec = attach(model, RecordOptions(mode=mode, capacity_tokens=1000))
     specs, disp, block_inputs = _ground_truth(model, lambda: _forwards(model))
     rec.detach()
     assert rec.layer_ids == tuple(s.layer_id for s in specs)
@@ -150,7 +150,7 @@ def test_deepseek_grouped_bias_routing_is_not_plain_topk():
     g = torch.Generator().manual_seed(1)
     for spec in find_moe_layers(model):
         spec.block.gate.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.5)
-    rec = attach(model, mode="tokens")
+    rec = attach(model, RecordOptions(mode="tokens"))
     specs, disp, block_inputs = _ground_truth(model, lambda: _forwards(model))
     rec.detach()
     tr = rec.to_trace()
@@ -166,7 +166,7 @@ def test_deepseek_grouped_bias_routing_is_not_plain_topk():
 def test_detach_removes_every_hook(tiny_model):
     _, model = tiny_model
     before = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
-    with attach(model, mode="tokens") as rec:
+    with attach(model, RecordOptions(mode="tokens")) as rec:
         assert rec.attached
         _forwards(model)
     after = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
@@ -179,8 +179,10 @@ def test_detach_removes_every_hook(tiny_model):
 
 def test_two_recorders_and_streaming_chunks_match(tiny_model, tmp_path):
     _, model = tiny_model
-    plain = attach(model, mode="tokens", capacity_tokens=4096)
-    streamed = attach(model, mode="tokens", capacity_tokens=40, chunk_tokens=16, stream_dir=tmp_path)
+    plain = attach(model, RecordOptions(mode="tokens", capacity_tokens=4096))
+    streamed = attach(
+        model, RecordOptions(mode="tokens", capacity_tokens=40, chunk_tokens=16, stream_dir=tmp_path)
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for _ in range(6):
@@ -197,14 +199,16 @@ def test_two_recorders_and_streaming_chunks_match(tiny_model, tmp_path):
 
 
 def test_streaming_overflow_is_reported(tmp_path):
-    rec = RoutingRecorder([0], 4, 2, mode="tokens", capacity_tokens=8, chunk_tokens=8, stream_dir=tmp_path)
+    rec = RoutingRecorder(
+        [0], 4, 2, RecordOptions(mode="tokens", capacity_tokens=8, chunk_tokens=8, stream_dir=tmp_path)
+    )
     rec.record(0, torch.zeros(6, 2, dtype=torch.long))
     with pytest.raises(RuntimeError, match="capacity_tokens"):
         rec.record(0, torch.zeros(6, 2, dtype=torch.long))
 
 
 def test_padding_ids_are_masked():
-    rec = RoutingRecorder([3, 7], 4, 2, mode="tokens", capacity_tokens=16)
+    rec = RoutingRecorder([3, 7], 4, 2, RecordOptions(mode="tokens", capacity_tokens=16))
     ids = torch.tensor([[0, 1], [-1, -1], [2, -1], [1, 1]])
     rec.record(0, ids)
     rec.record(1, ids.flip(0))
@@ -223,7 +227,7 @@ def test_out_of_range_ids_raise_on_read():
 
 
 def test_ring_buffer_wraps_and_keeps_newest_tokens():
-    rec = RoutingRecorder([0, 1], 16, 2, mode="tokens", capacity_tokens=10)
+    rec = RoutingRecorder([0, 1], 16, 2, RecordOptions(mode="tokens", capacity_tokens=10))
     all_ids = torch.arange(26).reshape(13, 2) % 16  # 13 tokens
     for a, b in [(0, 4), (4, 8), (8, 13)]:
         rec.record(0, all_ids[a:b])
@@ -233,13 +237,13 @@ def test_ring_buffer_wraps_and_keeps_newest_tokens():
     np.testing.assert_array_equal(tr.topk_ids[:, 0], all_ids[3:].numpy())
     np.testing.assert_array_equal(tr.topk_ids[:, 1], ((all_ids[3:] + 1) % 16).numpy())
     np.testing.assert_array_equal(rec.counts()[0], np.bincount(all_ids.numpy().ravel(), minlength=16))
-    big = RoutingRecorder([0], 16, 2, mode="tokens", capacity_tokens=4)
+    big = RoutingRecorder([0], 16, 2, RecordOptions(mode="tokens", capacity_tokens=4))
     big.record(0, all_ids)  # one batch larger than the ring
     np.testing.assert_array_equal(big.to_trace().topk_ids[:, 0], all_ids[-4:].numpy())
 
 
 def test_sampling_keeps_every_sth_token_across_calls():
-    rec = RoutingRecorder([0], 32, 1, mode="tokens", capacity_tokens=100, sample_every=3)
+    rec = RoutingRecorder([0], 32, 1, RecordOptions(mode="tokens", capacity_tokens=100, sample_every=3))
     ids = torch.arange(20).reshape(20, 1)
     for a, b in [(0, 7), (7, 8), (8, 20)]:
         rec.record(0, ids[a:b])
@@ -249,7 +253,7 @@ def test_sampling_keeps_every_sth_token_across_calls():
 
 def test_record_path_never_syncs_with_host(monkeypatch):
     """The hot path must not read device values: patch the host-sync entry points to raise."""
-    rec = RoutingRecorder([0, 1], 8, 2, mode="tokens", capacity_tokens=7, sample_every=2)
+    rec = RoutingRecorder([0, 1], 8, 2, RecordOptions(mode="tokens", capacity_tokens=7, sample_every=2))
     ids = torch.tensor([[0, 1], [2, -1], [7, 3], [4, 4], [5, 6]])
 
     def boom(*a, **k):
@@ -329,7 +333,7 @@ def test_linear_gate_blocks_are_read_from_expert_inputs():
     m = _TinyModel()
     specs = find_moe_layers(m)
     assert [s.where for s in specs] == ["inputs", "inputs"] and [s.layer_id for s in specs] == [0, 1]
-    with attach(m, mode="tokens", num_logical_experts=6, top_k=2) as rec:
+    with attach(m, RecordOptions(mode="tokens"), num_logical_experts=6, top_k=2) as rec:
         m(torch.randn(10, 16))
     tr = rec.to_trace()
     for l, blk in enumerate(m.layers):
@@ -344,7 +348,11 @@ def test_adapter_on_any_module():
         return torch.topk(output.softmax(-1), 2, dim=-1).indices
 
     rec = attach(
-        m, mode="tokens", adapters={blk.gate: gate_ids for blk in m.layers}, num_logical_experts=6, top_k=2
+        m,
+        RecordOptions(mode="tokens"),
+        adapters={blk.gate: gate_ids for blk in m.layers},
+        num_logical_experts=6,
+        top_k=2,
     )
     m(torch.randn(7, 16))
     rec.detach()
@@ -356,13 +364,13 @@ def test_adapter_on_any_module():
 
 def test_bad_arguments_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="mode"):
-        RoutingRecorder([0], 4, 2, mode="ids")
+        RoutingRecorder([0], 4, 2, RecordOptions(mode="ids"))
     with pytest.raises(ValueError, match="mode='tokens'"):
-        RoutingRecorder([0], 4, 2, stream_dir=tmp_path)
+        RoutingRecorder([0], 4, 2, RecordOptions(stream_dir=tmp_path))
     with pytest.raises(ValueError, match="no MoE block"):
         attach(torch.nn.Linear(3, 3))
     with pytest.raises(ValueError, match="nothing recorded"):
-        RoutingRecorder([0], 4, 2, mode="tokens").to_trace()
+        RoutingRecorder([0], 4, 2, RecordOptions(mode="tokens")).to_trace()
 
 
 # ---- moe-placement profile ---------------------------------------------------------------------

@@ -12,12 +12,12 @@ from profiling.trace import RoutingTrace
 from solver.api import solve
 from solver.budget import Budget
 from solver.greedy import greedy_placement
-from solver.locality import pack_node_gpus, solve_locality
-from solver.locality.nodes import partition_nodes
+from solver.locality import LocalityOptions, pack_node_gpus, solve_locality
+from solver.locality.nodes import PartitionSpec, partition_nodes
 from solver.locality.pack import pack_node_exact, pack_peak, pair_pack
 from solver.locality.partition import LayerProblem, expected_remote_nodes
-from solver.locality.reach import remote_nodes_fit
-from solver.locality.replicated import choose_everywhere, everywhere_trades, replicated_counts
+from solver.locality.reach import FitViews, remote_nodes_fit
+from solver.locality.replicated import LayerSearch, choose_everywhere, everywhere_trades, replicated_counts
 
 
 def _two_cluster_trace(num_tokens=800, seed=0):
@@ -38,7 +38,7 @@ def _two_cluster_trace(num_tokens=800, seed=0):
 def test_two_clusters_land_on_their_nodes():
     trace = _two_cluster_trace()
     topo = Topology(ep_size=4, num_physical_experts=8, num_nodes=2)
-    pl, _ = solve_locality(trace, topo, balance_slack=0.05, time_limit=2.0, seed=1)
+    pl, _ = solve_locality(trace, topo, LocalityOptions(balance_slack=0.05, time_limit=2.0, seed=1))
     node_of = topo.node_of_slot
     row = pl.physical_to_logical_map[0]
     assert set(row[node_of == 0]) == {0, 1, 2, 3}
@@ -95,7 +95,9 @@ def test_partition_invariants_on_real_slice(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 32, 32, 4)
     slack = 0.05
-    pl, rep = solve_locality(fit, topo, balance_slack=slack, time_limit=3.0, seed=0, method="grouped")
+    pl, rep = solve_locality(
+        fit, topo, LocalityOptions(balance_slack=slack, time_limit=3.0, seed=0, method="grouped")
+    )
     p2l = pl.physical_to_logical_map
     L, P = p2l.shape
     assert P == topo.num_physical_experts
@@ -116,8 +118,10 @@ def test_partition_invariants_on_real_slice(deepseek_slice):
 def test_refinement_never_worse_than_heuristic(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 64, 64, 8)
-    _, rep0 = solve_locality(fit, topo, refine=False, seed=0, method="grouped")
-    _, rep1 = solve_locality(fit, topo, refine=True, time_limit=2.0, seed=0, method="grouped")
+    _, rep0 = solve_locality(fit, topo, LocalityOptions(refine=False, seed=0, method="grouped"))
+    _, rep1 = solve_locality(
+        fit, topo, LocalityOptions(refine=True, time_limit=2.0, seed=0, method="grouped")
+    )
     for a, b in zip(rep0.layers, rep1.layers):
         if a.extra["node_load_cap_met"]:
             assert b.extra["node_load_cap_met"]
@@ -130,7 +134,9 @@ def test_replicated_invariants_on_real_slice(deepseek_slice):
     topo = Topology.from_redundant(64, 32, 32, 4)
     slack, h = 0.02, 4
     # counted steps, not seconds: the cap check below must not depend on how loaded the machine is
-    pl, rep = solve_locality(fit, topo, balance_slack=slack, work_limit=150, seed=0, num_everywhere=h)
+    pl, rep = solve_locality(
+        fit, topo, LocalityOptions(balance_slack=slack, work_limit=150, seed=0, num_everywhere=h)
+    )
     assert rep.params["method"] == "replicated" and rep.params["num_everywhere"] == h
     p2l = pl.physical_to_logical_map
     N = topo.num_nodes
@@ -172,22 +178,8 @@ def test_iterated_partition_never_worse_and_keeps_limits(deepseek_slice):
     out = {}
     for perturb in (False, True):
         # a step budget (the whole first descent fits in it): both runs make the same descent on any machine
-        node_of, info = partition_nodes(
-            ids,
-            src_node,
-            every,
-            r,
-            load,
-            src,
-            N,
-            P // N,
-            slack,
-            Budget(0.0, 60),
-            seed=0,
-            sample=ids.shape[0],
-            single_margin=0,
-            perturb=perturb,
-        )
+        spec = PartitionSpec(load, src, N, P // N, slack, seed=0, sample=ids.shape[0], single_margin=0)
+        node_of, info = partition_nodes(ids, src_node, every, r, spec, Budget(0.0, 60), perturb=perturb)
         single = ~every
         assert np.all(node_of[every] == -1) and set(node_of[single].tolist()) <= set(range(N))
         per_node = np.bincount(node_of[single], minlength=N)
@@ -320,15 +312,17 @@ def test_work_limit_gives_the_same_placement_twice(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 64, 64, 8)
     one = fit.select_layers([0])
-    a, ra = solve_locality(one, topo, seed=3, work_limit=120)
-    b, rb = solve_locality(one, topo, seed=3, work_limit=120, time_limit=0.01)  # seconds are ignored
+    a, ra = solve_locality(one, topo, LocalityOptions(seed=3, work_limit=120))
+    b, rb = solve_locality(
+        one, topo, LocalityOptions(seed=3, work_limit=120, time_limit=0.01)
+    )  # seconds are ignored
     assert np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map)
     assert ra.params["work_limit"] == 120
     assert ra.layers[0].extra["kicks"] > 0  # the budget was spent on search, not on nothing
     with pytest.raises(ValueError, match="work_limit"):
-        solve_locality(one, topo, work_limit=0)
+        solve_locality(one, topo, LocalityOptions(work_limit=0))
     with pytest.raises(ValueError, match="work_limit"):
-        solve_locality(one, topo, work_limit=10, method="grouped")
+        solve_locality(one, topo, LocalityOptions(work_limit=10, method="grouped"))
 
 
 def test_api_solve_gives_the_direct_call_and_checks_options(deepseek_slice):
@@ -339,7 +333,7 @@ def test_api_solve_gives_the_direct_call_and_checks_options(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 16, 16, 2)
     one = fit.select_layers([0])
-    direct, rd = solve_locality(one, topo, seed=1, work_limit=60, num_everywhere=4)
+    direct, rd = solve_locality(one, topo, LocalityOptions(seed=1, work_limit=60, num_everywhere=4))
     via, rv = solve(
         "locality", trace=one, topology=topo, seed=1, options={"work_limit": 60, "num_everywhere": 4}
     )
@@ -361,13 +355,13 @@ def test_bad_input_is_a_clear_error(deepseek_slice):
     fit, _ = deepseek_slice
     topo = Topology.from_redundant(64, 32, 32, 4)
     with pytest.raises(ValueError, match="num_redundant"):
-        solve_locality(fit, topo, num_redundant=16)
+        solve_locality(fit, topo, LocalityOptions(num_redundant=16))
     with pytest.raises(ValueError, match="balance_slack"):
-        solve_locality(fit, topo, balance_slack=-0.1)
+        solve_locality(fit, topo, LocalityOptions(balance_slack=-0.1))
     with pytest.raises(ValueError, match="share_margin"):
-        solve_locality(fit, topo, share_margin=-0.5)
+        solve_locality(fit, topo, LocalityOptions(share_margin=-0.5))
     with pytest.raises(ValueError, match="drift_z"):
-        solve_locality(fit, topo, drift_z=-1.0)
+        solve_locality(fit, topo, LocalityOptions(drift_z=-1.0))
     counts_only = RoutingTrace(num_logical_experts=64, window_counts=fit.counts()[None])
     with pytest.raises(ValueError, match="per-token"):
         solve_locality(counts_only, topo)
@@ -393,9 +387,8 @@ def test_partition_descent_ends_at_a_local_optimum():
     every[int(load[0].argmax())] = True
     r = np.where(every, N, 1)
     slack, slots = 0.15, 5
-    node_of, info = partition_nodes(
-        ids, src_node, every, r, load, src, N, slots, slack, 30.0, seed=0, sample=T, perturb=False
-    )
+    spec = PartitionSpec(load, src, N, slots, slack, seed=0, sample=T)
+    node_of, info = partition_nodes(ids, src_node, every, r, spec, 30.0, perturb=False)
     assert info["violation"] == 0.0
     single = np.flatnonzero(~every)
     base = (src[0] * every[None, :]).sum(axis=1)
@@ -467,19 +460,9 @@ def test_choose_everywhere_never_worse_and_keeps_h(deepseek_slice):
     ok = ids >= 0
     np.add.at(src, (0, np.broadcast_to(src_node[:, None], ids.shape)[ok], ids[ok]), 1.0)
     every, _ = replicated_counts(src.sum(axis=1)[0], P, N, m, h)
-    part = {
-        "win_load": src.sum(axis=1),
-        "win_src": src,
-        "num_nodes": N,
-        "slots_per_node": P // N,
-        "slack": slack,
-        "seed": 0,
-        "single_margin": 0,
-    }
+    part = PartitionSpec(src.sum(axis=1), src, N, P // N, slack, seed=0, single_margin=0)
     # step budgets: choose_everywhere's start (40% of 100 steps) is exactly this 40-step partition
-    node0, info0 = partition_nodes(
-        ids, src_node, every, np.where(every, N, 1), time_limit=Budget(0.0, 40), **part
-    )
+    node0, info0 = partition_nodes(ids, src_node, every, np.where(every, N, 1), part, Budget(0.0, 40))
     rn0 = remote_nodes_fit(node0, every, ids, src_node, N).mean()
     ev, node_of, info = choose_everywhere(ids, src_node, every, part, Budget(0.0, 100))
     assert int(ev.sum()) == h and np.all(node_of[ev] == -1) and set(node_of[~ev].tolist()) <= set(range(N))
@@ -500,9 +483,8 @@ def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deep
     ids = fit.topk_ids[:, 0, :].astype(np.int64)
     src_node = (np.arange(ids.shape[0]) % 32) // m
     win = np.zeros(ids.shape[0], dtype=np.int64)
-    row, _ = solve_replicated_layer(
-        ids, src_node, win, 1, E, topo, 8, 0.02, 1.0, seed=0, pack_time=0.05, role_swaps=False
-    )
+    search = LayerSearch(8, 0.02, 1.0, seed=0, pack_time=0.05, role_swaps=False)
+    row, _ = solve_replicated_layer(ids, src_node, win, 1, E, topo, search)
     on_node = np.zeros((E, N), dtype=bool)
     on_node[row, topo.node_of_slot] = True
     every = on_node.all(axis=1)
@@ -515,8 +497,9 @@ def test_gpu_repair_lowers_excess_keeps_invariants_and_prices_moves_exactly(deep
     np.add.at(rn, (topo.node_of_slot, row), 1)
     per = np.where(every[None, :], src[0], load)[topo.node_of_slot, row] / rn[topo.node_of_slot, row]
     peak = np.bincount(topo.gpu_of_slot, weights=per, minlength=32).max()
+    views = FitViews(load, src, ids, src_node)
     row2, info = gpu_repair(
-        row, every, load, src, ids, src_node, topo, np.array([0.97 * peak]), 20.0, seed=0, sample=ids.shape[0]
+        row, every, views, topo, np.array([0.97 * peak]), 20.0, seed=0, sample=ids.shape[0]
     )
     assert info["repair_steps"] > 0 and info["excess_end"] < info["excess_start"]
     assert sorted(set(row2.tolist())) == list(range(E))
@@ -626,20 +609,8 @@ def test_share_margin_gives_everywhere_replicas_lighter_partners(deepseek_slice)
     N, m, E, S = 8, 8, 64, 2
     partner, peak = {}, {}
     for margin in (0.0, 1.0):
-        row, info = solve_replicated_layer(
-            ids,
-            src // m,
-            win,
-            1,
-            E,
-            topo,
-            3,
-            0.02,
-            Budget(0.0, 60),
-            seed=0,
-            role_swaps=False,
-            share_margin=margin,
-        )
+        search = LayerSearch(3, 0.02, Budget(0.0, 60), seed=0, role_swaps=False, share_margin=margin)
+        row, info = solve_replicated_layer(ids, src // m, win, 1, E, topo, search)
         assert info["pack_status"] == ["pairs"] * N  # every split scored (exhaustive)
         on_node = np.zeros((E, N), dtype=bool)
         on_node[row, topo.node_of_slot] = True
@@ -666,8 +637,9 @@ def test_hot_everywhere_experts_can_be_traded_for_hubs(deepseek_slice):
     load = np.bincount(ids[ids >= 0], minlength=64).astype(np.float64)
     start, _ = replicated_counts(load, 128, 8, 8, 3)
     assert (load[start] > load.sum() / 64).all()
+    search = LayerSearch(3, 0.02, Budget(0.0, 60), seed=0)
     row, info = solve_replicated_layer(
-        ids, src // 8, np.zeros(ids.shape[0], dtype=np.int64), 1, 64, topo, 3, 0.02, Budget(0.0, 60), seed=0
+        ids, src // 8, np.zeros(ids.shape[0], dtype=np.int64), 1, 64, topo, search
     )
     on_node = np.zeros((64, 8), dtype=bool)
     on_node[row, topo.node_of_slot] = True
@@ -710,7 +682,7 @@ def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
     load = np.bincount(ids[ids >= 0], minlength=E).astype(np.float64)
     kw = dict(role_swaps=False, share_margin=0.0)
     row0, info0 = solve_replicated_layer(
-        ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, **kw
+        ids, src // m, win, 1, E, topo, LayerSearch(3, 0.02, Budget(0.0, 60), seed=0, **kw)
     )
     assert info0["pack_status"] == ["pairs"] * N
     # the heaviest single-replica expert: declare its load uncertain
@@ -719,7 +691,7 @@ def test_drift_margin_gives_uncertain_experts_more_room(deepseek_slice):
     drift = np.zeros(E)
     drift[x] = 0.5 * load[x]
     row1, _ = solve_replicated_layer(
-        ids, src // m, win, 1, E, topo, 3, 0.02, Budget(0.0, 60), seed=0, drift=drift, **kw
+        ids, src // m, win, 1, E, topo, LayerSearch(3, 0.02, Budget(0.0, 60), seed=0, **kw), drift
     )
     reps1 = np.bincount(row1, minlength=E)
     gpu_of = np.arange(row0.size) // S
@@ -749,7 +721,7 @@ def test_pareto_table_has_baselines_and_redealt_ratios():
     )
     fit, held = t.split(0.5)
     topo = Topology.from_redundant(16, 8, 8, 2)
-    rows = pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 100}, redeal=3)
+    rows = pareto(fit, held, topo, LocalityOptions(work_limit=100), slacks=[0.02], redeal=3)
     kinds = [(r["placement"], r["dispatch"]) for r in rows]
     assert (
         kinds[:3] == [("greedy", "local"), ("greedy", "even"), ("trivial", "local")]
@@ -761,7 +733,8 @@ def test_pareto_table_has_baselines_and_redealt_ratios():
     # the re-dealt ratio is a different measurement from the scored dealing's
     assert rows[3]["par_vs_greedy_redealt"] != pytest.approx(rows[3]["par_vs_greedy"], abs=1e-9)
     assert (
-        "par_vs_greedy_redealt" not in pareto(fit, held, topo, slacks=[0.02], options={"work_limit": 50})[0]
+        "par_vs_greedy_redealt"
+        not in pareto(fit, held, topo, LocalityOptions(work_limit=50), slacks=[0.02])[0]
     )
     with pytest.raises(ValueError, match="redeal"):
         pareto(fit, held, topo, slacks=[0.02], redeal=-1)

@@ -9,7 +9,7 @@ from placement.metrics import expected_gpu_load, moved_slots
 from placement.model import Placement
 from placement.topology import Topology
 from solver.greedy import greedy_placement
-from solver.migration import align_to_previous, keep_slots, moved_pairs, solve_migration
+from solver.migration import MigrationOptions, align_to_previous, keep_slots, moved_pairs, solve_migration
 
 
 def _loads(L, E, seed, skew=1.0):
@@ -35,7 +35,7 @@ def _peaks(p, w):
 @pytest.mark.parametrize("move_cost", [0.0, 5.0, 50.0])
 def test_never_worse_than_zero_moves(seed, move_cost):
     topo, prev, w = _setup(seed)
-    new, rep = solve_migration(w, prev, move_cost=move_cost)
+    new, rep = solve_migration(w, prev, MigrationOptions(move_cost=move_cost))
     per_layer_moved = moved_pairs(prev, new)
     obj = _peaks(new, w) + move_cost * per_layer_moved  # recomputed independently of the report
     assert np.all(obj <= _peaks(prev, w) + 1e-9)
@@ -47,7 +47,7 @@ def test_never_worse_than_zero_moves(seed, move_cost):
 
 def test_huge_move_cost_moves_nothing():
     topo, prev, w = _setup(3)
-    new, _ = solve_migration(w, prev, move_cost=1e12)
+    new, _ = solve_migration(w, prev, MigrationOptions(move_cost=1e12))
     assert new == prev.with_provenance() or np.array_equal(
         new.physical_to_logical_map, prev.physical_to_logical_map
     )
@@ -56,7 +56,7 @@ def test_huge_move_cost_moves_nothing():
 @pytest.mark.parametrize("budget", [0, 1, 3, 10])
 def test_respects_total_move_budget(budget):
     topo, prev, w = _setup(4)
-    new, rep = solve_migration(w, prev, max_moves=budget)
+    new, rep = solve_migration(w, prev, MigrationOptions(max_moves=budget))
     assert moved_slots(prev, new) <= budget
     assert sum(lr.extra["moved_slots"] for lr in rep.layers) == moved_slots(prev, new)
     assert rep.params["max_moves_scope"] == "total over layers"
@@ -66,7 +66,10 @@ def test_respects_total_move_budget(budget):
 
 def test_more_budget_never_hurts_the_peak():
     topo, prev, w = _setup(5)
-    peaks = [float(_peaks(solve_migration(w, prev, max_moves=b)[0], w).sum()) for b in (0, 2, 6, 20)]
+    peaks = [
+        float(_peaks(solve_migration(w, prev, MigrationOptions(max_moves=b))[0], w).sum())
+        for b in (0, 2, 6, 20)
+    ]
     assert all(b <= a + 1e-9 for a, b in zip(peaks, peaks[1:]))
     assert peaks[-1] < peaks[0]
 
@@ -77,7 +80,7 @@ def test_budget_goes_to_the_layer_that_gains():
     prev1, _ = greedy_placement(w0, topo)
     prev = Placement(np.concatenate([prev1.physical_to_logical_map] * 2), 16, topo)
     w = np.concatenate([w0, w0[:, ::-1]])  # layer 0 keeps its load, layer 1's load is reversed
-    new, rep = solve_migration(w, prev, max_moves=3)
+    new, rep = solve_migration(w, prev, MigrationOptions(max_moves=3))
     moved = moved_pairs(prev, new)
     assert moved[1] >= 1 and moved[0] <= moved[1]
     assert rep.layers[1].extra["peak"] < rep.layers[1].extra["previous_peak"]
@@ -86,7 +89,7 @@ def test_budget_goes_to_the_layer_that_gains():
 @pytest.mark.parametrize("method", ["incremental", "exact"])
 def test_valid_and_unchanged_experts_keep_their_slots(method):
     topo, prev, w = _setup(6, L=2, E=8, red=4, G=4)
-    new, rep = solve_migration(w, prev, method=method, time_limit=3.0, max_moves=6)
+    new, rep = solve_migration(w, prev, MigrationOptions(method=method, time_limit=3.0, max_moves=6))
     assert isinstance(new, Placement)  # constructed = validated (replicas, no co-location)
     # moved slots counted per slot equal the (GPU, expert) pairs that are new: nothing reshuffled in place
     assert moved_slots(prev, new) == int(moved_pairs(prev, new).sum())
@@ -99,7 +102,7 @@ def test_valid_and_unchanged_experts_keep_their_slots(method):
                 if n[l, s] in old_set:
                     assert p[l, s] == n[l, s]  # an expert that stays on GPU g stays in its slot
     if method == "exact":
-        inc, _ = solve_migration(w, prev, method="incremental", max_moves=6)
+        inc, _ = solve_migration(w, prev, MigrationOptions(method="incremental", max_moves=6))
         assert float(_peaks(new, w).sum()) <= float(_peaks(inc, w).sum()) + 1e-9
         assert rep.status in ("optimal", "feasible", "time_limit", "heuristic")
 
@@ -108,7 +111,7 @@ def test_drift_guard_falls_back_to_full_resolve():
     topo, prev, _ = _setup(8, L=3, E=16, red=8, G=8, N=2)
     rng = np.random.default_rng(9)
     w = rng.pareto(0.7, size=(3, 16)) * 100 + 1  # an unrelated, heavier-tailed load
-    new, rep = solve_migration(w, prev, drift_guard=1.0)
+    new, rep = solve_migration(w, prev, MigrationOptions(drift_guard=1.0))
     for lr in rep.layers:
         lb = lr.bound  # closed-form peak lower bound (no budget, no move cost)
         gap_inc, gap_full = lr.extra["peak"] / lb - 1, lr.extra["full_resolve_peak"] / lb - 1
@@ -151,11 +154,11 @@ def test_bad_input_names_the_numbers():
     with pytest.raises(ValueError, match=r"\[4, 16\]"):
         solve_migration(w[:, :8], prev)
     with pytest.raises(ValueError, match="max_moves"):
-        solve_migration(w, prev, max_moves=-1)
+        solve_migration(w, prev, MigrationOptions(max_moves=-1))
     with pytest.raises(ValueError, match="move_cost"):
-        solve_migration(w, prev, move_cost=float("nan"))
+        solve_migration(w, prev, MigrationOptions(move_cost=float("nan")))
     with pytest.raises(ValueError, match="method"):
-        solve_migration(w, prev, method="magic")
+        solve_migration(w, prev, MigrationOptions(method="magic"))
 
 
 def test_solver_api_dispatch():
@@ -174,19 +177,17 @@ def test_real_trace_small_budget_beats_staying(deepseek_trace):
     a, b = wl[:300].sum(0), wl[300:600].sum(0)
     topo = Topology.from_redundant(64, 8, 8)
     prev, _ = greedy_placement(a, topo)
-    new, rep = solve_migration(b, prev, max_moves=12)
+    new, rep = solve_migration(b, prev, MigrationOptions(max_moves=12))
     assert moved_slots(prev, new) <= 12
     assert float(_peaks(new, b).sum()) <= float(_peaks(prev, b).sum())
 
 
 def test_solver_api_matches_solve_migration():
-    import inspect
-
     from solver.api import solve
     from solver.migration import MigrationOptions
 
     topo, prev, w = _setup(2)
-    direct, drep = solve_migration(w, prev, max_moves=5, move_cost=2.0, time_limit=10.0)
+    direct, drep = solve_migration(w, prev, MigrationOptions(max_moves=5, move_cost=2.0, time_limit=10.0))
     via, vrep = solve(
         "migration",
         topology=topo,
@@ -199,15 +200,10 @@ def test_solver_api_matches_solve_migration():
     assert [lr.objective for lr in vrep.layers] == [lr.objective for lr in drep.layers]
     assert [lr.extra for lr in vrep.layers] == [lr.extra for lr in drep.layers]
     assert vrep.params == drep.params and via.layer_ids == direct.layer_ids
-    # the options class holds every keyword of solve_migration but the data, with the same defaults
-    kw = {
-        n: p.default
-        for n, p in inspect.signature(solve_migration).parameters.items()
-        if p.kind is p.KEYWORD_ONLY and n != "layer_ids"
-    }
-    assert kw == {n: getattr(MigrationOptions(), n) for n in kw} and len(kw) == len(
-        MigrationOptions.__dataclass_fields__
-    )
+    # no keyword twins: the defaults live in MigrationOptions only
+    default, _ = solve_migration(w, prev)
+    explicit, _ = solve_migration(w, prev, MigrationOptions())
+    np.testing.assert_array_equal(default.physical_to_logical_map, explicit.physical_to_logical_map)
     with pytest.raises(ValueError, match="bogus"):
         solve("migration", topology=topo, load=w, previous=prev, options={"bogus": 1})
 
@@ -216,7 +212,7 @@ def test_max_steps_gives_the_same_map_under_any_wall_limit():
     topo, prev, w = _setup(3, L=6, E=32, red=16, G=8, N=2)
     maps, notes = set(), set()
     for time_limit in (0.5, 5.0, 60.0):
-        new, rep = solve_migration(w, prev, max_steps=200_000, time_limit=time_limit)
+        new, rep = solve_migration(w, prev, MigrationOptions(max_steps=200_000, time_limit=time_limit))
         maps.add(new.physical_to_logical_map.tobytes())
         notes.update(rep.notes)
         assert rep.params["max_steps"] == 200_000
@@ -226,14 +222,15 @@ def test_max_steps_gives_the_same_map_under_any_wall_limit():
 
 def test_max_steps_none_or_large_is_the_unlimited_search():
     topo, prev, w = _setup(4)
-    free, frep = solve_migration(w, prev, max_moves=6)
-    big, brep = solve_migration(w, prev, max_moves=6, max_steps=10**12)
+    free, frep = solve_migration(w, prev, MigrationOptions(max_moves=6))
+    big, brep = solve_migration(w, prev, MigrationOptions(max_moves=6, max_steps=10**12))
     np.testing.assert_array_equal(free.physical_to_logical_map, big.physical_to_logical_map)
     assert "max_steps" not in frep.params
-    none, nrep = solve_migration(w, prev, max_moves=6, max_steps=0)  # no search move, drift guard only
+    no_search = MigrationOptions(max_moves=6, max_steps=0)  # no search move, drift guard only
+    none, nrep = solve_migration(w, prev, no_search)
     assert sum(lr.extra["replace_moves"] + lr.extra["swap_moves"] for lr in nrep.layers) == 0
     with pytest.raises(ValueError, match="max_steps"):
-        solve_migration(w, prev, max_steps=-1)
+        solve_migration(w, prev, MigrationOptions(max_steps=-1))
 
 
 def test_keep_slots_batched_equals_keep_slots():
@@ -296,7 +293,9 @@ def test_max_moves_is_a_hard_cap_from_an_engine_map(seed):
     _, prev, w = _engine_map(seed, dup=1 + seed % 3)
     need = int(colocated_extra_copies(prev).sum())
     for budget in (need, need + 1, need + 5, need + 40):
-        new, rep = solve_migration(w, prev, max_moves=budget, time_limit=5.0, max_steps=10**7)
+        new, rep = solve_migration(
+            w, prev, MigrationOptions(max_moves=budget, time_limit=5.0, max_steps=10**7)
+        )
         assert not new.allow_colocated_replicas
         moved = moved_slots(prev, new)  # against the map in service, its slot order included
         assert moved <= budget
@@ -306,7 +305,7 @@ def test_max_moves_is_a_hard_cap_from_an_engine_map(seed):
         assert sum(lr.extra["repair_moved_slots"] for lr in rep.layers) == need
     if need:
         with pytest.raises(ValueError, match=rf"at least {need} moved slot.*max_moves={need - 1}"):
-            solve_migration(w, prev, max_moves=need - 1)
+            solve_migration(w, prev, MigrationOptions(max_moves=need - 1))
 
 
 def test_budget_beyond_the_repair_buys_balance():
@@ -314,8 +313,8 @@ def test_budget_beyond_the_repair_buys_balance():
     from solver.migration_slots import colocated_extra_copies
 
     need = int(colocated_extra_copies(prev).sum())
-    tight, _ = solve_migration(w, prev, max_moves=need)
-    loose, _ = solve_migration(w, prev, max_moves=need + 30)
+    tight, _ = solve_migration(w, prev, MigrationOptions(max_moves=need))
+    loose, _ = solve_migration(w, prev, MigrationOptions(max_moves=need + 30))
     assert moved_slots(prev, tight) == need
     assert _peaks(loose, w).sum() < _peaks(tight, w).sum()
 
@@ -336,7 +335,7 @@ def test_arrived_experts_counts_only_experts_new_on_a_gpu():
 
 def test_staying_experts_keep_their_slots_from_an_engine_map():
     _, prev, w = _engine_map(7, dup=2)
-    new, _ = solve_migration(w, prev, max_moves=20)
+    new, _ = solve_migration(w, prev, MigrationOptions(max_moves=20))
     S, G = prev.topology.slots_per_gpu, prev.topology.ep_size
     old, cur = prev.physical_to_logical_map, new.physical_to_logical_map
     for l in range(old.shape[0]):
@@ -359,7 +358,7 @@ def test_even_dispatch_problem_is_the_plain_migration():
     from solver.migration import MigrationOptions, run_migration
 
     topo, prev, w = _setup(4)
-    direct, _ = solve_migration(w, prev, max_moves=6)
+    direct, _ = solve_migration(w, prev, MigrationOptions(max_moves=6))
     via, rep = run_migration(_problem(prev, w, EVEN.name), MigrationOptions(max_moves=6))
     np.testing.assert_array_equal(via.physical_to_logical_map, direct.physical_to_logical_map)
     assert "dispatch" not in rep.params and not any("scored" in n for n in rep.notes)

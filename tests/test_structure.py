@@ -242,3 +242,274 @@ def test_pending_list_names_only_files_that_still_spell_names():
     pending = check.measure(ROOT, pending=check._LITERAL_PENDING).pending
     spelled = {row.split(":", 1)[0] for row in pending}
     assert spelled == set(check._LITERAL_PENDING)
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 35's counts (tools/structure_counts.py), each with planted violations
+# ---------------------------------------------------------------------------------------------
+counts = check.structure_counts
+
+MODELS = """
+    from placement.dispatch.registry import DispatchModel, register
+
+    EVEN = register(DispatchModel("even", "split evenly", choices))
+    LOCAL = register(DispatchModel(name="local", models="own GPU first", choices=choices))
+    HELPER = make_something()
+    if EVEN is LOCAL:  # inside the registry: allowed
+        pass
+    """
+
+
+def test_dispatch_branches_count_each_comparison_against_one_model(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "solver/x.py": """
+                from placement import dispatch as d
+
+                def f(model, name):
+                    if model is EVEN:
+                        return 1
+                    if model is not EVEN and model is not LOCAL:
+                        return 2
+                    if name == LOCAL.name or name in (EVEN.name, "other"):
+                        return 3
+                    if d.EVEN is model or name == "local":
+                        return 4
+                    g(EVEN, LOCAL.name)  # passing a model is asking it, not branching
+                    return model.needs_step_counts and name != "unregistered"
+                """,
+        },
+    )
+    (root / "placement" / "dispatch").mkdir()
+    (root / "placement" / "dispatch" / "ideal.py").write_text(textwrap.dedent(MODELS))
+    assert counts.dispatch_constants(root) == ({"EVEN", "LOCAL"}, {"even", "local"})
+    assert counts.dispatch_branches(root) == [
+        "solver/x.py:5",
+        "solver/x.py:7",
+        "solver/x.py:7",
+        "solver/x.py:9",
+        "solver/x.py:9",
+        "solver/x.py:11",
+        "solver/x.py:11",
+    ]
+
+
+def test_wide_functions_count_named_parameters_but_not_self(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "profiling/w.py": """
+                def nine(a, b, c, d, e, f, g, h, i):
+                    pass
+
+                def eight_and_star(a, b, c, d, e, f, g, h, *args, **kwargs):
+                    pass
+
+                def keyword_only(a, /, b, *, c, d, e, f, g, h, i):
+                    pass
+
+                class K:
+                    def method(self, a, b, c, d, e, f, g, h):
+                        pass
+
+                    def wide(self, a, b, c, d, e, f, g, h, i):
+                        pass
+                """,
+        },
+    )
+    assert counts.wide_functions(root) == [
+        "profiling/w.py:2 nine (9)",
+        "profiling/w.py:8 keyword_only (9)",
+        "profiling/w.py:15 wide (9)",
+    ]
+
+
+def test_step_tokens_aliases_and_policy_words_are_found(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "placement/m.py": '''
+                """A docstring may say policy and batch_tokens."""
+
+                def f(step_tokens, batch_per_rank=4):
+                    run(decode_batch=step_tokens)
+                    return args.decode_batch, args.batch_tokens, {"policy": 1}
+                ''',
+        },
+    )
+    (root / "runtime_hooks" / "engine_plugins").mkdir()
+    (root / "runtime_hooks" / "engine_plugins" / "p.py").write_text("policy = 1\n")  # the plugins' word
+    assert counts.step_tokens_names(root) == [
+        "placement/m.py:4 batch_per_rank",
+        "placement/m.py:5 decode_batch",
+        "placement/m.py:6 batch_tokens",  # args.decode_batch is advise's per-phase flag: allowed
+    ]
+    assert counts.policy_words(root) == ["placement/m.py:6 'policy'"]
+
+
+EXCEPTIONS = """
+    class Base(Exception):
+        pass
+
+    class BadInput(Base, ValueError):
+        pass
+
+    class Loose(RuntimeError):
+        pass
+
+    class _Signal(Exception):  # private control flow: not part of the family
+        pass
+
+    class NotAnError:
+        pass
+
+    class Deeper(BadInput):
+        pass
+    """
+
+
+def test_exception_roots_are_enforced(tmp_path):
+    root = _tree(tmp_path, {"profiling/errors.py": EXCEPTIONS})
+    assert counts.exception_roots(root) == ["profiling/errors.py:2 Base", "profiling/errors.py:8 Loose"]
+    report = check.measure(root)
+    assert report.over_limit == ["exception_roots"] and not report.ok
+    (root / "profiling" / "errors.py").write_text(
+        textwrap.dedent(EXCEPTIONS).replace("Loose(RuntimeError)", "Loose(Base, RuntimeError)")
+    )
+    assert counts.exception_roots(root) == ["profiling/errors.py:2 Base"]
+    assert check.measure(root).ok
+
+
+def test_import_fallbacks_around_own_modules_are_enforced(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "cli/a.py": """
+                try:
+                    import torch  # a third-party extra: fine
+                except ImportError:
+                    torch = None
+
+                def f():
+                    try:
+                        from solver.exact import x
+                    except ImportError:
+                        x = None
+                    try:
+                        from . import b
+                    except (OSError, ModuleNotFoundError):
+                        b = None
+                    try:
+                        from solver import y
+                    except ValueError:
+                        y = None
+                """,
+        },
+    )
+    assert counts.import_fallbacks(root) == ["cli/a.py:8", "cli/a.py:12"]
+    assert check.measure(root).over_limit == ["import_fallbacks"]
+
+
+def test_outside_references_but_not_citations_are_enforced(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "solver/r.py": '''
+                """Costs as in ../shared/docs/costmodel.md.
+
+                82 ns per assignment (DeepGEMM README, H800); SGLang's rule (``srt/eplb/x.py``);
+                https://arxiv.org/abs/2401.06066 is the paper.
+                """
+
+                # numbers from the shared docs/costmodel.md
+                def f():
+                    """For how this works see vLLM's code."""
+                    return "../shared/docs/x.md is a string, not prose"
+
+                # defined in docs/present.md; docs/missing.md is not in the repository
+                ''',
+        },
+    )
+    (root / "docs").mkdir()
+    (root / "docs" / "present.md").write_text("# here\n")
+    assert counts.outside_references(root) == [
+        "solver/r.py:2 '../shared/'",
+        "solver/r.py:8 'docs/costmodel.md'",
+        "solver/r.py:8 'shared docs'",
+        'solver/r.py:10 "see vLLM\'s code"',
+        "solver/r.py:13 'docs/missing.md'",
+    ]
+    assert check.measure(root).over_limit == ["outside_references"]
+
+
+def test_readme_size_and_deprecated_flags_are_enforced(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "cli/common.py": """
+                def add(p):
+                    p.add_argument("--dispatch", help="how tokens pick a replica")
+                    p.add_argument("--policy", dest="dispatch", help="deprecated alias of --dispatch")
+                    p.add_argument("--old-flag", help=f"{'Deprecated'}: use --new-flag")
+                """,
+        },
+    )
+    assert counts.deprecated_flags(root) == {"--policy", "--old-flag"}
+    (root / "README.md").write_text("run --dispatch local\nnot --policy-file\n")
+    assert counts.readme_deprecated(root) == [] and counts.readme_lines(root) == ["2"]
+    (root / "README.md").write_text("x\n" * 150 + "run --policy local\n")
+    assert counts.readme_deprecated(root) == ["README.md:151 --policy"]
+    assert check.measure(root).over_limit == ["readme_lines", "readme_deprecated"]
+
+
+def test_solver_share_is_report_only_until_enforce_all(tmp_path, capsys):
+    root = _tree(tmp_path, {"solver/s.py": "x = 1\n" * 60, "profiling/p.py": "y = 2\n" * 40})
+    assert counts.solver_share(root) == ["60"]
+    assert check.measure(root).ok
+    assert check.measure(root, enforce_all=True).over_limit == ["solver_share"]
+    assert check.main(["--root", str(root), "--counts"]) == 0
+    out = capsys.readouterr().out
+    assert "solver_share            60    35 report-only" in out
+    assert check.main(["--root", str(root), "--enforce-all"]) == 1
+
+
+def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
+    from cli.common import CliError
+    from profiling import errors
+    from profiling.fileio import InputFileError
+    from runtime_hooks.engine_plugins.policy import PolicyError
+    from runtime_hooks.engine_plugins.spec import SpecError
+    from runtime_hooks.launcher import WorkerError, WorkerTimeout
+
+    old_paths = [CliError, InputFileError, PolicyError, SpecError, WorkerError, WorkerTimeout]
+    assert sorted(c.__name__ for c in old_paths) == sorted(set(errors.__all__) - {"MoePlacementError"})
+    assert all(getattr(errors, c.__name__) is c for c in old_paths)
+    assert all(issubclass(c, errors.MoePlacementError) for c in old_paths)
+    for cls, builtin in [
+        (InputFileError, ValueError),
+        (WorkerError, RuntimeError),
+        (WorkerTimeout, TimeoutError),
+    ]:
+        assert issubclass(cls, builtin)
+    err = WorkerTimeout([1, 3], 2.0)
+    assert err.ranks == [1, 3] and "2.0 s" in str(err)
+
+
+def test_inspect_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """The ImportError fallback is gone: a missing viz extra is checked up front, as bad input."""
+    import importlib.util
+
+    from cli.main import main
+    from profiling.readers import write_trace
+    from profiling.synthetic import synthetic_trace
+
+    path = tmp_path / "t.npz"
+    write_trace(
+        synthetic_trace(num_tokens=200, num_layers=2, num_logical_experts=8, top_k=2, num_prompts=4), path
+    )
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    assert main(["inspect", str(path), "--plot", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["moe-placement: error: --plot needs the viz extra: pip install matplotlib"]

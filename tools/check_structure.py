@@ -14,11 +14,15 @@ Checks, over ``profiling``, ``placement``, ``solver``, ``runtime_hooks`` and ``c
    extends the check.
 5. No solver-name branch in ``cli/``: a comparison (``==``, ``in``, ...) or ``case`` against a string
    that is a key of the ``SOLVERS`` dict literal in ``solver/api.py``.
+6. The counts of issue 35's table (``tools/structure_counts.py``): the enforced rows (exception roots,
+   own-module ImportError fallbacks, references outside the repository, README size and deprecated
+   flags) fail over their limits; the others are report-only until ``--enforce-all``.
 
 Files in ``_LITERAL_PENDING`` still hold such literals and are only warned about (the list empties as
 they are moved onto the registries).
 
-Usage: ``python tools/check_structure.py [--root DIR] [--json]``; exit code 1 when a check fails.
+Usage: ``python tools/check_structure.py [--root DIR] [--json] [--counts] [--enforce-all]``; ``--counts``
+prints the table with each row's first findings; exit code 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import structure_counts  # noqa: E402  (a sibling file of this script, not a package)
 
 FLOORS = ("profiling", "placement", "solver", "runtime_hooks", "cli")
 DISPATCH_PACKAGE = "placement/dispatch"  # the one place dispatch-model names are spelled
@@ -49,6 +56,8 @@ class Report:
     dispatch_literals: list[str] = field(default_factory=list)
     solver_branches: list[str] = field(default_factory=list)
     pending: list[str] = field(default_factory=list)
+    counts: dict[str, list[str]] = field(default_factory=dict)
+    over_limit: list[str] = field(default_factory=list)
     modules: int = 0
     functions: int = 0
 
@@ -61,6 +70,7 @@ class Report:
             or self.long_modules
             or self.dispatch_literals
             or self.solver_branches
+            or self.over_limit
         )
 
 
@@ -317,9 +327,14 @@ def _split_pending(findings: list[str], pending: tuple[str, ...]) -> tuple[list[
 
 
 def measure(
-    root: Path, max_function: int = 80, max_module: int = 700, pending: tuple[str, ...] | None = None
+    root: Path,
+    max_function: int = 80,
+    max_module: int = 700,
+    pending: tuple[str, ...] | None = None,
+    enforce_all: bool = False,
 ) -> Report:
-    """Run every check on the tree at ``root``; ``pending`` (default ``_LITERAL_PENDING``) files only warn."""
+    """Run every check on the tree at ``root``; ``pending`` (default ``_LITERAL_PENDING``) files only warn;
+    ``enforce_all``: the report-only counts fail over their limits too."""
     pending = _LITERAL_PENDING if pending is None else pending
     modules = package_modules(root)
     graph = import_graph(root, modules)
@@ -333,6 +348,8 @@ def measure(
     branches, waived_branches = _split_pending(solver_branches(root, solver_names(root)), pending)
     report.dispatch_literals, report.solver_branches = literals, branches
     report.pending = waived + waived_branches
+    report.counts = structure_counts.measure_counts(root)
+    report.over_limit = structure_counts.over_limit(report.counts, enforce_all)
     return report
 
 
@@ -357,6 +374,11 @@ def render(report: Report, max_function: int, max_module: int) -> str:
             else []
         ),
         *(f"  {row}" for row in report.pending),
+        f"counts over their limits: {len(report.over_limit)} (--counts prints the table)",
+        *(
+            f"  {key}: {structure_counts.value(key, report.counts[key]):g}; {report.counts[key][:3]}"
+            for key in report.over_limit
+        ),
         "structure: OK" if report.ok else "structure: FAILED",
     ]
     return "\n".join(lines)
@@ -368,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-function", type=int, default=80)
     ap.add_argument("--max-module", type=int, default=700)
     ap.add_argument("--json", action="store_true", help="print the findings as one JSON object")
+    ap.add_argument("--counts", action="store_true", help="print issue 35's table of counts first")
+    ap.add_argument("--enforce-all", action="store_true", help="fail on the report-only counts too")
     args = ap.parse_args(argv)
-    report = measure(args.root, args.max_function, args.max_module)
+    report = measure(args.root, args.max_function, args.max_module, enforce_all=args.enforce_all)
+    if args.counts and not args.json:
+        print(structure_counts.render_counts(report.counts))
     if args.json:
         print(json.dumps({**report.__dict__, "ok": report.ok}, indent=1))
     else:

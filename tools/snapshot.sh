@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Records what the CLI and the benchmarks print on the shared traces, to diff a refactor against:
 #   tools/snapshot.sh OUT_DIR            (run from the repository root, with the venv active)
+#   tools/snapshot.sh --quick OUT_DIR    (about a minute: tools/snapshot_quick.py, placements only)
 #   diff -r before/ after/               (timing columns differ; placements and figures must not)
 # Every solve uses a step budget or is deterministic, so two runs of one tree give the same files.
 set -uo pipefail
-out=${1:?usage: tools/snapshot.sh OUT_DIR}
+if [ "${1:-}" = "--quick" ]; then
+  exec python tools/snapshot_quick.py "${2:?usage: tools/snapshot.sh --quick OUT_DIR}"
+fi
+out=${1:?usage: tools/snapshot.sh [--quick] OUT_DIR}
 mkdir -p "$out"
 traces=${MOE_TRACES_DIR:-../shared/traces}
 T=$traces/deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz
@@ -14,13 +18,13 @@ mp() { python -m cli "$@"; }
 [ -f cli/__main__.py ] || mp() { python -m placement "$@"; }
 
 run inspect mp inspect "$T" --json
-run solve-greedy mp solve --trace "$T" "${topo[@]}" --solver greedy --fit-fraction 0.5 --policy local -o "$out/p.json"
+run solve-greedy mp solve --trace "$T" "${topo[@]}" --solver greedy --fit-fraction 0.5 --dispatch local -o "$out/p.json"
 run solve-cpsat mp solve --trace "$T" "${topo[@]}" --solver cpsat --time-limit 4 --fit-fraction 0.5 -o "$out/sglang.json" --format sglang
 run solve-locality mp solve --trace "$T" "${topo[@]}" --solver locality --balance-slack 0.02 --work-limit 4000 --fit-fraction 0.5 -o "$out/loc.json"
 run solve-migration mp solve --trace "$T" "${topo[@]}" --previous "$out/p.json" --max-moves 40 --fit-fraction 0.5 -o "$out/next.json"
 run solve-sglang mp solve --trace "$T" "${topo[@]}" --solver greedy --dispatch sglang-static --fit-fraction 0.5 -o "$out/sg.json" --format sglang
 run evaluate-all mp evaluate "$out/p.json" "$T" --dispatch all --step-tokens 64
-run evaluate mp evaluate "$out/p.json" "$T" --policy local --step-tokens 16 --hidden-size 2048
+run evaluate mp evaluate "$out/p.json" "$T" --dispatch local --step-tokens 16 --hidden-size 2048
 run convert-trtllm mp convert "$out/p.json" -o "$out/moe_load_balancer.yaml" --format trtllm
 run convert-ascend mp convert "$out/p.json" -o "$out/ascend.json" --format vllm-ascend
 run layout mp layout --model deepseek-v3 --nodes 4 --gpus-per-node 8 --hardware h200 --phase decode --output "$out/plan"

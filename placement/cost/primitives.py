@@ -1,4 +1,4 @@
-"""The cost model's primitive timings (seconds), numpy only; shared docs/costmodel.md.
+"""The cost model's primitive timings (seconds), numpy only; described in docs/layout.md.
 
 Every caller that prices time (the step-time model, the planner, advise, the exact solvers' decode
 objective, the rebalance rule and the rebalancer) computes it here, from the hardware presets of

@@ -1,4 +1,4 @@
-"""Modelled time of the forward steps an engine runs on a trace (numpy only; shared docs/costmodel.md).
+"""Modelled time of the forward steps an engine runs on a trace (numpy only; described in docs/layout.md).
 
 Shapes: S steps, L MoE layers of the trace, E logical experts, P physical slots, G EP ranks (GPUs),
 N nodes, m GPUs per node, T tokens, k top-k.

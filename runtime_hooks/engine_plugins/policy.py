@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from placement.dispatch import SGLANG_STATIC, VLLM_HASH
+from profiling.errors import PolicyError  # re-exported: the family lives in profiling.errors
 from runtime_hooks.engine_plugins.spec import MAX_FILE_BYTES, PolicySpec
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 
@@ -107,10 +108,6 @@ def exact_seconds(num_layers: int, num_experts: int) -> float:
 def migration_steps(time_limit: float) -> int:
     """The migration search's work limit (``max_steps``) for a budget of ``time_limit`` seconds."""
     return max(1, int(MIGRATION_STEPS_PER_S * time_limit))
-
-
-class PolicyError(ValueError):
-    """Our policy cannot answer this call (the hook then runs the engine's own algorithm)."""
 
 
 @dataclass(frozen=True)

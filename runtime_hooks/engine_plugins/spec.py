@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from profiling.errors import SpecError  # re-exported: the family lives in profiling.errors
+
 __all__ = [
     "ACCEPTED",
     "ENV_VAR",
@@ -56,10 +58,6 @@ _OPTIONS = {
     "exact": ("time_limit", *_RULE),
     "migration": ("max_moves", "time_limit", *_RULE),
 }
-
-
-class SpecError(ValueError):
-    """A malformed ``MOE_PLACEMENT_EPLB`` value; its message is one line naming the accepted specs."""
 
 
 @dataclass(frozen=True)

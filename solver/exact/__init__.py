@@ -51,8 +51,8 @@ and top-k ``k``, expert ``e`` gets ``lam_e = f_e * k * batch * G`` selections (`
 share); one of its ``r`` replicas is active with probability ``1 - exp(-lam_e / r)`` (Poisson), so
 ``c[e, r] = a * lam_e / r + t_read * (1 - exp(-lam_e / r))`` microseconds. Replicating a cold expert
 adds a weight read for few tokens, so the decode optimum replicates less than the token optimum.
-Defaults (see :class:`DecodeCost`) are DeepSeek-V3 on H100 from ../shared/docs/costmodel.md; the
-hardware figures come from the one cost model, :mod:`placement.cost.hardware`.
+Defaults (see :class:`DecodeCost`) are DeepSeek-V3 on H100; the hardware figures come from the one
+cost model, :mod:`placement.cost.hardware`.
 
 Robust (``robust="max"`` or ``"qNN"``): per window ``w`` the load is normalised to mean 1 per GPU and
 the objective is the max over windows of the window's peak (PAR), or for ``qNN`` the CVaR at NN%: the

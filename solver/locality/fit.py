@@ -25,7 +25,7 @@ from solver.budget import Budget
 from solver.greedy import greedy_placement
 from solver.locality.options import LocalityOptions
 from solver.locality.reach import remote_nodes_fit
-from solver.locality.replicated import solve_replicated_layer
+from solver.locality.replicated import LayerSearch, solve_replicated_layer
 from solver.locality.sources import (
     default_everywhere,
     expected_share_excess,
@@ -226,13 +226,7 @@ def _solve_layers(
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)  # [T, k]
         b_part, b_pack, b_rep = _layer_budgets(o.time_limit, o.work_limit, L, N)
-        row, info = solve_replicated_layer(
-            ids,
-            src_node,
-            fit.win,
-            fit.W,
-            E,
-            topology,
+        search = LayerSearch(
             fit.hs[l],
             o.balance_slack,
             b_part,
@@ -243,8 +237,9 @@ def _solve_layers(
             repair_time=b_rep,
             single_margin=o.single_margin,
             share_margin=share_margin,
-            drift=None if fit.drift is None else fit.drift[l],
         )
+        drift = None if fit.drift is None else fit.drift[l]
+        row, info = solve_replicated_layer(ids, src_node, fit.win, fit.W, E, topology, search, drift)
         rows[l] = row
         reports.append(
             LayerReport(

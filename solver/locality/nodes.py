@@ -18,7 +18,35 @@ import numpy as np
 from solver.budget import Budget, as_budget
 from solver.locality.reach import NodeReach, token_sample
 
-__all__ = ["partition_nodes"]
+__all__ = ["PartitionSpec", "partition_nodes"]
+
+
+@dataclass(frozen=True)
+class PartitionSpec:
+    """What :func:`partition_nodes` balances, and how it searches (fixed for one layer).
+
+    Attributes:
+        win_load: float64 ``[W, E]`` picks per fit window; win_src: float64 ``[W, N, E]`` the same by
+            source node (see :func:`solver.locality.replicated.window_node_loads`).
+        num_nodes: ``N``; slots_per_node: ``P / N``.
+        slack: node loads within ``(1 + slack) x`` the mean on the fit total.
+        seed: seeds the token sample and the kicks; sample: tokens in the sample that prices moves.
+        window_weight: scales the per-window violation terms against the fit-total term.
+        window_slack: node loads within ``(1 + window_slack) x`` each window's mean (None: ``slack``).
+        single_margin: single-node experts per node at most ``ceil(n_single / N) + single_margin``
+            (None: only the slot limit).
+    """
+
+    win_load: np.ndarray
+    win_src: np.ndarray
+    num_nodes: int
+    slots_per_node: int
+    slack: float
+    seed: int = 0
+    sample: int = 20000
+    window_weight: float = 1.0
+    window_slack: float | None = None
+    single_margin: int | None = None
 
 
 def partition_nodes(
@@ -26,17 +54,8 @@ def partition_nodes(
     src_node: np.ndarray,
     every: np.ndarray,
     r: np.ndarray,
-    win_load: np.ndarray,
-    win_src: np.ndarray,
-    num_nodes: int,
-    slots_per_node: int,
-    slack: float,
+    spec: PartitionSpec,
     time_limit: float | Budget,
-    seed: int = 0,
-    sample: int = 20000,
-    window_weight: float = 1.0,
-    window_slack: float | None = None,
-    single_margin: int | None = None,
     init: np.ndarray | None = None,
     perturb: bool = True,
 ) -> tuple[np.ndarray, dict]:
@@ -55,22 +74,23 @@ def partition_nodes(
 
     Args:
         ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]``; every: bool ``[E]``; r: int64 ``[E]``.
-        win_load: float64 ``[W, E]``; win_src: float64 ``[W, N, E]`` (see
-            :func:`solver.locality.replicated.window_node_loads`).
+        spec: the views, node sizes, slacks and search settings (:class:`PartitionSpec`).
         init: optional int64 ``[E]`` start layout (node of each single-node expert) instead of the greedy start.
         perturb: run the kicks after the first descent.
 
     Returns:
         ``(node_of int64 [E] (-1 for everywhere experts), info dict)``.
     """
-    rng = np.random.default_rng(seed)
-    N = int(num_nodes)
+    rng = np.random.default_rng(spec.seed)
+    N = int(spec.num_nodes)
     single = np.flatnonzero(~every)
-    cap_slots = _single_slots(every, r, single, N, slots_per_node, single_margin)
-    tok = token_sample(rng, ids.shape[0], sample)
+    cap_slots = _single_slots(every, r, single, N, spec.slots_per_node, spec.single_margin)
+    tok = token_sample(rng, ids.shape[0], spec.sample)
     sid, ssrc = ids[tok], src_node[tok]
     reach = NodeReach(sid, ssrc, every, np.full(every.size, -1, dtype=np.int64), N)
-    views = _Views.build(win_load, win_src, every, N, slack, window_slack, window_weight)
+    views = _Views.build(
+        spec.win_load, spec.win_src, every, N, spec.slack, spec.window_slack, spec.window_weight
+    )
     search = _PartitionSearch(reach, views, r, single, cap_slots, N)
     if init is not None:  # a given start (e.g. a perturbed earlier result): same slot accounting
         search.start_from(init)

@@ -1,7 +1,7 @@
 """The options of the locality solver (:mod:`solver.locality`), one frozen dataclass.
 
-:func:`solver.locality.solve_locality` takes them as keywords with the same names and defaults;
-:func:`solver.locality.run_locality` (the registry's entry, :mod:`solver.api`) takes the object. Import it
+:func:`solver.locality.solve_locality` and :func:`solver.locality.run_locality` (the registry's entry,
+:mod:`solver.api`) take the object. Import it
 from :mod:`solver.locality`; it lives here so the method modules below that one can read it.
 """
 
@@ -16,8 +16,7 @@ __all__ = ["LocalityOptions"]
 
 @dataclass(frozen=True)
 class LocalityOptions:
-    """How the locality solver searches (every keyword of :func:`solver.locality.solve_locality` except
-    ``trace``, ``topology`` and ``layer_ids``, with the same defaults).
+    """How the locality solver searches (the ``options`` of :func:`solver.locality.solve_locality`).
 
     Attributes:
         balance_slack: node loads (expected tokens under ``dispatch``) at most ``(1 + slack) x`` the mean;

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
-from placement.dispatch import EVEN, LOCAL
+from placement.dispatch import EVEN
 from placement.metrics import balance_stats, communication, step_par, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.greedy import greedy_placement
+from solver.locality.options import LocalityOptions
 from solver.locality.solve import solve_locality
 from solver.locality.sources import dealt_prompt_ranks
 
@@ -51,21 +53,19 @@ def pareto(
     fit_trace: RoutingTrace,
     held_trace: RoutingTrace,
     topology: Topology,
+    options: LocalityOptions | None = None,
+    *,
     slacks: Sequence[float] = DEFAULT_SLACKS,
-    dispatch: str = LOCAL.name,
-    seed: int = 0,
-    time_limit: float = 10.0,
-    hidden_size: int | None = None,
-    step_tokens: int = 16,
-    refine: bool = True,
-    options: dict | None = None,
     variants: Sequence[dict] | None = None,
+    step_tokens: int = 16,
     redeal: int = 0,
 ) -> list[dict]:
     """Held-out trade-off table: greedy (``dispatch`` and ``even``), trivial, and locality at each slack.
 
-    Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`; ``options`` go to
-    :func:`solve_locality` (e.g. ``replica_headroom``). ``variants``: option dicts (merged over ``options``)
+    Fits on ``fit_trace`` and scores on ``held_trace`` with :mod:`placement.metrics`. ``options``
+    (:class:`LocalityOptions`, default ``LocalityOptions()``) go to :func:`solve_locality` with
+    ``balance_slack`` set to each of ``slacks``; its ``dispatch`` scores every row and its ``hidden_size``
+    adds ``bytes_per_token``. ``variants``: dicts of :class:`LocalityOptions` fields (set over ``options``)
     each solved at every slack, e.g. ``[{"num_everywhere": 4}, {"num_everywhere": 6}]``; each row then has
     ``variant`` (the dict's items as text).
 
@@ -85,28 +85,20 @@ def pareto(
         raise ValueError("fit and held-out traces must have the same experts and layers")
     if int(redeal) < 0:
         raise ValueError(f"redeal must be >= 0 re-dealings, got {redeal}")
+    o = options if options is not None else LocalityOptions()
+    dispatch, hidden_size = o.dispatch, o.hidden_size
     rows, placements = _baseline_rows(fit_trace, held_trace, topology, dispatch, step_tokens, hidden_size)
     for var in variants or [{}]:
-        opts = {**dict(options or {}), **dict(var)}
         label = " ".join(f"{k}={v}" for k, v in var.items())
         for s in slacks:
-            pl, rep = solve_locality(
-                fit_trace,
-                topology,
-                balance_slack=float(s),
-                dispatch=dispatch,
-                time_limit=time_limit,
-                seed=seed,
-                refine=refine,
-                **opts,
-            )
+            pl, rep = solve_locality(fit_trace, topology, replace(o, **dict(var), balance_slack=float(s)))
             row = {"placement": "locality", "slack": float(s), "variant": label}
             row.update(_score(pl, held_trace, dispatch, step_tokens, hidden_size))
             row.update(solve_s=rep.wall_time_s, num_everywhere=rep.params.get("num_everywhere"))
             rows.append(row)
             placements.append(pl)
     if redeal and held_trace.source_rank is None and held_trace.seq_offsets is not None:
-        _add_redealt_ratios(rows, placements, held_trace, topology.ep_size, int(redeal), seed)
+        _add_redealt_ratios(rows, placements, held_trace, topology.ep_size, int(redeal), o.seed)
     _add_greedy_ratios(rows)
     return rows
 

@@ -53,6 +53,8 @@ __all__ = [
     "pair_objective",
 ]
 
+SWAP_SAMPLE = 12000  # tokens in the sample that scores a membership swap (:func:`swap_search`)
+
 
 @dataclass(frozen=True)
 class LayerProblem:
@@ -414,7 +416,6 @@ def refine_cpsat(
     time_limit: float,
     seed: int = 0,
     max_edges: int = 800,
-    workers: int = 1,
     num_classes: int = 1,
 ) -> tuple[np.ndarray, str]:
     """Stage 2: CP-SAT over memberships, maximising co-located pair weight (hinted with ``member0``).
@@ -431,7 +432,7 @@ def refine_cpsat(
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
     solver.parameters.random_seed = int(seed)
-    solver.parameters.num_workers = int(workers)
+    solver.parameters.num_workers = 1  # one worker: the same seed gives the same memberships
     st = solver.solve(model)
     name = solver.status_name(st).lower()
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -537,7 +538,6 @@ def swap_search(
     load_cap: float,
     time_limit: float,
     seed: int = 0,
-    sample: int = 12000,
     balance_weight: float = 0.0,
     num_classes: int = 1,
 ) -> np.ndarray:
@@ -551,7 +551,7 @@ def swap_search(
     rng = np.random.default_rng(seed)
     T = prob.ids.shape[0]
     E, N = prob.num_experts, prob.num_nodes
-    toks = token_sample(rng, T, sample)
+    toks = token_sample(rng, T, SWAP_SAMPLE)
     ids = prob.ids[toks]
     # tokens (sample positions) that pick each expert
     by_expert = [np.flatnonzero((ids == e).any(axis=1)) for e in range(E)]

@@ -8,9 +8,27 @@ GPU repair can price moves exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-__all__ = ["NodeReach", "remote_nodes_fit", "token_sample"]
+__all__ = ["FitViews", "NodeReach", "remote_nodes_fit", "token_sample"]
+
+
+@dataclass(frozen=True)
+class FitViews:
+    """One layer's fit data, as the node packing and the GPU repair read it (V = W + 1 views when the fit
+    trace has W > 1 windows: the fit total, then every window; else V = 1).
+
+    Attributes:
+        load: float64 ``[V, E]`` picks per view; src: float64 ``[V, N, E]`` the same by source node.
+        ids: int64 ``[T, k]`` fit picks (-1 none); src_node: int64 ``[T]`` source node of each token.
+    """
+
+    load: np.ndarray
+    src: np.ndarray
+    ids: np.ndarray
+    src_node: np.ndarray
 
 
 def token_sample(rng: np.random.Generator, num_tokens: int, sample: int) -> np.ndarray:

@@ -14,7 +14,7 @@ import numpy as np
 
 from placement.topology import Topology
 from solver.budget import Budget, as_budget
-from solver.locality.reach import NodeReach, token_sample
+from solver.locality.reach import FitViews, NodeReach, token_sample
 
 __all__ = ["gpu_repair"]
 
@@ -22,10 +22,7 @@ __all__ = ["gpu_repair"]
 def gpu_repair(
     row: np.ndarray,
     every: np.ndarray,
-    load: np.ndarray,
-    src_tot: np.ndarray,
-    ids: np.ndarray,
-    src_node: np.ndarray,
+    views: FitViews,
     topology: Topology,
     gpu_cap: np.ndarray,
     time_limit: float | Budget,
@@ -42,17 +39,17 @@ def gpu_repair(
     token (ties: the larger excess reduction).
 
     Args:
-        row: int64 ``[P]`` physical-to-logical row; every: bool ``[E]``; load: float64 ``[V, E]`` picks per
-            view; src_tot: float64 ``[V, N, E]`` picks per view by source node; ids: int64 ``[T, k]``;
-            src_node: int64 ``[T]``; gpu_cap: float64 ``[V]`` absolute peak caps.
+        row: int64 ``[P]`` physical-to-logical row; every: bool ``[E]``; views: the layer's fit data
+            (:class:`~solver.locality.reach.FitViews`: picks per view, by source node, and the tokens);
+            gpu_cap: float64 ``[V]`` absolute peak caps.
 
     Returns:
         ``(row int64 [P], info)``.
     """
     rng = np.random.default_rng(seed)
-    rep = _Repair(row, every, load, src_tot, topology, gpu_cap)
-    tok = token_sample(rng, ids.shape[0], sample)
-    sid, ssrc = ids[tok], src_node[tok]
+    rep = _Repair(row, every, views.load, views.src, topology, gpu_cap)
+    tok = token_sample(rng, views.ids.shape[0], sample)
+    sid, ssrc = views.ids[tok], views.src_node[tok]
     rep.reach = NodeReach(sid, ssrc, every, rep.node_of, topology.num_nodes)
     rep.scale = 1.0 / max(sid.shape[0], 1)
     budget = as_budget(time_limit)

@@ -35,16 +35,19 @@ deterministic replica choice.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from placement.topology import Topology
 from solver.budget import Budget, as_budget
-from solver.locality.nodes import partition_nodes
+from solver.locality.nodes import PartitionSpec, partition_nodes
 from solver.locality.pack import pack_node_exact, pack_node_gpus, pack_peak, pair_pack
-from solver.locality.reach import NodeReach, remote_nodes_fit
+from solver.locality.reach import FitViews, NodeReach, remote_nodes_fit
 from solver.locality.repair import gpu_repair
 
 __all__ = [
+    "LayerSearch",
     "choose_everywhere",
     "everywhere_trades",
     "replicated_counts",
@@ -147,7 +150,7 @@ def choose_everywhere(
     ids: np.ndarray,
     src_node: np.ndarray,
     every: np.ndarray,
-    part: dict,
+    part: PartitionSpec,
     time_limit: float | Budget,
     tries: int = 5,
     max_single_load: float = np.inf,
@@ -168,8 +171,8 @@ def choose_everywhere(
     what the trades give.
 
     Args:
-        ids: int64 ``[T, k]``; src_node: int64 ``[T]``; every: bool ``[E]``; part: keyword arguments of
-            :func:`partition_nodes` other than ``ids, src_node, every, r, time_limit``.
+        ids: int64 ``[T, k]``; src_node: int64 ``[T]``; every: bool ``[E]``; part: the partition's views
+            and settings (:class:`~solver.locality.nodes.PartitionSpec`).
 
     ``time_limit``: seconds, or a :class:`solver.budget.Budget` (a fixed number of steps: reproducible).
 
@@ -194,7 +197,7 @@ def choose_everywhere(
 def _partition_scored(
     ids: np.ndarray,
     src_node: np.ndarray,
-    part: dict,
+    part: PartitionSpec,
     every: np.ndarray,
     budget: Budget,
     init: np.ndarray | None = None,
@@ -202,16 +205,16 @@ def _partition_scored(
 ) -> tuple[np.ndarray, np.ndarray, dict, float]:
     """:func:`partition_nodes` with everywhere set ``every`` bool ``[E]`` (one replica per single-node
     expert): ``(every, node_of int64 [E], info, fitted remote nodes per token over all tokens)``."""
-    N = int(part["num_nodes"])
+    N = int(part.num_nodes)
     r = np.where(every, N, 1).astype(np.int64)
-    no, inf = partition_nodes(ids, src_node, every, r, time_limit=budget, init=init, perturb=perturb, **part)
+    no, inf = partition_nodes(ids, src_node, every, r, part, budget, init=init, perturb=perturb)
     return every, no, inf, float(remote_nodes_fit(no, every, ids, src_node, N).mean())
 
 
 def _trade_roles(
     ids: np.ndarray,
     src_node: np.ndarray,
-    part: dict,
+    part: PartitionSpec,
     best: tuple,
     budget: Budget,
     tries: int,
@@ -224,7 +227,7 @@ def _trade_roles(
     Returns:
         ``(best, kept, tried)``.
     """
-    N = int(part["num_nodes"])
+    N = int(part.num_nodes)
     kept = tried = 0
     while budget.left_fraction() > 0.05:
         every, node_of, info, rn = best
@@ -250,6 +253,39 @@ def _trade_roles(
     return best, kept, tried
 
 
+@dataclass(frozen=True)
+class LayerSearch:
+    """How :func:`solve_replicated_layer` searches one layer.
+
+    Attributes:
+        num_everywhere: ``h``, experts with a replica on every node (the hottest to start).
+        slack: node loads within ``(1 + slack) x`` the mean on the fit total.
+        time_limit: the node partition's budget (seconds, or a :class:`~solver.budget.Budget` of steps).
+        seed: seeds the partition, the packing and the repair.
+        window_weight, window_slack, single_margin: as in :class:`~solver.locality.nodes.PartitionSpec`.
+        pack_time: budget of packing one node; exact_pack: CP-SAT packs each node (else LPT or pairs).
+        gpu_cap: GPU peak cap (absolute picks, one per view) for the repair; None: no repair.
+        repair_time: the repair's budget.
+        role_swaps: start from the ``h`` hottest experts everywhere, then trade roles where that cuts
+            fitted remote nodes (:func:`choose_everywhere`).
+        share_margin: pairing margin of everywhere replicas (see :func:`_pack_nodes`).
+    """
+
+    num_everywhere: int
+    slack: float
+    time_limit: float | Budget
+    seed: int = 0
+    window_weight: float = 1.0
+    pack_time: float | Budget = 0.0
+    window_slack: float | None = None
+    gpu_cap: float | np.ndarray | None = None
+    repair_time: float | Budget = 1.0
+    exact_pack: bool = True
+    single_margin: int | None = None
+    role_swaps: bool = True
+    share_margin: float = 0.0
+
+
 def solve_replicated_layer(
     ids: np.ndarray,
     src_node: np.ndarray,
@@ -257,65 +293,50 @@ def solve_replicated_layer(
     num_windows: int,
     num_experts: int,
     topology: Topology,
-    num_everywhere: int,
-    slack: float,
-    time_limit: float | Budget,
-    seed: int = 0,
-    window_weight: float = 1.0,
-    pack_time: float | Budget = 0.0,
-    window_slack: float | None = None,
-    gpu_cap: float | None = None,
-    repair_time: float | Budget = 1.0,
-    exact_pack: bool = True,
-    single_margin: int | None = None,
-    role_swaps: bool = True,
-    share_margin: float = 0.0,
+    search: LayerSearch,
     drift: np.ndarray | None = None,
 ) -> tuple[np.ndarray, dict]:
     """One layer: int64 ``[P]`` physical-to-logical row and info.
 
     Steps: picks per window and source node -> everywhere set and node partition
     (:func:`choose_everywhere`, or :func:`partition_nodes` alone) -> split and pack every node
-    (:func:`_pack_nodes`) -> GPU-peak repair against ``gpu_cap`` (:func:`gpu_repair`).
-
-    ``role_swaps``: start from the ``h`` hottest experts everywhere, then trade roles where that cuts
-    fitted remote nodes (:func:`choose_everywhere`).
-
-    ``share_margin``, ``drift`` float64 ``[E]`` (picks, optional): pairing margins, see :func:`_pack_nodes`.
+    (:func:`_pack_nodes`) -> GPU-peak repair against ``search.gpu_cap`` (:func:`gpu_repair`).
 
     Args:
         ids: int64 ``[T, k]`` fit picks; src_node: int64 ``[T]``; win: int64 ``[T]`` window of each token
-            (``0..num_windows-1``); topology: :class:`placement.topology.Topology`.
+            (``0..num_windows-1``); topology: :class:`placement.topology.Topology`; search: the layer's
+            budgets and settings (:class:`LayerSearch`); drift: float64 ``[E]`` (picks, optional), the
+            pairing margin of single-node experts (see :func:`_pack_nodes`).
     """
-    E, W = int(num_experts), int(num_windows)
+    E, W, o = int(num_experts), int(num_windows), search
     N, P = topology.num_nodes, topology.num_physical_experts
     win_src = _window_picks(ids, src_node, win, W, N, E)  # [W, N, E]
     win_load = win_src.sum(axis=1)  # [W, E]
     load = win_load.sum(axis=0)  # [E]
-    every, _ = replicated_counts(load, P, N, topology.gpus_per_node, num_everywhere)
-    part = {
-        "win_load": win_load,
-        "win_src": win_src,
-        "num_nodes": N,
-        "slots_per_node": P // N,
-        "slack": slack,
-        "seed": seed,
-        "window_weight": window_weight,
-        "window_slack": window_slack,
-        "single_margin": single_margin,
-    }
-    every, node_of, info = _node_partition(ids, src_node, every, part, time_limit, role_swaps)
-    src_tot = win_src.sum(axis=0)  # [N, E]
-    views_load = np.concatenate([load[None], win_load], axis=0) if W > 1 else load[None]  # [V, E]
-    views_src = np.concatenate([src_tot[None], win_src], axis=0) if W > 1 else src_tot[None]  # [V, N, E]
-    row, info["pack_status"] = _pack_nodes(
-        every, node_of, views_load, views_src, topology, drift, seed, pack_time, exact_pack, share_margin
+    every, _ = replicated_counts(load, P, N, topology.gpus_per_node, o.num_everywhere)
+    part = PartitionSpec(
+        win_load,
+        win_src,
+        N,
+        P // N,
+        o.slack,
+        seed=o.seed,
+        window_weight=o.window_weight,
+        window_slack=o.window_slack,
+        single_margin=o.single_margin,
     )
-    if gpu_cap is not None:
-        cap = np.asarray(gpu_cap, dtype=np.float64)
-        row, rinfo = gpu_repair(
-            row, every, views_load, views_src, ids, src_node, topology, cap, repair_time, seed=seed
-        )
+    every, node_of, info = _node_partition(ids, src_node, every, part, o.time_limit, o.role_swaps)
+    src_tot = win_src.sum(axis=0)  # [N, E]
+    views = FitViews(
+        np.concatenate([load[None], win_load], axis=0) if W > 1 else load[None],  # [V, E]
+        np.concatenate([src_tot[None], win_src], axis=0) if W > 1 else src_tot[None],  # [V, N, E]
+        ids,
+        src_node,
+    )
+    row, info["pack_status"] = _pack_nodes(every, node_of, views, topology, drift, o)
+    if o.gpu_cap is not None:
+        cap = np.asarray(o.gpu_cap, dtype=np.float64)
+        row, rinfo = gpu_repair(row, every, views, topology, cap, o.repair_time, seed=o.seed)
         info.update(rinfo)
     info["num_everywhere"] = int(every.sum())
     return row, info
@@ -325,7 +346,7 @@ def _node_partition(
     ids: np.ndarray,
     src_node: np.ndarray,
     every: np.ndarray,
-    part: dict,
+    part: PartitionSpec,
     time_limit: float | Budget,
     role_swaps: bool,
 ) -> tuple[np.ndarray, np.ndarray, dict]:
@@ -339,8 +360,8 @@ def _node_partition(
         # any expert may leave the everywhere set: a hot expert that fires inside one cluster is split on
         # its node like any other heavy single-node expert
         return choose_everywhere(ids, src_node, every, part, time_limit)
-    r = np.where(every, int(part["num_nodes"]), 1).astype(np.int64)
-    node_of, info = partition_nodes(ids, src_node, every, r, time_limit=time_limit, **part)
+    r = np.where(every, int(part.num_nodes), 1).astype(np.int64)
+    node_of, info = partition_nodes(ids, src_node, every, r, part, time_limit)
     return every, node_of, info
 
 
@@ -360,14 +381,10 @@ def _window_picks(
 def _pack_nodes(
     every: np.ndarray,
     node_of: np.ndarray,
-    views_load: np.ndarray,
-    views_src: np.ndarray,
+    views: FitViews,
     topology: Topology,
     drift: np.ndarray | None,
-    seed: int,
-    pack_time: float | Budget,
-    exact_pack: bool,
-    share_margin: float,
+    search: LayerSearch,
 ) -> tuple[np.ndarray, list[str]]:
     """Split and pack every node exactly: the row int64 ``[P]`` and each packed node's status.
 
@@ -379,12 +396,16 @@ def _pack_nodes(
     ``drift`` float64 ``[E]`` (picks, optional) added to every single-node expert (the change of its load
     that unseen traffic can be expected to bring, see ``solver.locality.sources.load_drift``); the pairs
     are kept only if no worse than the start on the fitted loads. Else (``exact_pack``)
-    :func:`pack_node_exact` (CP-SAT hinted with the start).
+    :func:`pack_node_exact` (CP-SAT hinted with the start). ``share_margin``, ``seed``, ``pack_time`` and
+    ``exact_pack`` come from ``search``.
 
     Args:
-        every: bool ``[E]``; node_of: int64 ``[E]``; views_load: float64 ``[V, E]``; views_src: float64
-            ``[V, N, E]``.
+        every: bool ``[E]``; node_of: int64 ``[E]``; views: the layer's fit data (``load [V, E]``,
+            ``src [V, N, E]``).
     """
+    views_load, views_src = views.load, views.src
+    seed, pack_time, exact_pack = search.seed, search.pack_time, search.exact_pack
+    share_margin = search.share_margin
     N, m, S = topology.num_nodes, topology.gpus_per_node, topology.slots_per_gpu
     row = np.empty(topology.num_physical_experts, dtype=np.int64)
     statuses = []

@@ -1,7 +1,7 @@
 """The locality solver's entry: check the input, cut the trace to the layers, run one method.
 
-:func:`solve_locality` takes the options as keywords, :func:`run_locality` (the registry's entry,
-:mod:`solver.api`) as a :class:`~solver.locality.options.LocalityOptions`. ``method="replicated"``
+:func:`solve_locality` and :func:`run_locality` (the registry's entry, :mod:`solver.api`) both take a
+:class:`~solver.locality.options.LocalityOptions`. ``method="replicated"``
 with the ``local`` dispatch model runs :func:`solver.locality.fit.solve_replicated`, anything else
 :func:`solver.locality.grouped.solve_grouped`.
 """
@@ -29,29 +29,9 @@ __all__ = ["run_locality", "solve_locality"]
 def solve_locality(
     trace: RoutingTrace,
     topology: Topology,
+    options: LocalityOptions | None = None,
     *,
-    balance_slack: float = 0.02,
-    dispatch: str = LOCAL.name,
-    time_limit: float = 10.0,
-    seed: int = 0,
     layer_ids: Sequence[int] | None = None,
-    num_redundant: int | None = None,
-    refine: bool = True,
-    hidden_size: int | None = None,
-    comm_weight: float | None = None,
-    replication: str = "locality",
-    replica_headroom: float = 0.2,
-    method: str = "replicated",
-    num_everywhere: int | None = None,
-    num_windows: int = 1,
-    window_slack: float = 0.5,
-    gpu_slack: float = 0.05,
-    single_margin: int | None = 0,
-    source_model: str = "auto",
-    work_limit: int | None = None,
-    share_margin: float | None = None,
-    drift_z: float = 1.0,
-    share_overload: float = 0.08,
 ) -> tuple[Placement, SolveReport]:
     """Communication-aware placement fitted on a per-token trace.
 
@@ -59,8 +39,9 @@ def solve_locality(
         trace: per-token routing (``topk_ids [T, L, k]``); its ``source_rank`` is used when present,
             else prompts (or tokens) round-robin over the ``G`` attention-DP ranks (see report notes).
         topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
+        options: how to search (:class:`LocalityOptions`, every field documented there; default
+            ``LocalityOptions()``).
         layer_ids: the trace's layer ids to solve (default all).
-        every other keyword: the field of :class:`LocalityOptions` of that name (documented there).
 
     Returns:
         (Placement, SolveReport). Per layer: ``objective`` = fitted expected remote nodes per token,
@@ -68,30 +49,7 @@ def solve_locality(
         bound); ``extra`` has the search's counters (``replicated``: partition, role trades, packing and
         repair; ``grouped``: heuristic start, node-load ratio, CP-SAT status and pair objectives).
     """
-    options = LocalityOptions(
-        balance_slack=balance_slack,
-        dispatch=dispatch,
-        time_limit=time_limit,
-        seed=seed,
-        num_redundant=num_redundant,
-        refine=refine,
-        hidden_size=hidden_size,
-        comm_weight=comm_weight,
-        replication=replication,
-        replica_headroom=replica_headroom,
-        method=method,
-        num_everywhere=num_everywhere,
-        num_windows=num_windows,
-        window_slack=window_slack,
-        gpu_slack=gpu_slack,
-        single_margin=single_margin,
-        source_model=source_model,
-        work_limit=work_limit,
-        share_margin=share_margin,
-        drift_z=drift_z,
-        share_overload=share_overload,
-    )
-    return _solve(trace, topology, layer_ids, options)
+    return _solve(trace, topology, layer_ids, options if options is not None else LocalityOptions())
 
 
 def run_locality(problem: Problem, options: LocalityOptions) -> tuple[Placement, SolveReport]:

@@ -1,6 +1,6 @@
 """A step-time and memory model for MoE serving with attention-DP and expert-EP (no GPU needed).
 
-Follows ``docs/costmodel.md`` (shared). Shapes: L MoE layers, E logical experts, P physical slots,
+The model docs/layout.md describes. Shapes: L MoE layers, E logical experts, P physical slots,
 G EP ranks (GPUs), N nodes, m = G/N GPUs per node, S steps sampled from a trace.
 
 Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-DP rank):
