@@ -238,7 +238,9 @@ def _base_name(node: ast.AST) -> str:
 
 
 def exception_roots(root: Path) -> list[str]:
-    """Public exception classes none of whose bases is a project exception."""
+    """Public exception classes none of whose bases is a project exception. A class deriving only from
+    ``BaseException``, ``KeyboardInterrupt`` or ``SystemExit`` is a control-flow signal (``cli.main``'s
+    ``Terminated`` for SIGTERM must not be caught by ``except Exception``), not an error family."""
     classes: dict[str, tuple[str, list[str]]] = {}
     for path in floor_files(root):
         for node in ast.walk(_parse(path)):
@@ -253,7 +255,12 @@ def exception_roots(root: Path) -> list[str]:
             if name not in project and any(b in _BUILTIN_EXCEPTIONS or b in project for b in bases):
                 project.add(name)
                 changed = True
-    return sorted(classes[n][0] for n in project if not any(b in project for b in classes[n][1]))
+    signals = {"BaseException", "KeyboardInterrupt", "SystemExit"}
+    return sorted(
+        classes[n][0]
+        for n in project
+        if not any(b in project for b in classes[n][1]) and not set(classes[n][1]) <= signals
+    )
 
 
 def _catches_import_error(handler: ast.ExceptHandler) -> bool:
