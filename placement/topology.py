@@ -83,6 +83,12 @@ class Topology:
         cls, num_logical_experts: int, num_redundant: int, ep_size: int, num_nodes: int = 1
     ) -> Topology:
         """Topology with ``num_logical_experts + num_redundant`` slots per layer."""
+        given = dict(
+            num_logical_experts=num_logical_experts, num_redundant=num_redundant, ep_size=ep_size, num_nodes=num_nodes
+        )
+        for name, v in given.items():
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"Topology.from_redundant: {name} must be an integer, got {v!r}")
         if num_redundant < 0:
             raise ValueError(f"num_redundant must be >= 0, got {num_redundant}")
         if not 1 <= num_logical_experts <= MAX_EXPERTS:

@@ -88,3 +88,11 @@ def test_trivial_and_from_map():
     mask = p.replica_gpu_mask
     assert mask.shape == (2, 10, 4) and mask.sum() == 24
     assert mask[0, 0].tolist() == [1, 0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "args", [("64", 32, 32), (64, 32.0, 32), (64, 32, True), (64, 32, 32, None), (64, [32], 32)]
+)
+def test_from_redundant_refuses_non_integers_naming_the_field(args):
+    with pytest.raises(ValueError, match="must be an integer"):
+        Topology.from_redundant(*args)
