@@ -84,7 +84,10 @@ class Topology:
     ) -> Topology:
         """Topology with ``num_logical_experts + num_redundant`` slots per layer."""
         given = dict(
-            num_logical_experts=num_logical_experts, num_redundant=num_redundant, ep_size=ep_size, num_nodes=num_nodes
+            num_logical_experts=num_logical_experts,
+            num_redundant=num_redundant,
+            ep_size=ep_size,
+            num_nodes=num_nodes,
         )
         for name, v in given.items():
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):

@@ -484,7 +484,11 @@ def _lib_calls():
         ("trace to folder", lambda d: write_trace(tr, d), "it is a folder"),
         ("write_trace type", lambda d: write_trace("t.npz", d / "t.npz"), "needs a RoutingTrace"),
         ("read_trace E", lambda d: read_trace(d / "t.npz", num_logical_experts=0), "positive integer, got 0"),
-        ("step_par float", lambda d: step_par(pl, tr, 2.5), "step_tokens must be a positive integer (tokens per rank per step), got 2.5"),
+        (
+            "step_par float",
+            lambda d: step_par(pl, tr, 2.5),
+            "step_tokens must be a positive integer (tokens per rank per step), got 2.5",
+        ),
         ("route oob", lambda d: route_tokens(pl, np.full((5, 2, 2), 99), np.zeros(5, int)), "in [-1, 8)"),
         ("quotas huge", lambda d: balanced_quotas(huge, l2p, 2), "over 1099511627776 tokens in one step"),
         ("torch huge", lambda d: StepBalancer(l2p, 2).quotas(torch.from_numpy(huge)), "in one step (2**40)"),
