@@ -319,7 +319,9 @@ def small_trace(tmp_path_factory) -> Path:
     from profiling.synthetic import synthetic_trace
 
     path = tmp_path_factory.mktemp("trace") / "t.npz"
-    write_trace(synthetic_trace(num_tokens=2000, num_layers=4, num_logical_experts=64, top_k=6, seed=1), path)
+    write_trace(
+        synthetic_trace(num_tokens=2000, num_layers=26, num_logical_experts=64, top_k=6, seed=1), path
+    )
     return path
 
 
@@ -428,9 +430,9 @@ def test_layout_sizes_bounded(capsys, flags, word):
             "MAX_TIME_LIMIT_S",
         ),
         (
-            "import numpy as np; from placement.topology import Topology; from solver.migration import solve_migration; "
+            "import numpy as np; from placement.topology import Topology; from solver.migration import MigrationOptions, solve_migration; "
             "from solver.greedy import greedy_placement; prev, _ = greedy_placement(np.ones((2, 8)), Topology(2, 8)); "
-            "solve_migration(np.ones((2, 8)), prev, time_limit=float('nan'))",
+            "solve_migration(np.ones((2, 8)), prev, MigrationOptions(time_limit=float('nan')))",
             "time_limit",
         ),
     ],

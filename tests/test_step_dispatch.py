@@ -408,7 +408,10 @@ def test_cli_evaluate_balanced_scores_an_engine_map_with_colocated_replicas(tmp_
     write_trace(RoutingTrace(12, topk_ids=ids[:, None, :]), tmp_path / "t.npz")
     write_placement(pl, tmp_path / "engine.json")
     assert (
-        main(["evaluate", str(tmp_path / "engine.json"), str(tmp_path / "t.npz"), "--dispatch", "balanced"])
+        main(
+            ["evaluate", str(tmp_path / "engine.json"), str(tmp_path / "t.npz"), "--dispatch", "balanced"]
+            + ["--step-tokens", "16"]  # 320 tokens hold 2 decode steps of 16 tokens on each of 8 ranks
+        )
         == 0
     )
     out = capsys.readouterr()

@@ -21,13 +21,29 @@ MIXTRAL = load_model("mixtral-8x7b")
 
 def mixtral_like(seed: int = 0, T: int = 6000) -> RoutingTrace:
     """8 experts, top-2 (Mixtral's shape), prompts with topics."""
-    return synthetic_trace(T, 4, 8, 2, num_prompts=60, num_clusters=2, affinity=6.0, seed=seed)
+    return synthetic_trace(
+        num_tokens=T,
+        num_layers=4,
+        num_logical_experts=8,
+        top_k=2,
+        num_prompts=60,
+        num_clusters=2,
+        affinity=6.0,
+        seed=seed,
+    )
 
 
 def test_the_trace_shape_picks_the_model_and_a_wrong_model_is_refused():
     tr = mixtral_like()
     assert model_for_trace(tr).name == MIXTRAL.name
-    assert step_cost_for(synthetic_trace(500, 2, 16, 2, seed=1), "decode", 8) is None
+    assert (
+        step_cost_for(
+            synthetic_trace(num_tokens=500, num_layers=2, num_logical_experts=16, top_k=2, seed=1),
+            "decode",
+            8,
+        )
+        is None
+    )
     with pytest.raises(ValueError, match="has 64 experts, top-6; the trace has 8, top-2"):
         step_cost_for(tr, "decode", 2, model="deepseek-v2-lite")
 
@@ -73,7 +89,9 @@ def test_fit_for_a_phase_prices_its_steps_and_never_loses_to_greedy(phase):
 
 
 def test_no_model_for_the_shape_balances_the_peak_and_says_so():
-    tr = synthetic_trace(4000, 2, 16, 2, num_prompts=40, seed=2)
+    tr = synthetic_trace(
+        num_tokens=4000, num_layers=2, num_logical_experts=16, top_k=2, num_prompts=40, seed=2
+    )
     topo = Topology(ep_size=4, num_physical_experts=20, num_nodes=1)
     res = solve("greedy", topology=topo, trace=tr, dispatch="balanced", fit=FitOptions(step_moves=20))
     assert res.fit.cost is None
