@@ -17,6 +17,21 @@ from profiling.trace import RoutingTrace
 from solver.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
 from solver.planner.workload import analytic_workload, trace_workload
 
+
+def _published_tables():
+    """The published DeepEP / DeepGEMM figures, written once in benchmarks/step_model_check.py."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model_check.py"
+    spec = importlib.util.spec_from_file_location("step_model_check_tables", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_PUBLISHED = _published_tables()
+
 DSV3 = load_model("deepseek-v3")
 
 
@@ -175,14 +190,7 @@ def test_costmodel_doc_check_ep32():
     assert abs(_a2a_us(cl, wl, nodes, 32, 14336) / 273 - 1) <= 0.25
 
 
-# Normal (node-deduplicated) kernels, 4096 (V1) / 8192 (V2) tokens per batch, "bottleneck bandwidth",
-# logical bytes that include the token's own node (DeepEP V2 README notes this for EP 8x2).
-# deepseek-ai/DeepEP README.md V1 (docs/legacy.md): internode EP32 58/57 GB/s, EP64 51/50 GB/s (H800).
-# deepseek-ai/DeepEP README.md V2: SM90 CX7 EP 8x4 61/61 GB/s.
-# KNOWN MISSES, not asserted: EP16 (2 nodes). The model is NVLink-bound there (each GPU receives ~40%
-# of all tokens, forwarded over H800's 155 GB/s NVLink) and gives 54 GB/s logical: +26% vs V1's
-# 43 GB/s and -40% vs V2's 90/81 GB/s (V2's SM90 machine and its NVLink speed are not stated).
-DEEPEP_NORMAL = [(32, 4096, 58, 57), (64, 4096, 51, 50), (32, 8192, 61, 61)]
+DEEPEP_NORMAL = _PUBLISHED.DEEPEP_NORMAL  # (EP, tokens, dispatch GB/s, combine GB/s)
 
 
 @pytest.mark.parametrize("ep,tokens,disp_gbs,comb_gbs", DEEPEP_NORMAL)
@@ -196,20 +204,7 @@ def test_deepep_normal_bandwidth_within_25_percent(ep, tokens, disp_gbs, comb_gb
         assert abs(logical / gbs - 1) <= 0.25, (ep, payload, logical, gbs)
 
 
-# deepseek-ai/DeepGEMM, README.md (2025 version, "Performance", H800, NVCC 12.8):
-# grouped FP8 GEMMs, (groups, M per group, N, K, TFLOPS).
-DEEPGEMM_GROUPED = [
-    (4, 8192, 4096, 7168, 1297),
-    (4, 8192, 7168, 2048, 1099),
-    (8, 4096, 4096, 7168, 1288),
-    (8, 4096, 7168, 2048, 1093),
-    (1, 1024, 4096, 7168, 1233),
-    (1, 1024, 7168, 2048, 925),
-    (2, 512, 4096, 7168, 1040),
-    (2, 512, 7168, 2048, 916),
-    (4, 256, 4096, 7168, 932),
-    (4, 256, 7168, 2048, 815),
-]
+DEEPGEMM_GROUPED = _PUBLISHED.DEEPGEMM_GROUPED  # (groups, M per group, N, K, TFLOPS)
 
 
 @pytest.mark.parametrize("groups,m,n,k,tflops", DEEPGEMM_GROUPED)
