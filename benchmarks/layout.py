@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from apps.planner.costmodel import CostOptions
+from apps.planner.layout import compare_phases
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
-from solver.planner.costmodel import CostOptions
-from solver.planner.layout import compare_phases
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ placement chosen before it), moved slots, moved bytes and migration time (cost m
 that the done criterion of issue 7 names: PAR migration / greedy, moved migration / greedy, and the
 same against greedy + align_to_previous (the fair from-scratch baseline). Baselines run in the same
 process on the same windows. Per policy also: arrived experts and the break-even rebalance interval in
-steps (held out; runtime_hooks.replay.break_even: "never" when its re-placements saved nothing).
+steps (held out; apps.replay.break_even: "never" when its re-placements saved nothing).
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from apps.replay import domain_stream, question_stream, replay, token_stream
 from placement.cost.hardware import GPUS
 from placement.dispatch import DISPATCH, EVEN
 from placement.topology import Topology
 from profiling.fileio import atomic_write_text
 from profiling.readers import default_traces_dir, read_trace
 from runtime_hooks.rebalancer import RebalancerConfig
-from runtime_hooks.replay import domain_stream, question_stream, replay, token_stream
 
 BF16_HOPPER_FLOPS = GPUS["h100"].flops_bf16  # dense BF16, H100/H200 (the traces' models run in BF16)
 

@@ -1,6 +1,6 @@
 """``moe-placement advise``: which EPLB option to run on SGLang or vLLM, from the user's own routing.
 
-Parse -> :func:`solver.advise.advise` -> print the table and the recommendation, write ``--output``.
+Parse -> :func:`apps.advise.advise` -> print the table and the recommendation, write ``--output``.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ JSON = "advise.json"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from apps.advise import AUTO_MODEL, engine_names
     from placement.steps import DEFAULT_STEP_TOKENS
-    from solver.advise import AUTO_MODEL, engine_names
 
     p = subparsers.add_parser(
         "advise",
@@ -78,7 +78,7 @@ def _bar(items, total, desc):
 
 
 def _options(args):
-    from solver.advise import AdviseOptions
+    from apps.advise import AdviseOptions
 
     kw = dict(
         gpus_per_node=args.gpus_per_node,
@@ -135,9 +135,9 @@ def _print(d: dict) -> None:
 
 
 def _write(out: Path, advice, d: dict) -> list[Path]:
+    from apps.advise import render_html
     from placement.formats import write_placement
     from profiling.fileio import atomic_write_bytes, atomic_write_json
-    from solver.advise import render_html
 
     out.mkdir(parents=True, exist_ok=True)
     files = []
@@ -152,9 +152,9 @@ def _write(out: Path, advice, d: dict) -> list[Path]:
 
 def run(args: argparse.Namespace) -> int:
     """Steps: check outputs -> read the trace -> advise -> write -> print."""
+    from apps.advise import advise
+    from apps.advise.recommend import SGLANG_FILE, VLLM_FILE
     from profiling.readers import require_data
-    from solver.advise import advise
-    from solver.advise.recommend import SGLANG_FILE, VLLM_FILE
 
     names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
     out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None

@@ -109,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _options(args, phase: str):
-    from solver.planner.costmodel import CostOptions
+    from apps.planner.costmodel import CostOptions
 
     b = (
         args.batch_per_rank
@@ -146,9 +146,9 @@ def _table(plan, top: int) -> list[str]:
 
 
 def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
+    from apps.planner.layout import launch_flags
     from placement.formats import write_placement
     from profiling.fileio import atomic_write_json, atomic_write_text
-    from solver.planner.layout import launch_flags
 
     best = plan.best
     out.mkdir(parents=True, exist_ok=True)
@@ -247,7 +247,7 @@ def _read_inputs(args):
 
 def _plan(args, model, cluster, trace):
     """The ranked layouts for ``--phase`` and, unless ``--no-phase-compare``, the other phase's verdict."""
-    from solver.planner.layout import compare_phases, plan_layout
+    from apps.planner.layout import compare_phases, plan_layout
 
     opts = _options(args, args.phase)
     plan = plan_layout(

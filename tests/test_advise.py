@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from apps.advise import AdviseOptions, advise, render_html
+from apps.advise.balance import trace_topology
+from apps.advise.engines import min_redundant
+from apps.advise.phases import price_phase
+from apps.advise.rebalance import judge
+from apps.advise.report import PLOT_COUNT
 from cli.main import main
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
@@ -21,12 +27,6 @@ from placement.steps import make_steps
 from profiling.readers import write_trace
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
-from solver.advise import AdviseOptions, advise, render_html
-from solver.advise.balance import trace_topology
-from solver.advise.engines import min_redundant
-from solver.advise.phases import price_phase
-from solver.advise.rebalance import judge
-from solver.advise.report import PLOT_COUNT
 from solver.api import solve
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,7 +116,7 @@ def test_lp_is_never_available_without_its_overhead_priced(sglang_advice):
             and o["phases"]["prefill"]["dispatch_overhead_ms"] > 0
         )
     # a row whose overhead is zero (unpriced) is refused
-    from solver.advise.recommend import availability
+    from apps.advise.recommend import availability
 
     row = next(r for r in sglang_advice.rows if r.dispatch == "sglang-lp")
     unpriced = dataclasses.replace(row, decode=dataclasses.replace(row.decode, dispatch_overhead_ms=0.0))

@@ -13,11 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from apps.advise import AdviseOptions, advise
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
 from placement.steps import make_steps
 from profiling.readers import read_trace
-from solver.advise import AdviseOptions, advise
 
 TRACE = "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz"
 PUBLISHED_DECODE = (0.0, 0.08)  # load-aware decode gains published: a few % (issue 33: +2.6..7%)

@@ -6,17 +6,17 @@ import json
 
 import numpy as np
 
-from cli.main import main
-from placement.cost.hardware import cluster_preset
-from placement.cost.modelspec import load_model
-from solver.planner.costmodel import CostOptions
-from solver.planner.layout import (
+from apps.planner.costmodel import CostOptions
+from apps.planner.layout import (
     compare_phases,
     enumerate_candidates,
     plan_layout,
     synthetic_load,
     workload_load,
 )
+from cli.main import main
+from placement.cost.hardware import cluster_preset
+from placement.cost.modelspec import load_model
 
 DSV3 = load_model("deepseek-v3")
 

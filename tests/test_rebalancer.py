@@ -159,7 +159,7 @@ def test_log_balancedness(caplog):
 
 def test_import_is_light():
     code = (
-        "import sys, runtime_hooks.rebalancer, runtime_hooks.replay; "
+        "import sys, runtime_hooks.rebalancer, apps.replay; "
         "bad = [m for m in ('torch', 'ortools', 'networkx', 'solver.migration') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -169,8 +169,8 @@ def test_import_is_light():
 
 
 def test_replay_domain_switch_policies():
+    from apps.replay import domain_stream, replay
     from profiling.trace import RoutingTrace
-    from runtime_hooks.replay import domain_stream, replay
 
     pops = {"a": _popularity(7), "b": _popularity(8), "c": _popularity(9)}
     tr = RoutingTrace(

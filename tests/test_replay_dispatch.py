@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from apps.replay import question_stream, replay, token_stream
 from placement.dispatch import SGLANG_DYNAMIC, DispatchModel, sglang_static_tables
 from placement.dispatch.ideal import even_choices
 from placement.metrics import balance_stats
 from placement.topology import Topology
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
-from runtime_hooks.replay import question_stream, replay, token_stream
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_a_per_step_model_scores_a_counts_only_stream_from_the_step_counts():
 
 
 def test_replay_reports_the_break_even_interval(stream):
-    from runtime_hooks.replay import break_even
+    from apps.replay import break_even
 
     _, stream = stream
     topo = Topology.from_redundant(stream.steps.shape[2], 8, 8)

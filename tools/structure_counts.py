@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FLOORS = ("profiling", "placement", "solver", "runtime_hooks", "cli")
+FLOORS = ("profiling", "placement", "solver", "runtime_hooks", "apps", "cli")
 DISPATCH_PACKAGE = "placement/dispatch"
 PLUGINS_PACKAGE = "runtime_hooks/engine_plugins"
 MAX_PARAMETERS = 8

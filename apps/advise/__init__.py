@@ -8,8 +8,8 @@
 
 from __future__ import annotations
 
-from solver.advise.core import Advice, Row, advise
-from solver.advise.options import AUTO_MODEL, AdviseOptions, engine_names
-from solver.advise.report import render_html
+from apps.advise.core import Advice, Row, advise
+from apps.advise.options import AUTO_MODEL, AdviseOptions, engine_names
+from apps.advise.report import render_html
 
 __all__ = ["AUTO_MODEL", "Advice", "AdviseOptions", "Row", "advise", "engine_names", "render_html"]

@@ -5,7 +5,7 @@ m = G/N GPUs per node, T' = b x G tokens of one step, k experts per token.
 
 A :class:`Workload` comes either from per-expert loads (:func:`analytic_workload`, an expectation
 with independent picks) or from a per-token trace (:func:`trace_workload`, counted token by token);
-:mod:`solver.planner.costmodel` turns it into times.
+:mod:`apps.planner.costmodel` turns it into times.
 """
 
 from __future__ import annotations

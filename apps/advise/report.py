@@ -1,4 +1,4 @@
-"""The self-contained HTML report of an :class:`~solver.advise.core.Advice`: inline CSS, plots as inline
+"""The self-contained HTML report of an :class:`~apps.advise.core.Advice`: inline CSS, plots as inline
 SVG (matplotlib, fixed hash salt and no date: the same advice gives the same bytes).
 
 Layout: the launch command and flags first (copyable), then the recommendation, the options (greyed

@@ -7,13 +7,13 @@ The steps, one module each:
 - :mod:`placement.cost.modelspec`: :class:`ModelSpec`, the model's shapes (built-ins in ``models/*.json``,
   a model JSON, or a Hugging Face ``config.json``), :func:`load_model`.
 - :mod:`placement.cost.hardware`: GPU, link and cluster presets (:func:`cluster_preset`).
-- :mod:`solver.planner.workload`: one step's per-GPU tokens, active experts and bytes, from per-expert
+- :mod:`apps.planner.workload`: one step's per-GPU tokens, active experts and bytes, from per-expert
   loads (analytic) or counted from a per-token trace.
-- :mod:`solver.planner.costmodel`: options (:class:`CostOptions`), primitive timings, memory per GPU and
+- :mod:`apps.planner.costmodel`: options (:class:`CostOptions`), primitive timings, memory per GPU and
   the step time of a placement.
-- :mod:`solver.planner.layout`: enumerate candidates, reject those that do not fit in memory, place,
+- :mod:`apps.planner.layout`: enumerate candidates, reject those that do not fit in memory, place,
   price and rank by throughput per GPU (:func:`plan_layout`, :func:`compare_phases`,
   :func:`launch_flags`).
 
-Import each name from its module, e.g. ``from solver.planner.layout import plan_layout``.
+Import each name from its module, e.g. ``from apps.planner.layout import plan_layout``.
 """

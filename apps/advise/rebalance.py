@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from apps.advise.engines import ENGINES
 from placement.cost.hardware import REBALANCE_STALL_S
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
-from solver.advise.engines import ENGINES
 from solver.api import solve
 
 __all__ = ["STALL_SOURCE", "Rebalance", "judge", "stall"]

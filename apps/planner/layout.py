@@ -8,7 +8,7 @@ compare: spanning more GPUs only helps if it raises it.
 
 For every candidate the planner checks memory (weights + redundant slots + reserve + the KV cache the
 batch needs), places experts (greedy by default) on the workload's skew, and estimates step time with
-:mod:`solver.planner.costmodel`.
+:mod:`apps.planner.costmodel`.
 
 Workload skew, in order of preference: a trace with the model's expert count (its per-layer counts;
 token-level routing when it has ``topk_ids``); a trace with another expert count (its sorted
@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from apps.planner.costmodel import CostOptions, MemoryBreakdown, StepCost, memory_per_gpu, step_cost
+from apps.planner.workload import analytic_workload, trace_workload
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
-from solver.planner.costmodel import CostOptions, MemoryBreakdown, StepCost, memory_per_gpu, step_cost
-from solver.planner.workload import analytic_workload, trace_workload
 
 __all__ = [
     "SYNTHETIC_ZIPF",

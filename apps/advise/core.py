@@ -2,7 +2,7 @@
 
 Protocol (docs/metrics.md): placements are fitted on the first half of the trace's prompts and scored
 on the held-out second half, per phase (decode steps and prefill chunks), as whole-step time from the
-one cost model (:mod:`solver.advise.phases`). Steps: inputs and checks -> placements -> held-out prices
+one cost model (:mod:`apps.advise.phases`). Steps: inputs and checks -> placements -> held-out prices
 -> what the engine can run -> the choice -> rebalancing judged out of sample -> the launch command, as
 one frozen :class:`Advice` whose ``to_dict()`` is the JSON contract (docs/cli.md, advise).
 """
@@ -15,17 +15,17 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import solver.advise.balance as balance
-import solver.advise.cost as cost
-import solver.advise.phases as phases
-import solver.advise.rebalance as rebalance
-import solver.advise.recommend as recommend
+import apps.advise.balance as balance
+import apps.advise.cost as cost
+import apps.advise.phases as phases
+import apps.advise.rebalance as rebalance
+import apps.advise.recommend as recommend
+from apps.advise.engines import ENGINES, min_redundant
+from apps.advise.options import AdviseOptions, resolve_model
 from placement.cost.hardware import ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
-from solver.advise.engines import ENGINES, min_redundant
-from solver.advise.options import AdviseOptions, resolve_model
 
 __all__ = ["Advice", "Row", "advise"]
 
@@ -257,7 +257,7 @@ def _assumptions(
         "balance: placements fitted on the first half of the trace's prompts, priced on the held-out second half",
         *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
         "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
-        f"engine capabilities: {options.engine} {caps.version} (solver/advise/engines.py, read from its code)",
+        f"engine capabilities: {options.engine} {caps.version} (apps/advise/engines.py, read from its code)",
         f"memory: decode at {options.decode_batch} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
         f"rebalance stall: {source}",

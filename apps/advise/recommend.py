@@ -11,11 +11,11 @@ import json
 import math
 from dataclasses import dataclass
 
+from apps.advise.balance import ENGINE, NO_EPLB, RUNTIME
+from apps.advise.engines import ENGINES, architecture_of, can_balance, can_dispatch
+from apps.advise.options import engine_flag_value
+from apps.advise.phases import gain
 from placement.dispatch import get_dispatch
-from solver.advise.balance import ENGINE, NO_EPLB, RUNTIME
-from solver.advise.engines import ENGINES, architecture_of, can_balance, can_dispatch
-from solver.advise.options import engine_flag_value
-from solver.advise.phases import gain
 
 __all__ = ["GB_FLOOR", "HF_IDS", "Choice", "Launch", "availability", "choose", "launch", "net_gain"]
 

@@ -34,7 +34,7 @@ Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-
 
 Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in
 :mod:`placement.cost.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
-:func:`trace_workload`) in :mod:`solver.planner.workload`, the primitive timings (``gemm_time``,
+:func:`trace_workload`) in :mod:`apps.planner.workload`, the primitive timings (``gemm_time``,
 ``a2a_time``, attention, MLPs, LM head; re-exported here) in :mod:`placement.cost.primitives`, the one
 cost model every caller shares. This module holds the options, memory and the layout step time.
 """
@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import numpy as np
 
+from apps.planner.workload import Workload
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import (
@@ -58,7 +59,6 @@ from placement.cost.primitives import (
     lm_head_time,
     mlp_time,
 )
-from solver.planner.workload import Workload
 
 if TYPE_CHECKING:
     from placement.model import Placement
@@ -276,7 +276,7 @@ def step_cost(
 
     Args:
         placement: the :class:`Placement` the workload was computed for (its topology gives G and N).
-        workload: from ``analytic_workload`` or ``trace_workload`` (:mod:`solver.planner.workload`).
+        workload: from ``analytic_workload`` or ``trace_workload`` (:mod:`apps.planner.workload`).
     """
     t = placement.topology
     G, N = t.ep_size, t.num_nodes

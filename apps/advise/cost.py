@@ -1,7 +1,7 @@
 """The memory side of the advice: what redundant slots take from the KV cache, at the user's batch x context.
 
 Step time is not here: every time figure comes from the one cost model (``placement.cost.step_time``,
-through :mod:`solver.advise.phases`).
+through :mod:`apps.advise.phases`).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from apps.planner.costmodel import CostOptions, memory_per_gpu
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
-from solver.planner.costmodel import CostOptions, memory_per_gpu
 
 __all__ = ["MemoryCost", "model_slots_per_gpu", "replica_memory"]
 
@@ -36,7 +36,7 @@ class MemoryCost:
 def replica_memory(
     model: ModelSpec, cluster: ClusterSpec, ep_size: int, redundant_per_gpu: int, batch: int, context_len: int
 ) -> MemoryCost:
-    """From :func:`solver.planner.costmodel.memory_per_gpu`: fits when the KV cache of ``batch`` sequences per
+    """From :func:`apps.planner.costmodel.memory_per_gpu`: fits when the KV cache of ``batch`` sequences per
     rank x ``context_len`` tokens still fits beside the weights and the replicas."""
     S = model_slots_per_gpu(model, ep_size, redundant_per_gpu)
     opts = CostOptions(phase="decode", batch_per_rank=batch, context_len=context_len)

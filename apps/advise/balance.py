@@ -9,13 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from apps.advise.engines import min_redundant
+from apps.advise.options import AdviseOptions, engine_dispatches, runtime_step_dispatches
 from placement.dispatch import EVEN, DispatchModel
 from placement.metrics import balance_stats, step_par, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
-from solver.advise.engines import min_redundant
-from solver.advise.options import AdviseOptions, engine_dispatches, runtime_step_dispatches
 from solver.api import FitOptions, run
 from solver.problem import Problem
 
