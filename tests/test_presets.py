@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from placement.cost.fields import check_fields
-from placement.cost.hardware import GPUS, LINKS, ClusterSpec, cluster_preset, load_gpu_preset
+from placement.cost.hardware import GPU_PRESET_KEYS, GPUS, LINKS, ClusterSpec, cluster_preset, load_gpu_preset
 from placement.cost.modelspec import ModelSpec, check_hf_config_fits, load_model, model_from_hf_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,16 +158,7 @@ def test_hf_config_whose_weights_exceed_memory_is_refused_before_building():
 
 
 # ---- hardware presets -----------------------------------------------------------------------------
-GPU_FIELDS = [
-    "flops_fp8",
-    "flops_bf16",
-    "hbm_bandwidth",
-    "hbm_bytes",
-    "eta_compute",
-    "eta_memory",
-    "gemm_overhead",
-    "eta_attention",
-]
+GPU_FIELDS = [k for k in GPU_PRESET_KEYS if k != "name"]  # every number a preset may override
 
 
 @pytest.mark.parametrize(
@@ -176,7 +167,7 @@ GPU_FIELDS = [
         (f, v)
         for f in GPU_FIELDS
         for v in [*BAD_NUMBERS, None, 1e-300]
-        if not (f == "gemm_overhead" and v in (0, 1e-300))  # a zero fixed cost is valid
+        if not (f in ("gemm_overhead", "split_overhead") and v in (0, 1e-300))  # a zero fixed cost is valid
     ],
     ids=repr,
 )

@@ -11,7 +11,7 @@ Units: bytes, bytes/s, FLOP/s, seconds.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -320,6 +320,13 @@ HARDWARE_NAMES = tuple(GPUS)
 REBALANCE_STALL_S: dict[str, tuple[float, float]] = {"vllm": (0.65, 1.7), "sglang": (1.8, 1.8)}
 
 
+# The keys a GPU preset file may override: every number of :class:`GpuSpec` (the link is per cluster,
+# ``source`` and ``provenance`` are the file's own keys), and its ``name``.
+GPU_PRESET_KEYS: tuple[str, ...] = tuple(f.name for f in fields(GpuSpec) if f.type in ("float", float)) + (
+    "name",
+)
+
+
 def load_gpu_preset(path: str | Path) -> GpuSpec:
     """Read a GPU preset JSON (as written by ``benchmarks/gpu_gemm_fit.py``).
 
@@ -337,17 +344,7 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
     base = d["base"].lower() if isinstance(d["base"], str) else d["base"]
     if not isinstance(base, str) or base not in GPUS:
         raise ValueError(f"{path}: unknown base GPU {show(base)}; use one of {HARDWARE_NAMES}")
-    allowed = {
-        "flops_fp8",
-        "flops_bf16",
-        "hbm_bandwidth",
-        "hbm_bytes",
-        "eta_compute",
-        "eta_memory",
-        "gemm_overhead",
-        "eta_attention",
-        "name",
-    }
+    allowed = set(GPU_PRESET_KEYS)
     over = {k: d[k] for k in allowed if k in d}
     extra = set(d) - allowed - {"base", "provenance", "source"}
     if extra:
