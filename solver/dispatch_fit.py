@@ -33,7 +33,6 @@ import numpy as np
 
 from placement.dispatch import (
     DISPATCH,
-    SGLANG_STATIC,
     SGLANG_STATIC_SEED,
     get_dispatch,
     layer_draws,
@@ -339,7 +338,7 @@ def fit_for_dispatch(
     train, check = fit.split(0.8) if len(fit.natural_windows()) >= 5 else (fit, fit)
     G = placement.topology.ep_size
     parts = (rank_expert_counts(train, G, source_ranks), rank_expert_counts(check, G, source_ranks))
-    static = dispatch == SGLANG_STATIC.name
+    static = get_dispatch(dispatch).table_fit == "swaps"
     dealt = _random_dealings(train, G, dealings, seed) if static else None  # [K, L, G, E]
     return _fit(placement, train.counts(), dealt, parts, dispatch, steps, seed, noise_z, num_groups)
 
@@ -358,7 +357,7 @@ def fit_for_dispatch_load(
     ``num_groups`` as there."""
     dispatch = _check_table(dispatch)
     counts = even_rank_counts(load, placement.topology.ep_size)  # [L, G, E]
-    dealt = counts[None] if dispatch == SGLANG_STATIC.name else None  # [1, L, G, E]
+    dealt = counts[None] if get_dispatch(dispatch).table_fit == "swaps" else None  # [1, L, G, E]
     w = np.asarray(load, dtype=np.float64)
     return _fit(placement, w, dealt, (counts, counts), dispatch, steps, seed, num_groups=num_groups)
 

@@ -174,8 +174,12 @@ SGLANG_STATIC = register(
         engine="SGLang",
         version="0.5.23",
         needs_source_ranks=True,
-        table=True,
         route=_route_static,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="swaps",
+        runtime_route="",
     )
 )
 SGLANG_DYNAMIC = register(
@@ -186,7 +190,11 @@ SGLANG_DYNAMIC = register(
         engine="SGLang",
         version="0.5.23",
         needs_source_ranks=True,
-        table=True,
         route=_route_dynamic,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="spread",
+        runtime_route="",
     )
 )

@@ -99,5 +99,10 @@ SGLANG_LP = register(
         fractional=False,
         route=route_lp,
         step_load=lp_step_load,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="",
+        runtime_route="",
     )
 )

@@ -43,5 +43,10 @@ VLLM_HASH = register(
         needs_batch_rows=True,
         fractional=False,
         route=_route,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="",
+        runtime_route="",
     )
 )
