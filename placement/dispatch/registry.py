@@ -54,8 +54,9 @@ class DispatchModel:
     one None, so no caller ever compares against a particular model):
         counts_only: each expert's tokens split evenly over its replicas whatever their source, so the
             per-expert counts ``[L, E]`` score it exactly (no per-token trace, no source ranks).
-        local_first: tokens go to a replica on their own GPU, else on their own node, else anywhere
-            (the scorers and the runtime's routing tables add those two tiers).
+        local_first: tokens go to the replica on their own GPU, else evenly to those on their own node,
+            else evenly to all (the scorers and the runtime's routing tables add those two tiers).
+            SGLang's rule is near to it but not it (its node tier takes the first replica): False there.
         locality_fit: the locality solver (``solver.locality``) can place for it: its node loads follow
             from the counts (``counts_only``) or from the counts by source node (``local_first``).
         table_fit: the fit step for a fixed per-rank table (``solver.dispatch_fit``): ``"swaps"`` (each
