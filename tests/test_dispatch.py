@@ -302,3 +302,32 @@ def test_a_model_needing_step_counts_must_give_step_load():
     with pytest.raises(ValueError, match="give it a step_load"):
         register(model)
     assert DISPATCH == before
+
+
+def test_engine_models_name_the_engine_setting_that_selects_them():
+    """The flag values agree with the engines' capability table (read from their code, checked in
+    tests/test_advise_engines.py): SGLang's ``--ep-dispatch-algorithm`` values, vLLM's ``--enable-eplb``."""
+    from apps.advise.engines import ENGINES
+
+    for model in DISPATCH.values():
+        assert bool(model.engine) == bool(model.engine_flag), model.name
+        if model.engine == "SGLang":
+            flag, value = model.engine_flag
+            assert flag == "--ep-dispatch-algorithm" and value in ENGINES["sglang"].dispatch_platforms
+        elif model.engine == "vLLM":
+            assert model.engine_flag == ("--enable-eplb",)
+    values = [m.engine_flag[1] for m in DISPATCH.values() if m.engine == "SGLang"]
+    assert len(set(values)) == len(values)  # one model per setting
+    with pytest.raises(ValueError, match="give engine_flag"):
+        said = {
+            "counts_only": False,
+            "local_first": False,
+            "locality_fit": False,
+            "table_fit": "",
+            "runtime_route": "",
+        }
+        register(
+            DispatchModel(
+                "flagless", "an engine rule", DISPATCH["even"].choices, engine="X", version="1", **said
+            )
+        )

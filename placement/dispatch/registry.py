@@ -39,6 +39,9 @@ class DispatchModel:
         models: the engine setting it models, or the ideal it stands for.
         engine: ``"SGLang"``, ``"vLLM"``, ... or ``""`` for an ideal no engine runs as such.
         version: the engine version whose source the model was read from (``""`` for ideals).
+        engine_flag: the engine's command-line setting that selects this rule, as argv words
+            (``("--ep-dispatch-algorithm", "static")``; ``("--enable-eplb",)``); ``()`` for an ideal.
+            Required with ``engine``.
         needs_source_ranks: the choice depends on the rank a token comes from.
         needs_batch_rows: the choice depends on the token's row in its forward batch.
         needs_step_counts: the choice depends on each step's all-reduced counts.
@@ -73,6 +76,7 @@ class DispatchModel:
     choices: ChoicesFn
     engine: str = ""
     version: str = ""
+    engine_flag: tuple[str, ...] = ()
     needs_source_ranks: bool = False
     needs_batch_rows: bool = False
     needs_step_counts: bool = False
@@ -126,6 +130,11 @@ def _check_asked(model: DispatchModel) -> None:
         raise ValueError(
             f"dispatch model {model.name!r} does not say {', '.join(missing)}: give "
             f"{', '.join(k + '=' for k in missing)} in its DispatchModel(...) (see DispatchModel's docstring)"
+        )
+    if bool(model.engine) != bool(model.engine_flag):
+        raise ValueError(
+            f"dispatch model {model.name!r}: give engine_flag (the engine's setting that selects it) with "
+            f"engine, and neither for an ideal (got engine={model.engine!r}, engine_flag={model.engine_flag!r})"
         )
     if model.table_fit not in TABLE_FITS:
         raise ValueError(

@@ -95,6 +95,7 @@ SGLANG_LP = register(
         even_choices,
         engine="SGLang",
         version="0.5.23",
+        engine_flag=("--ep-dispatch-algorithm", "lp"),
         needs_step_counts=True,
         fractional=False,
         route=route_lp,

@@ -40,6 +40,7 @@ VLLM_HASH = register(
         even_choices,
         engine="vLLM",
         version="0.33",
+        engine_flag=("--enable-eplb",),
         needs_batch_rows=True,
         fractional=False,
         route=_route,
