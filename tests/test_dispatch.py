@@ -238,6 +238,18 @@ def test_a_model_that_leaves_a_question_unsaid_is_refused():
                 "odd-route", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "gpu"}
             )
         )
+    with pytest.raises(ValueError, match="set needs_source_ranks"):
+        register(
+            DispatchModel(
+                "odd-tiers", "a test model", DISPATCH["even"].choices, **{**said, "local_first": True}
+            )
+        )
+    with pytest.raises(ValueError, match="set needs_step_counts"):
+        register(
+            DispatchModel(
+                "odd-step", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "step"}
+            )
+        )
     with pytest.raises(ValueError, match="table_fit must be one of"):
         register(
             DispatchModel("odd-fit", "a test model", DISPATCH["even"].choices, **{**said, "table_fit": "yes"})

@@ -131,6 +131,14 @@ def _check_asked(model: DispatchModel) -> None:
             f"dispatch model {model.name!r} does not say {', '.join(missing)}: give "
             f"{', '.join(k + '=' for k in missing)} in its DispatchModel(...) (see DispatchModel's docstring)"
         )
+    if model.runtime_route == "step" and not model.needs_step_counts:
+        raise ValueError(
+            f"dispatch model {model.name!r}: runtime_route='step' splits each step's counts: set needs_step_counts"
+        )
+    if model.local_first and not model.needs_source_ranks:
+        raise ValueError(
+            f"dispatch model {model.name!r}: local_first routes by the token's rank: set needs_source_ranks"
+        )
     if bool(model.engine) != bool(model.engine_flag):
         raise ValueError(
             f"dispatch model {model.name!r}: give engine_flag (the engine's setting that selects it) with "
