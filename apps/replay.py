@@ -337,7 +337,7 @@ def break_even(rows: list[dict]) -> float | str | None:
 def _needs_rank_steps(model: DispatchModel) -> bool:
     """Whether scoring under ``model`` needs each step's counts by source rank (``rank_steps``): all
     but ``even`` and the models scored per step from the step counts alone."""
-    return model is not EVEN and (model.step_load is None or model.needs_source_ranks)
+    return not model.counts_only and (model.step_load is None or model.needs_source_ranks)
 
 
 def _window_gpu_load(pl, model: DispatchModel, held: np.ndarray, held_ranks: np.ndarray | None) -> np.ndarray:
@@ -347,7 +347,7 @@ def _window_gpu_load(pl, model: DispatchModel, held: np.ndarray, held_ranks: np.
     step that ignores the source rank reads the step counts as from one rank)."""
     from placement.metrics import expected_gpu_load, rank_gpu_load
 
-    if model is EVEN:
+    if model.counts_only:
         return expected_gpu_load(pl, held)
     if held_ranks is None:
         held_ranks = held[:, :, None, :]  # [w, L, 1, E]: only reached when not _needs_rank_steps(model)

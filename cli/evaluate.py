@@ -145,12 +145,14 @@ def _steps(args, placement, trace):
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     """Steps: read placement, trace and source ranks -> evaluate under one or every dispatch -> print."""
-    from placement.dispatch import DISPATCH, EVEN
+    from placement.dispatch import DISPATCH
 
     checked_dispatch(args)
     placement, trace, src, how = _read_inputs(args)
     names = (
-        [n for n in DISPATCH if n == EVEN.name or trace.has_tokens] if args.policy == "all" else [args.policy]
+        [n for n, m in DISPATCH.items() if m.counts_only or trace.has_tokens]
+        if args.policy == "all"
+        else [args.policy]
     )
     with elapsed_bar("evaluating"):
         results = {name: _evaluate(args, placement, trace, name, src, how) for name in names}

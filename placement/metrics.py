@@ -30,7 +30,6 @@ from placement.churn import arrived_experts, moved_bytes  # noqa: F401 (re-expor
 from placement.dispatch import (
     DISPATCH,
     EVEN,
-    LOCAL,
     DispatchModel,
     dispatch_names,
     get_dispatch,
@@ -197,7 +196,7 @@ class _LayerTables:
 
 
 def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, model: DispatchModel, gpus_per_node: int):
-    """Tier of each pick: 0 own GPU, 1 own node, 2 any replica (always 2 but under ``local``), -1 no id.
+    """Tier of each pick: 0 own GPU, 1 own node, 2 any replica (always 2 but for a ``local_first`` model), -1 no id.
 
     Args:
         ids: int ``[T, k]``; src: int64 ``[T]``.
@@ -209,7 +208,7 @@ def _tier_of(tab: _LayerTables, ids: np.ndarray, src: np.ndarray, model: Dispatc
     e = np.where(valid, ids, 0).astype(np.int64)
     tier = np.full(ids.shape, 2, dtype=np.int8)
     own = np.full(ids.shape, -1, dtype=np.int64)
-    if model is LOCAL:
+    if model.local_first:
         E = tab.gpu_slot.shape[1]
         own = tab.gpu_slot.ravel()[src[:, None] * E + e]  # [T, k] flat gather
         node_has = tab.node_cnt.ravel()[(src // gpus_per_node)[:, None] * E + e] > 0
@@ -253,7 +252,7 @@ def _fractional_slot_load(
     sel = tier == 2  # spread over all replicas of the expert
     c2 = np.bincount(gk[sel] * E + e[sel], minlength=num_groups * E).reshape(num_groups, E)
     out += c2[:, tab.p2l] / tab.cnt[tab.p2l][None, :]
-    if model is LOCAL:
+    if model.local_first:
         sel = tier == 0  # the replica on the token's own GPU
         out += np.bincount(gk[sel] * P + own[sel], minlength=num_groups * P).reshape(num_groups, P)
         sel = tier == 1  # spread over the replicas on the token's node
@@ -355,7 +354,7 @@ def trace_gpu_load(
     every rank's ``s``-th batch (a trailing partial batch is a step too).
     """
     model = get_dispatch(dispatch)
-    if model is EVEN:
+    if model.counts_only:
         return expected_gpu_load(placement, trace.counts())
     src = _layer_ids_src(placement, trace, src)
     t = placement.topology
@@ -469,7 +468,7 @@ def _gpu_load_any(placement, trace_or_load, dispatch):
     if isinstance(trace_or_load, RoutingTrace):
         return trace_gpu_load(placement, trace_or_load, dispatch)
     model = get_dispatch(dispatch)
-    if model is not EVEN:
+    if not model.counts_only:
         raise ValueError(f"dispatch model {model.name!r} needs a per-token trace, not a load matrix")
     return expected_gpu_load(placement, trace_or_load)
 
@@ -652,7 +651,7 @@ def evaluate(
     or ``phase`` is given (``phase`` default :data:`DEFAULT_PHASE`, ``step_tokens`` the phase's
     default); they name the phase and carry the steps' notes."""
     model = get_dispatch(dispatch)
-    if model is not EVEN and not trace.has_tokens:
+    if not model.counts_only and not trace.has_tokens:
         raise ValueError(
             f"dispatch model {model.name!r} needs a per-token trace; this trace has counts only "
             f"(use --dispatch {EVEN.name})"

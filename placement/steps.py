@@ -142,8 +142,9 @@ def _check_fits(T: int, G: int, b: int, phase: str) -> None:
         )
 
 
-def _frozen(phase, b, G, token, step, rank, row, S, notes) -> Steps:
-    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (token, step, rank, row)]
+def _frozen(phase, b, G, token_step_rank_row, S, notes) -> Steps:
+    """A :class:`Steps` of read-only int64 copies of ``(token, step, rank, row)``, each ``[N]``."""
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in token_step_rank_row]
     for a in arrays:
         a.setflags(write=False)
     return Steps(phase, int(b), int(G), *arrays, num_steps=int(S), notes=tuple(notes))
@@ -158,10 +159,7 @@ def _truncate(steps: Steps, max_steps: int | None) -> Steps:
         steps.phase,
         steps.step_tokens,
         steps.ep_size,
-        steps.token[keep],
-        steps.step[keep],
-        steps.rank[keep],
-        steps.row[keep],
+        (steps.token[keep], steps.step[keep], steps.rank[keep], steps.row[keep]),
         max_steps,
         notes,
     )
@@ -178,7 +176,7 @@ def _prefill_steps(trace: RoutingTrace, G: int, b: int) -> Steps:
         tok = np.arange(S * b * G)  # [N]
         chunk = tok // b
         notes = ["chunks of consecutive tokens dealt round robin to ranks"]
-        return _frozen("prefill", b, G, tok, chunk // G, chunk % G, tok % b, S, notes)
+        return _frozen("prefill", b, G, (tok, chunk // G, chunk % G, tok % b), S, notes)
     src = trace.source_rank.astype(np.int64) % G  # [T]
     order = np.argsort(src, kind="stable")  # tokens by rank, trace order inside
     per_rank = np.bincount(src, minlength=G)  # [G]
@@ -194,7 +192,7 @@ def _prefill_steps(trace: RoutingTrace, G: int, b: int) -> Steps:
         )
     if per_rank.min() < S * b:
         notes.append(f"ranks with fewer than {S * b} tokens run short or empty batches in the last steps")
-    return _frozen("prefill", b, G, tok, p // b, rk, p % b, S, notes)
+    return _frozen("prefill", b, G, (tok, p // b, rk, p % b), S, notes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,7 +294,7 @@ def _decode_steps(trace: RoutingTrace, G: int, b: int, seed: int, max_steps: int
     rk = np.broadcast_to(slot_rank, tok.shape)
     row = np.broadcast_to(np.tile(np.arange(b), G), tok.shape)
     notes += _coverage_notes(tok[keep], T, live, whole=S == T // (G * b))
-    return _frozen("decode", b, G, tok[keep], step[keep], rk[keep], row[keep], S, notes)
+    return _frozen("decode", b, G, (tok[keep], step[keep], rk[keep], row[keep]), S, notes)
 
 
 def _coverage_notes(tok: np.ndarray, T: int, live: np.ndarray, whole: bool) -> list[str]:
@@ -350,7 +348,7 @@ def _engine_steps(trace: RoutingTrace, G: int, cap: int | None, asked: str) -> S
         step, rank, row = sub // G, sub % G, pos % b
         notes.append(f"each recorded batch is one rank's batch, {G} batches per step")
     S = int(step.max()) + 1 if T else 0
-    return _frozen(ENGINE, b, G, np.arange(T), step, rank, row, S, notes)
+    return _frozen(ENGINE, b, G, (np.arange(T), step, rank, row), S, notes)
 
 
 # ---------------------------------------------------------------------------------------------

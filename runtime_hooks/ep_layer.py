@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from placement.dispatch import BALANCED, EVEN, LOCAL, DispatchModel, dispatch_names, get_dispatch
+from placement.dispatch import EVEN, DispatchModel, dispatch_names, get_dispatch
 from placement.model import Placement
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "reference_moe",
     "replay_weights",
     "route_slots",
+    "routes_per_step",
     "runtime_dispatch",
     "tensor_checksum",
 ]
@@ -203,6 +204,16 @@ def build_routing_tables(placement: Placement, layer: int, device=None) -> Routi
     )
 
 
+# DispatchModel.runtime_route -> what the torch runtime builds to execute it (EPMoELayer and the
+# Hugging Face path alike); tests/test_dispatch.py asserts every runtime model's kind is here.
+RUNTIME_ROUTES = {
+    # per-rank routing tables built once per placement, a rotation over the tier's replicas per call
+    "table": "runtime_hooks.ep_layer.route_slots",
+    # per-step integer quotas from the all-gathered counts (a collective every call)
+    "step": "runtime_hooks.step_dispatch.StepDispatch",
+}
+
+
 def runtime_dispatch(dispatch: str | DispatchModel) -> DispatchModel:
     """The registered dispatch model ``dispatch``, checked to be one the runtime executes.
 
@@ -217,7 +228,17 @@ def runtime_dispatch(dispatch: str | DispatchModel) -> DispatchModel:
             f"dispatch model {model.name!r} is scored offline only (evaluate --dispatch {model.name}); "
             f"the runtime executes {runtime}: use one of those"
         )
+    if model.runtime_route not in RUNTIME_ROUTES:
+        raise ValueError(
+            f"dispatch model {model.name!r} asks for runtime route {model.runtime_route!r}, which the runtime "
+            f"does not build (it builds {', '.join(RUNTIME_ROUTES)})"
+        )
     return model
+
+
+def routes_per_step(dispatch: str | DispatchModel) -> bool:
+    """Whether the runtime routes ``dispatch`` by per-step quotas (``StepDispatch``) rather than tables."""
+    return runtime_dispatch(dispatch).runtime_route == "step"
 
 
 def route_slots(
@@ -237,14 +258,10 @@ def route_slots(
         int64 ``[T, k]`` slot ids, -1 where the id was -1.
     """
     model = runtime_dispatch(policy)
-    if model is BALANCED:
+    if model.runtime_route == "step":
         raise ValueError(
             f"dispatch model {model.name!r} splits each step by the counts of every rank; route it with "
             f"runtime_hooks.step_dispatch.StepDispatch (collective), not route_slots"
-        )
-    if model is not EVEN and model is not LOCAL:
-        raise ValueError(
-            f"dispatch model {model.name!r} is marked runtime but route_slots has no rule for it"
         )
     ids = topk_ids.long()
     T, k = ids.shape
@@ -253,7 +270,7 @@ def route_slots(
     rot = token_index.long().view(T, 1) + torch.arange(k, device=ids.device).view(1, k)  # [T, k]
     remote = tables.l2p[e, rot % tables.cnt[e]]  # [T, k] tier 2: any replica
     slot = remote
-    if model is LOCAL:
+    if model.local_first:
         src = torch.as_tensor(src_rank, dtype=torch.int64, device=ids.device).expand(T).view(T, 1)  # [T, 1]
         node = src // tables.gpus_per_node  # [T, 1]
         own = tables.gpu_slot[src, e]  # [T, k] tier 0: replica on the token's own rank or -1
@@ -354,7 +371,7 @@ class EPMoELayer:
         self.slots_per_gpu = placement.topology.slots_per_gpu
         self.tables = build_routing_tables(placement, 0, self.device)
         self.step = None  # per-step quotas, rebuilt for every placement (after a migration too)
-        if self.policy == BALANCED.name:
+        if routes_per_step(self.policy):
             from runtime_hooks.step_dispatch import StepDispatch
 
             self.step = StepDispatch(placement, self.device, self.group)

@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from placement.dispatch import BALANCED, EVEN
+from placement.dispatch import EVEN, get_dispatch
 from placement.model import Placement
 
 __all__ = [
@@ -384,9 +384,9 @@ def _route(state: _SlotState, top_k_index: torch.Tensor) -> torch.Tensor:
     """Physical slot of every pick, int64 ``[T, K]``; advances the global token counter."""
     import torch.distributed as dist
 
-    from runtime_hooks.ep_layer import route_slots
+    from runtime_hooks.ep_layer import route_slots, routes_per_step
 
-    if state.dispatch == BALANCED.name:
+    if routes_per_step(state.dispatch):
         return _route_step(state, top_k_index)
     T = top_k_index.shape[0]
     sizes = torch.zeros(state.ranks, dtype=torch.int64)
@@ -477,15 +477,16 @@ def step_quota_tokens(model: torch.nn.Module) -> np.ndarray | None:
     """int64 ``[L, P]``: picks per slot the numpy quotas give for every recorded step (the oracle of
     :func:`placement.step_balance.balanced_quotas` on the all-gathered counts, on the row served at
     that step); None unless ``balanced`` with ``record=True``."""
+    from runtime_hooks.ep_layer import routes_per_step
     from runtime_hooks.step_dispatch import quota_slot_tokens
 
     states = [_state(m) for m in moe_experts(model).values()]
-    if not states or states[0].dispatch != BALANCED.name or not states[0].record:
+    if not states or not routes_per_step(states[0].dispatch) or not states[0].record:
         return None
     out = np.zeros((len(states), states[0].placement.num_physical_experts), dtype=np.int64)
     for l, state in enumerate(states):
         for row, counts in state.steps:
-            out[l] += quota_slot_tokens(row, counts.cpu().numpy()[None], BALANCED)[0]
+            out[l] += quota_slot_tokens(row, counts.cpu().numpy()[None], get_dispatch(state.dispatch))[0]
     return out
 
 
@@ -493,8 +494,10 @@ def balanced_collective(model: torch.nn.Module, repeats: int = 0) -> tuple[tuple
     """``([L] median microseconds per counts all-gather, bytes it gathers per call)`` of each MoE layer
     under ``balanced`` (None otherwise). ``repeats`` more gathers per layer are timed first (collective:
     every rank passes the same number)."""
+    from runtime_hooks.ep_layer import routes_per_step
+
     states = [_state(m) for m in moe_experts(model).values()]
-    if not states or states[0].dispatch != BALANCED.name:
+    if not states or not routes_per_step(states[0].dispatch):
         return None
     us, nbytes = [], 0
     for module, state in zip(moe_experts(model).values(), states):

@@ -54,7 +54,13 @@ from placement.topology import Topology
 from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
 from profiling.trace import RoutingTrace
 from solver.budget import Budget, check_time_limit
-from solver.dispatch_fit import DispatchFit, even_rank_counts, fit_for_dispatch, fit_for_dispatch_load
+from solver.dispatch_fit import (
+    DispatchFit,
+    TableFitOptions,
+    even_rank_counts,
+    fit_for_dispatch,
+    fit_for_dispatch_load,
+)
 from solver.exact import ExactOptions, run_exact
 from solver.greedy import GreedyOptions, run_greedy
 from solver.locality.options import LocalityOptions
@@ -359,11 +365,8 @@ def _fit(
             problem.trace,
             problem.dispatch,
             problem.source_ranks,
-            steps=o.steps,
-            seed=o.seed,
-            dealings=o.dealings,
-            noise_z=o.noise_z,
             num_groups=problem.num_groups,
+            options=TableFitOptions(steps=o.steps, seed=o.seed, dealings=o.dealings, noise_z=o.noise_z),
         )
     else:
         placement, fit = fit_for_dispatch_load(

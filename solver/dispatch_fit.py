@@ -25,15 +25,16 @@ Without per-token or per-window routing (an engine's rebalance call, a bare load
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from placement.dispatch import (
     DISPATCH,
-    SGLANG_STATIC,
     SGLANG_STATIC_SEED,
     get_dispatch,
     layer_draws,
@@ -46,6 +47,7 @@ from solver.greedy import group_nodes, hierarchical_groups
 
 __all__ = [
     "DispatchFit",
+    "TableFitOptions",
     "even_rank_counts",
     "fit_for_dispatch",
     "fit_for_dispatch_load",
@@ -53,6 +55,23 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TableFitOptions:
+    """How :func:`fit_for_dispatch` searches a layer's table.
+
+    Attributes:
+        steps: swap attempts per layer (a model whose ``table_fit`` is ``"swaps"``).
+        seed: seeds the swaps and the random dealings.
+        dealings: random dealings of the fit prompts to the ranks that the search averages its peak over.
+        noise_z: standard errors the mean gain over the dealings must exceed to change a layer (0: any gain).
+    """
+
+    steps: int = 60
+    seed: int = 0
+    dealings: int = 16
+    noise_z: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -306,11 +325,9 @@ def fit_for_dispatch(
     dispatch: str,
     source_ranks: str | None = None,
     *,
-    steps: int = 60,
-    seed: int = 0,
-    dealings: int = 16,
-    noise_z: float = 0.0,
     num_groups: int | None = None,
+    options: TableFitOptions | None = None,
+    **fields: Any,
 ) -> tuple[Placement, DispatchFit]:
     """Move replicas so SGLang's rule splits the load better, layer by layer, fit and validated.
 
@@ -320,17 +337,17 @@ def fit_for_dispatch(
             validates each layer's choice.
         dispatch: ``sglang-static`` (exact tables, swap search) or ``sglang-dynamic`` (expectation).
         source_ranks: the ``--source-ranks`` spec (None: the trace's ranks, else prompts round-robin).
-        steps: swap attempts per layer (``sglang-static``); seed: seeds them; dealings: random
-            dealings of the fit prompts to the ranks the search averages its peak over; noise_z:
-            standard errors the mean gain over them must exceed to change a layer.
         num_groups: expert groups of a hierarchical placement: when the placement keeps each group
             on one node (:func:`solver.greedy.group_nodes`), replicas move only inside their node.
+        options: how the search runs (:class:`TableFitOptions`); or its fields as keywords
+            (``steps=40, seed=1``), not both.
 
     Returns:
         The placement (its peaks summed over layers never higher than the input's on the fit part nor
         on the validation part) and what changed.
     """
     dispatch = _check_table(dispatch)
+    o = _options_of(options, fields)
     if not fit.has_tokens and fit.window_counts is None:
         raise ValueError(
             f"placing for {dispatch} from a trace needs per-token or per-window routing (source ranks "
@@ -339,9 +356,26 @@ def fit_for_dispatch(
     train, check = fit.split(0.8) if len(fit.natural_windows()) >= 5 else (fit, fit)
     G = placement.topology.ep_size
     parts = (rank_expert_counts(train, G, source_ranks), rank_expert_counts(check, G, source_ranks))
-    static = dispatch == SGLANG_STATIC.name
-    dealt = _random_dealings(train, G, dealings, seed) if static else None  # [K, L, G, E]
-    return _fit(placement, train.counts(), dealt, parts, dispatch, steps, seed, noise_z, num_groups)
+    static = get_dispatch(dispatch).table_fit == "swaps"
+    dealt = _random_dealings(train, G, o.dealings, o.seed) if static else None  # [K, L, G, E]
+    return _fit(placement, train.counts(), dealt, parts, dispatch, o, num_groups)
+
+
+def _options_of(options: TableFitOptions | None, fields: dict[str, Any]) -> TableFitOptions:
+    """``options``, or a :class:`TableFitOptions` of the keyword ``fields`` (ValueError naming a stray one)."""
+    known = [f.name for f in dataclasses.fields(TableFitOptions)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(
+            f"fit_for_dispatch got unknown keyword(s) {', '.join(unknown)}; its search keywords are the "
+            f"fields of TableFitOptions: {', '.join(known)}"
+        )
+    if options is not None and fields:
+        raise ValueError(
+            f"give fit_for_dispatch options=TableFitOptions(...) or its fields as keywords, not both "
+            f"(got options and {', '.join(sorted(fields))})"
+        )
+    return options if options is not None else TableFitOptions(**fields)
 
 
 def fit_for_dispatch_load(
@@ -358,9 +392,10 @@ def fit_for_dispatch_load(
     ``num_groups`` as there."""
     dispatch = _check_table(dispatch)
     counts = even_rank_counts(load, placement.topology.ep_size)  # [L, G, E]
-    dealt = counts[None] if dispatch == SGLANG_STATIC.name else None  # [1, L, G, E]
+    dealt = counts[None] if get_dispatch(dispatch).table_fit == "swaps" else None  # [1, L, G, E]
     w = np.asarray(load, dtype=np.float64)
-    return _fit(placement, w, dealt, (counts, counts), dispatch, steps, seed, num_groups=num_groups)
+    search = TableFitOptions(steps=steps, seed=seed)
+    return _fit(placement, w, dealt, (counts, counts), dispatch, search, num_groups)
 
 
 def _fit(
@@ -369,10 +404,8 @@ def _fit(
     dealt: np.ndarray | None,
     parts: tuple[np.ndarray, np.ndarray],
     dispatch: str,
-    steps: int,
-    seed: int,
-    noise_z: float = 0.0,
-    num_groups: int | None = None,
+    search: TableFitOptions,
+    num_groups: int | None,
 ) -> tuple[Placement, DispatchFit]:
     """Spread over nodes, then search layer by layer (``sglang-static``, ``dealt [K, L, G, E]``) or
     take the spread layers that help (``sglang-dynamic``), then check the whole. A placement that
@@ -386,7 +419,9 @@ def _fit(
     spread = placement if keep_nodes else spread_over_nodes(placement, train_load)
     if dealt is not None:
         fit_parts = (dealt, train, check)
-        chosen, take = _searched(placement, spread, fit_parts, steps, seed, noise_z, keep_nodes)
+        chosen, take = _searched(
+            placement, spread, fit_parts, search.steps, search.seed, search.noise_z, keep_nodes
+        )
     else:
         chosen, take = _mixed(placement, spread, train, check, dispatch)
     return _checked(placement, chosen, take, train, check, dispatch)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from placement.dispatch import EVEN, get_dispatch
+from placement.dispatch import get_dispatch
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from solver.dispatch_fit import even_rank_counts
@@ -52,7 +52,7 @@ def dispatch_scorer(
         return None, ""
     model = get_dispatch(problem.dispatch)
     if not (model.fractional and model.needs_source_ranks):
-        if model.name == EVEN.name:
+        if model.counts_only:
             return None, ""
         return None, f"{model.name} has no fixed per-rank shares: candidate layers scored with the even split"
     topo = problem.topology

@@ -178,6 +178,99 @@ def test_model_attributes_are_consistent(name):
     assert not model.needs_step_counts or model.step_load is not None
     assert bool(model.engine) == bool(model.version)  # an engine's model names its version
     assert name in dispatch_names(**{"runtime": model.runtime, "fractional": model.fractional})
+    # what callers ask it agrees with what it needs
+    assert not model.counts_only or not (
+        model.needs_source_ranks or model.needs_batch_rows or model.needs_step_counts
+    )
+    assert not model.local_first or model.needs_source_ranks  # the tiers are the source's GPU and node
+    assert not model.locality_fit or model.counts_only or model.local_first
+    assert model.runtime == bool(model.runtime_route) and model.table == bool(model.table_fit)
+
+
+@pytest.mark.parametrize("name", list(DISPATCH))
+def test_what_a_model_says_is_what_it_does(name):
+    """``counts_only``: the shares are 1/c from every rank; ``local_first``: the own GPU's replica takes
+    all of a rank's tokens for an expert it holds, and a replica on the node takes them over remote ones."""
+    model = DISPATCH[name]
+    pl = _two_node_placement()
+    slots, weights = rank_choices(pl, 0, name)  # [G, E, R]
+    even_slots, even_weights = rank_choices(pl, 0, "even")
+    if model.counts_only:
+        assert np.array_equal(slots, even_slots) and np.allclose(weights, even_weights)
+    t = pl.topology
+    gpu = np.where(slots >= 0, slots // t.slots_per_gpu, -1)
+    ranks = np.arange(t.ep_size)[:, None, None]
+    own = (gpu == ranks) & (slots >= 0)  # [G, E, R]
+    on_node = (gpu // t.gpus_per_node == ranks // t.gpus_per_node) & (slots >= 0)
+    owned = own.any(axis=2)  # [G, E]
+    near = on_node.any(axis=2) & ~owned
+    local_like = np.allclose((weights * own).sum(axis=2)[owned], 1.0) and np.allclose(
+        (weights * on_node).sum(axis=2)[near], 1.0
+    )
+    assert owned.any() and near.any()  # the placement has both tiers to check
+    if model.local_first:
+        assert local_like
+    if model.counts_only:
+        assert not local_like  # the even split sends tokens off a GPU that holds the expert
+
+
+def test_a_model_that_leaves_a_question_unsaid_is_refused():
+    before = dict(DISPATCH)
+    said = {
+        "counts_only": False,
+        "local_first": False,
+        "locality_fit": False,
+        "table_fit": "",
+        "runtime_route": "",
+    }
+    for left_out in said:
+        model = DispatchModel(
+            "half-said",
+            "a test model",
+            DISPATCH["even"].choices,
+            **{k: v for k, v in said.items() if k != left_out},
+        )
+        with pytest.raises(ValueError, match=rf"'half-said' does not say {left_out}: give {left_out}="):
+            register(model)
+    with pytest.raises(ValueError, match="runtime_route must be one of"):
+        register(
+            DispatchModel(
+                "odd-route", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "gpu"}
+            )
+        )
+    with pytest.raises(ValueError, match="set needs_source_ranks"):
+        register(
+            DispatchModel(
+                "odd-tiers", "a test model", DISPATCH["even"].choices, **{**said, "local_first": True}
+            )
+        )
+    with pytest.raises(ValueError, match="set needs_step_counts"):
+        register(
+            DispatchModel(
+                "odd-step", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "step"}
+            )
+        )
+    with pytest.raises(ValueError, match="table_fit must be one of"):
+        register(
+            DispatchModel("odd-fit", "a test model", DISPATCH["even"].choices, **{**said, "table_fit": "yes"})
+        )
+    assert DISPATCH == before
+
+
+def test_every_model_the_runtime_claims_has_a_route_builder():
+    """Asserted complete: each ``runtime_route`` of a runtime model names something the runtime builds."""
+    import importlib
+
+    pytest.importorskip("torch")
+    from runtime_hooks.ep_layer import RUNTIME_ROUTES, runtime_dispatch
+
+    claimed = dispatch_names(runtime=True)
+    assert claimed and {DISPATCH[n].runtime_route for n in claimed} <= set(RUNTIME_ROUTES)
+    for where in RUNTIME_ROUTES.values():
+        module, attr = where.rsplit(".", 1)
+        assert callable(getattr(importlib.import_module(module), attr))
+    for name in claimed:
+        assert runtime_dispatch(name).name == name
 
 
 @pytest.mark.parametrize("name", list(DISPATCH))
@@ -221,3 +314,32 @@ def test_a_model_needing_step_counts_must_give_step_load():
     with pytest.raises(ValueError, match="give it a step_load"):
         register(model)
     assert DISPATCH == before
+
+
+def test_engine_models_name_the_engine_setting_that_selects_them():
+    """The flag values agree with the engines' capability table (read from their code, checked in
+    tests/test_advise_engines.py): SGLang's ``--ep-dispatch-algorithm`` values, vLLM's ``--enable-eplb``."""
+    from apps.advise.engines import ENGINES
+
+    for model in DISPATCH.values():
+        assert bool(model.engine) == bool(model.engine_flag), model.name
+        if model.engine == "SGLang":
+            flag, value = model.engine_flag
+            assert flag == "--ep-dispatch-algorithm" and value in ENGINES["sglang"].dispatch_platforms
+        elif model.engine == "vLLM":
+            assert model.engine_flag == ("--enable-eplb",)
+    values = [m.engine_flag[1] for m in DISPATCH.values() if m.engine == "SGLang"]
+    assert len(set(values)) == len(values)  # one model per setting
+    with pytest.raises(ValueError, match="give engine_flag"):
+        said = {
+            "counts_only": False,
+            "local_first": False,
+            "locality_fit": False,
+            "table_fit": "",
+            "runtime_route": "",
+        }
+        register(
+            DispatchModel(
+                "flagless", "an engine rule", DISPATCH["even"].choices, engine="X", version="1", **said
+            )
+        )

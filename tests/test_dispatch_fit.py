@@ -57,6 +57,19 @@ def test_fit_never_raises_the_fitted_or_validation_peak(fit_trace):
     assert ours.provenance["dispatch"] == "sglang-static"
 
 
+def test_fit_takes_its_options_object_or_their_keywords(fit_trace):
+    from solver.dispatch_fit import TableFitOptions
+
+    greedy, _ = greedy_placement(fit_trace.counts(), TOPO)
+    a, ra = fit_for_dispatch(greedy, fit_trace, "sglang-static", options=TableFitOptions(steps=10, seed=2))
+    b, rb = fit_for_dispatch(greedy, fit_trace, "sglang-static", steps=10, seed=2)
+    assert np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map) and ra == rb
+    with pytest.raises(ValueError, match="unknown keyword.*stepz.*fields of TableFitOptions"):
+        fit_for_dispatch(greedy, fit_trace, "sglang-static", stepz=10)
+    with pytest.raises(ValueError, match="not both"):
+        fit_for_dispatch(greedy, fit_trace, "sglang-static", options=TableFitOptions(), steps=10)
+
+
 def test_dynamic_and_bad_models(fit_trace):
     greedy, _ = greedy_placement(fit_trace.counts(), TOPO)
     _, res = fit_for_dispatch(greedy, fit_trace, "sglang-dynamic")

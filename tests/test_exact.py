@@ -287,6 +287,22 @@ def test_bad_input_is_a_value_error():
         solve_exact(FLASHLB, topo, objective="latency")
 
 
+def test_solve_exact_takes_its_options_object_or_their_keywords():
+    from solver.exact import ExactOptions
+
+    topo = Topology(4, 12, 1)
+    by_object = solve_exact(FLASHLB, topo, ExactOptions(backend="milp", time_limit=2.0, workers=1, seed=3))
+    by_keywords = solve_exact(FLASHLB, topo, backend="milp", time_limit=2.0, workers=1, seed=3)
+    assert np.array_equal(by_object[0].physical_to_logical_map, by_keywords[0].physical_to_logical_map)
+    assert by_object[1].params == by_keywords[1].params and by_object[1].params["backend"] == "milp"
+    with pytest.raises(
+        ValueError, match="unknown keyword.*time_limt; its keywords are the fields of ExactOptions"
+    ):
+        solve_exact(FLASHLB, topo, time_limt=2.0)
+    with pytest.raises(ValueError, match="not both"):
+        solve_exact(FLASHLB, topo, ExactOptions(), time_limit=2.0)
+
+
 def test_validation_guard_reports_and_falls_back_to_greedy():
     # windows whose last part is a different regime: what exact fits on the first windows does not
     # hold there, so the guard must compare on the held-out windows and may keep greedy's layers

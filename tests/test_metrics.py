@@ -373,3 +373,52 @@ def test_a_step_load_of_the_wrong_shape_is_named():
     )
     with pytest.raises(ValueError, match=r"returned shape \(1, 24\) for 18 steps; it must return \(18, 24\)"):
         step_par(pl, RoutingTrace(16, topk_ids=tr.topk_ids), step_tokens=4, dispatch=model, phase="prefill")
+
+
+# ---------------------------------------------------------------------------------------------
+# A dispatch model added in one place (docs/architecture.md "How to add a dispatch model")
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def lowest_slot_model():
+    """A toy model registered here only: every rank sends all of an expert's tokens to its lowest slot."""
+    from placement.dispatch import register
+
+    def lowest_slot(placement, layer):
+        slots, _ = even_choices(placement, layer)  # [G, E, R], slots ascending, -1 padded
+        weights = np.zeros(slots.shape)
+        weights[:, :, 0] = 1.0
+        return slots, weights
+
+    model = register(
+        DispatchModel(
+            "test-lowest-slot",
+            "every token to its expert's lowest slot",
+            lowest_slot,
+            counts_only=False,
+            local_first=False,
+            locality_fit=False,
+            table_fit="",
+            runtime_route="",
+        )
+    )
+    yield model
+    del DISPATCH[model.name]
+
+
+def test_a_model_registered_in_one_place_is_scored_by_the_metrics(lowest_slot_model):
+    pl, tr = _random_case(5)
+    load = trace_gpu_load(pl, tr, "test-lowest-slot")  # [L, G]
+    want = np.zeros((2, 8))  # the same by a plain loop over the picks
+    for l in range(2):
+        for e in tr.topk_ids[:, l, :].ravel():
+            if e >= 0:
+                want[l, pl.logical_to_physical_map[l, e, 0] // 3] += 1
+    assert np.allclose(load, want)
+    assert not np.allclose(load, trace_gpu_load(pl, tr, "even"))  # it is not the even split renamed
+    ev = evaluate(pl, tr, lowest_slot_model)
+    assert ev.dispatch == "test-lowest-slot" and ev.comm is None  # no token route: no communication
+    assert ev.balance["par"] == pytest.approx(balance_stats(want)["par"])
+    with pytest.raises(
+        ValueError, match="needs a per-token trace"
+    ):  # not counts_only: counts do not score it
+        evaluate(pl, RoutingTrace(16, window_counts=tr.counts()[None]), lowest_slot_model)

@@ -16,7 +16,7 @@ import numpy as np
 
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
-from placement.cost.step_time import step_time_from_arrays
+from placement.cost.step_time import StepArrays, step_time_from_arrays
 from placement.model import Placement
 from placement.steps import Steps, make_steps
 from profiling.trace import RoutingTrace
@@ -82,12 +82,18 @@ def price_phase(
     parts = []
     for lo, hi in zip(edges[:-1], edges[1:]):
         m = (steps.step >= lo) & (steps.step < hi)
+        block = StepArrays(
+            ids[m],
+            steps.step[m] - lo,
+            steps.rank[m],
+            int(hi - lo),
+            steps.step_tokens,
+            steps.phase,
+            steps.row[m],
+        )
         parts.append(
-            step_time_from_arrays(
-                placement, ids[m], steps.step[m] - lo, steps.rank[m], int(hi - lo), steps.step_tokens, steps.phase,
-                dispatch, model, cluster, rows=steps.row[m], context_len=context_len,
-            )
-        )  # fmt: skip
+            step_time_from_arrays(placement, block, dispatch, model, cluster, context_len=context_len)
+        )
     w = np.diff(edges) / S
 
     def mean(attr: str) -> float:

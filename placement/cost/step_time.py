@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CONTEXT_LEN",
+    "StepArrays",
     "StepTime",
     "layer_flows",
     "moe_layer_parts",
@@ -294,29 +295,47 @@ def dispatch_overhead_seconds(
     return model.num_moe_layers * (per_layer + cluster.gpu.split_overhead)
 
 
+@dataclass(frozen=True)
+class StepArrays:
+    """Tokens already cut into steps, as :func:`step_time_from_arrays` prices them.
+
+    Attributes:
+        topk_ids: int ``[T, L, k]`` logical ids of the stepped tokens (-1: none).
+        step: int64 ``[T]`` each token's step (-1: in no step).
+        src: int64 ``[T]`` each token's rank.
+        num_steps: ``S``, the number of steps.
+        step_tokens: tokens per rank per step.
+        phase: ``"decode"``, ``"prefill"`` or ``"engine"`` (recorded batches, priced as decode).
+        rows: int64 ``[T]`` each token's row in its rank's batch (a model that needs batch rows), or None.
+    """
+
+    topk_ids: np.ndarray
+    step: np.ndarray
+    src: np.ndarray
+    num_steps: int
+    step_tokens: int
+    phase: str
+    rows: np.ndarray | None = None
+
+
 def step_time_from_arrays(
     placement: Placement,
-    topk_ids: np.ndarray,
-    step: np.ndarray,
-    src: np.ndarray,
-    num_steps: int,
-    step_tokens: int,
-    phase: str,
+    arrays: StepArrays,
     dispatch: DispatchModel | str,
     model: ModelSpec,
     cluster: ClusterSpec,
     *,
-    rows: np.ndarray | None = None,
     context_len: float | None = None,
 ) -> StepTime:
-    """:func:`step_time` on arrays: ``topk_ids`` int ``[T, L, k]``, ``step`` int64 ``[T]`` (-1: in no
-    step), ``src`` int64 ``[T]`` each token's rank, ``num_steps`` S, ``step_tokens`` tokens per rank.
+    """:func:`step_time` on tokens already cut into steps (:class:`StepArrays`).
 
     Steps: per layer the dispatch's flows -> per-GPU tokens, active experts and bytes -> per-layer
     seconds ``[S, L]`` -> mean step, scaled to the model's MoE layers -> overhead and rest of step.
     """
     from placement.dispatch import get_dispatch
 
+    topk_ids, step, src, rows = arrays.topk_ids, arrays.step, arrays.src, arrays.rows
+    num_steps, step_tokens, phase = arrays.num_steps, arrays.step_tokens, arrays.phase
     disp = get_dispatch(dispatch)
     priced = phase if phase in PHASES else "decode"  # engine batches: the decode kernels
     kernel = kernel_of_phase(priced)
@@ -409,17 +428,5 @@ def step_time(
             f"{trace.num_logical_experts}, top-{trace.top_k}: pass the model the trace was recorded from"
         )
     ids, step, src, rows = _stepped(steps, trace, placement.topology.ep_size)
-    return step_time_from_arrays(
-        placement,
-        ids,
-        step,
-        src,
-        steps.num_steps,
-        steps.step_tokens,
-        steps.phase,
-        dispatch,
-        model,
-        cluster,
-        rows=rows,
-        context_len=context_len,
-    )
+    arrays = StepArrays(ids, step, src, steps.num_steps, steps.step_tokens, steps.phase, rows)
+    return step_time_from_arrays(placement, arrays, dispatch, model, cluster, context_len=context_len)

@@ -135,8 +135,12 @@ BALANCED = register(
         even_choices,
         needs_step_counts=True,
         fractional=False,
-        runtime=True,
         route=route_balanced,
         step_load=balanced_step_load,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="",
+        runtime_route="step",
     )
 )

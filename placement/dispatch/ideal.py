@@ -50,7 +50,11 @@ EVEN = register(
         "even",
         "ideal even split (vLLM's hash comes close in expectation)",
         even_choices,
-        runtime=True,
+        counts_only=True,
+        local_first=False,
+        locality_fit=True,
+        table_fit="",
+        runtime_route="table",
     )
 )
 LOCAL = register(
@@ -59,6 +63,10 @@ LOCAL = register(
         "own GPU, else own node, else spread (the locality-first ideal)",
         local_choices,
         needs_source_ranks=True,
-        runtime=True,
+        counts_only=False,
+        local_first=True,
+        locality_fit=True,
+        table_fit="",
+        runtime_route="table",
     )
 )

@@ -173,9 +173,14 @@ SGLANG_STATIC = register(
         static_choices,
         engine="SGLang",
         version="0.5.23",
+        engine_flag=("--ep-dispatch-algorithm", "static"),
         needs_source_ranks=True,
-        table=True,
         route=_route_static,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="swaps",
+        runtime_route="",
     )
 )
 SGLANG_DYNAMIC = register(
@@ -185,8 +190,13 @@ SGLANG_DYNAMIC = register(
         dynamic_choices,
         engine="SGLang",
         version="0.5.23",
+        engine_flag=("--ep-dispatch-algorithm", "dynamic"),
         needs_source_ranks=True,
-        table=True,
         route=_route_dynamic,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="spread",
+        runtime_route="",
     )
 )

@@ -95,9 +95,15 @@ SGLANG_LP = register(
         even_choices,
         engine="SGLang",
         version="0.5.23",
+        engine_flag=("--ep-dispatch-algorithm", "lp"),
         needs_step_counts=True,
         fractional=False,
         route=route_lp,
         step_load=lp_step_load,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="",
+        runtime_route="",
     )
 )

@@ -40,8 +40,14 @@ VLLM_HASH = register(
         even_choices,
         engine="vLLM",
         version="0.33",
+        engine_flag=("--enable-eplb",),
         needs_batch_rows=True,
         fractional=False,
         route=_route,
+        counts_only=False,
+        local_first=False,
+        locality_fit=False,
+        table_fit="",
+        runtime_route="",
     )
 )

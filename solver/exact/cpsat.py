@@ -33,6 +33,7 @@ from solver.exact.layer_problem import (
     _integer_costs,
     _Layer,
     _Result,
+    _Start,
 )
 
 
@@ -92,26 +93,21 @@ def _cpsat_data(
 
 def _solve_cpsat(
     pb: _Layer,
-    incumbent: np.ndarray,
-    inc_value: float,
+    start: _Start,
     objective: str,
-    windows: np.ndarray,
     P: int,
     seed: int,
     limit_s: float,
     deterministic: bool,
-    lb_true: np.ndarray | None,
     wall_left: float = float("inf"),
 ) -> _Result:
-    """Solve one layer's joint model from ``incumbent [G, S]`` (objective ``inc_value``); never past
-    ``wall_left`` seconds (what is left of the whole solve's time limit).
-
-    ``windows``: ``[W, E]`` the layer's loads; ``lb_true``: ``[W]`` valid lower bounds on the window
-    peaks in true units, or None. Returns the backend's :class:`_Result` (bound in true units).
-    """
+    """Solve one layer's joint model from ``start`` (the incumbent, its value, the layer's loads and
+    lower bounds); never past ``wall_left`` seconds (what is left of the whole solve's time limit).
+    Returns the backend's :class:`_Result` (bound in true units)."""
     from ortools.sat.python import cp_model
 
     t0 = time.perf_counter()
+    incumbent, inc_value, windows, lb_true = start.assign, start.value, start.windows, start.lb_true
     # data
     d = _cpsat_data(pb, incumbent, inc_value, objective, windows, P)
     # model: variables and constraints family by family, objective, symmetry breaking, hints

@@ -20,6 +20,7 @@ from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.exact.common import LoadOrTrace, _aggregate, _refresh_shares, _with_layers
+from solver.exact.options import ExactOptions
 from solver.greedy import greedy_placement
 from solver.report import LayerReport, SolveReport
 from solver.weighted import even_split_peak
@@ -154,17 +155,16 @@ def _gate_prepare(
 def _noise_gate(
     load_or_trace: LoadOrTrace,
     topology: Topology,
-    pl: Placement,
-    rep: SolveReport,
+    solved: tuple[Placement, SolveReport],
     source: NoiseSource,
-    k: float,
-    seed: int,
-    time_limit: float,
+    options: ExactOptions,
     t_start: float,
-    deterministic: bool = False,
     prepared: tuple[Placement, np.ndarray] | None = None,
 ) -> tuple[Placement, SolveReport]:
     """Per layer: greedy's placement changed only where the fitted gain beats ``k`` sigma per moved slot.
+
+    ``solved``: the exact solve's placement and report; ``options``: its options (``noise_k`` is ``k``;
+    ``seed``, ``time_limit``, ``deterministic``); ``t_start``: when the whole solve began (``perf_counter``).
 
     ``prepared``: greedy's placement and its noise ``[L]`` (:func:`_gate_prepare`), made before the exact
     solve so that their cost comes out of the time limit before the exact layers run, not after.
@@ -176,6 +176,13 @@ def _noise_gate(
     """
     from solver.migration import moved_pairs
 
+    pl, rep = solved
+    k, seed, time_limit, deterministic = (
+        float(options.noise_k),
+        options.seed,
+        options.time_limit,
+        options.deterministic,
+    )
     agg = _aggregate(load_or_trace)
     L, E = agg.shape
     g_pl, sigma = prepared or _gate_prepare(load_or_trace, topology, source, seed, pl.layer_ids)

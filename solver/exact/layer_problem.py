@@ -87,8 +87,25 @@ def _valid_node(assign: np.ndarray, pb: _Layer) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# What a backend returns
+# What a backend starts from, and what it returns
 # ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Start:
+    """What a backend starts one layer from.
+
+    Attributes:
+        assign: the incumbent, int64 ``[G, S]`` logical expert of every slot.
+        value: the incumbent's objective value (model units).
+        windows: float64 ``[W, E]``, the layer's loads.
+        lb_true: float64 ``[W]``, valid lower bounds on the window peaks in true units, or None.
+    """
+
+    assign: np.ndarray
+    value: float
+    windows: np.ndarray
+    lb_true: np.ndarray | None
+
+
 @dataclass
 class _Result:
     """A backend's answer for one layer (``assign [G, S]`` or None when it found no solution)."""

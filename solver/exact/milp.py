@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from solver.exact.layer_problem import _count_ranges, _Layer, _Result
+from solver.exact.layer_problem import _count_ranges, _Layer, _Result, _Start
 
 _Key = tuple  # ("x", e, g), ("y", e, r), ("s", w, e, g), ("peak", w), ("T",), ("tau",), ("u", w), ("a", q, k)
 
@@ -41,22 +41,13 @@ class _Rows:
         self.count += 1
 
 
-def _solve_milp(
-    pb: _Layer,
-    incumbent: np.ndarray,
-    inc_value: float,
-    objective: str,
-    windows: np.ndarray,
-    P: int,
-    seed: int,
-    limit_s: float,
-    lb_true: np.ndarray | None,
-) -> _Result:
+def _solve_milp(pb: _Layer, start: _Start, objective: str, P: int, seed: int, limit_s: float) -> _Result:
     """Solve one layer's joint model with HiGHS (same arguments as :func:`solver.exact.cpsat._solve_cpsat`)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
     t0 = time.perf_counter()
+    incumbent, inc_value, windows, lb_true = start.assign, start.value, start.windows, start.lb_true
     # data
     lo, hi, complete = _count_ranges(pb, incumbent, inc_value, objective, windows, P)
     var_e = [e for e in range(pb.E) if lo[e] != hi[e]]

@@ -16,7 +16,7 @@ import numpy as np
 from placement.topology import Topology
 from solver.exact.costs import DecodeCost, count_lower_bound, layer_cost_table
 from solver.exact.cpsat import _solve_cpsat
-from solver.exact.layer_problem import _FULL_MODEL_LIMIT, _counts_of, _Layer, _Result, _valid_node
+from solver.exact.layer_problem import _FULL_MODEL_LIMIT, _counts_of, _Layer, _Result, _Start, _valid_node
 from solver.exact.lns import _large_layer
 from solver.exact.local_search import _local_search
 from solver.exact.milp import _solve_milp
@@ -71,13 +71,14 @@ def _solve_layer(ctx: _Setup, l: int) -> tuple[np.ndarray, LayerReport]:
             [count_lower_bound(wl[w], pb.G, ctx.topology.num_physical_experts) for w in range(pb.W)]
         )
     model_lb = float(pb.agg(lb_true)) if lb_true is not None else 0.0
-    res = _run_backend(ctx, pb, l, wl, inc, inc_val, lb_true, model_lb, t0)
+    res = _run_backend(ctx, pb, l, _Start(inc, inc_val, wl, lb_true), model_lb, t0)
     inc, model_val, model_lb, status = _take_result(ctx, pb, l, res, inc, inc_val, g_val, model_lb)
     row = inc.reshape(-1)
     if model_val >= g_val - 1e-12 * max(1, g_val):
         row = ctx.greedy_map[l]
         model_val = g_val
-    return row, _layer_report(ctx, pb, l, t0, row, res, status, model_val, model_lb, g_val, iters)
+    outcome = _Outcome(row, res, status, model_val, model_lb, g_val, iters)
+    return row, _layer_report(ctx, pb, l, t0, outcome)
 
 
 def _out_of_time_layer(ctx: _Setup, l: int, t0: float) -> tuple[np.ndarray, LayerReport]:
@@ -163,19 +164,13 @@ def _start(ctx: _Setup, pb: _Layer, l: int, t0: float) -> tuple[float, float, np
 
 
 def _run_backend(
-    ctx: _Setup,
-    pb: _Layer,
-    l: int,
-    wl: np.ndarray,
-    inc: np.ndarray,
-    inc_val: float,
-    lb_true: np.ndarray | None,
-    model_lb: float,
-    t0: float,
+    ctx: _Setup, pb: _Layer, l: int, start: _Start, model_lb: float, t0: float
 ) -> _Result | None:
-    """The backend's result from the incumbent ``inc [G, S]``, or None when the gap is closed or no time
-    is left. Large layers go to the neighbourhood search; a failing backend is a result, not an error."""
+    """The backend's result from ``start`` (the incumbent ``[G, S]`` and its value), or None when the gap
+    is closed or no time is left. Large layers go to the neighbourhood search; a failing backend is a
+    result, not an error."""
     opt = ctx.options
+    inc, inc_val = start.assign, start.value
     gap_now = (inc_val - model_lb) / inc_val if inc_val > 0 else 0.0
     wall_left = _wall_left(ctx, t0)
     if opt.deterministic:  # the layer's whole share: a budget that does not depend on how long the start took
@@ -194,21 +189,9 @@ def _run_backend(
             return _large_layer(pb, inc, opt.seed, remaining, opt.deterministic, ctx.ls_iters, ctx.deadline)
         if opt.backend == "cpsat":
             return _solve_cpsat(
-                pb,
-                inc,
-                inc_val,
-                opt.objective,
-                wl,
-                P,
-                opt.seed,
-                remaining,
-                opt.deterministic,
-                lb_true,
-                wall_left,
+                pb, start, opt.objective, P, opt.seed, remaining, opt.deterministic, wall_left
             )
-        return _solve_milp(
-            pb, inc, inc_val, opt.objective, wl, P, opt.seed, min(remaining, wall_left), lb_true
-        )
+        return _solve_milp(pb, start, opt.objective, P, opt.seed, min(remaining, wall_left))
     except Exception as exc:  # a solver failure is data, not an exception
         log.warning("layer %d: %s backend failed: %s", l, opt.backend, exc)
         return _Result(None, "error", None, False, 0.0, f"{type(exc).__name__}: {exc}")
@@ -260,21 +243,25 @@ def _take_result(
     return inc, model_val, model_lb, status
 
 
-def _layer_report(
-    ctx: _Setup,
-    pb: _Layer,
-    l: int,
-    t0: float,
-    row: np.ndarray,
-    res: _Result | None,
-    status: str,
-    model_val: float,
-    model_lb: float,
-    g_val: float,
-    iters: int,
-) -> LayerReport:
-    """The layer's report in tokens on the summed load (``row [P]`` the chosen map)."""
+@dataclass(frozen=True)
+class _Outcome:
+    """How one layer's search ended: ``row [P]`` the chosen map, the backend's result (None: not run),
+    the status, the model objective and bound, greedy's model objective and the local-search iterations."""
+
+    row: np.ndarray
+    res: _Result | None
+    status: str
+    model_val: float
+    model_lb: float
+    g_val: float
+    iters: int
+
+
+def _layer_report(ctx: _Setup, pb: _Layer, l: int, t0: float, outcome: _Outcome) -> LayerReport:
+    """The layer's report in tokens on the summed load (``outcome.row [P]`` the chosen map)."""
     opt, G, S, E = ctx.options, pb.G, pb.S, pb.E
+    row, res, status = outcome.row, outcome.res, outcome.status
+    model_val, model_lb, g_val, iters = outcome.model_val, outcome.model_lb, outcome.g_val, outcome.iters
     w = ctx.agg[l]  # [E]
     proved_by = None
     if res is not None and res.assign is not None and status == "optimal":

@@ -9,13 +9,14 @@ Shapes: ``L`` layers, ``E`` experts, ``G`` GPUs with ``S`` slots, ``P = G * S``,
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -42,64 +43,54 @@ __all__ = ["ExactOptions", "run_exact", "solve_exact"]
 def solve_exact(
     load_or_trace: LoadOrTrace,
     topology: Topology,
+    options: ExactOptions | None = None,
     *,
-    backend: str = "cpsat",
     num_groups: int | None = None,
-    node_constraint: bool = False,
-    objective: str = "tokens",
-    robust: str | None = None,
-    num_windows: int = 4,
-    weighted: bool | str = False,
     layer_ids: Sequence[int] | None = None,
-    time_limit: float = 10.0,
-    seed: int = 0,
-    workers: int | None = None,
-    hint: Placement | None = None,
-    expert_bytes: float | None = None,
-    hardware: Any = None,
-    deterministic: bool = True,
-    batch_tokens_per_gpu: float | None = None,
-    local_search_iters: int | None = None,
-    validation: float | str | None = None,
-    noise_gate: str | None = "auto",
-    noise_k: float = 1.0,
+    **fields: Any,
 ) -> tuple[Placement, SolveReport]:
     """Joint replica counts and placement per layer, with proven bounds.
 
     Args:
         load_or_trace: ``[L, E]`` loads, ``[W, L, E]`` windows, or a :class:`RoutingTrace`.
         topology: ``P`` slots over ``G`` GPUs over ``N`` nodes.
+        options: how the search runs (:class:`ExactOptions`, documented field by field there); or
+            its fields as keywords (``backend="milp", time_limit=30.0``), not both.
         num_groups: expert groups (kept inside nodes with ``node_constraint``).
         layer_ids: the model's layer index of each row (default: the trace's, else ``0..L-1``).
-        The other keywords are the fields of :class:`ExactOptions`, documented there.
 
     Returns:
         (Placement, SolveReport). Layer ``objective`` is the peak GPU load in tokens with even split on the
         aggregate load; ``bound`` a proven lower bound on it; ``baseline_objective`` greedy's peak.
         ``extra`` holds ``model_objective`` / ``model_baseline`` (the optimised objective: decode us, or
         robust window PAR), ``counts_changed``, ``restricted``, ``replica_shares`` and ``weighted_objective``.
+
+    Raises:
+        ValueError: both ``options`` and keywords, a keyword that is not a field of :class:`ExactOptions`,
+            or a bad input (one line naming it).
     """
-    options = ExactOptions(
-        backend=backend,
-        node_constraint=node_constraint,
-        objective=objective,
-        robust=robust,
-        num_windows=num_windows,
-        weighted=weighted,
-        time_limit=time_limit,
-        seed=seed,
-        workers=workers,
-        hint=hint,
-        expert_bytes=expert_bytes,
-        hardware=hardware,
-        deterministic=deterministic,
-        batch_tokens_per_gpu=batch_tokens_per_gpu,
-        local_search_iters=local_search_iters,
-        validation=validation,
-        noise_gate=noise_gate,
-        noise_k=noise_k,
-    )
-    return _solve(load_or_trace, topology, options, num_groups, layer_ids)
+    return _solve(load_or_trace, topology, _options_of(options, fields), num_groups, layer_ids)
+
+
+def _options_of(options: ExactOptions | None, fields: dict[str, Any]) -> ExactOptions:
+    """``options``, or an :class:`ExactOptions` of the keyword ``fields`` (ValueError naming a stray one)."""
+    known = [f.name for f in dataclasses.fields(ExactOptions)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(
+            f"solve_exact got unknown keyword(s) {', '.join(unknown)}; its keywords are the fields of "
+            f"ExactOptions: {', '.join(known)}"
+        )
+    if options is None:
+        return ExactOptions(**fields)
+    if not isinstance(options, ExactOptions):
+        raise ValueError(f"options must be an ExactOptions, got {type(options).__name__}")
+    if fields:
+        raise ValueError(
+            f"give solve_exact options=ExactOptions(...) or its fields as keywords, not both "
+            f"(got options and {', '.join(sorted(fields))}); use dataclasses.replace(options, ...)"
+        )
+    return options
 
 
 def run_exact(problem: Problem, options: ExactOptions) -> tuple[Placement, SolveReport]:
@@ -148,26 +139,13 @@ def _solve(
         pl, rep = _solve(
             load_or_trace, topology, inner, num_groups, layer_ids, deadline=t_start + inner.time_limit
         )
-        return _noise_gate(
-            load_or_trace,
-            topology,
-            pl,
-            rep,
-            gate,
-            float(noise_k),
-            options.seed,
-            options.time_limit,
-            t_start,
-            options.deterministic,
-            prepared,
-        )
+        return _noise_gate(load_or_trace, topology, (pl, rep), gate, options, t_start, prepared)
     if guard is not None:
         return _validation_guard(
             load_or_trace, topology, guard, inner, num_groups, layer_ids, t_start, _solve
         )
-    return _solve_plain(
-        agg, wins, robust_m, top_k, topology, options, num_groups, layer_ids, t_start, deadline
-    )
+    checked = _Checked(agg, wins, robust_m, top_k)
+    return _solve_plain(checked, topology, options, num_groups, layer_ids, t_start, deadline)
 
 
 def _check_inputs(
@@ -247,11 +225,17 @@ def _solve_for_weighted_dispatch(
     return w_pl.with_provenance(**params), replace(w_rep, params=params)
 
 
+class _Checked(NamedTuple):
+    """The checked load: ``agg [L, E]``, ``wins [W, L, E]``, the robust window count and the trace's top-k."""
+
+    agg: np.ndarray
+    wins: np.ndarray
+    robust_m: int
+    top_k: int | None
+
+
 def _solve_plain(
-    agg: np.ndarray,
-    wins: np.ndarray,
-    robust_m: int,
-    top_k: int | None,
+    checked: _Checked,
     topology: Topology,
     options: ExactOptions,
     num_groups: int | None,
@@ -260,6 +244,7 @@ def _solve_plain(
     deadline: float | None = None,
 ) -> tuple[Placement, SolveReport]:
     """The plain solve: greedy start -> every layer (on ``workers`` threads) -> placement and report."""
+    agg, wins, robust_m, top_k = checked
     L, E = agg.shape
     G, P, N = topology.ep_size, topology.num_physical_experts, topology.num_nodes
     decode = _decode_cost(options, top_k)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from placement.dispatch import EVEN
+from placement.dispatch import get_dispatch
 from placement.metrics import communication, source_ranks
 from placement.model import Placement
 from placement.topology import Topology
@@ -90,7 +90,7 @@ def _replica_loads(prob: LayerProblem, reps: np.ndarray, n: int) -> tuple[np.nda
     """Replicas of node ``n`` as items: ``(expert int64 [r], load float64 [r])`` under ``prob.dispatch``."""
     member = reps > 0
     c = prob.count.astype(np.float64)
-    if prob.dispatch == EVEN.name:
+    if get_dispatch(prob.dispatch).counts_only:
         per = prob.load / c  # [E]
         per_n = np.repeat(per[:, None], prob.num_nodes, axis=1)
     else:

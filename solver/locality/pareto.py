@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from placement.dispatch import EVEN
+from placement.dispatch import EVEN, get_dispatch
 from placement.metrics import balance_stats, communication, step_par, trace_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
@@ -138,7 +138,7 @@ def _baseline_rows(
         }
     ]
     placements = [greedy]
-    if dispatch != EVEN.name:
+    if not get_dispatch(dispatch).counts_only:
         rows.append(
             {
                 "placement": "greedy",

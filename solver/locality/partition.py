@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.dispatch import EVEN, LOCAL
+from placement.dispatch import LOCAL, get_dispatch
 from solver.locality.reach import token_sample
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def node_loads(prob: LayerProblem, reps: np.ndarray) -> np.ndarray:
     """float64 ``[N]`` node loads of a replica layout ``reps [E, N]`` under ``prob.dispatch`` (see module doc)."""
     member = reps > 0
     c = prob.count.astype(np.float64)
-    if prob.dispatch == EVEN.name:
+    if get_dispatch(prob.dispatch).counts_only:
         return (reps / c[:, None] * prob.load[:, None]).sum(axis=0)
     remote = (prob.src_count.T * ~member).sum(axis=1)  # [E] picks from nodes without the expert
     return (member * prob.src_count.T + reps / c[:, None] * remote[:, None]).sum(axis=0)
@@ -124,7 +124,7 @@ def expected_remote_nodes(
     e = np.where(valid, ids, 0)
     q = _pick_probs(prob, reps)[e]  # [T', k, N]
     q = np.where(valid[:, :, None], q, 0.0)
-    if prob.dispatch == LOCAL.name:
+    if get_dispatch(prob.dispatch).local_first:
         home = (reps[e, src[:, None]] > 0) & valid  # [T', k] picks served on the own node
         q = np.where(home[:, :, None], 0.0, q)
     miss = np.prod(1.0 - q, axis=1)  # [T', N] probability that no pick lands on node n
@@ -149,7 +149,7 @@ def source_weights(prob: LayerProblem) -> np.ndarray:
     (0 for experts on all nodes, and under ``even``): tokens then find ``e`` on their own node."""
     s = prob.src_count.T / prob.homes[:, None]
     s[prob.homes >= prob.num_nodes] = 0.0
-    if prob.dispatch == EVEN.name:
+    if get_dispatch(prob.dispatch).counts_only:
         s[:] = 0.0
     return s
 
@@ -229,7 +229,7 @@ def _membership_load(prob: LayerProblem) -> np.ndarray:
     a = np.repeat((w / k)[:, None], prob.num_nodes, axis=1)
     everywhere = k >= prob.num_nodes
     a[everywhere] = prob.src_count.T[everywhere]
-    if prob.dispatch == EVEN.name:
+    if get_dispatch(prob.dispatch).counts_only:
         a = np.repeat((w / k)[:, None], prob.num_nodes, axis=1)
     return a
 

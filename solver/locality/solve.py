@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from placement.dispatch import EVEN, LOCAL
+from placement.dispatch import dispatch_names, get_dispatch
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
@@ -77,12 +77,12 @@ def _solve(
         trace = trace.select_layers([trace.layer_ids.index(x) for x in want])
     if o.method not in ("replicated", "grouped"):
         raise ValueError(f"method must be 'replicated' or 'grouped', got {o.method!r}")
-    if o.work_limit is not None and not (o.method == "replicated" and o.dispatch == LOCAL.name):
+    if o.work_limit is not None and not (o.method == "replicated" and get_dispatch(o.dispatch).local_first):
         raise ValueError(
             f"work_limit applies to method='replicated' with dispatch='local' only (got method={o.method!r}, "
             f"dispatch={o.dispatch!r}); use time_limit"
         )
-    if o.method == "replicated" and o.dispatch == LOCAL.name:
+    if o.method == "replicated" and get_dispatch(o.dispatch).local_first:
         return solve_replicated(trace, topology, o, t0)
     return solve_grouped(trace, topology, o, t0)
 
@@ -108,5 +108,6 @@ def _validate(
         raise ValueError(
             f"balance_slack must be in [0, 10] (0.02 = node loads within 2% of the mean), got {balance_slack}"
         )
-    if dispatch not in (LOCAL.name, EVEN.name):
-        raise ValueError(f"dispatch must be 'local' or 'even', got {dispatch!r}")
+    fits = dispatch_names(locality_fit=True)  # the models whose node loads the solver can model
+    if dispatch not in fits:
+        raise ValueError(f"dispatch must be {' or '.join(map(repr, fits))}, got {dispatch!r}")
