@@ -51,7 +51,7 @@ def _bench_rank(
         stacks[name] = []
         for l in range(pl.num_layers):
             w = ExpertWeights.random(pl.num_logical_experts, hidden, hidden // 2, seed=l)
-            layer = EPMoELayer(pl, l, w, policy=policy, name=f"{name}{l}")
+            layer = EPMoELayer(pl, l, w, dispatch=policy, name=f"{name}{l}")
             layer.simulated_seconds_per_token = sec_per_pick  # a benchmark knob, not a constructor option
             stacks[name].append(layer)
     out = {name: ([], []) for name in placements}
