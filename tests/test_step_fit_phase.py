@@ -148,8 +148,8 @@ def test_layout_takes_step_tokens_as_its_tokens_per_rank():
     from cli.main import build_parser
 
     base = ["layout", "--model", "deepseek-v3", "--nodes", "1"]
-    assert build_parser().parse_args([*base, "--step-tokens", "32"]).batch_per_rank == 32
-    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).batch_per_rank == 48
+    assert build_parser().parse_args([*base, "--step-tokens", "32"]).step_tokens == 32
+    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).step_tokens == 48
 
 
 def test_a_gated_solver_keeps_greedy_when_its_fitted_time_is_higher():
