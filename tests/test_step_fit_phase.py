@@ -118,7 +118,7 @@ def test_steps_with_no_spread_or_a_silent_layer_solve(dispatch):
 def test_fit_options_refuse_an_unknown_phase():
     with pytest.raises(ValueError, match="FitOptions.phase must be one of decode, prefill"):
         FitOptions(phase="train")
-    assert FitOptions(phase="prefill").tokens_per_step == 256 and FitOptions().tokens_per_step == 64
+    assert FitOptions(phase="prefill").phase_step_tokens == 256 and FitOptions().phase_step_tokens == 64
 
 
 def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):

@@ -508,6 +508,7 @@ def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
     from runtime_hooks.engine_plugins.spec import SpecError
     from runtime_hooks.launcher import WorkerError, WorkerTimeout
 
+    assert PolicyError is errors.EngineCallError  # the plugins' name for it: callers catch either
     old_paths = [CliError, InputFileError, PolicyError, SpecError, WorkerError, WorkerTimeout]
     assert sorted(c.__name__ for c in old_paths) == sorted(set(errors.__all__) - {"MoePlacementError"})
     assert all(getattr(errors, c.__name__) is c for c in old_paths)

@@ -67,6 +67,7 @@ PUBLIC_KEYS = frozenset(
     {
         "policy",  # evaluate/validate --json and placement files' params: docs/cli.md, docs/formats.md
         "greedy_policy",  # exact solver's params in placement files: docs/formats.md
+        "batch_tokens_per_gpu",  # params.decode_cost in placement files: docs/formats.md
         "batch_per_rank",  # layout --json: docs/cli.md (layout)
         "max_batch_per_rank",  # layout --json, per result: docs/cli.md (layout)
     }
