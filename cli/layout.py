@@ -222,7 +222,10 @@ def _read_inputs(args):
             f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
             f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
-    for flag, value in (("--step-tokens", args.step_tokens), ("--context-len", args.context_len)):
+    for flag, value in (
+        ("--step-tokens/--batch-per-rank", args.step_tokens),
+        ("--context-len", args.context_len),
+    ):
         if value is not None and value > MAX_STEP_TOKENS:
             raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
     if args.output:

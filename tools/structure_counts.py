@@ -17,9 +17,6 @@ Rows:
 - ``policy_words``: identifiers and non-docstring strings holding "polic" outside
   ``runtime_hooks/engine_plugins/`` (where the engines call their hook a policy).
 
-Both word rows skip (a) the option strings of a hidden deprecated alias: an ``add_argument`` whose
-``help`` is ``argparse.SUPPRESS`` and whose ``action`` is ``DeprecatedAlias`` (``--policy``), and
-(b) the public keys of :data:`PUBLIC_KEYS` where they are a dict literal's key or a subscript.
 - ``exception_roots``: public exception classes of the project whose bases hold no project exception.
 - ``import_fallbacks``: ``try`` blocks that import one of the project's own packages and catch
   ``ImportError`` (the project is always installed whole; an optional third-party extra is fine).
@@ -30,7 +27,11 @@ Both word rows skip (a) the option strings of a hidden deprecated alias: an ``ad
   (a URL, a paper, an engine's file) is a citation and is allowed.
 - ``solver_share``: percent of the package lines (``profiling`` ... ``cli``) under ``solver/``.
 - ``readme_lines`` / ``readme_deprecated``: README.md's line count, and the deprecated CLI flags (those
-  whose ``add_argument`` help says "deprecated") it still shows.
+  whose ``add_argument`` help says "deprecated", or which are hidden deprecated aliases) it still shows.
+
+Both word rows skip (a) the option strings of a hidden deprecated alias: an ``add_argument`` whose
+``help`` is ``argparse.SUPPRESS`` and whose ``action`` is ``DeprecatedAlias`` (``--policy``), and
+(b) the public keys of :data:`PUBLIC_KEYS` where they are a dict literal's key or a subscript.
 """
 
 from __future__ import annotations
