@@ -2,10 +2,10 @@
 
 A real trace becomes a stream of serving steps, each a count matrix ``[L, E]`` (token-expert
 assignments per logical expert). The stream is cut into windows of ``window_steps`` steps. After
-each window every policy may re-place using what it has seen; the placement is then scored on the
+each window every strategy may re-place using what it has seen; the placement is then scored on the
 NEXT window's traffic (held out: fitted on the past, scored on what comes).
 
-Policies compared in one run, all starting from the same initial placement (greedy fitted on the
+Rebalancing strategies compared in one run, all starting from the same initial placement (greedy fitted on the
 first window):
 
 - ``migration``: the :class:`runtime_hooks.rebalancer.Rebalancer` fed step by step (interval trigger
@@ -20,7 +20,7 @@ Streams:
 - :func:`token_stream` (DeepSeek-V2-Lite chat trace in prompt order): a step is ``step_tokens``
   consecutive tokens on each of the ``G`` attention-DP ranks (as ``step_par`` in docs/metrics.md).
 - :func:`domain_stream` (OLMoE per-domain counts, domains switched mid-stream): COUNTS ONLY, so each
-  step is SAMPLED: per layer a seeded multinomial of ``tokens_per_step * top_k`` assignments from the
+  step is SAMPLED: per layer a seeded multinomial of ``world_step_tokens * top_k`` assignments from the
   domain's load vector (assignments drawn independently; the real no-repeat-within-a-token rule is
   not modelled).
 - :func:`question_stream` (Mixtral MMLU): one step per question, subjects in their recorded sequence.
@@ -36,7 +36,7 @@ import numpy as np
 from placement.dispatch import EVEN, DispatchModel, get_dispatch
 
 __all__ = [
-    "POLICIES",
+    "STRATEGIES",
     "break_even",
     "ReplayResult",
     "ReplayStream",
@@ -46,7 +46,7 @@ __all__ = [
     "token_stream",
 ]
 
-POLICIES = ("migration", "greedy", "greedy+align", "static")
+STRATEGIES = ("migration", "greedy", "greedy+align", "static")  # how each window is re-placed
 
 
 @dataclass(frozen=True)
@@ -114,12 +114,15 @@ def domain_stream(
     trace,
     domains: Sequence[str],
     steps_per_domain: int,
-    tokens_per_step: int,
+    world_step_tokens: int,
     top_k: int,
     seed: int = 0,
     name: str | None = None,
 ) -> ReplayStream:
-    """Counts-only per-domain trace -> SAMPLED steps, domain after domain (seeded multinomial)."""
+    """Counts-only per-domain trace -> SAMPLED steps, domain after domain (seeded multinomial).
+
+    ``world_step_tokens``: tokens in one step over all ranks (a counts-only trace has no ranks: ``G``
+    ranks of ``step_tokens`` each is ``G * step_tokens``)."""
     if trace.window_counts is None or not trace.window_labels:
         raise ValueError("domain_stream needs a counts-only trace with one labelled window per domain")
     labels = list(trace.window_labels)
@@ -133,7 +136,7 @@ def domain_stream(
         for _ in range(int(steps_per_domain)):
             out.append(
                 np.stack(
-                    [rng.multinomial(int(tokens_per_step) * int(top_k), p[l]) for l in range(p.shape[0])]
+                    [rng.multinomial(int(world_step_tokens) * int(top_k), p[l]) for l in range(p.shape[0])]
                 )
             )
             lab.append(d)
@@ -142,7 +145,7 @@ def domain_stream(
         np.stack(out).astype(np.float64),
         tuple(lab),
         trace.layer_ids,
-        f"SAMPLED: {steps_per_domain} steps per domain, {tokens_per_step} tokens x top-{top_k} "
+        f"SAMPLED: {steps_per_domain} steps per domain, {world_step_tokens} tokens x top-{top_k} "
         f"assignments per step, seeded multinomial (seed={seed}) from each domain's counts",
     )
 
@@ -162,15 +165,15 @@ def question_stream(trace, name: str | None = None, max_steps: int | None = None
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """Per-window rows and per-policy summaries.
+    """Per-window rows and per-strategy summaries.
 
-    ``rows``: one dict per (window, policy) with ``window``, ``policy``, ``par``, ``step_par`` (held out:
+    ``rows``: one dict per (window, strategy) with ``window``, ``strategy``, ``par``, ``step_par`` (held out:
     scored on that window's traffic with the placement chosen before it), ``moved_slots``, ``moved_bytes``,
     ``migration_time_s`` (for the re-placement made before the window), ``label``, and the rebalance
     rule's held-out figures (:mod:`runtime_hooks.rebalance_rule`): ``arrived_experts``,
     ``saved_s_per_step`` (peak-GPU compute seconds saved per step against the map before) and
     ``rebalance_cost_s`` (the busiest GPU's arrivals' copy time x the config's ``stall``).
-    ``summary``: per policy ``mean_par``, ``mean_step_par``, ``moved_slots``, ``moved_bytes``,
+    ``summary``: per strategy ``mean_par``, ``mean_step_par``, ``moved_slots``, ``moved_bytes``,
     ``migration_time_s``, ``moved_fraction`` (of all slots per re-placement, mean), ``arrived_experts``
     and ``break_even_steps``: the rebalance interval in steps at which its re-placements pay (mean cost
     over mean held-out saving per step; ``"never"`` when they saved nothing; None when nothing moved);
@@ -197,40 +200,62 @@ def _window_load(steps: np.ndarray, k: int, window_steps: int) -> np.ndarray:
     return steps[k * window_steps : (k + 1) * window_steps].sum(axis=0)
 
 
-def _check_windows(N: int, window_steps: int, policies: Sequence[str]) -> int:
-    """The number of windows ``W`` (at least 3); ValueError on too few steps or unknown policies."""
+def _check_windows(N: int, window_steps: int, strategies: Sequence[str]) -> int:
+    """The number of windows ``W`` (at least 3); ValueError on too few steps or unknown strategies."""
     W = N // window_steps
     if W < 3:
         raise ValueError(
             f"{N} steps give {W} windows of {window_steps}; need at least 3 (lower window_steps)"
         )
-    bad = [p for p in policies if p not in POLICIES]
+    bad = [p for p in strategies if p not in STRATEGIES]
     if bad:
-        raise ValueError(f"unknown policies {bad}; choose from {POLICIES}")
+        raise ValueError(f"unknown strategies {bad}; choose from {STRATEGIES}")
     return W
 
 
-def _replace_all(
-    k: int, steps: np.ndarray, window_steps: int, cfg, reb, topology, layer_ids, policies, current
-):
-    """Each policy's placement for window ``k``, fitted on what was seen up to the end of window ``k-1``.
+@dataclass(frozen=True)
+class _Run:
+    """What every window of one replay shares.
 
-    ``steps [N, L, E]``; the fit load is the rebalancer's sliding window (or the last ``cfg.window_size``
-    steps summed, ``[L, E]``). Returns policy -> placement.
+    Attributes:
+        stream: the replayed stream. steps: float64 ``[N, L, E]`` (its steps). window_steps: steps per window.
+        cfg: the rebalancer config (interval trigger). topology: the slots. layer_ids: ``L`` layer ids.
+        strategies: the strategies compared. expert_bytes: bytes of one expert in one layer.
+        model: the dispatch model windows are scored with. reb: the rebalancer (None without ``migration``).
+    """
+
+    stream: ReplayStream
+    steps: np.ndarray
+    window_steps: int
+    cfg: object
+    topology: object
+    layer_ids: tuple[int, ...]
+    strategies: tuple[str, ...]
+    expert_bytes: float
+    model: DispatchModel
+    reb: object = None
+
+
+def _replace_all(run: _Run, k: int, current: dict) -> dict:
+    """Each strategy's placement for window ``k``, fitted on what was seen up to the end of window ``k-1``.
+
+    The fit load is the rebalancer's sliding window (or the last ``cfg.window_size`` steps of
+    ``run.steps`` summed, ``[L, E]``). Returns strategy -> placement.
     """
     from solver.greedy import greedy_placement
     from solver.migration import align_to_previous
 
-    lo = max(0, k * window_steps - cfg.window_size)
-    fit = reb.window_load() if reb is not None else steps[lo : k * window_steps].sum(axis=0)  # [L, E]
+    ws, strategies, reb = run.window_steps, run.strategies, run.reb
+    lo = max(0, k * ws - run.cfg.window_size)
+    fit = reb.window_load() if reb is not None else run.steps[lo : k * ws].sum(axis=0)  # [L, E]
     new = {}
-    if "greedy" in policies or "greedy+align" in policies:
-        g, _ = greedy_placement(fit, topology, layer_ids=layer_ids)
-        if "greedy" in policies:
+    if "greedy" in strategies or "greedy+align" in strategies:
+        g, _ = greedy_placement(fit, run.topology, layer_ids=run.layer_ids)
+        if "greedy" in strategies:
             new["greedy"] = g
-        if "greedy+align" in policies:
+        if "greedy+align" in strategies:
             new["greedy+align"] = align_to_previous(g, current["greedy+align"])
-    if "static" in policies:
+    if "static" in strategies:
         new["static"] = current["static"]
     if reb is not None:
         reb.wait()  # the simulator waits; a server would poll() and keep serving
@@ -238,53 +263,42 @@ def _replace_all(
     return new
 
 
-def _score_window(
-    k: int,
-    stream: ReplayStream,
-    steps: np.ndarray,
-    window_steps: int,
-    new: dict,
-    current: dict,
-    policies,
-    G: int,
-    expert_bytes: float,
-    cfg,
-    dispatch: DispatchModel = EVEN,
-) -> list[dict]:
-    """One row per policy: window ``k``'s held-out PAR and step PAR under its new placement, and the cost
-    of moving there from ``current`` (which then becomes the new placement, in place)."""
+def _score_window(run: _Run, k: int, new: dict, current: dict) -> list[dict]:
+    """One row per strategy: window ``k``'s held-out PAR and step PAR under its new placement, and the
+    cost of moving there from ``current`` (which then becomes the new placement, in place)."""
     from placement.metrics import moved_slots
     from runtime_hooks.rebalancer import migration_time
 
-    window = slice(k * window_steps, (k + 1) * window_steps)
-    held = steps[window]  # [w, L, E] held-out traffic
+    stream, ws, cfg, dispatch = run.stream, run.window_steps, run.cfg, run.model
+    window = slice(k * ws, (k + 1) * ws)
+    held = run.steps[window]  # [w, L, E] held-out traffic
     held_ranks = None if stream.rank_steps is None else stream.rank_steps[window]  # [w, L, G, E]
-    label = stream.labels[k * window_steps] if stream.labels else ""
+    label = stream.labels[k * ws] if stream.labels else ""
     rows = []
-    for p in policies:
+    for p in run.strategies:
         pl = new[p]
         gl_steps = _window_gpu_load(pl, dispatch, held, held_ranks)  # [w, L, G]
         par = float(_par_rows(gl_steps.sum(axis=0)[None])[0])
         spar = float(_par_rows(gl_steps).mean())
         moved = moved_slots(current[p], pl)
-        pays = _held_out_payback(current[p], pl, gl_steps, dispatch, held, held_ranks, expert_bytes, cfg)
+        pays = _held_out_payback(current[p], pl, gl_steps, dispatch, held, held_ranks, run.expert_bytes, cfg)
         t_move = migration_time(
             current[p].physical_to_logical_map,
             pl.physical_to_logical_map,
-            G,
-            expert_bytes,
+            run.topology.ep_size,
+            run.expert_bytes,
             cfg.bandwidth,
             cfg.latency,
         )
         rows.append(
             {
                 "window": k,
-                "policy": p,
+                "strategy": p,
                 "label": label,
                 "par": par,
                 "step_par": spar,
                 "moved_slots": moved,
-                "moved_bytes": moved * expert_bytes,
+                "moved_bytes": moved * run.expert_bytes,
                 "migration_time_s": t_move,
                 **pays,
             }
@@ -321,7 +335,7 @@ def _held_out_payback(old, new, gl_new, dispatch, held, held_ranks, expert_bytes
 
 
 def break_even(rows: list[dict]) -> float | str | None:
-    """The rebalance interval, in steps, at which a policy's re-placements pay (held out): the mean
+    """The rebalance interval, in steps, at which a strategy's re-placements pay (held out): the mean
     cost of a re-placement that moved something over the mean saving per step it realized on the
     window after it; ``"never"`` when they saved nothing on average; None when nothing ever moved."""
     from runtime_hooks.rebalance_rule import break_even_steps
@@ -354,11 +368,11 @@ def _window_gpu_load(pl, model: DispatchModel, held: np.ndarray, held_ranks: np.
     return rank_gpu_load(pl, held_ranks, model)
 
 
-def _summarize(rows: list[dict], policies: Sequence[str], P: int, L: int) -> dict:
-    """Per policy: mean PAR and step PAR, total moves, bytes and time, mean moved fraction of ``P * L`` slots."""
+def _summarize(rows: list[dict], strategies: Sequence[str], P: int, L: int) -> dict:
+    """Per strategy: mean PAR and step PAR, total moves, bytes and time, mean moved fraction of ``P * L`` slots."""
     summary = {}
-    for p in policies:
-        r = [x for x in rows if x["policy"] == p]
+    for p in strategies:
+        r = [x for x in rows if x["strategy"] == p]
         summary[p] = {
             "mean_par": float(np.mean([x["par"] for x in r])),
             "mean_step_par": float(np.mean([x["step_par"] for x in r])),
@@ -404,7 +418,7 @@ def replay(
     *,
     window_steps: int = 50,
     expert_bytes: float = 44_040_192.0,
-    policies: Sequence[str] = POLICIES,
+    strategies: Sequence[str] = STRATEGIES,
     dispatch: str | DispatchModel = EVEN,
 ) -> ReplayResult:
     """Replay a stream through the rebalancer and the baselines; score each window held out.
@@ -416,6 +430,7 @@ def replay(
             ``interval`` and ``step_interval``/``window_size`` default to ``window_steps``.
         window_steps: steps per scored window (and per re-placement).
         expert_bytes: bytes of one expert in one layer (moved bytes, migration time).
+        strategies: the rebalancing strategies compared (:data:`STRATEGIES`).
         dispatch: the dispatch model each window is scored with (a name or model of
             ``placement.dispatch``); all but ``even`` and the models scored per step from the step
             counts alone need the stream's ``rank_steps`` (token streams have them).
@@ -423,7 +438,7 @@ def replay(
     Returns:
         :class:`ReplayResult`.
 
-    Steps: initial greedy placement on window 0 -> per later window: re-place every policy, score it
+    Steps: initial greedy placement on window 0 -> per later window: re-place every strategy, score it
     on the window -> feed the window to the rebalancer -> summarise.
     """
     from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
@@ -431,7 +446,7 @@ def replay(
 
     steps = np.asarray(stream.steps, dtype=np.float64)  # [N, L, E]
     N, L, E = steps.shape
-    W = _check_windows(N, window_steps, policies)
+    W = _check_windows(N, window_steps, strategies)
     model = get_dispatch(dispatch)
     if _needs_rank_steps(model) and stream.rank_steps is None:
         raise ValueError(
@@ -443,22 +458,22 @@ def replay(
     G = topology.ep_size
     layer_ids = stream.layer_ids or tuple(range(L))
     init, _ = greedy_placement(_window_load(steps, 0, window_steps), topology, layer_ids=layer_ids)
-    current = {p: init for p in policies}
-    reb = Rebalancer(init, cfg, expert_bytes=expert_bytes) if "migration" in policies else None
+    current = {p: init for p in strategies}
+    reb = Rebalancer(init, cfg, expert_bytes=expert_bytes) if "migration" in strategies else None
+    run = _Run(
+        stream, steps, window_steps, cfg, topology, layer_ids, tuple(strategies), expert_bytes, model, reb
+    )
     rows = []
     for k in range(W):
         if k > 0:
-            new = _replace_all(k, steps, window_steps, cfg, reb, topology, layer_ids, policies, current)
-            rows += _score_window(
-                k, stream, steps, window_steps, new, current, policies, G, expert_bytes, cfg, model
-            )
+            rows += _score_window(run, k, _replace_all(run, k, current), current)
         if reb is not None:
             for s in range(k * window_steps, (k + 1) * window_steps):
                 reb.observe(steps[s])
     if reb is not None:
         reb.close()
     P = topology.num_physical_experts
-    summary = _summarize(rows, policies, P, L)
+    summary = _summarize(rows, strategies, P, L)
     return ReplayResult(
         stream.name, tuple(rows), summary, _params(stream, cfg, window_steps, W, G, P, expert_bytes, model)
     )

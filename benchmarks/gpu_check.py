@@ -68,12 +68,12 @@ def _rank(rank, world_size, tr, a, b, tokens_per_rank, hidden):
     out = {}
     for policy in ("even", "local"):
         spec = ValidationSpec.from_trace(
-            a, tr, tokens_per_rank=tokens_per_rank, policy=policy, hidden=hidden, ffn=hidden // 2, seed=1
+            a, tr, step_tokens=tokens_per_rank, dispatch=policy, hidden=hidden, ffn=hidden // 2, seed=1
         )
         out[f"validate-{policy}"] = validate_rank(rank, world_size, spec)
     # migration over NCCL, then correctness under the new placement
     w = ExpertWeights.random(a.num_logical_experts, hidden, hidden // 2, seed=3)
-    layer = EPMoELayer(a, 0, w, policy="even")
+    layer = EPMoELayer(a, 0, w, dispatch="even")
     dev = layer.device
     res = layer.migrate_to(b, layer=0, timeout=60.0)
     g = torch.Generator().manual_seed(rank)
@@ -249,8 +249,8 @@ def main(argv=None) -> int:
         spec = ValidationSpec.from_trace(
             a,
             tr,
-            tokens_per_rank=args.tokens_per_rank,
-            policy=policy,
+            step_tokens=args.tokens_per_rank,
+            dispatch=policy,
             hidden=args.hidden,
             ffn=args.hidden // 2,
             seed=1,

@@ -15,6 +15,7 @@ from apps.planner.costmodel import CostOptions
 from apps.planner.layout import compare_phases
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
+from placement.steps import SIZING_STEP_TOKENS
 
 
 def main() -> None:
@@ -25,8 +26,8 @@ def main() -> None:
     model = load_model("deepseek-v3")
     cl = cluster_preset(args.hardware)
     E = model.num_logical_experts
-    decode = CostOptions(phase="decode", batch_per_rank=128, context_len=4096)
-    prefill = CostOptions(phase="prefill", batch_per_rank=8192, context_len=4096)
+    decode = CostOptions(phase="decode", step_tokens=SIZING_STEP_TOKENS["decode"], context_len=4096)
+    prefill = CostOptions(phase="prefill", step_tokens=SIZING_STEP_TOKENS["prefill"], context_len=4096)
     for nodes in (4, 8):
         t0 = time.perf_counter()
         res = compare_phases(model, cl, nodes, decode, prefill)
@@ -35,7 +36,7 @@ def main() -> None:
             plan = res["plans"][phase]
             o = plan.options
             print(
-                f"\n## DeepSeek-V3, {nodes} x 8 {cl.name}, {phase}: {o.batch_per_rank} tokens/GPU/step, context {o.context_len}"
+                f"\n## DeepSeek-V3, {nodes} x 8 {cl.name}, {phase}: {o.step_tokens} tokens/GPU/step, context {o.context_len}"
             )
             print(f"workload: {plan.workload}")
             print(
@@ -49,7 +50,7 @@ def main() -> None:
                     f"{r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} "
                     f"{c.tokens_per_s_per_gpu / best:>7.2f} {r.par:>5.2f} {lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} "
                     f"{lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} {'on' if lc.overlap_used else 'off':>3} "
-                    f"{m.kv_free / 1e9:>6.1f} {m.max_batch_per_rank:>5}"
+                    f"{m.kv_free / 1e9:>6.1f} {m.max_step_tokens:>5}"
                 )
             bad = [r for r in plan.results if not r.feasible]
             print(

@@ -5,11 +5,11 @@ Usage::
     PYTHONPATH=. python benchmarks/online.py [--max-moves-frac 0.05] [--window-steps 50] [--link nvlink]
                                              [--traces deepseek,olmoe,mixtral] [--json out.json]
 
-For every replay it prints, per policy: mean held-out PAR and step PAR (each window scored with the
+For every replay it prints, per strategy: mean held-out PAR and step PAR (each window scored with the
 placement chosen before it), moved slots, moved bytes and migration time (cost model), and the ratios
 that the done criterion of issue 7 names: PAR migration / greedy, moved migration / greedy, and the
 same against greedy + align_to_previous (the fair from-scratch baseline). Baselines run in the same
-process on the same windows. Per policy also: arrived experts and the break-even rebalance interval in
+process on the same windows. Per strategy also: arrived experts and the break-even rebalance interval in
 steps (held out; apps.replay.break_even: "never" when its re-placements saved nothing).
 """
 
@@ -58,7 +58,7 @@ def build(name: str, args):
             trace,
             OLMOE_DOMAINS,
             steps_per_domain=args.steps_per_domain,
-            tokens_per_step=args.step_tokens * ep,
+            world_step_tokens=args.step_tokens * ep,
             top_k=8,
             seed=args.seed,
             name="olmoe " + "->".join(OLMOE_DOMAINS),
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
             f"{'' if dispatch == args.dispatch else ' (counts only: no source ranks)'}; {wall:.1f} s"
         )
         print(
-            f"   {'policy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}"
+            f"   {'strategy':<14}{'PAR':>8}{'stepPAR':>9}{'moved':>8}{'frac/win':>9}{'GB':>9}{'T_move s':>10}"
             f"{'arrived':>9}{'break-even steps':>18}"
         )
         for p, v in s.items():

@@ -3,7 +3,7 @@
 Usage::
 
     PYTHONPATH=. .venv/bin/python benchmarks/runtime.py [--ranks 8] [--nodes 2] [--redundant 16]
-        [--layers 4] [--tokens-per-rank 64] [--steps 20] [--ms-per-step 50] [--policy even]
+        [--layers 4] [--tokens-per-rank 64] [--steps 20] [--ms-per-step 50] [--dispatch even]
         [--time-limit 5] [--trace PATH] [--json OUT]
 
 Protocol: placements are fitted on the first half of the trace (DeepSeek-V2-Lite chat routing from the
@@ -37,7 +37,7 @@ from placement.topology import Topology
 
 
 def _bench_rank(
-    rank, world_size, placements, ids, tokens_per_rank, steps, sec_per_pick, policy, hidden, warmup
+    rank, world_size, placements, ids, tokens_per_rank, steps, sec_per_pick, dispatch, hidden, warmup
 ):
     """Per rank: for each placement, time ``steps`` replayed steps; return {name: [step seconds]}."""
     import torch
@@ -51,7 +51,7 @@ def _bench_rank(
         stacks[name] = []
         for l in range(pl.num_layers):
             w = ExpertWeights.random(pl.num_logical_experts, hidden, hidden // 2, seed=l)
-            layer = EPMoELayer(pl, l, w, policy=policy, name=f"{name}{l}")
+            layer = EPMoELayer(pl, l, w, dispatch=dispatch, name=f"{name}{l}")
             layer.simulated_seconds_per_token = sec_per_pick  # a benchmark knob, not a constructor option
             stacks[name].append(layer)
     out = {name: ([], []) for name in placements}
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ms-per-step", type=float, default=50.0, help="simulated device ms per layer on a balanced rank"
     )
-    ap.add_argument("--policy", choices=("even", "local"), default="even")
+    ap.add_argument("--dispatch", "--policy", dest="dispatch", choices=("even", "local"), default="even")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT seconds (whole solve)")
     ap.add_argument("--trace")
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     res = launch(
         _bench_rank,
         G,
-        args=(placements, ids, b, args.steps, sec_per_pick, args.policy, args.hidden, args.warmup),
+        args=(placements, ids, b, args.steps, sec_per_pick, args.dispatch, args.hidden, args.warmup),
         timeout=600,
     )
     wall = time.perf_counter() - t0
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     rows = []
     for name, pl in placements.items():
         step_t = np.max([r[name][0] for r in res], axis=0)  # [steps] slowest rank's view of each step
-        slots = route_tokens(pl, ids, src, args.policy, token_index=np.arange(n_tok))
+        slots = route_tokens(pl, ids, src, args.dispatch, token_index=np.arange(n_tok))
         per = routed_gpu_tokens(pl, slots[args.warmup * G * b :])  # [L, G] over measured steps
         # per-step peak/mean of computed picks, from the runtime itself
         picks = np.array([r[name][1] for r in res], dtype=np.float64)  # [G, steps, L] picks per rank
@@ -186,7 +186,7 @@ def main(argv=None) -> int:
         r["device_vs_greedy"] = r["device_ms"] / g["device_ms"]
     print(
         f"EP runtime benchmark: {G} gloo ranks, {args.nodes} nodes, {topo.num_physical_experts} slots/layer, "
-        f"{trace.num_layers} layers, {b} tokens/rank/step, {args.steps} steps, policy {args.policy}"
+        f"{trace.num_layers} layers, {b} tokens/rank/step, {args.steps} steps, dispatch {args.dispatch}"
     )
     print(f"trace: {source} (fit on first half, replay held-out second half)")
     print(

@@ -364,22 +364,28 @@ def warn_colocated(path: Path, placement) -> None:
 
 def checked_dispatch(args: argparse.Namespace) -> str:
     """``--dispatch`` checked here rather than by argparse, so a bad name is one line (exit 2)."""
-    if args.policy not in args.dispatch_choices:
+    if args.dispatch not in args.dispatch_choices:
         raise CliError(
-            f"unknown dispatch model {args.policy!r}; use one of {', '.join(args.dispatch_choices)}"
+            f"unknown dispatch model {args.dispatch!r}; use one of {', '.join(args.dispatch_choices)}"
         )
-    return args.policy
+    return args.dispatch
 
 
 class DeprecatedAlias(argparse.Action):
-    """An old spelling of an option: stores like it, with one warning line on stderr."""
+    """An old spelling of an option: stores like it, with one warning line on stderr.
 
-    def __init__(self, *args, new: str, **kwargs):
+    ``known``: the values the new option accepts; with it, an unknown value is stored without the
+    warning, so the one error line of the new option's own check is all the user sees (exit 2).
+    """
+
+    def __init__(self, *args, new: str, known: Sequence[str] | None = None, **kwargs):
         self.new = new
+        self.known = None if known is None else tuple(known)
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        warn(f"{option_string} is deprecated; use {self.new}")
+        if self.known is None or values in self.known:
+            warn(f"{option_string} is deprecated; use {self.new}")
         setattr(namespace, self.dest, values)
 
 
@@ -411,7 +417,7 @@ def add_dispatch_args(
     """``--dispatch`` (``--policy``: its deprecated alias, which warns) and ``--source-ranks``.
 
     ``choices``: the names accepted (default: every model in :data:`placement.dispatch.DISPATCH`);
-    the value lands in ``args.policy``.
+    the value lands in ``args.dispatch``.
     """
     from placement.dispatch import DISPATCH, EVEN
 
@@ -419,19 +425,20 @@ def add_dispatch_args(
     metavar = "{" + ",".join(names) + "}"
     p.add_argument(
         "--dispatch",
-        dest="policy",
+        dest="dispatch",
         default=EVEN.name,
         metavar=metavar,
         help=f"how the engine picks a replica: {', '.join(DISPATCH)} (see docs/dispatch.md){extra}",
     )
     p.add_argument(
         "--policy",
-        dest="policy",
+        dest="dispatch",
         default=argparse.SUPPRESS,
         metavar=metavar,
         action=DeprecatedAlias,
         new="--dispatch",
-        help="deprecated alias of --dispatch",
+        known=names,
+        help=argparse.SUPPRESS,  # deprecated alias of --dispatch (docs/cli.md), hidden from --help
     )
     p.set_defaults(dispatch_choices=names)
     p.add_argument(

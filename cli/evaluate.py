@@ -41,9 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_evaluate)
 
 
-def _print_evaluation(placement, trace, policy: str, d: dict) -> None:
+def _print_evaluation(placement, trace, dispatch: str, d: dict) -> None:
     """One line per metric family present in the evaluation dict ``d``."""
-    echo(f"{placement!r} on {trace!r}, policy {policy}")
+    echo(f"{placement!r} on {trace!r}, dispatch {dispatch}")
     echo(
         f"par {d['par']:.4f} (worst layer {d['par_worst']:.4f}), balancedness {d['balancedness']:.4f}, "
         f"imbalance_ratio {d['imbalance_ratio']:.4f}, lower bound par {d['lower_bound_par']:.4f}"
@@ -112,14 +112,14 @@ def _read_inputs(args: argparse.Namespace):
     return placement, trace, src, how
 
 
-def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
-    """Every metric under ``policy``; step metrics on ``--phase`` steps (named in the dict)."""
+def _evaluate(args, placement, trace, dispatch: str, src, how) -> dict:
+    """Every metric under ``dispatch``; step metrics on ``--phase`` steps (named in the dict)."""
     from placement.metrics import evaluate
 
     ev = evaluate(
         placement,
         trace,
-        policy,
+        dispatch,
         step_tokens=args.step_tokens,
         hidden_size=args.hidden_size,
         src=src,
@@ -128,7 +128,7 @@ def _evaluate(args, placement, trace, policy: str, src, how) -> dict:
     d = ev.to_dict()
     if how is not None and "source_ranks" in d:
         d["source_ranks"] = how
-    st = step_time_dict(args, placement, trace, policy, _steps(args, placement, trace))
+    st = step_time_dict(args, placement, trace, dispatch, _steps(args, placement, trace))
     if st is not None:
         d["step_time"] = st
     return d
@@ -151,17 +151,17 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     placement, trace, src, how = _read_inputs(args)
     names = (
         [n for n, m in DISPATCH.items() if m.counts_only or trace.has_tokens]
-        if args.policy == "all"
-        else [args.policy]
+        if args.dispatch == "all"
+        else [args.dispatch]
     )
     with elapsed_bar("evaluating"):
         results = {name: _evaluate(args, placement, trace, name, src, how) for name in names}
-    if args.policy != "all":
-        d = results[args.policy]
+    if args.dispatch != "all":
+        d = results[args.dispatch]
         if args.json:
             echo(json.dumps(d, indent=1))
         else:
-            _print_evaluation(placement, trace, args.policy, d)
+            _print_evaluation(placement, trace, args.dispatch, d)
         return 0
     if args.json:
         echo(json.dumps({"dispatch": results}, indent=1))

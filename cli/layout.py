@@ -43,6 +43,8 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.steps import SIZING_STEP_TOKENS
+
     p = subparsers.add_parser(
         "layout",
         help="choose attention-DP / EP size / redundant slots with a step-time and memory model",
@@ -77,11 +79,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--step-tokens",
         "--batch-per-rank",
-        dest="batch_per_rank",
+        dest="step_tokens",
         type=positive_int,
         default=None,
-        help="tokens per rank per step (the planner's throughput defaults: 128 decode, 8192 prefill; "
-        "--batch-per-rank is its older name)",
+        help="tokens per rank per step (default: the size a deployment is sized at, "
+        + ", ".join(f"{k} {v}" for k, v in SIZING_STEP_TOKENS.items())
+        + "; --batch-per-rank is its older name)",
     )
     p.add_argument(
         "--context-len",
@@ -110,13 +113,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _options(args, phase: str):
     from apps.planner.costmodel import CostOptions
+    from placement.steps import SIZING_STEP_TOKENS
 
-    b = (
-        args.batch_per_rank
-        if (args.batch_per_rank and phase == args.phase)
-        else (128 if phase == "decode" else 8192)
-    )
-    return CostOptions(phase=phase, batch_per_rank=b, context_len=args.context_len, overlap=args.overlap)
+    b = args.step_tokens if (args.step_tokens and phase == args.phase) else SIZING_STEP_TOKENS[phase]
+    return CostOptions(phase=phase, step_tokens=b, context_len=args.context_len, overlap=args.overlap)
 
 
 def _table(plan, top: int) -> list[str]:
@@ -133,7 +133,7 @@ def _table(plan, top: int) -> list[str]:
             f"{i + 1:>3} {r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} {r.par:>5.2f} "
             f"{lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} {lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} "
             f"{'on' if lc.overlap_used else 'off':>3} {(m.non_expert + m.expert) / 1e9:>7.1f} {m.kv_free / 1e9:>6.1f} "
-            f"{m.max_batch_per_rank:>5}  {c.bottleneck}"
+            f"{m.max_step_tokens:>5}  {c.bottleneck}"
         )
     if len(ok) > top:
         lines.append(f"    ... {len(ok) - top} more feasible layouts (--top)")
@@ -222,7 +222,10 @@ def _read_inputs(args):
             f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
             f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
-    for flag, value in (("--batch-per-rank", args.batch_per_rank), ("--context-len", args.context_len)):
+    for flag, value in (
+        ("--step-tokens/--batch-per-rank", args.step_tokens),
+        ("--context-len", args.context_len),
+    ):
         if value is not None and value > MAX_STEP_TOKENS:
             raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
     if args.output:
@@ -247,20 +250,13 @@ def _read_inputs(args):
 
 def _plan(args, model, cluster, trace):
     """The ranked layouts for ``--phase`` and, unless ``--no-phase-compare``, the other phase's verdict."""
-    from apps.planner.layout import compare_phases, plan_layout
+    from apps.planner.layout import PlanOptions, compare_phases, plan_layout
 
     opts = _options(args, args.phase)
-    plan = plan_layout(
-        model,
-        cluster,
-        args.nodes,
-        opts,
-        trace=trace,
-        solver=args.solver,
-        max_redundant=args.max_redundant,
-        seed=args.seed,
-        time_limit=args.time_limit,
+    search = PlanOptions(
+        solver=args.solver, max_redundant=args.max_redundant, seed=args.seed, time_limit=args.time_limit
     )
+    plan = plan_layout(model, cluster, args.nodes, opts, trace=trace, plan=search)
     compare = None
     if not args.no_phase_compare and plan.best is not None:
         other = "prefill" if args.phase == "decode" else "decode"
@@ -272,9 +268,7 @@ def _plan(args, model, cluster, trace):
             opts if args.phase == "decode" else o,
             o if args.phase == "decode" else opts,
             trace=trace,
-            solver=args.solver,
-            max_redundant=args.max_redundant,
-            seed=args.seed,
+            plan=search,
             plans={args.phase: plan},
         )
     return plan, compare
@@ -284,7 +278,7 @@ def _print_plan(args, plan, model, cluster, compare, files) -> None:
     """The ranked table with its header, the plan's notes, the phase verdict and the files written."""
     o = plan.options
     echo(
-        f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.batch_per_rank} tokens/GPU/step, "
+        f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.step_tokens} tokens/GPU/step, "
         f"context {o.context_len}"
     )
     echo(f"workload: {plan.workload}")

@@ -347,7 +347,7 @@ def _solver_problem(args, prob: _Problem) -> Problem:
         layer_ids=prob.layer_ids,
         num_groups=args.num_groups,
         previous=prob.previous,
-        dispatch=args.policy,
+        dispatch=args.dispatch,
         source_ranks=args.source_ranks,
     )
 
@@ -401,16 +401,16 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
         held_src, _ = resolve_source_ranks(held, prob.topo.ep_size, args.source_ranks)
     fit_counts = None
     if (
-        get_dispatch(args.policy).engine  # an engine's rule: fitted PAR scored under it
+        get_dispatch(args.dispatch).engine  # an engine's rule: fitted PAR scored under it
         and prob.fit is not None
         and (prob.fit.has_tokens or prob.fit.window_counts is not None)
     ):
         fit_counts = rank_expert_counts(prob.fit, prob.topo.ep_size, args.source_ranks)  # [L, G, E]
     # a solver that trades balance for fewer remote nodes: show both, scored with the dispatch asked for
     comm_view = spec.shows_remote and held is not None and held.has_tokens
-    per_step = get_dispatch(args.policy).needs_step_counts and held is not None and held.has_tokens
+    per_step = get_dispatch(args.dispatch).needs_step_counts and held is not None and held.has_tokens
     placed = result.is_baseline and result.fit is not None
-    label = f"{BASELINE}, placed for {args.policy}" if placed else prob.name
+    label = f"{BASELINE}, placed for {args.dispatch}" if placed else prob.name
     candidates = {"trivial": trivial, BASELINE: result.baseline, label: result.placement}
     for label, pl in candidates.items():
         if pl is None:
@@ -418,14 +418,14 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
         fit_load = (
             expected_gpu_load(pl, prob.load)
             if fit_counts is None
-            else rank_gpu_load(pl, fit_counts, args.policy)
+            else rank_gpu_load(pl, fit_counts, args.dispatch)
         )
         row = {"placement": label, "fit_par": balance_stats(fit_load)["par"]}
         if held is not None:
-            ev = evaluate(pl, held, args.policy, src=held_src).to_dict()
+            ev = evaluate(pl, held, args.dispatch, src=held_src).to_dict()
             row["heldout_par"] = ev["par"]
             if per_step:  # what sets step time under a per-step split
-                sp = step_par(pl, held, args.step_tokens, args.policy, args.phase)
+                sp = step_par(pl, held, args.step_tokens, args.dispatch, args.phase)
                 row["heldout_step_par"], row["step_phase"] = sp["step_par"], sp["phase"]
                 row["step_tokens"] = sp["step_tokens"]
             if comm_view and "remote_nodes_per_token" in ev:
@@ -484,13 +484,13 @@ def _print_balance(args, prob: _Problem, spec: SolverSpec, rows: list[dict], com
     from placement.dispatch import EVEN, LOCAL, get_dispatch
 
     echo("balance (peak-to-average GPU load, mean over layers; 1.0 is perfect):")
-    fit_rule = args.policy if get_dispatch(args.policy).engine else EVEN.name
+    fit_rule = args.dispatch if get_dispatch(args.dispatch).engine else EVEN.name
     cols = [("placement", "placement", -1), ("fit_par", f"fitted PAR ({fit_rule})", 4)]
     if prob.held is not None:
-        cols.append(("heldout_par", f"held-out PAR ({args.policy})", 4))
+        cols.append(("heldout_par", f"held-out PAR ({args.dispatch})", 4))
     if rows and "heldout_step_par" in rows[0]:
         r = rows[0]
-        what = f"{args.policy}, {r['step_phase']}, {r['step_tokens']}/rank"
+        what = f"{args.dispatch}, {r['step_phase']}, {r['step_tokens']}/rank"
         cols.append(("heldout_step_par", f"held-out step PAR ({what})", 4))
     if comm_view:
         cols.append(("heldout_remote_nodes", "held-out remote nodes/token", 4))

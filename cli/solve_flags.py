@@ -41,7 +41,7 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
             )
     if args.wall_clock and not spec.work_per_layer:
         raise CliError(f"--wall-clock applies to a solver bounded by --work-limit, not {prob.name}; drop it")
-    model = get_dispatch(args.policy)
+    model = get_dispatch(args.dispatch)
     if args.step_tokens is not None and not model.needs_step_counts:
         raise CliError(
             f"--step-tokens applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"

@@ -59,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--dispatch",
-        dest="policy",
+        dest="dispatch",
         metavar="{" + ",".join(runtime) + "}",
         default=EVEN.name,
         help=f"replica selection the runtime applies on real ranks (default {EVEN.name}); the engines' "
@@ -67,13 +67,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--policy",
-        dest="policy",
+        dest="dispatch",
         default=argparse.SUPPRESS,
         action=DeprecatedAlias,
         new="--dispatch",
-        help="deprecated alias of --dispatch",
+        known=runtime,
+        help=argparse.SUPPRESS,  # deprecated alias of --dispatch (docs/cli.md), hidden from --help
     )
-    p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")
+    p.add_argument(
+        "--tokens-per-rank",
+        dest="step_tokens",
+        type=int,
+        default=32,
+        help="tokens each rank replays, one step (default 32)",
+    )
     p.add_argument("--offset", type=non_negative_int, help="first replayed token of the trace (default 0)")
     p.add_argument(
         "--layers",
@@ -105,6 +112,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 MIN_TIMEOUT = 1.0  # seconds: the ranks' rendezvous alone (spawn, connect to the store) needs about this
 
 
+_FLAGS = {"step_tokens": "--tokens-per-rank"}  # a dest whose flag is not its dashed spelling
+
+
 def check_numbers(
     args: argparse.Namespace,
     *,
@@ -122,7 +132,7 @@ def check_numbers(
     import math
 
     def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
+        return _FLAGS.get(name) or "--" + name.replace("_", "-")
 
     for name in positive:
         v = getattr(args, name, None)
@@ -173,11 +183,11 @@ def _check_args(args: argparse.Namespace, placement) -> None:
     check_numbers(
         args,
         positive=("timeout",),
-        at_least_one=("ranks", "tokens_per_rank", "hidden", "ep_size", "num_nodes"),
+        at_least_one=("ranks", "step_tokens", "hidden", "ep_size", "num_nodes"),
         non_negative=("seed", "offset"),
     )
 
-    runtime_dispatch(args.policy)
+    runtime_dispatch(args.dispatch)
     G = placement.topology.ep_size
     if G > MAX_RANKS:
         raise CliError(f"the placement's ep_size {G} is above the limit of {MAX_RANKS} ranks per launch")
@@ -199,7 +209,7 @@ def _load_trace(args, placement):
         from profiling.synthetic import synthetic_trace
 
         E = placement.num_logical_experts
-        n = placement.topology.ep_size * args.tokens_per_rank + args.offset
+        n = placement.topology.ep_size * args.step_tokens + args.offset
         return synthetic_trace(
             num_tokens=max(n, 16),
             num_layers=placement.num_layers,
@@ -256,9 +266,9 @@ def run(args: argparse.Namespace) -> int:
     spec = ValidationSpec.from_trace(
         placement,
         trace,
-        tokens_per_rank=args.tokens_per_rank,
+        step_tokens=args.step_tokens,
         offset=args.offset,
-        policy=args.policy,
+        dispatch=args.dispatch,
         hidden=args.hidden,
         ffn=max(1, args.hidden // 2),
         seed=args.seed,
@@ -266,8 +276,8 @@ def run(args: argparse.Namespace) -> int:
     source = args.trace or "synthetic trace"
     if not args.json:
         echo(
-            f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), policy {args.policy}, "
-            f"{args.tokens_per_rank} tokens/rank from {source} (offset {args.offset})"
+            f"validate: {G} {args.backend} ranks, {len(rows)} layer(s), dispatch {args.dispatch}, "
+            f"{args.step_tokens} tokens/rank from {source} (offset {args.offset})"
         )
     t0 = time.perf_counter()
     rep = validate_placement(spec, backend=args.backend, timeout=args.timeout)
@@ -304,7 +314,7 @@ def _layer_report_dict(rep, rows: list[int], wall: float) -> dict:
     """The ``--json`` object of the synthetic-expert check."""
     return {
         "ok": rep.ok,
-        "policy": rep.policy,
+        "policy": rep.dispatch,  # the --json key keeps its name (docs/cli.md)
         "layer_ids": list(rep.layer_ids),
         "rows": rows,
         "predicted": rep.predicted.tolist(),
@@ -331,15 +341,15 @@ def run_model(args: argparse.Namespace, placement) -> int:
     case = HFCase(
         args.model,
         placement,
-        dispatch=args.policy,
+        dispatch=args.dispatch,
         seed=args.seed,
         prompts_per_rank=2,
-        seq_len=max(1, -(-args.tokens_per_rank // 2)),
+        seq_len=max(1, -(-args.step_tokens // 2)),
         dtype=args.dtype,
         rows=tuple(args.layers) if args.layers else None,
     )
     if not args.json:
-        echo(f"validate: {args.model} on {G} {args.backend} ranks, dispatch {args.policy}, {args.dtype}")
+        echo(f"validate: {args.model} on {G} {args.backend} ranks, dispatch {args.dispatch}, {args.dtype}")
     rep = validate_hf(case, backend=args.backend, timeout=args.timeout)
     if args.json:
         echo(json.dumps(rep.to_dict()))

@@ -31,7 +31,6 @@ from placement.dispatch import (
     DISPATCH,
     EVEN,
     DispatchModel,
-    dispatch_names,
     get_dispatch,
     rank_choices,
     route_layer,
@@ -43,7 +42,6 @@ from profiling.readers import require_data
 from profiling.trace import RoutingTrace
 
 __all__ = [
-    "POLICIES",
     "balance_stats",
     "expected_gpu_load",
     "trace_gpu_load",
@@ -68,9 +66,10 @@ __all__ = [
 ]
 
 Dispatch = str | DispatchModel  # a name registered in placement.dispatch.DISPATCH, or the model
-POLICIES = dispatch_names()  # deprecated alias of the registered dispatch names
 ENGINE_RULES = tuple(n for n, m in DISPATCH.items() if m.route is not None)  # deprecated: token-level rules
-DEFAULT_BATCH_TOKENS = 256  # tokens per rank per forward batch (batch rows, steps) when none is given
+# A window scored without a step shape is cut into forward batches like prefill steps: this many
+# consecutive tokens per rank (the batch rows vllm-hash hashes; the steps of a per-step model).
+WINDOW_STEP_TOKENS = DEFAULT_STEP_TOKENS["prefill"]
 DEFAULT_PHASE = "decode"  # the phase step_par and evaluate use when none is given (what engines mostly run)
 
 
@@ -307,10 +306,10 @@ def _share_matrix(placement: Placement, layer: int, dispatch: Dispatch) -> np.nd
     return share
 
 
-def batch_positions(src: np.ndarray, batch_tokens: int) -> np.ndarray:
+def batch_positions(src: np.ndarray, step_tokens: int) -> np.ndarray:
     """Each token's row in its rank's forward batch: its position among its rank's tokens (trace
-    order) modulo ``batch_tokens``. ``src`` int64 ``[T]`` -> int64 ``[T]``."""
-    return _rank_positions(src) % int(batch_tokens)
+    order) modulo ``step_tokens``. ``src`` int64 ``[T]`` -> int64 ``[T]``."""
+    return _rank_positions(src) % int(step_tokens)
 
 
 def _rank_positions(src: np.ndarray) -> np.ndarray:
@@ -344,12 +343,12 @@ def trace_gpu_load(
     trace: RoutingTrace,
     dispatch: Dispatch = EVEN,
     src: np.ndarray | None = None,
-    batch_tokens: int | None = None,
+    step_tokens: int | None = None,
 ) -> np.ndarray:
     """Expected per-GPU load ``[L, G]`` of a trace under a dispatch model (fractional within a tier).
 
     Counts-only traces support ``even`` only (the others need to know where tokens come from).
-    ``batch_tokens``: tokens per rank per forward batch (default 256): a model that needs batch rows
+    ``step_tokens``: tokens per rank per forward batch (default :data:`WINDOW_STEP_TOKENS`): a model that needs batch rows
     (``vllm-hash``) hashes each token's row; one scored per step sums its steps, step ``s`` being
     every rank's ``s``-th batch (a trailing partial batch is a step too).
     """
@@ -360,7 +359,7 @@ def trace_gpu_load(
     t = placement.topology
     out = np.zeros((placement.num_layers, t.ep_size))
     pos = _rank_positions(src)  # [T]
-    b = batch_tokens or DEFAULT_BATCH_TOKENS
+    b = step_tokens or WINDOW_STEP_TOKENS
     rows = pos % b if model.needs_batch_rows else None
     step = pos // b if model.step_load is not None else np.zeros(trace.num_tokens, dtype=np.int64)  # [T]
     S = int(step.max()) + 1 if step.size else 1
@@ -385,7 +384,7 @@ def route_tokens(
 
     ``even``/``local``: pick ``j`` of token ``t`` takes replica ``(t + j) mod c`` of its tier (``c``
     replicas, ascending slots). The engines' rules follow :func:`placement.dispatch.route_layer`:
-    ``vllm-hash`` hashes ``batch_index`` (default: :func:`batch_positions` with 256 tokens per batch),
+    ``vllm-hash`` hashes ``batch_index`` (default: :func:`batch_positions` with :data:`WINDOW_STEP_TOKENS` tokens per batch),
     ``sglang-dynamic`` draws with ``seed``. A model with neither (scored per step only) raises.
 
     Args:
@@ -432,7 +431,7 @@ def route_tokens(
 def _route_engine(placement, ids, src, model, batch_index, seed) -> np.ndarray:
     """:func:`route_tokens` for the engines' rules: int64 ``[T, L, k]``."""
     if batch_index is None:
-        batch_index = batch_positions(src, DEFAULT_BATCH_TOKENS)
+        batch_index = batch_positions(src, WINDOW_STEP_TOKENS)
     rng = np.random.default_rng(seed)
     out = np.empty(ids.shape, dtype=np.int64)
     for l in range(ids.shape[1]):
@@ -619,7 +618,7 @@ def peak_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int) 
 @dataclass(frozen=True)
 class Evaluation:
     """A scored placement on a trace (``dispatch``: the model's name); ``to_dict`` gives the ``--json``
-    payload, which names the model under ``policy``."""
+    payload, which names the model under ``policy`` (its documented key, docs/cli.md)."""
 
     dispatch: str
     balance: dict
@@ -662,7 +661,7 @@ def evaluate(
     if phase is not None and phase not in PHASES + ("engine",):
         raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
     batch = step_tokens if step_tokens is not None else DEFAULT_STEP_TOKENS.get(phase or "")
-    gl = trace_gpu_load(placement, trace, model, src, batch_tokens=batch)
+    gl = trace_gpu_load(placement, trace, model, src, step_tokens=batch)
     bal = balance_stats(gl)
     mean = load.sum(axis=1) / placement.topology.ep_size
     lb = peak_lower_bound(load, placement.topology.ep_size, placement.num_physical_experts)

@@ -34,10 +34,23 @@ import numpy as np
 
 from profiling.trace import RoutingTrace
 
-__all__ = ["DEFAULT_STEP_TOKENS", "MAX_STEP_CELLS", "PHASES", "Steps", "make_steps", "step_counts"]
+__all__ = [
+    "DEFAULT_STEP_TOKENS",
+    "MAX_STEP_CELLS",
+    "PHASES",
+    "SIZING_STEP_TOKENS",
+    "Steps",
+    "make_steps",
+    "step_counts",
+]
 
 PHASES = ("decode", "prefill")
 DEFAULT_STEP_TOKENS = {"decode": 64, "prefill": 256}  # the ONE place per-phase defaults live
+# The load a deployment is SIZED at, not a step shape step PAR is measured on: tokens per GPU per
+# step of a full serving batch, per phase (decode: DeepEP's low-latency benchmark size, 128 tokens per
+# GPU; prefill: 8192-token chunks, DeepEP's normal-kernel size). The layout planner's throughput and
+# memory check and the exact solver's decode cost default to it.
+SIZING_STEP_TOKENS = {"decode": 128, "prefill": 8192}
 ENGINE = "engine"
 MAX_STEP_CELLS = 1 << 28  # largest [S, L, G, E] count array step_counts allocates (2 GiB of int64)
 

@@ -10,7 +10,7 @@ class                  builtin it also derives from  raised when
 ``InputFileError``     ``ValueError``                a file cannot be read as the expected format
 ``CliError``           ``ValueError``                the CLI finds bad input (one line, exit code 2)
 ``SpecError``          ``ValueError``                ``MOE_PLACEMENT_EPLB`` is malformed
-``PolicyError``        ``ValueError``                an engine hook cannot answer a call (the engine
+``EngineCallError``    ``ValueError``                an engine hook cannot answer a call (the engine
                                                      then runs its own algorithm)
 ``WorkerError``        ``RuntimeError``              a launched rank raised
 ``WorkerTimeout``      ``TimeoutError``              launched ranks did not finish in time
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 __all__ = [
     "CliError",
+    "EngineCallError",
     "InputFileError",
     "MoePlacementError",
-    "PolicyError",
     "SpecError",
     "WorkerError",
     "WorkerTimeout",
@@ -51,8 +51,9 @@ class SpecError(MoePlacementError, ValueError):
     """A malformed ``MOE_PLACEMENT_EPLB`` value; its message is one line naming the accepted specs."""
 
 
-class PolicyError(MoePlacementError, ValueError):
-    """Our policy cannot answer this call (the hook then runs the engine's own algorithm)."""
+class EngineCallError(MoePlacementError, ValueError):
+    """Our engine hook cannot answer this call (the hook then runs the engine's own algorithm). The
+    engine plugins, where the engines call their hook a policy, import it as ``PolicyError``."""
 
 
 class WorkerError(MoePlacementError, RuntimeError):

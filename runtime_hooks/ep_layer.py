@@ -22,11 +22,11 @@ quotas every rank computes from the all-gathered counts (:class:`runtime_hooks.s
 one small collective per forward; ``forward`` is then one step). The dispatch models the runtime
 executes are those :mod:`placement.dispatch` marks ``runtime`` (:func:`runtime_dispatch` checks a
 name). Hence the picks each rank computes are exactly ``placement.metrics.routed_gpu_tokens`` of the
-same ids, policy and token indices (``balanced``: the model's ``step_load`` of the step's counts).
+same ids, dispatch model and token indices (``balanced``: the model's ``step_load`` of the step's counts).
 
 Public API (used by :mod:`runtime_hooks.validate`, the benchmark and the online rebalancer)::
 
-    layer = EPMoELayer(placement, layer_index, weights, policy=EVEN.name)  # inside a launched rank
+    layer = EPMoELayer(placement, layer_index, weights, dispatch=EVEN.name)  # inside a launched rank
     y = layer.forward(x, topk_ids, topk_weights, token_index)            # one step (replayed ids)
     layer.last_tokens_processed                                          # picks computed this step
     layer.last_slot_tokens                                               # [S] of them per local slot
@@ -246,18 +246,18 @@ def route_slots(
     topk_ids: torch.Tensor,
     token_index: torch.Tensor,
     src_rank,
-    policy: str | DispatchModel = EVEN.name,
+    dispatch: str | DispatchModel = EVEN.name,
 ) -> torch.Tensor:
     """Physical slot of every pick, exactly as :func:`placement.metrics.route_tokens`.
 
     Args:
         topk_ids: int ``[T, k]`` logical ids, -1 = none. token_index: int64 ``[T]`` global token index.
         src_rank: int or int64 ``[T]``, the attention-DP rank of each token.
-        policy: a runtime dispatch model (:func:`runtime_dispatch`) or its name.
+        dispatch: a runtime dispatch model (:func:`runtime_dispatch`) or its name.
     Returns:
         int64 ``[T, k]`` slot ids, -1 where the id was -1.
     """
-    model = runtime_dispatch(policy)
+    model = runtime_dispatch(dispatch)
     if model.runtime_route == "step":
         raise ValueError(
             f"dispatch model {model.name!r} splits each step by the counts of every rank; route it with "
@@ -293,7 +293,7 @@ class EPMoELayer:
         placement: the placement; row ``layer`` is used (kept as a one-layer :class:`Placement`).
         layer: row index into ``placement``.
         weights: logical :class:`ExpertWeights`; only this rank's slots are copied to ``device``.
-        policy: a dispatch model the runtime executes (:func:`runtime_dispatch`), or its name.
+        dispatch: a dispatch model the runtime executes (:func:`runtime_dispatch`), or its name.
         group: process group for dispatch/combine; its size must equal ``placement.topology.ep_size``.
         device: compute device (default: ``cuda:<current>`` on NCCL, else CPU).
         store: key-value store for migration decisions (default: the launcher's store).
@@ -311,7 +311,7 @@ class EPMoELayer:
         layer: int,
         weights: ExpertWeights,
         *,
-        policy: str | DispatchModel = EVEN.name,
+        dispatch: str | DispatchModel = EVEN.name,
         group=None,
         device=None,
         store=None,
@@ -319,7 +319,7 @@ class EPMoELayer:
     ):
         import torch.distributed as dist
 
-        policy = runtime_dispatch(policy).name
+        dispatch = runtime_dispatch(dispatch).name
         if not 0 <= layer < placement.num_layers:
             raise ValueError(f"layer {layer} is outside the placement's {placement.num_layers} rows")
         if weights.num_experts != placement.num_logical_experts:
@@ -343,7 +343,7 @@ class EPMoELayer:
                 else torch.device("cpu")
             )
         self.device = torch.device(device)
-        self.policy = policy
+        self.dispatch = dispatch
         self.store = store
         # Store keys must be unique per layer object in the world: layers are built in the same order on
         # every rank (SPMD), so a per-process construction counter names them consistently.
@@ -371,7 +371,7 @@ class EPMoELayer:
         self.slots_per_gpu = placement.topology.slots_per_gpu
         self.tables = build_routing_tables(placement, 0, self.device)
         self.step = None  # per-step quotas, rebuilt for every placement (after a migration too)
-        if routes_per_step(self.policy):
+        if routes_per_step(self.dispatch):
             from runtime_hooks.step_dispatch import StepDispatch
 
             self.step = StepDispatch(placement, self.device, self.group)
@@ -452,7 +452,7 @@ class EPMoELayer:
         if self.step is not None:
             slots = self.step.slots(ids)  # [T, k] this step's quotas (collective)
         else:
-            slots = route_slots(self.tables, ids, token_index.to(dev), self.rank, self.policy)  # [T, k]
+            slots = route_slots(self.tables, ids, token_index.to(dev), self.rank, self.dispatch)  # [T, k]
         return exchange(
             x, slots, topk_weights.to(dev), self.slots_per_gpu, self._compute_received, self.group
         )

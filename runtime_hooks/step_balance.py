@@ -24,6 +24,8 @@ Shapes: ``E`` logical experts, ``R`` max replicas, ``P`` slots, ``G`` GPUs, ``S 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from placement.step_balance import CAP, DEPTH, INF, LCAP, RB, ROOM, ROUNDS, step_plan
@@ -55,12 +57,30 @@ def _per_slot(a: torch.Tensor, gslot: torch.Tensor) -> torch.Tensor:
     return a[:, :, None].expand(-1, -1, gslot.shape[1] // a.shape[1]).reshape(gslot.shape)
 
 
-def _labels(dist, ld, q, Tp, gslot, se, se_live, E: int, hops: int) -> torch.Tensor:
+class _Slots(NamedTuple):
+    """The slot layout of the rows being solved (each ``[N, P]``, rows filtered together).
+
+    ``gslot``: GPU of each slot; ``se``: its expert; ``se_live``: ``se``, or ``E + 1`` on a slot that
+    holds no replica (its label reaches no expert); ``slot``: ``arange(P)``; ``E``: logical experts.
+    """
+
+    gslot: torch.Tensor
+    se: torch.Tensor
+    se_live: torch.Tensor
+    slot: torch.Tensor
+    E: int
+
+    def keep(self, rows: torch.Tensor) -> _Slots:
+        """The layout of the rows ``rows`` (a bool ``[N]`` mask) only."""
+        return _Slots(self.gslot[rows], self.se[rows], self.se_live[rows], self.slot[rows], self.E)
+
+
+def _labels(dist, ld, q, Tp, slots: _Slots, hops: int) -> torch.Tensor:
     """``hops`` relabel sweeps of the warm labels ``dist [N, G]`` (hops to a GPU below ``Tp [N]``).
 
-    ``ld [N, G]``, ``q [N, P]``, ``gslot, se [N, P]``; ``se_live [N, P]``: ``se``, or ``E + 1`` on a
-    slot that holds no replica (its label reaches no expert). Kept negated so every minimum is a max.
+    ``ld [N, G]``, ``q [N, P]``, ``slots``: the rows' slot layout. Kept negated so every minimum is a max.
     """
+    gslot, se, se_live, E = slots.gslot, slots.se, slots.se_live, slots.E
     N, G = ld.shape
     sink = torch.where(ld < Tp[:, None], 0, -INF - hops)  # [N, G]
     se_has = torch.where(q > 0, se, E)  # [N, P] unloaded slots read the spare column E
@@ -71,12 +91,13 @@ def _labels(dist, ld, q, Tp, gslot, se, se_live, E: int, hops: int) -> torch.Ten
     return torch.where(nd <= -min(G, CAP), INF, -nd)
 
 
-def _targets(ld, Tp, dist, gslot, se, se_live, slot, E: int, P: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _targets(ld, Tp, dist, slots: _Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """Per slot ``[N, P]``: label of its expert's best replica (lowest label, most room, lowest slot), slot.
 
     A slot holding no replica (``se_live == E + 1``) is never a target: it reduces into a spare column.
     """
-    sb = max(P - 1, 1).bit_length()
+    gslot, se, se_live, slot, E = slots
+    sb = max(slot.shape[1] - 1, 1).bit_length()
     room = (Tp[:, None] - ld).clamp(min=0, max=ROOM - 1)  # [N, G]
     key = ((dist.clamp(max=LCAP) << RB) | (ROOM - 1 - room)) << sb  # [N, G]
     best = torch.full((ld.shape[0], E + 2), INF << sb, dtype=ld.dtype, device=ld.device)
@@ -84,16 +105,16 @@ def _targets(ld, Tp, dist, gslot, se, se_live, slot, E: int, P: int) -> tuple[to
     return kp >> (sb + RB), kp & ((1 << sb) - 1)
 
 
-def _push(q, ld, Tp, dist, gslot, se, se_live, slot, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _push(q, ld, Tp, dist, slots: _Slots) -> tuple[torch.Tensor, torch.Tensor]:
     """Move every GPU's excess over ``Tp`` one hop downhill: new ``q [N, P]`` and the closed bound ``[N]``.
 
     As in the numpy reference: earlier slots of a GPU first; a GPU below ``Tp`` offered more than its
     room accepts the offers scaled down (rounded down), the rest of its room to its lowest offering slot.
-    ``slot``: ``arange(P)`` as ``[N, P]``.
+    ``slots``: the rows' slot layout.
     """
     N, G = ld.shape
-    P = q.shape[1]
-    dmin, tgt = _targets(ld, Tp, dist, gslot, se, se_live, slot, E, P)
+    gslot = slots.gslot
+    dmin, tgt = _targets(ld, Tp, dist, slots)
     du = _per_slot(dist, gslot)  # [N, P]
     stuck = dist >= INF  # [N, G] no path: closed unless a loaded slot's expert has a replica outside
     leak = torch.where(q > 0, du - dmin, 0).amax(-1) > INF - LCAP  # a stuck slot's expert reaches out
@@ -201,7 +222,7 @@ class StepBalancer:
         se, sr, n = rows(self.slot_expert), rows(self.slot_rank), rows(self.replicas)  # [N, P], [N, E]
         live, se_live = rows(self.live), rows(self.slot_expert_live)  # [N, P]
         gslot = self.gslot.expand(N, -1).contiguous()  # [N, P]
-        slot = self.slot.expand(N, -1)  # [N, P]
+        slots = _Slots(gslot, se, se_live, self.slot.expand(N, -1), E)  # the loop's rows' layout
         cf = c.reshape(N, E)
         ce, ne = _take(cf, se), _take(n, se)  # [N, P]
         q = torch.where(live, ce // ne + (sr < ce % ne).to(torch.int64), 0)  # even split, remainder first
@@ -223,12 +244,12 @@ class StepBalancer:
                     active, q, T, best, best_peak, dist, ld = (
                         a[keep] for a in (active, q, T, best, best_peak, dist, ld)
                     )
-                    se, se_live, gslot, slot = se[keep], se_live[keep], gslot[keep], slot[keep]
+                    slots = slots.keep(keep)
                     if active.numel() == 0:
                         break
             Tp = T + (best_peak - T) // 2  # aim halfway between the bound and the best peak
-            dist = _labels(dist, ld, q, Tp, gslot, se, se_live, E, self.depth)
-            q, bound = _push(q, ld, Tp, dist, gslot, se, se_live, slot, E)
+            dist = _labels(dist, ld, q, Tp, slots, self.depth)
+            q, bound = _push(q, ld, Tp, dist, slots)
             T = torch.maximum(T, bound)
         if not self.early_exit:
             return best.reshape(B, L, -1)

@@ -7,18 +7,18 @@ For each placement row (one MoE layer) the check runs :class:`~runtime_hooks.ep_
   max absolute error within fp32 tolerance (``atol``);
 - every slot's weight checksum against its logical expert's;
 - the picks each rank and each slot computed against ``placement.metrics.routed_gpu_tokens(placement,
-  route_tokens(...))`` for the same ids, source ranks, policy and token indices, EXACTLY; under
+  route_tokens(...))`` for the same ids, source ranks, dispatch model and token indices, EXACTLY; under
   ``balanced`` (one forward per layer is one step) against the model's numpy ``step_load`` of the
   slice's counts (:func:`runtime_hooks.step_dispatch.quota_slot_tokens`), and the per-layer cost of its
   counts all-gather is reported (``collective_us_per_layer``, ``collective_bytes_per_layer``).
 
-Token layout: the replayed slice has ``G * tokens_per_rank`` tokens; token ``t`` (0-based in the slice)
-lives on rank ``t // tokens_per_rank`` and its global index (the replica rotation) is ``offset + t``.
+Token layout: the replayed slice has ``G * step_tokens`` tokens; token ``t`` (0-based in the slice)
+lives on rank ``t // step_tokens`` and its global index (the replica rotation) is ``offset + t``.
 Router weights for replayed ids: softmax over seeded per-token random logits gathered at the ids.
 
 Public API::
 
-    spec = ValidationSpec.from_trace(placement, trace, tokens_per_rank=8)   # even dispatch
+    spec = ValidationSpec.from_trace(placement, trace, step_tokens=8)   # even dispatch
     report = validate_placement(spec, backend="gloo", timeout=120)   # -> ValidationReport
     report.ok, report.predicted [L, G], report.measured [L, G], report.max_abs_error
     report.predicted_slots [L, P], report.measured_slots [L, P]
@@ -54,15 +54,15 @@ class ValidationSpec:
 
     Attributes:
         placement: rows to validate, ``L`` rows.
-        topk_ids: int64 ``[G * tokens_per_rank, L, k]`` replayed ids (-1 = none).
-        policy: a dispatch model the runtime executes (its name). hidden / ffn: expert sizes. seed: weights and router logits.
+        topk_ids: int64 ``[G * step_tokens, L, k]`` replayed ids (-1 = none).
+        dispatch: a dispatch model the runtime executes (its name). hidden / ffn: expert sizes. seed: weights and router logits.
         token_offset: global index of the slice's first token. atol: output tolerance.
     """
 
     placement: Placement
     topk_ids: np.ndarray
-    tokens_per_rank: int
-    policy: str = EVEN.name
+    step_tokens: int
+    dispatch: str = EVEN.name
     hidden: int = 16
     ffn: int = 8
     seed: int = 0
@@ -72,18 +72,14 @@ class ValidationSpec:
     def __post_init__(self):
         G = self.placement.topology.ep_size
         ids = np.asarray(self.topk_ids)
-        if (
-            ids.ndim != 3
-            or ids.shape[0] != G * self.tokens_per_rank
-            or ids.shape[1] != self.placement.num_layers
-        ):
+        if ids.ndim != 3 or ids.shape[0] != G * self.step_tokens or ids.shape[1] != self.placement.num_layers:
             raise ValueError(
-                f"topk_ids must be [{G} ranks x {self.tokens_per_rank} tokens, {self.placement.num_layers} layers, k], "
+                f"topk_ids must be [{G} ranks x {self.step_tokens} tokens, {self.placement.num_layers} layers, k], "
                 f"got {ids.shape}"
             )
         from runtime_hooks.ep_layer import runtime_dispatch
 
-        object.__setattr__(self, "policy", runtime_dispatch(self.policy).name)
+        object.__setattr__(self, "dispatch", runtime_dispatch(self.dispatch).name)
         if ids.size and ids.max() >= self.placement.num_logical_experts:
             raise ValueError(
                 f"the ids reach expert {int(ids.max())} but the placement has {self.placement.num_logical_experts} experts"
@@ -91,9 +87,9 @@ class ValidationSpec:
 
     @classmethod
     def from_trace(
-        cls, placement: Placement, trace: RoutingTrace, tokens_per_rank: int = 8, offset: int = 0, **kw
+        cls, placement: Placement, trace: RoutingTrace, step_tokens: int = 8, offset: int = 0, **kw
     ) -> ValidationSpec:
-        """Slice ``G * tokens_per_rank`` tokens from ``offset`` of a per-token trace with matching layers."""
+        """Slice ``G * step_tokens`` tokens from ``offset`` of a per-token trace with matching layers."""
         if not trace.has_tokens:
             raise ValueError(
                 "validation replays per-token routing; this trace has counts only (use a topk_ids trace)"
@@ -106,18 +102,18 @@ class ValidationSpec:
             raise ValueError(
                 f"the trace has {trace.num_layers} layers, the placement {placement.num_layers}; select matching layers"
             )
-        n = placement.topology.ep_size * int(tokens_per_rank)
-        if tokens_per_rank < 1 or offset < 0 or offset + n > trace.num_tokens:
+        n = placement.topology.ep_size * int(step_tokens)
+        if step_tokens < 1 or offset < 0 or offset + n > trace.num_tokens:
             raise ValueError(
                 f"need {n} tokens from offset {offset} but the trace has {trace.num_tokens}; lower --tokens-per-rank"
             )
         ids = np.asarray(trace.topk_ids[offset : offset + n], dtype=np.int64)
-        return cls(placement, ids, int(tokens_per_rank), token_offset=int(offset), **kw)
+        return cls(placement, ids, int(step_tokens), token_offset=int(offset), **kw)
 
     @property
     def src(self) -> np.ndarray:
-        """int64 ``[G * tokens_per_rank]`` source rank of each token."""
-        return np.arange(self.topk_ids.shape[0], dtype=np.int64) // self.tokens_per_rank
+        """int64 ``[G * step_tokens]`` source rank of each token."""
+        return np.arange(self.topk_ids.shape[0], dtype=np.int64) // self.step_tokens
 
     @property
     def token_index(self) -> np.ndarray:
@@ -138,8 +134,8 @@ def predicted_slot_tokens(spec: ValidationSpec) -> np.ndarray:
     step counts (``balanced``): its numpy ``step_load`` of the slice's counts (the slice is one step).
     """
     pl = spec.placement
-    if not get_dispatch(spec.policy).needs_step_counts:
-        slots = route_tokens(pl, spec.topk_ids, spec.src, spec.policy, token_index=spec.token_index)
+    if not get_dispatch(spec.dispatch).needs_step_counts:
+        slots = route_tokens(pl, spec.topk_ids, spec.src, spec.dispatch, token_index=spec.token_index)
         return _slot_counts(slots, pl.num_physical_experts)
     from runtime_hooks.step_dispatch import quota_slot_tokens
 
@@ -148,7 +144,7 @@ def predicted_slot_tokens(spec: ValidationSpec) -> np.ndarray:
     for l in range(pl.num_layers):
         ids = spec.topk_ids[:, l, :]
         counts = np.bincount(ids[ids >= 0], minlength=E)[None]  # [1, E] the step's valid picks
-        out.append(quota_slot_tokens(pl.select_layers([l]), counts, spec.policy)[0])
+        out.append(quota_slot_tokens(pl.select_layers([l]), counts, spec.dispatch)[0])
     return np.stack(out)
 
 
@@ -175,7 +171,7 @@ class ValidationReport:
     max_abs_error_per_layer: tuple[float, ...]
     checksum_mismatches: tuple[str, ...]
     atol: float
-    policy: str
+    dispatch: str
     layer_ids: tuple[int, ...] = field(default_factory=tuple)
     predicted_slots: np.ndarray | None = None
     measured_slots: np.ndarray | None = None
@@ -208,13 +204,13 @@ def validate_rank(rank: int, world_size: int, spec: ValidationSpec, store=None) 
 
     P = spec.placement
     E = P.num_logical_experts
-    T = spec.tokens_per_rank
+    T = spec.step_tokens
     lo, hi = rank * T, (rank + 1) * T
     tok_index = torch.as_tensor(spec.token_index[lo:hi])
     measured, errs, bad, slots, us, nbytes = [], [], [], [], [], None
     for l in range(P.num_layers):
         weights = ExpertWeights.random(E, spec.hidden, spec.ffn, seed=spec.seed * 1000 + P.layer_ids[l])
-        layer = EPMoELayer(P, l, weights, policy=spec.policy, store=store)
+        layer = EPMoELayer(P, l, weights, dispatch=spec.dispatch, store=store)
         g = torch.Generator().manual_seed(spec.seed * 7 + l)
         x_all = torch.randn(spec.topk_ids.shape[0], spec.hidden, generator=g)  # same on every rank
         x = x_all[lo:hi].to(layer.device)
@@ -277,7 +273,7 @@ def collect_report(spec: ValidationSpec, results: list[dict]) -> ValidationRepor
         max_abs_error_per_layer=tuple(float(e) for e in errs),
         checksum_mismatches=bad,
         atol=spec.atol,
-        policy=spec.policy,
+        dispatch=spec.dispatch,
         layer_ids=spec.placement.layer_ids,
         predicted_slots=predicted_slot_tokens(spec),
         measured_slots=measured_slots,

@@ -256,7 +256,7 @@ class FitOptions:
             raise ValueError(f"FitOptions.phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
 
     @property
-    def tokens_per_step(self) -> int:
+    def phase_step_tokens(self) -> int:
         """``step_tokens``, else the phase's default."""
         return int(self.step_tokens) if self.step_tokens is not None else DEFAULT_STEP_TOKENS[self.phase]
 
@@ -396,7 +396,7 @@ def _fit_steps(
             "balances the step peak only (pass --model to price the steps)"
         )
     options = StepFitOptions(
-        step_tokens=o.tokens_per_step, moves=o.step_moves, seed=o.seed, phase=o.phase, cost=cost
+        step_tokens=o.phase_step_tokens, moves=o.step_moves, seed=o.seed, phase=o.phase, cost=cost
     )
     placement, fit = fit_for_steps(placement, trace, problem.dispatch, options)
     notes.append(fit.note())

@@ -364,17 +364,28 @@ def test_solve_locality_reports_remote_nodes_beside_par(tmp_path, capsys):
     assert rows["locality"]["heldout_remote_nodes"] < rows["greedy"]["heldout_remote_nodes"]
 
 
-@pytest.mark.parametrize("command", ["validate", "evaluate"])
-def test_policy_is_a_deprecated_alias_that_warns(command, small_trace, tmp_path, capsys):
+def test_policy_is_a_deprecated_alias_that_warns(small_trace, tmp_path, capsys):
     """``--policy`` still sets the dispatch model, with one deprecation line on stderr."""
     out, trace = tmp_path / "p.json", str(small_trace)
     assert main(["solve", "--trace", trace, "--ep-size", "4", "--num-redundant", "4", "-o", str(out)]) == 0
     capsys.readouterr()
+    rc = main(["evaluate", str(out), trace, "--policy", "sglang-static", "--json"])
+    captured = capsys.readouterr()
+    assert (
+        rc == 0 and captured.err.count("\n") == 1 and "--policy is deprecated; use --dispatch" in captured.err
+    )
+    assert json.loads(captured.out)["policy"] == "sglang-static"
+
+
+@pytest.mark.parametrize("command", ["validate", "evaluate"])
+def test_policy_with_an_unknown_model_is_one_error_line(command, small_trace, tmp_path, capsys):
+    """``--policy nosuch`` reaches the same check as ``--dispatch nosuch``: one line, exit 2 (no
+    deprecation line on top of the error)."""
+    out, trace = tmp_path / "p.json", str(small_trace)
+    assert main(["solve", "--trace", trace, "--ep-size", "4", "--num-redundant", "4", "-o", str(out)]) == 0
+    capsys.readouterr()
     argv = [command, str(out)] + (["--trace", trace] if command == "validate" else [trace])
-    rc = main([*argv, "--policy", "sglang-static" if command == "evaluate" else "nope"])
+    rc = main([*argv, "--policy", "nosuch"])
     err = capsys.readouterr().err
-    assert "--policy is deprecated; use --dispatch" in err
-    if command == "evaluate":
-        assert rc == 0
-    else:  # the alias reaches the same check as --dispatch
-        assert rc == 2 and "nope" in err
+    assert rc == 2 and err.count("\n") == 1 and "unknown dispatch model 'nosuch'" in err, err
+    assert main([*argv, "--dispatch", "nosuch"]) == 2 and capsys.readouterr().err == err

@@ -111,23 +111,23 @@ def test_overlap_never_slower_and_pays_when_comm_and_compute_balance():
         nodes = ep // 8
         pl = Placement.trivial(DSV3.num_moe_layers, 256, Topology(ep, 256, nodes))
         wl = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, b, "low_latency")
-        off = step_cost(DSV3, cl, pl, wl, CostOptions(batch_per_rank=b, overlap="off"))
-        auto = step_cost(DSV3, cl, pl, wl, CostOptions(batch_per_rank=b, overlap="auto"))
+        off = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=b, overlap="off"))
+        auto = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=b, overlap="auto"))
         assert auto.step_time <= off.step_time + 1e-12
     # at 128 tokens/rank over 4 nodes the two halves hide each other's communication
     pl = Placement.trivial(DSV3.num_moe_layers, 256, Topology(32, 256, 4))
     wl = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 128, "low_latency")
-    on = step_cost(DSV3, cl, pl, wl, CostOptions(batch_per_rank=128, overlap="on"))
-    off = step_cost(DSV3, cl, pl, wl, CostOptions(batch_per_rank=128, overlap="off"))
+    on = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=128, overlap="on"))
+    off = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=128, overlap="off"))
     assert on.step_time < off.step_time
     # one token per rank: each half re-reads every weight, so auto keeps TBO off
     wl1 = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 1, "low_latency")
-    assert not step_cost(DSV3, cl, pl, wl1, CostOptions(batch_per_rank=1, overlap="auto")).layer.overlap_used
+    assert not step_cost(DSV3, cl, pl, wl1, CostOptions(step_tokens=1, overlap="auto")).layer.overlap_used
 
 
 def test_memory_each_redundant_slot_costs_one_expert_per_moe_layer():
     gpu = GPUS["h200"]
-    opts = CostOptions(batch_per_rank=16)
+    opts = CostOptions(step_tokens=16)
     m0 = memory_per_gpu(DSV3, gpu, 8, 256, opts)
     m1 = memory_per_gpu(DSV3, gpu, 8, 264, opts)  # one extra slot per GPU
     assert m0.expert - m1.expert == pytest.approx(-44_040_192 * 58)
@@ -140,7 +140,7 @@ def test_too_many_redundant_slots_rejected_with_numbers():
 
     cl = cluster_preset("h200")
     load = np.ones((DSV3.num_moe_layers, 256))
-    opts = CostOptions(batch_per_rank=16, context_len=2048)
+    opts = CostOptions(step_tokens=16, context_len=2048)
     ok = evaluate_candidate(DSV3, cl, LayoutCandidate(8, 1, 1, 0, 1), opts, load)
     assert ok.feasible
     # 44 slots/GPU: 44 x 2.55 GB = 112 GB of experts + 19 GB other weights + 14 GB reserve > 141 GB
@@ -148,10 +148,10 @@ def test_too_many_redundant_slots_rejected_with_numbers():
     assert not bad.feasible and bad.placement is None
     assert "weights do not fit" in bad.reason and "141.0 GB HBM" in bad.reason
     # 40 slots/GPU fit the weights, but not 64 sequences of 4096 cached tokens
-    kv = evaluate_candidate(DSV3, cl, LayoutCandidate(8, 1, 1, 64, 1), CostOptions(batch_per_rank=64), load)
+    kv = evaluate_candidate(DSV3, cl, LayoutCandidate(8, 1, 1, 64, 1), CostOptions(step_tokens=64), load)
     assert not kv.feasible and "KV cache does not fit" in kv.reason
-    assert kv.memory.max_batch_per_rank < 64
-    assert f"at most {kv.memory.max_batch_per_rank} sequences" in kv.reason
+    assert kv.memory.max_step_tokens < 64
+    assert f"at most {kv.memory.max_step_tokens} sequences" in kv.reason
     assert f"{bad.memory.redundant / 1e9:.1f} GB redundant" in bad.reason
     assert bad.memory.kv_free < bad.memory.kv_needed
 

@@ -119,7 +119,7 @@ def test_deterministic_models_expected_load_equals_routed_tokens(dispatch):
     rows = batch_positions(src, 64)
     slots = route_tokens(pl, trace.topk_ids, src, dispatch, batch_index=rows)
     assert np.array_equal(
-        routed_gpu_tokens(pl, slots), trace_gpu_load(pl, trace, dispatch, src, batch_tokens=64)
+        routed_gpu_tokens(pl, slots), trace_gpu_load(pl, trace, dispatch, src, step_tokens=64)
     )
 
 

@@ -141,7 +141,7 @@ def test_decode_objective_changes_the_answer():
     # decode optimum spends spare slots on cold experts, the token optimum on the hot one
     w = np.array([[400.0, 60.0, 30.0, 10.0]])
     topo = Topology(4, 8, 1)
-    hw = {"batch_tokens_per_gpu": 4, "top_k": 2}
+    hw = {"step_tokens": 4, "top_k": 2}
     tok, rt = solve_exact(w, topo, objective="tokens", time_limit=3.0)
     dec, rd = solve_exact(w, topo, objective="decode", time_limit=3.0, hardware=hw)
     _check_valid(dec, 4)
@@ -158,6 +158,10 @@ def test_decode_objective_changes_the_answer():
     assert rt.layers[0].objective < rd.layers[0].objective  # tokens-only peak is better for tokens
     assert rd.layers[0].extra["model_objective"] == pytest.approx(decode_peak(dec))
     assert rd.layers[0].extra["model_objective"] <= rd.layers[0].extra["model_baseline"] + 1e-9
+    # the placement records the cost under its file keys: step_tokens as batch_tokens_per_gpu, first
+    recorded = rd.params["decode_cost"]
+    assert list(recorded)[:2] == ["batch_tokens_per_gpu", "top_k"] and recorded["batch_tokens_per_gpu"] == 4
+    assert set(recorded) == set(DecodeCost.__dataclass_fields__) - {"step_tokens"} | {"batch_tokens_per_gpu"}
 
 
 def test_weighted_shares_sum_to_one_and_beat_even():

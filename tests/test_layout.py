@@ -8,6 +8,7 @@ import numpy as np
 
 from apps.planner.costmodel import CostOptions
 from apps.planner.layout import (
+    PlanOptions,
     compare_phases,
     enumerate_candidates,
     plan_layout,
@@ -79,14 +80,14 @@ def test_cli_bad_input_is_one_line(capsys):
 def test_more_gpus_reported_not_helping_over_ethernet_with_tiny_batch():
     olmoe = load_model("olmoe-1b-7b")
     cl = cluster_preset("h100", inter="ethernet")
-    plan = plan_layout(olmoe, cl, 2, CostOptions(batch_per_rank=4, context_len=1024))
+    plan = plan_layout(olmoe, cl, 2, CostOptions(step_tokens=4, context_len=1024))
     assert not plan.more_gpus_help
     assert plan.best.candidate.ep_size < 16
     assert any("MORE GPUS DO NOT HELP" in n for n in plan.notes)
     full = [r for r in plan.feasible if r.candidate.ep_size == 16]
     assert full and max(r.tokens_per_s_per_gpu for r in full) < plan.best.tokens_per_s_per_gpu
     # the same model and batch over RDMA is not worse spread over the nodes than over Ethernet
-    rdma = plan_layout(olmoe, cluster_preset("h100"), 2, CostOptions(batch_per_rank=4, context_len=1024))
+    rdma = plan_layout(olmoe, cluster_preset("h100"), 2, CostOptions(step_tokens=4, context_len=1024))
 
     def best16(p):
         return max(r.tokens_per_s_per_gpu for r in p.feasible if r.candidate.ep_size == 16)
@@ -96,7 +97,7 @@ def test_more_gpus_reported_not_helping_over_ethernet_with_tiny_batch():
 
 def test_deepseek_v3_four_nodes_decode_uses_all_gpus_and_some_redundancy():
     cl = cluster_preset("h200")
-    plan = plan_layout(DSV3, cl, 4, CostOptions(phase="decode", batch_per_rank=128))
+    plan = plan_layout(DSV3, cl, 4, CostOptions(phase="decode", step_tokens=128))
     best = plan.best
     assert plan.more_gpus_help and best.candidate.ep_size == 32
     # redundancy helps a skewed load, but not unboundedly: the most replicas is not the best
@@ -114,8 +115,8 @@ def test_phase_comparison_reports_numbers():
         DSV3,
         cl,
         2,
-        CostOptions(phase="decode", batch_per_rank=64),
-        CostOptions(phase="prefill", batch_per_rank=4096),
+        CostOptions(phase="decode", step_tokens=64),
+        CostOptions(phase="prefill", step_tokens=4096),
     )
     assert "decode best" in res["message"] or "one layout serves both" in res["message"]
     assert isinstance(res["separate_wins"], bool)
@@ -128,9 +129,9 @@ def test_trace_with_matching_experts_is_counted_token_by_token(deepseek_trace):
         lite,
         cluster_preset("h100"),
         1,
-        CostOptions(batch_per_rank=64, context_len=1024),
+        CostOptions(step_tokens=64, context_len=1024),
         trace=tr,
-        extra_slots=(0, 1),
+        plan=PlanOptions(extra_slots=(0, 1)),
     )
     assert plan.best is not None
     assert "counted from" in plan.workload and "trace" in plan.workload

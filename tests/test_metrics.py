@@ -8,7 +8,6 @@ from placement.dispatch import DISPATCH, DispatchModel, get_dispatch, rank_choic
 from placement.dispatch.ideal import even_choices
 from placement.metrics import (
     ENGINE_RULES,
-    POLICIES,
     balance_stats,
     batch_positions,
     communication,
@@ -235,7 +234,7 @@ def test_every_model_scores_as_its_shares_applied_by_hand(name):
     G, S = 8, 3
     hand = [_hand_slot_loads(pl, tr.topk_ids, src, rows, model, l) for l in range(2)]  # [T, P] per layer
     want = np.stack([h.sum(axis=0).reshape(G, S).sum(axis=1) for h in hand])  # [L, G]
-    np.testing.assert_allclose(trace_gpu_load(pl, tr, name, src, batch_tokens=32), want, atol=1e-9)
+    np.testing.assert_allclose(trace_gpu_load(pl, tr, name, src, step_tokens=32), want, atol=1e-9)
     np.testing.assert_allclose(
         balance_stats(want)["par"], evaluate(pl, tr, name, step_tokens=32, src=src).balance["par"]
     )
@@ -278,7 +277,6 @@ def test_models_and_names_score_alike():
             == evaluate(pl, tr, name, step_tokens=8).to_dict()
         )
         assert evaluate(pl, tr, model).to_dict()["policy"] == name
-    assert POLICIES == tuple(DISPATCH)
     assert set(ENGINE_RULES) == {n for n, m in DISPATCH.items() if m.route is not None}
 
 
@@ -337,7 +335,7 @@ def test_a_per_step_model_is_scored_step_by_step_through_its_step_load():
     # the whole trace: each rank's s-th batch of 32 tokens forms step s; the loads sum over steps
     src = tr.source_rank.astype(np.int64)
     calls.clear()
-    gl = trace_gpu_load(pl, tr, model, src, batch_tokens=32)
+    gl = trace_gpu_load(pl, tr, model, src, step_tokens=32)
     assert calls[0][1].shape == ((np.bincount(src).max() + 31) // 32, 16)
     assert gl.sum() == pytest.approx((tr.topk_ids >= 0).sum())
     # rank_gpu_load reads leading axes as steps

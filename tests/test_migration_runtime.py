@@ -49,7 +49,7 @@ def _step(layer, ids_all, weights, rank, seed):
 
 def _story(rank, world_size, a, b, ids_all):
     weights = ExpertWeights.random(a.num_logical_experts, 16, 8, seed=5)
-    layer = EPMoELayer(a, 0, weights, policy="local")
+    layer = EPMoELayer(a, 0, weights, dispatch="local")
     log = {"start": _step(layer, ids_all, weights, rank, 1)}
     res = layer.migrate_to(b, timeout=10.0)
     log["commit"] = (

@@ -44,7 +44,7 @@ def _serve(rank, world_size, p2l, ids_steps):
     topo = Topology.from_redundant(E, RED, G)
     placement = Placement(np.asarray(p2l), E, topo)
     weights = [ExpertWeights.random(E, 16, 8, seed=11 + l) for l in range(L)]
-    layers = [EPMoELayer(placement, l, weights[l], policy="even", name=f"live{l}") for l in range(L)]
+    layers = [EPMoELayer(placement, l, weights[l], dispatch="even", name=f"live{l}") for l in range(L)]
     reb = None
     if rank == 0:
         from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig

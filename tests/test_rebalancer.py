@@ -168,7 +168,7 @@ def test_import_is_light():
     )
 
 
-def test_replay_domain_switch_policies():
+def test_replay_domain_switch_strategies():
     from apps.replay import domain_stream, replay
     from profiling.trace import RoutingTrace
 
@@ -178,7 +178,7 @@ def test_replay_domain_switch_policies():
         window_counts=np.stack([pops[k] * 1e5 for k in "abc"]),
         window_labels=tuple("abc"),
     )
-    stream = domain_stream(tr, ["a", "b", "c"], steps_per_domain=40, tokens_per_step=256, top_k=2, seed=0)
+    stream = domain_stream(tr, ["a", "b", "c"], steps_per_domain=40, world_step_tokens=256, top_k=2, seed=0)
     assert "SAMPLED" in stream.note and stream.steps.shape == (120, L, E)
     topo = Topology.from_redundant(E, RED, G)
     budget = 4
@@ -194,7 +194,7 @@ def test_replay_domain_switch_policies():
     s = res.summary
     assert set(s) == {"migration", "greedy", "greedy+align", "static"}
     assert s["static"]["moved_slots"] == 0
-    assert all(r["moved_slots"] <= budget for r in res.rows if r["policy"] == "migration")
+    assert all(r["moved_slots"] <= budget for r in res.rows if r["strategy"] == "migration")
     assert s["greedy+align"]["moved_slots"] <= s["greedy"]["moved_slots"]
     assert s["greedy+align"]["mean_par"] == pytest.approx(s["greedy"]["mean_par"])
     assert s["migration"]["mean_par"] < s["static"]["mean_par"]  # rebalancing helps across domain switches

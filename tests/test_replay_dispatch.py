@@ -34,8 +34,8 @@ def test_token_stream_knows_every_tokens_rank(stream):
 def test_static_follows_the_table(stream):
     _, st = stream
     topo = Topology(ep_size=8, num_physical_experts=24, num_nodes=2)
-    even = replay(st, topo, window_steps=30, policies=("static",), dispatch="even")
-    static = replay(st, topo, window_steps=30, policies=("static",), dispatch="sglang-static")
+    even = replay(st, topo, window_steps=30, strategies=("static",), dispatch="even")
+    static = replay(st, topo, window_steps=30, strategies=("static",), dispatch="sglang-static")
     assert static.params["dispatch"] == "sglang-static"
     # window 1 scored by hand: every token of rank g to table[g, l, e]
     from solver.greedy import greedy_placement
@@ -85,8 +85,8 @@ STEP_MODEL = DispatchModel(
 def test_a_model_passes_as_itself_and_as_its_name(stream):
     _, st = stream
     topo = Topology(ep_size=8, num_physical_experts=24, num_nodes=2)
-    by_name = replay(st, topo, window_steps=30, policies=("static", "greedy"), dispatch="sglang-dynamic")
-    by_model = replay(st, topo, window_steps=30, policies=("static", "greedy"), dispatch=SGLANG_DYNAMIC)
+    by_name = replay(st, topo, window_steps=30, strategies=("static", "greedy"), dispatch="sglang-dynamic")
+    by_model = replay(st, topo, window_steps=30, strategies=("static", "greedy"), dispatch=SGLANG_DYNAMIC)
     assert by_model.rows == by_name.rows and by_model.params["dispatch"] == "sglang-dynamic"
 
 
@@ -95,7 +95,7 @@ def test_a_per_step_model_scores_a_counts_only_stream_from_the_step_counts():
     counts = RoutingTrace(num_logical_experts=8, window_counts=trace.window_load(), layer_ids=trace.layer_ids)
     st = question_stream(counts)
     topo = Topology(ep_size=4, num_physical_experts=12, num_nodes=2)
-    res = replay(st, topo, window_steps=5, policies=("static",), dispatch=STEP_MODEL)
+    res = replay(st, topo, window_steps=5, strategies=("static",), dispatch=STEP_MODEL)
     assert res.params["dispatch"] == "test-first-replica"
     from solver.greedy import greedy_placement
 
@@ -115,10 +115,10 @@ def test_replay_reports_the_break_even_interval(stream):
 
     _, stream = stream
     topo = Topology.from_redundant(stream.steps.shape[2], 8, 8)
-    res = replay(stream, topo, window_steps=8, policies=("greedy", "static"))
+    res = replay(stream, topo, window_steps=8, strategies=("greedy", "static"))
     static, greedy = res.summary["static"], res.summary["greedy"]
     assert static["break_even_steps"] is None and static["arrived_experts"] == 0  # it never moves
-    rows = [r for r in res.rows if r["policy"] == "greedy" and r["arrived_experts"] > 0]
+    rows = [r for r in res.rows if r["strategy"] == "greedy" and r["arrived_experts"] > 0]
     cost = np.mean([r["rebalance_cost_s"] for r in rows])
     saved = np.mean([r["saved_s_per_step"] for r in rows])
     want = "never" if saved <= 0 else cost / saved

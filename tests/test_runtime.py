@@ -124,7 +124,7 @@ def test_runtime_accepts_what_the_registry_marks_runtime():
         msg = str(err.value)
         assert "\n" not in msg and repr(name) in msg and all(r in msg for r in runtime), msg
         with pytest.raises(ValueError, match="scored offline only"):
-            ValidationSpec(pl, np.zeros((4, 1, 2), dtype=np.int64), 1, policy=name)
+            ValidationSpec(pl, np.zeros((4, 1, 2), dtype=np.int64), 1, dispatch=name)
     with pytest.raises(ValueError, match="unknown dispatch model 'nope'"):
         runtime_dispatch("nope")
 
@@ -204,23 +204,23 @@ def _validate_many(rank, world_size, specs):
     return [validate_rank(rank, world_size, s) for s in specs]
 
 
-def _check_world(ds2, G, tokens_per_rank):
+def _check_world(ds2, G, step_tokens):
     specs, names = [], []
     for name, pl in _placements(ds2, G).items():
-        for policy in ("even", "local", BALANCED.name):
+        for dispatch in ("even", "local", BALANCED.name):
             specs.append(
                 ValidationSpec.from_trace(
                     pl,
                     ds2,
-                    tokens_per_rank=tokens_per_rank,
+                    step_tokens=step_tokens,
                     offset=20000,
-                    policy=policy,
+                    dispatch=dispatch,
                     hidden=16,
                     ffn=8,
                     seed=G,
                 )
             )
-            names.append(f"{name}/{policy}")
+            names.append(f"{name}/{dispatch}")
     results = launch(_validate_many, G, args=(specs,), timeout=90)
     for i, (spec, name) in enumerate(zip(specs, names)):
         rep = collect_report(spec, [r[i] for r in results])
@@ -232,7 +232,7 @@ def _check_world(ds2, G, tokens_per_rank):
             rep.measured_slots, rep.predicted_slots, err_msg=f"{name}: per-slot picks"
         )
         assert rep.ok
-        step = spec.policy == BALANCED.name  # per-slot picks == numpy quotas, and the gather is timed
+        step = spec.dispatch == BALANCED.name  # per-slot picks == numpy quotas, and the gather is timed
         assert (
             (rep.balanced_collective_bytes_per_layer == 4 * G * 64)
             if step
@@ -250,12 +250,12 @@ def _check_world(ds2, G, tokens_per_rank):
 
 
 def test_four_ranks_all_placements_both_policies(ds2):
-    _check_world(ds2, 4, tokens_per_rank=24)
+    _check_world(ds2, 4, step_tokens=24)
 
 
 @pytest.mark.slow
 def test_eight_ranks_all_placements_both_policies(ds2):
-    _check_world(ds2, 8, tokens_per_rank=12)
+    _check_world(ds2, 8, step_tokens=12)
 
 
 # ---- launcher ------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def test_steps_with_no_spread_or_a_silent_layer_solve(dispatch):
 def test_fit_options_refuse_an_unknown_phase():
     with pytest.raises(ValueError, match="FitOptions.phase must be one of decode, prefill"):
         FitOptions(phase="train")
-    assert FitOptions(phase="prefill").tokens_per_step == 256 and FitOptions().tokens_per_step == 64
+    assert FitOptions(phase="prefill").phase_step_tokens == 256 and FitOptions().phase_step_tokens == 64
 
 
 def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
@@ -148,8 +148,8 @@ def test_layout_takes_step_tokens_as_its_tokens_per_rank():
     from cli.main import build_parser
 
     base = ["layout", "--model", "deepseek-v3", "--nodes", "1"]
-    assert build_parser().parse_args([*base, "--step-tokens", "32"]).batch_per_rank == 32
-    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).batch_per_rank == 48
+    assert build_parser().parse_args([*base, "--step-tokens", "32"]).step_tokens == 32
+    assert build_parser().parse_args([*base, "--batch-per-rank", "48"]).step_tokens == 48
 
 
 def test_a_gated_solver_keeps_greedy_when_its_fitted_time_is_higher():

@@ -334,7 +334,7 @@ def test_step_tokens_aliases_and_policy_words_are_found(tmp_path):
 
                 def f(step_tokens, batch_per_rank=4):
                     run(decode_batch=step_tokens)
-                    return args.decode_batch, args.batch_tokens, {"policy": 1}
+                    return args.decode_batch, args.batch_tokens, ["policy"]
                 ''',
         },
     )
@@ -346,6 +346,32 @@ def test_step_tokens_aliases_and_policy_words_are_found(tmp_path):
         "placement/m.py:6 batch_tokens",  # args.decode_batch is advise's per-phase flag: allowed
     ]
     assert counts.policy_words(root) == ["placement/m.py:6 'policy'"]
+
+
+def test_word_rows_skip_hidden_deprecated_aliases_and_documented_keys_only(tmp_path):
+    root = _tree(
+        tmp_path,
+        {
+            "cli/c.py": """
+                def add(p):
+                    p.add_argument("--policy", help=argparse.SUPPRESS, action=DeprecatedAlias, new="--dispatch")
+                    p.add_argument("--policy-shown", help="deprecated", action=DeprecatedAlias, new="--x")
+                    p.add_argument("--policy-hidden", help=argparse.SUPPRESS)
+                    out = {"policy": 1, "greedy_policy": 2, "batch_per_rank": 3, "my_policy": 4}
+                    return out["policy"], out.get("policy"), out["batch_tokens"]
+                """,
+        },
+    )
+    # the hidden deprecated alias and the documented keys (dict keys, subscripts) are skipped; a shown
+    # or a merely hidden flag, an undocumented key and the same word as a call argument are not
+    assert counts.policy_words(root) == [
+        "cli/c.py:4 '--policy-shown'",
+        "cli/c.py:5 '--policy-hidden'",
+        "cli/c.py:6 'my_policy'",
+        "cli/c.py:7 'policy'",
+    ]
+    assert counts.step_tokens_names(root) == ["cli/c.py:7 batch_tokens"]
+    assert counts.deprecated_flags(root) == {"--policy", "--policy-shown"}
 
 
 EXCEPTIONS = """
@@ -482,6 +508,7 @@ def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
     from runtime_hooks.engine_plugins.spec import SpecError
     from runtime_hooks.launcher import WorkerError, WorkerTimeout
 
+    assert PolicyError is errors.EngineCallError  # the plugins' name for it: callers catch either
     old_paths = [CliError, InputFileError, PolicyError, SpecError, WorkerError, WorkerTimeout]
     assert sorted(c.__name__ for c in old_paths) == sorted(set(errors.__all__) - {"MoePlacementError"})
     assert all(getattr(errors, c.__name__) is c for c in old_paths)

@@ -16,6 +16,7 @@ Rows:
   ``--prefill-chunk`` are allowed (their ``args.`` attributes are not counted).
 - ``policy_words``: identifiers and non-docstring strings holding "polic" outside
   ``runtime_hooks/engine_plugins/`` (where the engines call their hook a policy).
+
 - ``exception_roots``: public exception classes of the project whose bases hold no project exception.
 - ``import_fallbacks``: ``try`` blocks that import one of the project's own packages and catch
   ``ImportError`` (the project is always installed whole; an optional third-party extra is fine).
@@ -26,7 +27,11 @@ Rows:
   (a URL, a paper, an engine's file) is a citation and is allowed.
 - ``solver_share``: percent of the package lines (``profiling`` ... ``cli``) under ``solver/``.
 - ``readme_lines`` / ``readme_deprecated``: README.md's line count, and the deprecated CLI flags (those
-  whose ``add_argument`` help says "deprecated") it still shows.
+  whose ``add_argument`` help says "deprecated", or which are hidden deprecated aliases) it still shows.
+
+Both word rows skip (a) the option strings of a hidden deprecated alias: an ``add_argument`` whose
+``help`` is ``argparse.SUPPRESS`` and whose ``action`` is ``DeprecatedAlias`` (``--policy``), and
+(b) the public keys of :data:`PUBLIC_KEYS` where they are a dict literal's key or a subscript.
 """
 
 from __future__ import annotations
@@ -57,6 +62,18 @@ STEP_TOKENS_ALIASES = frozenset(
     }
 )
 PER_PHASE_FLAGS = frozenset({"decode_batch", "prefill_chunk"})  # allowed as ``args.<name>`` (advise)
+# Public keys that keep an old word: a string equal to one of these, used as a dict literal's key or a
+# subscript (``d["policy"]``), is not counted. Each is documented where the comment says.
+PUBLIC_KEYS = frozenset(
+    {
+        "policy",  # evaluate/validate --json and placement files' params: docs/cli.md, docs/formats.md
+        "greedy_policy",  # exact solver's params in placement files: docs/formats.md
+        "batch_tokens_per_gpu",  # params.decode_cost in placement files: docs/formats.md
+        "batch_per_rank",  # layout --json: docs/cli.md (layout)
+        "max_batch_per_rank",  # layout --json, per result: docs/cli.md (layout)
+    }
+)
+DEPRECATED_ACTION = "DeprecatedAlias"  # cli.common's action for an old spelling of an option (it warns)
 _OUTSIDE = re.compile(
     r"\.\./[\w.-]+/|\bshared[ /]docs?\b|\bshared/traces/\S+\.md|(?<![\w.])/(?:work|tmp|home|root)/"
     r"|\b[Ss]ee (?:the )?[\w-]+'s (?:own )?(?:code|source|implementation)",
@@ -186,9 +203,43 @@ def wide_functions(root: Path) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 # words: step-tokens aliases and "policy"
 # ---------------------------------------------------------------------------------------------
+def _is_hidden_alias(call: ast.Call) -> bool:
+    """``add_argument(..., help=argparse.SUPPRESS, action=DeprecatedAlias)``: an old spelling kept hidden."""
+    if _base_name(call.func) != "add_argument":
+        return False
+    kw = {k.arg: k.value for k in call.keywords}
+    help_, action = kw.get("help"), kw.get("action")
+    return (
+        isinstance(help_, ast.Attribute)
+        and help_.attr == "SUPPRESS"
+        and action is not None
+        and _base_name(action) == DEPRECATED_ACTION
+    )
+
+
+def _exempt_strings(tree: ast.AST) -> set[int]:
+    """Ids of the string constants the word rows skip: hidden deprecated option strings, public keys."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _is_hidden_alias(node):
+            found |= {
+                id(a) for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")
+            }
+        keys = (
+            node.keys
+            if isinstance(node, ast.Dict)
+            else [node.slice]
+            if isinstance(node, ast.Subscript)
+            else []
+        )
+        found |= {id(k) for k in keys if isinstance(k, ast.Constant) and k.value in PUBLIC_KEYS}
+    return found
+
+
 def _words(tree: ast.AST):
-    """``(line, text, is_args_attribute)`` for every identifier and non-docstring string of ``tree``."""
-    skip = _docstring_ids(tree)
+    """``(line, text, is_args_attribute)`` for every identifier and non-docstring string of ``tree``
+    (the strings of :func:`_exempt_strings` left out)."""
+    skip = _docstring_ids(tree) | _exempt_strings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Name):
             yield node.lineno, node.id, False
@@ -338,7 +389,8 @@ def readme_lines(root: Path) -> list[str]:
 
 
 def deprecated_flags(root: Path) -> set[str]:
-    """Flags of ``cli/`` whose ``add_argument(..., help=...)`` calls them deprecated."""
+    """Flags of ``cli/`` whose ``add_argument(..., help=...)`` calls them deprecated, or which are hidden
+    deprecated aliases (``help=argparse.SUPPRESS, action=DeprecatedAlias``)."""
     flags = set()
     for path in sorted((root / "cli").rglob("*.py")):
         for node in ast.walk(_parse(path)):
@@ -346,7 +398,7 @@ def deprecated_flags(root: Path) -> set[str]:
                 continue
             help_ = {k.arg: k.value for k in node.keywords}.get("help")
             text = ast.unparse(help_) if help_ is not None else ""
-            if "deprecated" in text.lower():
+            if "deprecated" in text.lower() or _is_hidden_alias(node):
                 flags |= {
                     a.value for a in node.args if isinstance(a, ast.Constant) and str(a.value).startswith("-")
                 }

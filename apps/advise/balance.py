@@ -125,7 +125,7 @@ def score(
 ) -> Scores:
     """Held-out window PAR, and the per-step PAR of the decode steps (the decode batch) and of the
     prefill chunks (:func:`placement.metrics.step_par` with ``phase``)."""
-    gl = trace_gpu_load(placement, held, dispatch, batch_tokens=options.decode_batch)  # [L, G]
+    gl = trace_gpu_load(placement, held, dispatch, step_tokens=options.decode_batch)  # [L, G]
     window = balance_stats(gl)["par"]
     dec = step_par(placement, held, options.decode_batch, dispatch, "decode", seed=options.seed)["step_par"]
     pre = step_par(placement, held, prefill_tokens(held, options), dispatch, "prefill")["step_par"]

@@ -39,7 +39,7 @@ def replica_memory(
     """From :func:`apps.planner.costmodel.memory_per_gpu`: fits when the KV cache of ``batch`` sequences per
     rank x ``context_len`` tokens still fits beside the weights and the replicas."""
     S = model_slots_per_gpu(model, ep_size, redundant_per_gpu)
-    opts = CostOptions(phase="decode", batch_per_rank=batch, context_len=context_len)
+    opts = CostOptions(phase="decode", step_tokens=batch, context_len=context_len)
     mem = memory_per_gpu(model, cluster.gpu, ep_size, S * ep_size, opts)
     per_token = model.kv_bytes_per_token
     spare = mem.kv_free - mem.kv_needed

@@ -59,6 +59,7 @@ from placement.cost.primitives import (
     lm_head_time,
     mlp_time,
 )
+from placement.steps import SIZING_STEP_TOKENS
 
 if TYPE_CHECKING:
     from placement.model import Placement
@@ -85,9 +86,10 @@ class CostOptions:
     """Knobs of one evaluation.
 
     Attributes:
-        phase: ``decode`` (``batch_per_rank`` sequences, each attending ``context_len`` cached tokens)
-            or ``prefill`` (``batch_per_rank`` prompt tokens of prompts ``context_len`` long).
-        batch_per_rank: tokens per GPU per step ``b``.
+        phase: ``decode`` (``step_tokens`` sequences, each attending ``context_len`` cached tokens)
+            or ``prefill`` (``step_tokens`` prompt tokens of prompts ``context_len`` long).
+        step_tokens: tokens per GPU per step ``b`` (default: the decode size a deployment is sized at,
+            ``placement.steps.SIZING_STEP_TOKENS``).
         a2a_mode: ``auto`` (decode -> low_latency, prefill -> normal), ``normal`` or ``low_latency``.
         overlap: ``off``, ``on`` (two-batch overlap) or ``auto`` (the faster; reported).
         attn_tp: attention tensor-parallel size inside an attention-DP group.
@@ -96,7 +98,7 @@ class CostOptions:
     """
 
     phase: Literal["decode", "prefill"] = "decode"
-    batch_per_rank: int = 128
+    step_tokens: int = SIZING_STEP_TOKENS["decode"]
     context_len: int = 4096
     a2a_mode: Literal["auto", "normal", "low_latency"] = "auto"
     overlap: Literal["off", "on", "auto"] = "auto"
@@ -106,9 +108,9 @@ class CostOptions:
     def __post_init__(self) -> None:
         if self.phase not in ("decode", "prefill"):
             raise ValueError(f"phase must be 'decode' or 'prefill', got {self.phase!r}")
-        if self.batch_per_rank < 1 or self.context_len < 1 or self.attn_tp < 1:
+        if self.step_tokens < 1 or self.context_len < 1 or self.attn_tp < 1:
             raise ValueError(
-                f"batch_per_rank, context_len and attn_tp must be >= 1, got {self.batch_per_rank}, {self.context_len}, {self.attn_tp}"
+                f"step_tokens, context_len and attn_tp must be >= 1, got {self.step_tokens}, {self.context_len}, {self.attn_tp}"
             )
         if self.a2a_mode not in ("auto", "normal", "low_latency") or self.overlap not in (
             "off",
@@ -168,7 +170,8 @@ class MemoryBreakdown:
         return self.kv_free >= self.kv_needed and self.kv_free >= 0
 
     @property
-    def max_batch_per_rank(self) -> int:
+    def max_step_tokens(self) -> int:
+        """The most decode sequences per rank whose KV cache fits."""
         return int(max(self.kv_free, 0) // self.kv_per_sequence) if self.kv_per_sequence > 0 else 0
 
     def explain(self) -> str:
@@ -184,7 +187,7 @@ class MemoryBreakdown:
             f"KV cache does not fit: needs {self.kv_needed / gb:.1f} GB, {self.kv_free / gb:.1f} GB left after "
             f"{self.expert / gb:.1f} GB experts (incl. {self.redundant / gb:.1f} GB redundant) + "
             f"{self.non_expert / gb:.1f} GB other weights + {self.reserve / gb:.1f} GB reserve; "
-            f"at most {self.max_batch_per_rank} sequences per rank"
+            f"at most {self.max_step_tokens} sequences per rank"
         )
 
 
@@ -210,7 +213,7 @@ def memory_per_gpu(
     kv_token = model.kv_bytes_per_token * (
         1.0 if model.attention == "mla" else 1.0 / min(t, model.num_kv_heads)
     )
-    seqs_per_gpu = options.batch_per_rank * (t if model.attention == "mla" else 1)
+    seqs_per_gpu = options.step_tokens * (t if model.attention == "mla" else 1)
     if options.phase == "decode":
         kv_needed = seqs_per_gpu * options.context_len * kv_token
         kv_seq = options.context_len * kv_token * (t if model.attention == "mla" else 1)
@@ -253,7 +256,7 @@ def _moe_parts(
 class StepCost:
     """One forward step on one GPU.
 
-    ``step_time`` seconds; ``tokens_per_s_per_gpu = batch_per_rank / step_time``.
+    ``step_time`` seconds; ``tokens_per_s_per_gpu = step_tokens / step_time``.
     """
 
     step_time: float
@@ -280,7 +283,7 @@ def step_cost(
     """
     t = placement.topology
     G, N = t.ep_size, t.num_nodes
-    b = float(options.batch_per_rank)
+    b = float(options.step_tokens)
     full = _layer_parts(model, cluster, workload, options, b, 1.0, N, G)
     no = full.attn + full.shared + full.disp + full.comp + full.comb  # [S, L]
     half = _layer_parts(model, cluster, workload, options, b, 0.5, N, G)

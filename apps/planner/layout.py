@@ -35,6 +35,7 @@ __all__ = [
     "LayoutCandidate",
     "LayoutResult",
     "LayoutPlan",
+    "PlanOptions",
     "synthetic_load",
     "workload_load",
     "enumerate_candidates",
@@ -52,6 +53,27 @@ SYNTHETIC_ZIPF = 0.4
 EXTRA_SLOTS_PER_GPU = (0, 1, 2, 4)
 # Throughput differences below this fraction are called ties.
 TIE = 0.03
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How the planner searches and places (the cost model's knobs are :class:`CostOptions`).
+
+    Attributes:
+        solver: ``greedy`` or an exact solver of ``solver.api.solve`` for each candidate's placement.
+        max_redundant: cap on redundant experts per layer (None: no cap).
+        extra_slots: redundant slots per GPU tried above the least that divides (``R0 + j*G``).
+        attn_tp: attention-TP sizes tried (None: by attention type, see :func:`enumerate_candidates`).
+        seed: solver seed and synthetic-skew seed.
+        time_limit: seconds per exact solve.
+    """
+
+    solver: str = "greedy"
+    max_redundant: int | None = None
+    extra_slots: tuple[int, ...] = EXTRA_SLOTS_PER_GPU
+    attn_tp: tuple[int, ...] | None = None
+    seed: int = 0
+    time_limit: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -109,7 +131,7 @@ class LayoutResult:
             "redundant_gb": m.redundant / 1e9,
             "kv_free_gb": m.kv_free / 1e9,
             "kv_needed_gb": m.kv_needed / 1e9,
-            "max_batch_per_rank": m.max_batch_per_rank,
+            "max_batch_per_rank": m.max_step_tokens,  # --json key kept (docs/cli.md, layout)
         }
         if self.cost:
             lc = self.cost.layer
@@ -160,7 +182,7 @@ class LayoutPlan:
             "model": self.model.name,
             "hardware": self.cluster.name,
             "phase": self.options.phase,
-            "batch_per_rank": self.options.batch_per_rank,
+            "batch_per_rank": self.options.step_tokens,  # --json key kept (docs/cli.md, layout)
             "context_len": self.options.context_len,
             "total_gpus": self.total_gpus,
             "workload": self.workload,
@@ -300,12 +322,11 @@ def evaluate_candidate(
     options: CostOptions,
     load: np.ndarray,
     trace=None,
-    solver: str = "greedy",
-    seed: int = 0,
-    time_limit: float = 10.0,
+    plan: PlanOptions | None = None,
     placement=None,
 ) -> LayoutResult:
-    """Memory check, placement (unless given), workload and step cost of one candidate."""
+    """Memory check, placement (unless given, with ``plan``'s solver), workload and step cost of one
+    candidate."""
     from placement.metrics import balance_stats, expected_gpu_load
 
     opts = replace(options, attn_tp=cand.attn_tp)
@@ -316,14 +337,15 @@ def evaluate_candidate(
         return LayoutResult(cand, mem, False, mem.explain())
     status = "given"
     if placement is None:
-        placement, status = _place(model, load, cand, solver, seed, time_limit)
+        plan = plan or PlanOptions()
+        placement, status = _place(model, load, cand, plan.solver, plan.seed, plan.time_limit)
     mode = opts.mode
     if trace is not None and trace.has_tokens and trace.num_logical_experts == model.num_logical_experts:
         Lt = min(trace.num_layers, placement.num_layers)
         sub = placement.select_layers(range(Lt))
         tr = trace.select_layers(range(Lt)) if Lt < trace.num_layers else trace
         try:
-            wl = trace_workload(sub, tr, opts.batch_per_rank, mode)
+            wl = trace_workload(sub, tr, opts.step_tokens, mode)
             cost = step_cost(model, cluster, sub, wl, opts)
         except ValueError as exc:  # trace shorter than one step: fall back to its counts
             log.info("trace workload unavailable (%s); using the analytic expectation", exc)
@@ -331,11 +353,11 @@ def evaluate_candidate(
                 model,
                 cluster,
                 placement,
-                analytic_workload(placement, load, model.top_k, opts.batch_per_rank, mode),
+                analytic_workload(placement, load, model.top_k, opts.step_tokens, mode),
                 opts,
             )
     else:
-        wl = analytic_workload(placement, load, model.top_k, opts.batch_per_rank, mode)
+        wl = analytic_workload(placement, load, model.top_k, opts.step_tokens, mode)
         cost = step_cost(model, cluster, placement, wl, opts)
     par = balance_stats(expected_gpu_load(placement, load))["par"]
     return LayoutResult(cand, mem, True, "", cost, float(par), placement, status)
@@ -352,44 +374,39 @@ def plan_layout(
     options: CostOptions,
     trace=None,
     load: np.ndarray | None = None,
-    solver: str = "greedy",
-    max_redundant: int | None = None,
-    extra_slots: Sequence[int] = EXTRA_SLOTS_PER_GPU,
-    attn_tp: Sequence[int] | None = None,
-    seed: int = 0,
-    time_limit: float = 10.0,
+    plan: PlanOptions | None = None,
     placements: dict | None = None,
 ) -> LayoutPlan:
     """Enumerate, evaluate and rank layouts; say plainly whether more GPUs help.
 
     Args:
         load: ``[L_moe, E]`` per-expert load (default: from ``trace`` or synthetic, see module doc).
+        plan: how to search and place (:class:`PlanOptions`; default its defaults).
         placements: optional cache ``{(ep_size, num_nodes, R): Placement}`` shared between calls.
     """
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     m = cluster.gpus_per_node
+    plan = plan or PlanOptions()
     how = "given per-expert load"
     if load is None:
-        load, how = workload_load(model, trace, seed)
+        load, how = workload_load(model, trace, plan.seed)
     load = np.asarray(load, dtype=np.float64)
     if load.shape != (model.num_moe_layers, model.num_logical_experts):
         raise ValueError(
             f"load must be [{model.num_moe_layers}, {model.num_logical_experts}] (MoE layers x experts), got {load.shape}"
         )
-    cands = enumerate_candidates(model, num_nodes, m, max_redundant, extra_slots, attn_tp)
+    cands = enumerate_candidates(model, num_nodes, m, plan.max_redundant, plan.extra_slots, plan.attn_tp)
     if not cands:
         raise ValueError(
-            f"no layout: max_redundant={max_redundant} admits no redundant count for {model.num_logical_experts} experts "
+            f"no layout: max_redundant={plan.max_redundant} admits no redundant count for {model.num_logical_experts} experts "
             f"on {num_nodes} x {m} GPUs; raise --max-redundant"
         )
     cache = {} if placements is None else placements
     results = []
     for c in cands:
         key = (c.ep_size, c.num_nodes, c.num_redundant)
-        r = evaluate_candidate(
-            model, cluster, c, options, load, trace, solver, seed, time_limit, cache.get(key)
-        )
+        r = evaluate_candidate(model, cluster, c, options, load, trace, plan, cache.get(key))
         if r.feasible and key not in cache:
             cache[key] = r.placement
         results.append(r)
@@ -473,12 +490,11 @@ def compare_phases(
     decode: CostOptions,
     prefill: CostOptions,
     trace=None,
-    solver: str = "greedy",
-    max_redundant: int | None = None,
-    seed: int = 0,
+    plan: PlanOptions | None = None,
     plans: dict | None = None,
 ) -> dict:
-    """Best layout of each phase, each evaluated on the other phase.
+    """Best layout of each phase, each evaluated on the other phase (``plan``: how each is searched;
+    ``plans``: phases already planned).
 
     Steps: plan each phase -> evaluate each best layout on the other phase -> losses -> message.
 
@@ -486,10 +502,9 @@ def compare_phases(
     either phase's best layout, used for both phases, loses more than :data:`TIE` on the other) and a
     ``message``.
     """
-    load, _ = workload_load(model, trace, seed)
-    plans = _phase_plans(
-        model, cluster, num_nodes, decode, prefill, trace, solver, max_redundant, seed, plans
-    )
+    plan = plan or PlanOptions()
+    load, _ = workload_load(model, trace, plan.seed)
+    plans = _phase_plans(model, cluster, num_nodes, decode, prefill, trace, plan, plans)
     bd, bp = plans["decode"].best, plans["prefill"].best
     if bd is None or bp is None:
         return {
@@ -497,12 +512,8 @@ def compare_phases(
             "separate_wins": False,
             "message": "a phase has no feasible layout; no comparison",
         }
-    pd_on_prefill = evaluate_candidate(
-        model, cluster, bd.candidate, prefill, load, trace, solver, seed, placement=bd.placement
-    )
-    pp_on_decode = evaluate_candidate(
-        model, cluster, bp.candidate, decode, load, trace, solver, seed, placement=bp.placement
-    )
+    pd_on_prefill = evaluate_candidate(model, cluster, bd.candidate, prefill, load, trace, plan, bd.placement)
+    pp_on_decode = evaluate_candidate(model, cluster, bp.candidate, decode, load, trace, plan, bp.placement)
     E = model.num_logical_experts
     if bd.candidate == bp.candidate:
         msg = f"one layout serves both phases best: {bd.candidate.label(E)}"
@@ -529,9 +540,7 @@ def _phase_plans(
     decode: CostOptions,
     prefill: CostOptions,
     trace,
-    solver: str,
-    max_redundant: int | None,
-    seed: int,
+    plan: PlanOptions,
     plans: dict | None,
 ) -> dict:
     """``{"decode": LayoutPlan, "prefill": LayoutPlan}``: the given plans, the missing ones planned
@@ -541,15 +550,7 @@ def _phase_plans(
     for name, opts in (("decode", decode), ("prefill", prefill)):
         if name not in plans:
             plans[name] = plan_layout(
-                model,
-                cluster,
-                num_nodes,
-                opts,
-                trace=trace,
-                solver=solver,
-                max_redundant=max_redundant,
-                seed=seed,
-                placements=cache,
+                model, cluster, num_nodes, opts, trace=trace, plan=plan, placements=cache
             )
     return plans
 

@@ -80,19 +80,19 @@ def _normalized(load: np.ndarray, k: int) -> np.ndarray:
 
 
 def analytic_workload(
-    placement: Placement, load: np.ndarray, top_k: int, batch_per_rank: int, mode: str
+    placement: Placement, load: np.ndarray, top_k: int, step_tokens: int, mode: str
 ) -> Workload:
     """Expected workload of one step from per-expert loads (picks assumed independent).
 
     Args:
         placement: :class:`placement.model.Placement` with ``G`` ranks over ``N`` nodes.
         load: ``[L, E]`` relative load per logical expert (any scale; the skew is what matters).
-        top_k: ``k``; batch_per_rank: ``b`` tokens per rank; mode: ``normal`` or ``low_latency``.
+        top_k: ``k``; step_tokens: ``b`` tokens per rank per step; mode: ``normal`` or ``low_latency``.
     """
     from placement.metrics import expected_gpu_load
 
     t = placement.topology
-    G, N, m, k, b = t.ep_size, t.num_nodes, t.gpus_per_node, int(top_k), float(batch_per_rank)
+    G, N, m, k, b = t.ep_size, t.num_nodes, t.gpus_per_node, int(top_k), float(step_tokens)
     p = _normalized(load, k)  # [L, E]
     picks = b * G * k
     cnt = placement.logical_replica_count  # [L, E]
@@ -133,10 +133,10 @@ def analytic_workload(
 def trace_workload(
     placement: Placement,
     trace: RoutingTrace,
-    batch_per_rank: int,
+    step_tokens: int,
     mode: str,
     max_steps: int = 4,
-    policy: str = EVEN.name,
+    dispatch: str = EVEN.name,
 ) -> Workload:
     """Workload counted token by token from a per-token trace.
 
@@ -150,13 +150,13 @@ def trace_workload(
         raise ValueError("trace_workload needs a per-token trace (topk_ids); this one has counts only")
     t = placement.topology
     G, P, m = t.ep_size, t.num_physical_experts, t.gpus_per_node
-    b = int(batch_per_rank)
+    b = int(step_tokens)
     per_step = b * G
     total = trace.num_tokens // per_step
     if total < 1:
         raise ValueError(
             f"the trace has {trace.num_tokens} tokens, fewer than one step of {b} tokens x {G} ranks = {per_step}; "
-            f"use a smaller --batch-per-rank or a longer trace"
+            f"use a smaller --step-tokens or a longer trace"
         )
     starts = np.unique(np.linspace(0, total - 1, num=min(max_steps, total)).astype(int)) * per_step
     L = placement.num_layers
@@ -167,7 +167,7 @@ def trace_workload(
     for i, s0 in enumerate(starts):
         ids = np.asarray(trace.topk_ids[s0 : s0 + per_step])  # [T', L, k]
         slots = route_tokens(
-            placement, ids, src, policy, token_index=np.arange(s0, s0 + per_step)
+            placement, ids, src, dispatch, token_index=np.arange(s0, s0 + per_step)
         )  # [T', L, k]
         valid = slots >= 0
         gpu = np.where(valid, t.gpu_of_slot[np.maximum(slots, 0)], -1)  # [T', L, k]
@@ -175,7 +175,7 @@ def trace_workload(
             sl = slots[:, l][valid[:, l]]
             slot_tokens[i, l] = np.bincount(sl, minlength=P)
             rdma[i, l], nvl[i, l] = _layer_traffic(gpu[:, l], valid[:, l], src, G, m, mode)
-    how = f"counted from {len(starts)} step(s) of the trace {trace.name!r} via route_tokens ({mode}, policy {policy})"
+    how = f"counted from {len(starts)} step(s) of the trace {trace.name!r} via route_tokens ({mode}, dispatch {dispatch})"
     return Workload(slot_tokens, nvl, rdma, t.slots_per_gpu, True, how)
 
 

@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from placement.dispatch import SGLANG_STATIC, VLLM_HASH
-from profiling.errors import PolicyError  # re-exported: the family lives in profiling.errors
+from profiling.errors import (
+    EngineCallError as PolicyError,
+)  # re-exported: the family lives in profiling.errors
 from runtime_hooks.engine_plugins.spec import MAX_FILE_BYTES, PolicySpec
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 

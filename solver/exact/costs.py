@@ -16,6 +16,7 @@ from placement.cost.hardware import GPUS, GpuSpec
 from placement.cost.modelspec import load_model
 from placement.cost.primitives import assignment_seconds
 from placement.metrics import peak_lower_bound
+from placement.steps import SIZING_STEP_TOKENS
 
 __all__ = ["DecodeCost", "count_lower_bound", "layer_cost_table"]
 
@@ -40,18 +41,25 @@ class DecodeCost:
     """Per-step decode cost of one replica (defaults: DeepSeek-V3 FP8 on H100, costmodel.md).
 
     Attributes:
-        batch_tokens_per_gpu: decode tokens per attention-DP rank in one step.
+        step_tokens: decode tokens per attention-DP rank in one step (default: the decode size a
+            deployment is sized at, ``placement.steps.SIZING_STEP_TOKENS``).
         top_k: routed experts per token.
         token_time_us: compute time per routed token on one GPU (``6 d f / (FLOP/s * eta_c)``).
         expert_bytes: bytes of one expert's weights (read once per step when it has a token).
         hbm_bytes_per_s: effective HBM bandwidth.
     """
 
-    batch_tokens_per_gpu: float = 128.0
+    step_tokens: float = float(SIZING_STEP_TOKENS["decode"])
     top_k: int = 8
     token_time_us: float = _token_time_us(GPUS["h100"])
     expert_bytes: float = float(_DSV3.expert_bytes)
     hbm_bytes_per_s: float = _hbm_effective(GPUS["h100"])
+
+    def to_params(self) -> dict:
+        """The fields as a placement file's ``params.decode_cost`` records them: ``step_tokens`` under
+        its file key ``batch_tokens_per_gpu`` (docs/formats.md), first, as before."""
+        fields = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {"batch_tokens_per_gpu": fields.pop("step_tokens"), **fields}
 
     @property
     def read_time_us(self) -> float:
@@ -160,7 +168,7 @@ def layer_cost_table(
         dc = decode or DecodeCost()
         tot = w.sum(axis=1, keepdims=True)
         frac = np.divide(w, tot, out=np.zeros_like(w), where=tot > 0)
-        lam = frac * dc.top_k * dc.batch_tokens_per_gpu * num_gpus  # [W, E] selections per step
+        lam = frac * dc.top_k * dc.step_tokens * num_gpus  # [W, E] selections per step
         per = lam[:, :, None] / r[None, None, :]
         c = dc.token_time_us * per + dc.read_time_us * (1.0 - np.exp(-per))
     else:

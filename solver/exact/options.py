@@ -37,7 +37,7 @@ class ExactOptions:
             ``notes`` reports).
             ``False``: wall-clock limits (uses the budget fully, not reproducible).
         hint: an extra starting placement (used when better than greedy).
-        expert_bytes, hardware, batch_tokens_per_gpu: decode cost overrides (:class:`DecodeCost`).
+        expert_bytes, hardware, step_tokens: decode cost overrides (:class:`DecodeCost`).
         local_search_iters: cap on local-search moves per layer (default ``20 * G``).
         validation: guard against over-fitting (:func:`solver.exact.guard._validation_guard`).
             ``"auto"``: when the input has windows (a trace or ``[W, L, E]``, ``W >= 5``) the last 20%
@@ -73,7 +73,7 @@ class ExactOptions:
     expert_bytes: float | None = None
     hardware: Any = None
     deterministic: bool = True
-    batch_tokens_per_gpu: float | None = None
+    step_tokens: float | None = None
     local_search_iters: int | None = None
     validation: float | str | None = None
     noise_gate: str | None = "auto"

@@ -248,8 +248,8 @@ def _solve_plain(
     L, E = agg.shape
     G, P, N = topology.ep_size, topology.num_physical_experts, topology.num_nodes
     decode = _decode_cost(options, top_k)
-    greedy_policy = _greedy_policy(options.node_constraint, num_groups, E, N)
-    g_pl, _ = greedy_placement(agg, topology, num_groups, mode=greedy_policy, layer_ids=layer_ids)
+    greedy_mode = _greedy_mode(options.node_constraint, num_groups, E, N)
+    g_pl, _ = greedy_placement(agg, topology, num_groups, mode=greedy_mode, layer_ids=layer_ids)
     greedy_map = g_pl.physical_to_logical_map
     hint_map = _hint_map(options.hint, greedy_map, E)
     rmax = _max_replicas(E, G, P)
@@ -293,7 +293,7 @@ def _solve_plain(
             except KeyboardInterrupt:  # stop the running searches; the pool then winds down at once
                 _interrupt_solves()
                 raise
-    return _plain_result(ctx, results, wins, workers, greedy_policy, num_groups, t_start)
+    return _plain_result(ctx, results, wins, workers, greedy_mode, num_groups, t_start)
 
 
 def _decode_cost(options: ExactOptions, top_k: int | None) -> DecodeCost | None:
@@ -303,13 +303,13 @@ def _decode_cost(options: ExactOptions, top_k: int | None) -> DecodeCost | None:
         if options.objective == "decode"
         else None
     )
-    if decode is not None and options.batch_tokens_per_gpu is not None:
-        decode = replace(decode, batch_tokens_per_gpu=float(options.batch_tokens_per_gpu))
+    if decode is not None and options.step_tokens is not None:
+        decode = replace(decode, step_tokens=float(options.step_tokens))
     return decode
 
 
-def _greedy_policy(node_constraint: bool, num_groups: int | None, E: int, N: int) -> str:
-    """Greedy's policy for the start: hierarchical under the node constraint (groups must divide)."""
+def _greedy_mode(node_constraint: bool, num_groups: int | None, E: int, N: int) -> str:
+    """Greedy's mode for the start: hierarchical under the node constraint (groups must divide)."""
     if node_constraint:
         if not num_groups or E % num_groups or num_groups % N:
             raise ValueError(
@@ -366,7 +366,7 @@ def _plain_result(
     results: list[tuple[np.ndarray, LayerReport]],
     wins: np.ndarray,
     workers: int,
-    greedy_policy: str,
+    greedy_mode: str,
     num_groups: int | None,
     t_start: float,
 ) -> tuple[Placement, SolveReport]:
@@ -387,11 +387,11 @@ def _plain_result(
         "deterministic": opt.deterministic,
         "node_constraint": opt.node_constraint,
         "num_groups": num_groups,
-        "greedy_policy": greedy_policy,
+        "greedy_policy": greedy_mode,  # the file key keeps its name (docs/formats.md)
         "per_layer_limit_s": ctx.per_layer,
     }
     if ctx.decode is not None:
-        params["decode_cost"] = {k: getattr(ctx.decode, k) for k in ctx.decode.__dataclass_fields__}
+        params["decode_cost"] = ctx.decode.to_params()
     placement = Placement(
         phy2log,
         ctx.agg.shape[1],
