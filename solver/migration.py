@@ -65,6 +65,7 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from solver.budget import check_time_limit
 from solver.greedy import greedy_placement
+from solver.migration_cpsat import ExactLayer
 from solver.migration_cpsat import exact_layer as _exact_layer
 from solver.migration_dispatch import Scorer, choose_layers, dispatch_scorer
 from solver.migration_search import Layer, incremental
@@ -485,17 +486,11 @@ def _exact_refinement(
         )
         tl = 0.4 * options.time_limit / L if deterministic else remaining / (L - l)
         ts = time.perf_counter()
-        xe, status, bnd, note = _exact_layer(
-            w[l],
-            states[l].prev,
-            x_final[l],
-            states[l].S,
-            mc,
-            per_layer_budget,
-            tl,
-            options.seed + l,
+        layer = ExactLayer(
+            w[l], states[l].prev, x_final[l], states[l].S, mc, per_layer_budget, tl, options.seed + l,
             deterministic=deterministic,
-        )
+        )  # fmt: skip
+        xe, status, bnd, note = _exact_layer(layer)
         remaining = max(0.05, remaining - (time.perf_counter() - ts))
         if note and note not in notes:
             notes.append(note)

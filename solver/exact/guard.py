@@ -98,8 +98,8 @@ def _validation_guard(
     left = time_limit if det else max(0.1, time_limit - (time.perf_counter() - t_start))
     fit_arg = _fit_windows(fit_part, options)
     fit_agg = fit_arg.sum(axis=0) if fit_arg.ndim == 3 else fit_arg
-    policy = "hierarchical" if options.node_constraint else "global"
-    g_fit, _ = greedy_placement(fit_agg, topology, num_groups, mode=policy)
+    mode = "hierarchical" if options.node_constraint else "global"
+    g_fit, _ = greedy_placement(fit_agg, topology, num_groups, mode=mode)
     e_fit, _ = solve(fit_arg, topology, replace(options, time_limit=0.3 * left), num_groups, layer_ids)
     v_g = expected_gpu_load(g_fit, val).max(axis=1)  # [L]
     v_e = expected_gpu_load(e_fit, val).max(axis=1)
@@ -107,7 +107,7 @@ def _validation_guard(
     pl, rep = solve(load_or_trace, topology, replace(options, time_limit=rest), num_groups, layer_ids)
     agg = _aggregate(load_or_trace)
     g_all, _ = greedy_placement(
-        agg, topology, num_groups, mode=policy, layer_ids=layer_ids or pl.layer_ids or None
+        agg, topology, num_groups, mode=mode, layer_ids=layer_ids or pl.layer_ids or None
     )
     rows = pl.physical_to_logical_map.copy()
     layers = []
