@@ -11,7 +11,8 @@ is the same for both maps) -> in the layers where ours is more than :data:`TOLER
 maps without co-located replicas are tried (the engine's map repaired with one moved slot per extra
 copy; the exact solver on those layers when its estimate fits half the budget) and the best taken
 -> where none comes within :data:`TOLERANCE`, the engine's own row is served, with one warning
-naming both figures. Every step is deterministic (ranks must agree: nothing broadcasts the map).
+naming both figures. Under a static table (SGLang's) layers are judged summed, whole maps compared
+(:func:`_table_guard`). Every step is deterministic (ranks must agree: nothing broadcasts the map).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = ["TOLERANCE", "Guarded", "dispatch_peaks", "engine_default_map", "guar
 log = logging.getLogger(__name__)
 
 TOLERANCE = 0.005  # ours may be at most 0.5% less balanced (max/mean, per layer) than the engine's default
-TABLE_ROUNDS = 2  # re-placement rounds under a static table (a swapped row moves later layers' draws)
 
 
 class Guarded:
@@ -107,52 +107,59 @@ def guard_fresh(
     dispatch = call.dispatch_model
     engine = engine_default_map(call, topo, load)
     peak_eng = dispatch_peaks(dispatch, load, engine, topo)  # [L]
-    table = bool(get_dispatch(dispatch).table)
+    peak = dispatch_peaks(dispatch, load, ours, topo)  # [L]
+    if get_dispatch(dispatch).table:
+        return _table_guard(spec, call, topo, load, (ours, peak), (engine, peak_eng), groups, exact)
     out, served = ours.copy(), np.zeros(load.shape[0], dtype=bool)
-    peak = dispatch_peaks(dispatch, load, out, topo)  # [L]
-    for _ in range(TABLE_ROUNDS if table else 1):
-        bad = np.flatnonzero(~served & (peak > peak_eng * (1 + TOLERANCE) + 1e-12))
-        if not bad.size:
-            break
-        for rows in _candidates(call, topo, load, engine, bad, groups, exact):
-            trial = out.copy()
-            trial[bad] = rows
-            cand = dispatch_peaks(dispatch, load, trial, topo)  # the whole map: a table's draws run on
-            take = bad[cand[bad] < peak[bad] - 1e-12]
-            out[take] = trial[take]
-            peak = dispatch_peaks(dispatch, load, out, topo) if table else np.where(
-                np.isin(np.arange(peak.size), take), cand, peak)  # fmt: skip
-        still = bad[peak[bad] > peak_eng[bad] * (1 + TOLERANCE) + 1e-12]
-        if table:
-            return _table_verdict(spec, call, topo, load, (out, peak), engine, peak_eng, groups)
-        out[still], served[still] = engine[still], True
-        if still.size:
-            _warn(spec, load, topo, still, peak[still], peak_eng[still])
+    bad = np.flatnonzero(peak > peak_eng * (1 + TOLERANCE) + 1e-12)
+    if not bad.size:
+        return Guarded(out, served)
+    for rows in _candidates(call, topo, load, engine, bad, groups, exact):
+        cand = dispatch_peaks(dispatch, load[bad], rows, topo)  # [K]: layers are independent here
+        take = cand < peak[bad] - 1e-12
+        out[bad[take]], peak[bad[take]] = rows[take], cand[take]
+    still = bad[peak[bad] > peak_eng[bad] * (1 + TOLERANCE) + 1e-12]
+    out[still], served[still] = engine[still], True
+    if still.size:
+        _warn(spec, load, topo, still, peak[still], peak_eng[still])
+    log.info(
+        "moe_placement %s: %d layer(s) over %.1f%% of the engine's default re-placed, %d served as the engine's",
+        spec.text, bad.size, 100 * TOLERANCE, still.size,
+    )  # fmt: skip
     return Guarded(out, served)
 
 
-def _table_verdict(spec, call, topo, load, ours, engine, peak_eng, groups) -> Guarded:
+def _table_guard(spec, call, topo, load, ours, default, groups, exact) -> Guarded:
     """Under a static table (one generator per rank, drawn through the layers in order) a layer's
-    figure depends on every earlier layer's map, so a row cannot be swapped for the engine's alone:
-    ours (or else the engine's map repaired of co-located replicas) is kept when its peaks summed over
-    layers are within :data:`TOLERANCE` of the engine's (single layers then differ by the draws,
-    logged), else the engine's whole map is served (warned). ``ours``: ``(map [L, P], peaks [L])``."""
-    L = load.shape[0]
-    out, peak = ours
-    if peak.sum() > peak_eng.sum() * (1 + TOLERANCE) + 1e-12:  # the engine's whole map, repaired
-        rows = next(_candidates(call, topo, load, engine, np.arange(L), groups, None), None)
-        cand = None if rows is None else dispatch_peaks(call.dispatch_model, load, rows, topo)
-        if cand is not None and cand.sum() < peak.sum():
-            out, peak = rows, cand
-    worse = int((peak > peak_eng * (1 + TOLERANCE) + 1e-12).sum())
+    figure depends on every earlier layer's map, so rows cannot be judged or swapped one by one: whole
+    maps are, by their peaks summed over layers. Ours, ours with its layers over :data:`TOLERANCE`
+    taken from each candidate, and the engine's whole map repaired of co-located replicas: the lowest
+    sum is served when within :data:`TOLERANCE` of the engine's (single layers then differ by the
+    draws, logged), else the engine's whole map (warned). ``ours`` / ``default``: ``(map [L, P],
+    peaks [L])``."""
+    (best, peak), (engine, peak_eng) = ours, default
+    L, dispatch = load.shape[0], call.dispatch_model
+    bad = np.flatnonzero(peak > peak_eng * (1 + TOLERANCE) + 1e-12)
+    trials = []
+    for rows in _candidates(call, topo, load, engine, bad, groups, exact) if bad.size else ():
+        trial = best.copy()
+        trial[bad] = rows
+        trials.append(trial)
+    if peak.sum() > peak_eng.sum() * (1 + TOLERANCE) + 1e-12:
+        trials.extend(_candidates(call, topo, load, engine, np.arange(L), groups, None))
+    for trial in trials:
+        cand = dispatch_peaks(dispatch, load, trial, topo)
+        if cand.sum() < peak.sum() - 1e-9:
+            best, peak = trial, cand
     if peak.sum() <= peak_eng.sum() * (1 + TOLERANCE) + 1e-12:
+        worse = int((peak > peak_eng * (1 + TOLERANCE) + 1e-12).sum())
         if worse:
             log.info(
                 "moe_placement %s: %d layer(s) over %.1f%% of the engine's default under the table's draws; "
                 "peaks summed over layers %.0f ours, %.0f the engine's: ours served",
                 spec.text, worse, 100 * TOLERANCE, peak.sum(), peak_eng.sum(),
             )  # fmt: skip
-        return Guarded(out, np.zeros(L, dtype=bool))
+        return Guarded(best, np.zeros(L, dtype=bool))
     _warn(spec, load, topo, np.arange(L), peak, peak_eng, summed=True)
     return Guarded(engine.copy(), np.ones(L, dtype=bool))
 

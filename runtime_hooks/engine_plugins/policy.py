@@ -78,6 +78,7 @@ MIGRATION_SAFETY_CAP = 60.0
 # the 2-core dev machine whatever the limit; scaled by the expert count, this decides (from the shapes
 # alone, so every rank decides alike) whether ``exact`` can answer within its budget.
 EXACT_SECONDS_PER_LAYER_256 = 0.7
+EXACT_GUARD_MARGIN = 8  # the guard's exact candidate runs only when its estimate is this far inside
 
 
 # One replay of SGLang's static draws for one layer (every rank's Python generator) takes about
@@ -190,14 +191,19 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
 
 def _guarded(spec: PolicySpec, call: EngineCall, topo: Topology, w: np.ndarray, phy2log, groups):
     """Our fresh map ``[L, P]`` guarded against the engine's default answer
-    (:func:`runtime_hooks.engine_plugins.default_guard.guard_fresh`); the exact solver is one of the
-    maps tried on the layers ours loses, when its estimate fits half the budget."""
+    (:func:`runtime_hooks.engine_plugins.default_guard.guard_fresh`); the exact solver (half the
+    budget) is one of the maps tried on the layers ours loses, when its estimate is under
+    1/:data:`EXACT_GUARD_MARGIN` of the budget (its wall-clock wall must never cut in: ranks would
+    then disagree)."""
     from runtime_hooks.engine_plugins.default_guard import guard_fresh
     from solver.problem import Problem
 
     def exact(layers: np.ndarray) -> np.ndarray:
-        if spec.kind == "exact" or exact_seconds(layers.size, w.shape[1]) > spec.time_limit / 2:
-            raise PolicyError("exact does not fit half the budget on these layers")
+        if (
+            spec.kind == "exact"
+            or exact_seconds(layers.size, w.shape[1]) > spec.time_limit / EXACT_GUARD_MARGIN
+        ):
+            raise PolicyError("exact would not finish well inside half the budget on these layers")
         num_groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
         problem = Problem.build(topo, load=w[layers], num_groups=num_groups, dispatch=call.dispatch_model)
         values = {"deterministic": True, "workers": 1, "time_limit": spec.time_limit / 2}
