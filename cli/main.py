@@ -84,6 +84,7 @@ def _terminate_as_exception() -> Iterator[None]:
     )
 
     def handler(signum, frame):
+        _stop_searches()
         raise Terminated()
 
     if installed:
@@ -93,6 +94,16 @@ def _terminate_as_exception() -> Iterator[None]:
     finally:
         if installed:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _stop_searches() -> None:
+    """Stop every CP-SAT search running now (any thread) and make later ones refuse to start, as
+    Ctrl-C does (``solver.exact.cpsat._interrupt_solves``), so SIGTERM does not wait for a solve to
+    reach its time limit. Nothing is imported here: no solver module loaded, no search running."""
+    cpsat = sys.modules.get("solver.exact.cpsat")
+    stop = getattr(cpsat, "_interrupt_solves", None)
+    if stop is not None:
+        stop()
 
 
 def _run(argv: list[str], debug: bool) -> int:

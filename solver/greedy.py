@@ -390,8 +390,8 @@ def greedy_placement(
         policy: deprecated name of ``mode``.
 
     Returns:
-        (Placement, SolveReport) with the mode used in ``params["policy"]`` (the key keeps its former
-        name, so placement files stay byte-identical).
+        (Placement, SolveReport) with the mode used in the report's ``params["mode"]`` (the placement's
+        provenance keeps it under its former key ``policy``, so placement files stay byte-identical).
     """
     if policy is not None:
         warnings.warn(
@@ -406,7 +406,7 @@ def greedy_placement(
         w.shape[1],
         topology,
         tuple(layer_ids or ()),
-        {"solver": "greedy", "policy": used, "parity": parity, "num_groups": num_groups},
+        {"solver": "greedy", "policy": used, "parity": parity, "num_groups": num_groups},  # files: former key
         allow_colocated_replicas=parity,
     )
     wall = time.perf_counter() - t0
@@ -488,7 +488,7 @@ def _greedy_report(
         solver="greedy",
         layers=layers,
         wall_time_s=wall,
-        params={"policy": used, "parity": parity, "num_groups": groups},
+        params={"mode": used, "parity": parity, "num_groups": groups},
         notes=tuple(notes),
     )
 

@@ -10,45 +10,61 @@ incremental result is the hint. :func:`exact_layer` is called by :mod:`solver.mi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["exact_layer"]
+__all__ = ["ExactLayer", "exact_layer"]
 
 DET_UNITS_PER_S = 0.5  # deterministic-time units per second of share (as solver.exact's _DET_FACTOR)
 WALL_SAFETY_CAP = 4.0  # deterministic mode: wall-clock cap, as a multiple of the share
 
 
-def exact_layer(
-    w: np.ndarray,
-    prev_x: np.ndarray,
-    hint_x: np.ndarray,
-    S: int,
-    move_cost: float,
-    budget: int | None,
-    time_limit: float,
-    seed: int,
-    max_bool_vars: int = 20000,
-    *,
-    deterministic: bool = False,
-) -> tuple[np.ndarray | None, str, float | None, str]:
-    """CP-SAT on one layer: allowed counts -> model -> hint -> solve -> read back.
+@dataclass(frozen=True)
+class ExactLayer:
+    """One layer's CP-SAT problem, as :func:`exact_layer` takes it.
 
-    Args:
+    Attributes:
         w: float64 ``[E]`` the layer's load; prev_x / hint_x: bool ``[E, G]`` previous and hint pairs.
+        S: slots per GPU; move_cost: objective cost of one moved slot (load units).
         budget: most moved slots in this layer (None: no budget).
+        time_limit: seconds of share; seed: CP-SAT's seed.
+        max_bool_vars: past ``E x G x cmax`` of these, replica counts are restricted around the hint.
         deterministic: limit CP-SAT by deterministic time (``DET_UNITS_PER_S`` x ``time_limit``),
             with a wall-clock safety cap of ``WALL_SAFETY_CAP`` x ``time_limit``; else by wall time.
+    """
+
+    w: np.ndarray
+    prev_x: np.ndarray
+    hint_x: np.ndarray
+    S: int
+    move_cost: float
+    budget: int | None
+    time_limit: float
+    seed: int
+    max_bool_vars: int = 20000
+    deterministic: bool = False
+
+
+def exact_layer(layer: ExactLayer) -> tuple[np.ndarray | None, str, float | None, str]:
+    """CP-SAT on one layer (:class:`ExactLayer`): allowed counts -> model -> hint -> solve -> read back.
 
     Returns:
         ``(x bool [E, G] or None, status, bound_on_objective or None, note)``.
     """
+    w, prev_x, hint_x, S = layer.w, layer.prev_x, layer.hint_x, layer.S
+    move_cost, budget, time_limit, deterministic = (
+        layer.move_cost,
+        layer.budget,
+        layer.time_limit,
+        layer.deterministic,
+    )
     from ortools.sat.python import cp_model
 
     E, G = prev_x.shape
     hint_cnt = hint_x.sum(axis=1)  # [E]
-    allowed, restricted = _allowed_counts(prev_x, hint_cnt, S, max_bool_vars)
+    allowed, restricted = _allowed_counts(prev_x, hint_cnt, S, layer.max_bool_vars)
     scale = 1e6 / max(float(w.max()), 1e-12)
     model, x, z, t = _build_model(cp_model, w, prev_x, S, move_cost, budget, allowed, scale)
     _add_hint(model, x, z, t, hint_x, hint_cnt, allowed)
@@ -58,7 +74,7 @@ def exact_layer(
     if deterministic:
         solver.parameters.max_deterministic_time = DET_UNITS_PER_S * limit
     solver.parameters.num_workers = 1
-    solver.parameters.random_seed = int(seed)
+    solver.parameters.random_seed = int(layer.seed)
     code = solver.solve(model)
     note = "replica counts restricted to +-2 around the hint" if restricted else ""
     if deterministic and solver.wall_time >= 0.98 * solver.parameters.max_time_in_seconds:

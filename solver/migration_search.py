@@ -171,10 +171,14 @@ def incremental(
     budget = max_moves
     heap: list = []
     limited = max_steps < float("inf")
+    work = 0.0  # the proposals' work so far (summed over the layers before this one)
     for l, st in enumerate(states):
-        if limited and sum(s.work for s in states[:l]) > max_steps:
+        if limited and work > max_steps:
             return 0, "steps"  # the first proposals alone used the work limit up: no move taken
+        if time.perf_counter() > deadline:
+            return 0, "time"  # the wall clock ran out before every layer had a proposal: no move taken
         bm = st.best_move(move_cost, budget)
+        work += st.work
         if bm is not None:
             heapq.heappush(heap, (-bm[0], l, bm))
     it = 0

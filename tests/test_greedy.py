@@ -23,7 +23,7 @@ EPLB_PHY2LOG = np.array(
 def test_golden_eplb_readme_example_parity():
     p, rep = greedy_placement(EPLB_WEIGHT, Topology(8, 16, 2), num_groups=4, parity=True)
     np.testing.assert_array_equal(p.physical_to_logical_map, EPLB_PHY2LOG)
-    assert rep.params["policy"] == "hierarchical"
+    assert rep.params["mode"] == "hierarchical"
 
 
 def test_default_mode_never_colocates_and_reports_policy():
@@ -38,13 +38,13 @@ def test_default_mode_never_colocates_and_reports_policy():
         for l in range(3):
             for g in range(G):
                 assert len(set(per_gpu[l, g].tolist())) == per_gpu.shape[2]
-        assert rep.params["policy"] in ("hierarchical", "global")
+        assert rep.params["mode"] in ("hierarchical", "global")
         assert (p.logical_replica_count >= 1).all()
 
 
 def test_global_used_when_groups_do_not_divide_nodes():
     _, rep = greedy_placement(EPLB_WEIGHT, Topology(8, 16, 2), num_groups=3)
-    assert rep.params["policy"] == "global"
+    assert rep.params["mode"] == "global"
     assert any("global mode used" in n for n in rep.notes)
 
 
@@ -115,7 +115,7 @@ def test_policy_keyword_is_a_deprecated_alias_of_mode():
     with pytest.warns(DeprecationWarning, match="use mode="):
         old, rep = greedy_placement(w, topo, 4, policy="global")
     np.testing.assert_array_equal(old.physical_to_logical_map, flat.physical_to_logical_map)
-    assert rep.params["policy"] == "global"
+    assert rep.params["mode"] == "global"
     assert not np.array_equal(hier.physical_to_logical_map, flat.physical_to_logical_map)
     with pytest.raises(ValueError, match="unknown greedy mode 'flat'"):
         greedy_placement(w, topo, 4, mode="flat")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,6 +80,7 @@ MIGRATION_SAFETY_CAP = 60.0
 # the 2-core dev machine whatever the limit; scaled by the expert count, this decides (from the shapes
 # alone, so every rank decides alike) whether ``exact`` can answer within its budget.
 EXACT_SECONDS_PER_LAYER_256 = 0.7
+EXACT_GUARD_MARGIN = 8  # the guard's exact candidate runs only when its estimate is this far inside
 
 
 # One replay of SGLang's static draws for one layer (every rank's Python generator) takes about
@@ -123,6 +125,8 @@ class EngineCall:
         num_groups: expert groups of group-limited routing, or None (global policy).
         previous: int64 ``[L, P]`` map in service (``-1``: empty slot), or None.
         dispatch: the dispatch model the engine serves the map with (None: ``ENGINE_DISPATCH[engine]``).
+        engine_default: the engine's own default policy on this call (``() -> [L, P]``), or None: our
+            re-implementation of it stands in (:mod:`runtime_hooks.engine_plugins.default_guard`).
     """
 
     engine: str
@@ -133,6 +137,7 @@ class EngineCall:
     num_groups: int | None = None
     previous: np.ndarray | None = None
     dispatch: str | None = None
+    engine_default: Callable[[], Any] | None = None
 
     @property
     def dispatch_model(self) -> str:
@@ -161,13 +166,17 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
     topo = call.topology()
     groups = call_groups(call, topo, w.shape[1])
     in_service = _previous(call, topo, w.shape[1])
+    engine_rows = None
     if spec.kind == "file":
         phy2log = _from_file(spec.path, call, topo, w.shape)
         _warn_split(spec, phy2log, w.shape[1], groups, topo)  # the user's own map: served as written
     else:
         phy2log = _solve(spec, call, topo, w, in_service, groups)
+        if spec.kind != "migration" or in_service is None:  # a fresh call: the engine's default guard
+            guarded = _guarded(spec, call, topo, w, phy2log, groups)
+            phy2log, engine_rows = guarded.phy2log, guarded.engine_rows
     phy2log = np.array(phy2log, dtype=np.int64, order="C")  # a writable copy the engine may own
-    check_map(phy2log, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+    check_map(phy2log, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0], engine_rows)
     if spec.kind != "file":
         check_groups(phy2log, w.shape[1], groups, topo)
     if in_service is not None and spec.kind != "file":
@@ -180,6 +189,29 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
         else:
             log.info("moe_placement %s: rebalancing (%s)", spec.text, verdict.reason)
     return phy2log
+
+
+def _guarded(spec: PolicySpec, call: EngineCall, topo: Topology, w: np.ndarray, phy2log, groups):
+    """Our fresh map ``[L, P]`` guarded against the engine's default answer
+    (:func:`runtime_hooks.engine_plugins.default_guard.guard_fresh`); the exact solver (half the
+    budget) is one of the maps tried on the layers ours loses, when its estimate is under
+    1/:data:`EXACT_GUARD_MARGIN` of the budget (its wall-clock wall must never cut in: ranks would
+    then disagree)."""
+    from runtime_hooks.engine_plugins.default_guard import guard_fresh
+    from solver.problem import Problem
+
+    def exact(layers: np.ndarray) -> np.ndarray:
+        if (
+            spec.kind == "exact"
+            or exact_seconds(layers.size, w.shape[1]) > spec.time_limit / EXACT_GUARD_MARGIN
+        ):
+            raise PolicyError("exact would not finish well inside half the budget on these layers")
+        num_groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
+        problem = Problem.build(topo, load=w[layers], num_groups=num_groups, dispatch=call.dispatch_model)
+        values = {"deterministic": True, "workers": 1, "time_limit": spec.time_limit / 2}
+        return _run(spec, problem, "cpsat", {**values, "node_constraint": groups is not None}, w[layers])
+
+    return guard_fresh(spec, call, topo, w, phy2log, groups, exact)
 
 
 def call_groups(call: EngineCall, topo: Topology, E: int) -> int | None:
@@ -268,7 +300,7 @@ def rebalance_verdict(
     from placement.model import Placement
 
     topo = in_service.topology
-    new = Placement(new_map, in_service.num_logical_experts, topo)
+    new = Placement(new_map, in_service.num_logical_experts, topo, allow_colocated_replicas=True)
     peak_now = gpu_peaks(in_service.physical_to_logical_map, load, topo.ep_size)  # [L]
     peak_new = gpu_peaks(new_map, load, topo.ep_size)  # [L]
     return decide(peak_now, peak_new, arrived_per_gpu(in_service, new), rule_params(spec, engine))
@@ -507,9 +539,12 @@ def _engine_rows(placement: Placement, engine: str, L: int, E: int, P: int) -> n
     raise PolicyError(f"file placement has {placement.num_layers} layers, the engine {L}")
 
 
-def check_map(phy2log: np.ndarray, E: int, P: int, G: int, L: int) -> None:
+def check_map(
+    phy2log: np.ndarray, E: int, P: int, G: int, L: int, engine_rows: np.ndarray | None = None
+) -> None:
     """Raise :class:`PolicyError` unless ``phy2log`` is int64 ``[L, P]`` with ids in ``[0, E)``, every
-    expert on at least one slot and no two replicas of one expert on one GPU, in every layer."""
+    expert on at least one slot and no two replicas of one expert on one GPU, in every layer but the
+    ``engine_rows`` (bool ``[L]``: the engine's own rows, served by the guard and logged)."""
     if phy2log.dtype != np.int64 or phy2log.shape != (L, P):
         raise PolicyError(f"map is {phy2log.dtype} {phy2log.shape}, expected int64 ({L}, {P})")
     if phy2log.size and (phy2log.min() < 0 or phy2log.max() >= E):
@@ -521,6 +556,8 @@ def check_map(phy2log: np.ndarray, E: int, P: int, G: int, L: int) -> None:
         raise PolicyError(f"layer {l}: expert {e} has no replica")
     per_gpu = np.sort(phy2log.reshape(L, G, P // G), axis=2)  # [L, G, S]
     dup = per_gpu[:, :, 1:] == per_gpu[:, :, :-1]
+    if engine_rows is not None:
+        dup[np.asarray(engine_rows, dtype=bool)] = False
     if dup.any():
         l, g, _ = map(int, np.argwhere(dup)[0])
         raise PolicyError(f"layer {l}: GPU {g} holds two replicas of one expert")

@@ -75,7 +75,7 @@ def make_hook(spec: PolicySpec):
             log.info("moe_placement %s: %s; SGLang's EPLB algorithm used", spec.text, why)
             return _engine(original, bound)
         try:
-            return _ours(spec, **bound)
+            return _ours(spec, lambda: original(**bound)[0].cpu().numpy(), **bound)
         except Exception as exc:  # every failure, named, answered by SGLang's own algorithm
             why = failure_reason(exc)
             log.warning("moe_placement %s failed (%s); SGLang's EPLB algorithm used", spec.text, why)
@@ -134,8 +134,9 @@ def _bind(
     }
 
 
-def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
-    """``(phy2log, log2phy, logcnt)`` CPU int64 tensors from our policy."""
+def _ours(spec: PolicySpec, engine=None, **bound: Any) -> tuple[Any, Any, Any]:
+    """``(phy2log, log2phy, logcnt)`` CPU int64 tensors from our policy (``engine``: SGLang's own
+    algorithm on the call, ``() -> [L, P]``, which a fresh call's map is compared with)."""
     import torch
 
     from placement.dispatch import SGLANG_STATIC
@@ -156,6 +157,7 @@ def _ours(spec: PolicySpec, **bound: Any) -> tuple[Any, Any, Any]:
         num_groups=bound["num_groups"] if hierarchical else None,
         previous=_map_in_service() if spec.kind != "file" else None,  # the rule compares with it
         dispatch=SGLANG_STATIC.name,  # maps are fitted for SGLang's static table
+        engine_default=engine,
     )
     phy2log = place(spec, call)  # [L, P]
     log2phy, logcnt = logical_maps(phy2log, call.load.shape[1])  # [L, E, R], [L, E]

@@ -64,7 +64,7 @@ def policy_class(spec: PolicySpec, engine_default: type) -> type:
     ) -> Any:
         args = (weight, num_replicas, num_groups, num_nodes, num_ranks, old_global_expert_indices)
         try:
-            return _ours(spec, *args)
+            return _ours(spec, *args, engine=lambda: engine_default.rebalance_experts(*args).numpy())
         except Exception as exc:  # every failure, named, answered by vLLM's own policy
             why = failure_reason(exc)
             log.warning("moe_placement %s failed (%s); vLLM's default EPLB policy used", spec.text, why)
@@ -79,8 +79,9 @@ def policy_class(spec: PolicySpec, engine_default: type) -> type:
     return type("MoePlacementEplbPolicy", (engine_default,), attrs)
 
 
-def _ours(spec: PolicySpec, weight, num_replicas, num_groups, num_nodes, num_ranks, old) -> Any:
-    """Our map as vLLM wants it: int64 ``[L, P]`` CPU tensor."""
+def _ours(spec: PolicySpec, weight, num_replicas, num_groups, num_nodes, num_ranks, old, engine=None) -> Any:
+    """Our map as vLLM wants it: int64 ``[L, P]`` CPU tensor (``engine``: vLLM's default policy on
+    the call, ``() -> [L, P]``, which a fresh call's map is compared with)."""
     import torch
 
     from placement.dispatch import VLLM_HASH
@@ -96,6 +97,7 @@ def _ours(spec: PolicySpec, weight, num_replicas, num_groups, num_nodes, num_ran
         num_groups=int(num_groups) if num_groups else None,
         previous=None if old is None else old.detach().cpu().numpy(),  # [L, P]
         dispatch=VLLM_HASH.name,  # vLLM's EPLB hash: even in expectation, no table to fit
+        engine_default=engine,
     )
     phy2log = torch.from_numpy(place(spec, call))
     log.debug("moe_placement %s: %s map in %.3fs", spec.text, tuple(phy2log.shape), time.perf_counter() - t0)

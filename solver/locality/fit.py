@@ -54,7 +54,7 @@ def solve_replicated(
             f"expected drift), got {o.drift_z}"
         )
     fit = _fit_model(trace, topology, src, how, o)
-    rows, reports = _solve_layers(trace, topology, fit, o, share_margin)
+    rows, reports = _solve_layers(trace, topology, fit, o, share_margin, t0)
     # recorded under its former key "policy", so placement files stay byte-identical
     params = {
         "balance_slack": o.balance_slack,
@@ -193,6 +193,33 @@ def _fit_model(
     return _FitModel(src_fit, how_fit, win, W, load, greedy, g_peak, share_excess, hs, drift)
 
 
+class _CallBudget:
+    """The whole call's budget, spent layer by layer: ``time_limit`` seconds from the call's start
+    ``t0``, or ``work_limit`` steps (counted as each layer's budgets are handed out). A layer gets its
+    even share (:func:`_layer_budgets`), less when the call has less left (the per-layer floors of one
+    step or CP-SAT's shortest limit no longer add up over many layers: the call is bounded, not each
+    layer); a layer with nothing left gets zero budgets (its start, no search)."""
+
+    def __init__(self, time_limit: float, work_limit: int | None, L: int, N: int, t0: float):
+        self.time_limit, self.work_limit, self.L, self.N = float(time_limit), work_limit, max(L, 1), N
+        self.deadline, self.used = t0 + max(float(time_limit), 0.0), 0
+
+    def layer(self, l: int) -> tuple[float | Budget, float | Budget, float | Budget]:
+        """Layer ``l``'s budgets ``(partition, packing of one node, repair)``; call once per layer."""
+        if self.work_limit is None:  # seconds: the even share, at most what is left over the layers left
+            left = max(self.deadline - time.perf_counter(), 0.0) / (self.L - l)
+            return _layer_budgets(min(self.time_limit / self.L, left) * self.L, None, self.L, self.N)
+        b = _layer_budgets(self.time_limit, self.work_limit, self.L, self.N)
+        need = b[0].work + self.N * b[1].work + b[2].work
+        left = max(int(self.work_limit) - self.used, 0)
+        if need > left:  # the floors of one step would pass the call's limit: what is left, then none
+            f = left / need
+            b = tuple(Budget(0.0, int(x.work * f)) for x in b)
+            need = b[0].work + self.N * b[1].work + b[2].work
+        self.used += need
+        return b
+
+
 def _layer_budgets(
     time_limit: float, work_limit: int | None, L: int, N: int
 ) -> tuple[float | Budget, float | Budget, float | Budget]:
@@ -208,7 +235,12 @@ def _layer_budgets(
 
 
 def _solve_layers(
-    trace: RoutingTrace, topology: Topology, fit: _FitModel, o: LocalityOptions, share_margin: float
+    trace: RoutingTrace,
+    topology: Topology,
+    fit: _FitModel,
+    o: LocalityOptions,
+    share_margin: float,
+    t0: float,
 ) -> tuple[np.ndarray, list[LayerReport]]:
     """One :func:`solve_replicated_layer` per layer: rows int64 ``[L, P]`` and the layers' reports
     (``objective``: fitted remote nodes per token)."""
@@ -222,10 +254,11 @@ def _solve_layers(
     src_node = fit.src // topology.gpus_per_node
     rows = np.empty((L, P), dtype=np.int64)
     reports = []
+    call = _CallBudget(o.time_limit, o.work_limit, L, N, t0)
     for l in range(L):
         tl = time.perf_counter()
         ids = trace.topk_ids[:, l, :].astype(np.int64)  # [T, k]
-        b_part, b_pack, b_rep = _layer_budgets(o.time_limit, o.work_limit, L, N)
+        b_part, b_pack, b_rep = call.layer(l)
         search = LayerSearch(
             fit.hs[l],
             o.balance_slack,

@@ -146,10 +146,13 @@ def solve_grouped(
         ids = trace.topk_ids[:, l, :].astype(np.int64)  # [T, k]
         prob = _layer_problem(ids, src_node, coact[l], counts[l].astype(np.int64), topology, o.dispatch)
         cap = (1.0 + o.balance_slack) * prob.mean_node_load
-        found = _group_layer(prob, cap, o.refine, per_layer_t, o.seed + l, bw, topology.slots_per_gpu)
-        rows[l] = _layer_row(
-            prob, found["reps"], topology, 0.2 * per_layer_t if o.refine else 0.0, o.seed + l
-        )
+        # the whole call's time limit bounds the call: a layer gets its even share, at most what is
+        # left over the layers left; with nothing left, no search (CP-SAT's 0.05 s floor per layer
+        # and node would otherwise add up over many layers)
+        t_l = min(per_layer_t, max(t0 + float(o.time_limit) - time.perf_counter(), 0.0) / (L - l))
+        refine = o.refine and t_l > 0
+        found = _group_layer(prob, cap, refine, t_l, o.seed + l, bw, topology.slots_per_gpu)
+        rows[l] = _layer_row(prob, found["reps"], topology, 0.2 * t_l if refine else 0.0, o.seed + l)
         g_prob = _layer_problem(
             ids, src_node, coact[l], greedy.logical_replica_count[l], topology, o.dispatch
         )

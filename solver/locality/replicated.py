@@ -424,7 +424,7 @@ def _pack_nodes(
                 rr, slot_expert = r2, se2
         if exhaustive:
             statuses.append("pairs")
-        elif exact_pack:
+        elif exact_pack and not _spent(pack_time):
             rr, slot_expert, st = pack_node_exact(
                 base, m, S, pack_time, seed=seed + n, hint=(rr, slot_expert)
             )
@@ -433,6 +433,13 @@ def _pack_nodes(
             g = n * m + gl
             row[g * S : (g + 1) * S] = np.sort(on_n[slot_expert[gl]])
     return row, statuses
+
+
+def _spent(budget: float | Budget) -> bool:
+    """True when a packing budget is zero (the whole call's budget is spent): no CP-SAT then, whose
+    shortest limit would otherwise be paid once per node and layer."""
+    b = as_budget(budget)
+    return b.work == 0 if b.work is not None else b.seconds <= 0
 
 
 def _lpt_node(
