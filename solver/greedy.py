@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
@@ -376,7 +375,6 @@ def greedy_placement(
     mode: Literal["auto", "hierarchical", "global"] = "auto",
     parity: bool = False,
     layer_ids: Sequence[int] | None = None,
-    policy: str | None = None,
 ) -> tuple[Placement, SolveReport]:
     """The greedy baseline: check the load -> choose the mode and place -> report peak vs bound.
 
@@ -387,17 +385,11 @@ def greedy_placement(
             when it divides over the nodes (``mode="auto"``), as the engines do.
         mode: force ``hierarchical`` or ``global``.
         parity: reproduce the published algorithm exactly (may co-locate replicas of one expert).
-        policy: deprecated name of ``mode``.
 
     Returns:
         (Placement, SolveReport) with the mode used in the report's ``params["mode"]`` (the placement's
         provenance keeps it under its former key ``policy``, so placement files stay byte-identical).
     """
-    if policy is not None:
-        warnings.warn(
-            "greedy_placement(policy=...) is deprecated; use mode=", DeprecationWarning, stacklevel=2
-        )
-        mode = policy
     t0 = time.perf_counter()
     w = _checked_load(load, topology, parity)
     used, phy2log, notes = _place_by_mode(w, topology, num_groups, mode, parity)

@@ -107,14 +107,11 @@ def test_api_solve_matches_greedy_placement():
         solve("greedy", topology=topo, load=w, options={"bogus": 1})
 
 
-def test_policy_keyword_is_a_deprecated_alias_of_mode():
+def test_mode_chooses_the_placement_and_is_reported():
     w = np.random.default_rng(4).lognormal(0, 1.0, (2, 16)) * 100
     topo = Topology.from_redundant(16, 8, 4, 2)
     hier, _ = greedy_placement(w, topo, 4, mode="hierarchical")
-    flat, _ = greedy_placement(w, topo, 4, mode="global")
-    with pytest.warns(DeprecationWarning, match="use mode="):
-        old, rep = greedy_placement(w, topo, 4, policy="global")
-    np.testing.assert_array_equal(old.physical_to_logical_map, flat.physical_to_logical_map)
+    flat, rep = greedy_placement(w, topo, 4, mode="global")
     assert rep.params["mode"] == "global"
     assert not np.array_equal(hier.physical_to_logical_map, flat.physical_to_logical_map)
     with pytest.raises(ValueError, match="unknown greedy mode 'flat'"):
