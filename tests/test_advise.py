@@ -340,3 +340,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, model_dir, extra, ne
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_published_band_is_the_calibration_tables_over_none_rows():
+    """advise's published band per phase is the span of benchmarks/step_model_check.py's "over none"
+    rows (the figures are written there once, with their sources)."""
+    import importlib.util
+    from pathlib import Path
+
+    from apps.advise.phases import PUBLISHED_GAIN
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model_check.py"
+    spec = importlib.util.spec_from_file_location("step_model_check_gains", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for phase, (lo, hi, _) in PUBLISHED_GAIN.items():
+        rows = [r for r in mod.PUBLISHED_GAINS.values() if r[0] == phase and r[1][0] == "none"]
+        assert rows and (lo, hi) == (min(r[2] for r in rows), max(r[3] for r in rows)), phase

@@ -77,9 +77,11 @@ def phase_figures(row: Row, base: Row, name: str, engine: str) -> dict:
     own per-step cost, memory and KV tokens the replicas take."""
     p, b = row.phase(name), base.phase(name)
     g, band = phases.gain(p, b)
+    lo, hi, _ = phases.published_band(name)
     return {
         "whole_step_gain": g,
         "band": band,
+        "published_band": [lo / 100.0, hi / 100.0],
         "moe_step_gain": b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0,
         "dispatch_overhead_ms": p.dispatch_overhead_ms,
         "memory_gb": row.memory.redundant_bytes / 1e9,
@@ -271,7 +273,33 @@ def _assumptions(
     return tuple(out)
 
 
-def _summary(engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch) -> str:
+def _band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
+    """A warning per phase where the chosen row's modelled whole-step gain is above the published band,
+    with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
+    out = []
+    for ph in phases.PHASES if row is not base else ():
+        p, b = row.phase(ph), base.phase(ph)
+        par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
+        why = (
+            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU, so without balancing the busiest GPU carries "
+            f"{par[base.key]:.2f}x the mean load of a {ph} step ({par[row.key]:.2f}x with this option), and the "
+            f"MoE layers are {b.moe_ms / b.whole_ms * 100:.0f}% of the modelled {model} {ph} step; the published "
+            f"figures are at DeepSeek-V3 scale (256 experts, 8 per GPU at EP32)"
+        )
+        msg = phases.band_warning(ph, phases.gain(p, b)[0], why)
+        if msg:
+            out.append(msg)
+    return out
+
+
+def _pub(figures: dict) -> str:
+    lo, hi = figures["published_band"]
+    return f"{lo * 100:g}-{hi * 100:g}%"
+
+
+def _summary(
+    engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch, notes: list[str]
+) -> str:
     """One paragraph, built from the same figures as the JSON."""
     if row is base:
         text = f"Run {engine} without expert balancing ({reason})."
@@ -280,13 +308,15 @@ def _summary(engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebala
         text = (
             f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
             f"per GPU ({reason}): modelled whole step decode {d['whole_step_gain'] * 100:+.2f}% "
-            f"(band {d['band'] * 100:.2f}%), prefill {p['whole_step_gain'] * 100:+.2f}% (band "
-            f"{p['band'] * 100:.2f}%), for {d['memory_gb']:.2f} GB per GPU ({d['kv_tokens_lost']:,.0f} KV tokens)."
+            f"(band {d['band'] * 100:.2f}%; published {_pub(d)}), prefill {p['whole_step_gain'] * 100:+.2f}% "
+            f"(band {p['band'] * 100:.2f}%; published {_pub(p)}), for {d['memory_gb']:.2f} GB per GPU ({d['kv_tokens_lost']:,.0f} KV tokens)."
         )
     text += (
         f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
     )
-    return text + f" ({rb.reason}). Command: {launch.command}"
+    text += f" ({rb.reason})."
+    text += "".join(f" Warning: {n[0].upper()}{n[1:]}." for n in notes)
+    return text + f" Command: {launch.command}"
 
 
 def advise(
@@ -328,6 +358,8 @@ def advise(
         warnings.append(
             f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
         )
+    above = _band_warnings(choice.row, base, E, G, spec.name)
+    warnings += above
     if min_redundant(E, G):
         warnings.append(
             f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
@@ -345,7 +377,7 @@ def advise(
     return Advice(
         context=context, rows=tuple(rows), baseline=base.key, chosen=choice.row.key, available=available,
         launch=launch, rebalance=rb, reason=choice.reason,
-        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch),
+        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch, above),
         held_out_steps=steps, warnings=tuple(warnings),
         assumptions=_assumptions(spec, cluster, options, steps_used, rebalance.stall(options.engine)[1]),
         placements=placements, held_out=held, files=files,
