@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         return 2
     trace = read_trace(args.trace)
     options = AdviseOptions(
-        engine=args.engine, nodes=args.nodes, decode_batch=args.decode_batch, prefill_chunk=args.prefill_chunk,
+        engine=args.engine, nodes=args.nodes, decode_step_tokens=args.decode_batch, prefill_step_tokens=args.prefill_chunk,
         context_len=args.context_len,
     )  # fmt: skip
     fit, held = trace.split(0.5)

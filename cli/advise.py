@@ -82,8 +82,8 @@ def _options(args):
 
     kw = dict(
         gpus_per_node=args.gpus_per_node,
-        decode_batch=args.decode_batch,
-        prefill_chunk=args.prefill_chunk,
+        decode_step_tokens=args.decode_batch,
+        prefill_step_tokens=args.prefill_chunk,
         context_len=args.context_len,
         hardware_calibrated=str(args.hardware).endswith(".json"),
         strict=args.strict,

@@ -50,7 +50,7 @@ def _skewed(experts: int = 16, top_k: int = 4, tokens: int = 24000, **kw) -> Rou
 
 
 def _options(engine: str, **kw) -> AdviseOptions:
-    base = dict(gpus_per_node=4, decode_batch=8, prefill_chunk=64, quick_prompts=1000)
+    base = dict(gpus_per_node=4, decode_step_tokens=8, prefill_step_tokens=64, quick_prompts=1000)
     base.update(kw)
     return AdviseOptions.quick_form(engine, 1, **base)
 
@@ -178,7 +178,7 @@ def test_sixty_experts_on_sixteen_gpus_is_advised(model_dir):
     model = _model_json(model_dir, "deepseek-v2-lite", "qwen1.5-moe-a2.7b", 60, 4, 2)
     tr = _skewed(experts=60, top_k=4, tokens=40000, num_layers=2)
     opts = AdviseOptions.quick_form(
-        "sglang", 2, gpus_per_node=8, decode_batch=2, prefill_chunk=16, quick_prompts=1000
+        "sglang", 2, gpus_per_node=8, decode_step_tokens=2, prefill_step_tokens=16, quick_prompts=1000
     )
     assert min_redundant(60, 16) == 4
     adv = advise(tr, model, "h200", opts, output="OUT")
@@ -208,11 +208,11 @@ def test_refusals_name_the_numbers(model_dir):
 def test_short_trace_is_warned_or_refused_with_strict(model_dir):
     model = _model_json(model_dir, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3)
     tr = _skewed(tokens=2000, num_prompts=20)
-    d = advise(tr, model, "h200", _options("vllm", decode_batch=16)).to_dict()
+    d = advise(tr, model, "h200", _options("vllm", decode_step_tokens=16)).to_dict()
     assert d["held_out_steps"]["decode"] < 20
     assert any("held-out decode steps" in w for w in d["warnings"])
     with pytest.raises(ValueError, match="--strict: only .* held-out decode steps"):
-        advise(tr, model, "h200", _options("vllm", decode_batch=16, strict=True))
+        advise(tr, model, "h200", _options("vllm", decode_step_tokens=16, strict=True))
 
 
 def _rebalance_verdict(trace: RoutingTrace, engine: str, model_path: str, b: int = 64):
@@ -357,3 +357,15 @@ def test_published_band_is_the_calibration_tables_over_none_rows():
     for phase, (lo, hi, _) in PUBLISHED_GAIN.items():
         rows = [r for r in mod.PUBLISHED_GAINS.values() if r[0] == phase and r[1][0] == "none"]
         assert rows and (lo, hi) == (min(r[2] for r in rows), max(r[3] for r in rows)), phase
+
+
+def test_engine_batches_trace_without_model_is_one_line_naming_the_fix(capsys):
+    """The Qwen1.5 trace (recorded engine batches, 60 experts, 5 of 24 layers logged) has no built-in
+    model of its shape: refused in one line that says what to pass."""
+    from tests.conftest import QWEN, shared_trace_path
+
+    path = shared_trace_path(QWEN)
+    assert main(["advise", "--trace", str(path), "--nodes", "1", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "60 experts, top-4 and 5 MoE layers" in err and "a model JSON" in err, err

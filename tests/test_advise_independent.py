@@ -201,9 +201,9 @@ def _above_band(advice: dict, phase: str) -> bool:
     return above
 
 
-def _check(trace, nodes: int, decode_batch: int, context: int = 4096) -> dict:
+def _check(trace, nodes: int, decode_step_tokens: int, context: int = 4096) -> dict:
     opts = AdviseOptions(
-        engine="vllm", nodes=nodes, decode_batch=decode_batch, redundant_per_gpu=(1,), windows=2,
+        engine="vllm", nodes=nodes, decode_step_tokens=decode_step_tokens, redundant_per_gpu=(1,), windows=2,
         move_fractions=(0.0, 1.0), context_len=context,
     )  # fmt: skip
     adv = advise(trace, "deepseek-v2-lite", "h200", opts)
@@ -235,7 +235,7 @@ def test_v2_lite_size_gains_match_an_independent_calculation():
     counts = trace.counts()
     skew = float(np.median(counts.max(axis=1) / counts.mean(axis=1)))
     assert 1.4 < skew < 2.4, skew  # the chat trace's range (1.33-2.62)
-    advice = _check(trace, nodes=4, decode_batch=64)
+    advice = _check(trace, nodes=4, decode_step_tokens=64)
     assert advice["recommendation"]["phases"]["decode"]["whole_step_gain"] > 0.0
     assert not _above_band(advice, "decode")  # +5.4%: inside 2.6-7.5%, no warning
 
@@ -245,6 +245,6 @@ def test_real_trace_gains_match_an_independent_calculation(traces_dir):
     if not path.is_file():
         pytest.skip(f"shared trace {TRACE} not found (set MOE_TRACES_DIR to the shared traces folder)")
     trace = read_trace(path).select_windows(range(500))  # the first 500 prompts: a few held-out steps
-    advice = _check(trace, nodes=4, decode_batch=64)
+    advice = _check(trace, nodes=4, decode_step_tokens=64)
     # 2 experts per GPU, the all-to-all most of the step: +10% modelled, above the band, and warned
     assert _above_band(advice, "decode")

@@ -174,16 +174,16 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     if options.quick and len(trace.natural_windows()) > options.quick_prompts:
         trace = trace.select_windows(range(options.quick_prompts))
     fit, held = trace.split(0.5)
-    if held.num_tokens < options.ep_size * options.decode_batch:
+    if held.num_tokens < options.ep_size * options.decode_step_tokens:
         raise ValueError(
             f"the held-out half has {held.num_tokens} tokens, fewer than one decode step of "
-            f"{options.decode_batch} tokens x {options.ep_size} ranks; use a smaller --decode-batch or a longer trace"
+            f"{options.decode_step_tokens} tokens x {options.ep_size} ranks; use a smaller --decode-batch or a longer trace"
         )
     return trace, fit, held
 
 
 def _step_tokens(held: RoutingTrace, options: AdviseOptions) -> dict[str, int]:
-    return {"decode": options.decode_batch, "prefill": balance.prefill_tokens(held, options)}
+    return {"decode": options.decode_step_tokens, "prefill": balance.prefill_tokens(held, options)}
 
 
 def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[str, int], list[str]]:
@@ -230,7 +230,7 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
             for ph, st in steps.items()
         }
         # (E + R0) / G = ceil(E / G): the engines' minimum R0 fills the padding; r slots are on top
-        r, b = o.redundant_per_gpu, options.decode_batch
+        r, b = o.redundant_per_gpu, options.decode_step_tokens
         mem = cost.replica_memory(model, cluster, options.ep_size, r, b, options.context_len)
         return Row(
             o.kind,
@@ -260,13 +260,13 @@ def _assumptions(
         *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
         "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
         f"engine capabilities: {options.engine} {caps.version} (apps/advise/engines.py, read from its code)",
-        f"memory: decode at {options.decode_batch} sequences per rank, context {options.context_len}; "
+        f"memory: decode at {options.decode_step_tokens} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
         f"rebalance stall: {source}",
     ]
-    if steps["prefill"].step_tokens < options.prefill_chunk:
+    if steps["prefill"].step_tokens < options.prefill_step_tokens:
         out.append(
-            f"prefill chunk {options.prefill_chunk} tokens per rank capped to {steps['prefill'].step_tokens}"
+            f"prefill chunk {options.prefill_step_tokens} tokens per rank capped to {steps['prefill'].step_tokens}"
         )
     if options.quick:
         out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
@@ -369,7 +369,7 @@ def advise(
                   "layers": trace.num_layers, "fit_tokens": fit.num_tokens, "held_out_tokens": held.num_tokens},
         "model": spec.name, "hardware": cluster.name, "engine": options.engine,
         "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
-        "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_batch,
+        "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_step_tokens,
         "prefill_tokens_per_rank": _step_tokens(held, options)["prefill"], "context_len": options.context_len,
         "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
         "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
@@ -390,13 +390,15 @@ def _rebalance(held, row, base, placements, model, cluster, options, progress) -
     static = None if row is base else placements[row.placement_key]
 
     def price(pl: Placement, window: RoutingTrace) -> float:
-        steps = phases.held_out_steps(window, options.ep_size, "decode", options.decode_batch, options.seed)
+        steps = phases.held_out_steps(
+            window, options.ep_size, "decode", options.decode_step_tokens, options.seed
+        )
         return phases.price_phase(
             pl, window, steps, row.dispatch, model, cluster, options.context_len
         ).whole_ms
 
     (out,) = _run(
-        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.decode_batch,
+        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.decode_step_tokens,
                                                options.windows, options.rebalance_margin))],
         progress, "rebalance",
     )  # fmt: skip

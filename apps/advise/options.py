@@ -60,9 +60,9 @@ class AdviseOptions:
     Attributes:
         engine: one of :func:`engine_names` (``sglang``, ``vllm``).
         nodes / gpus_per_node: the cluster; ``G = nodes x gpus_per_node`` EP ranks.
-        decode_batch: decode ``step_tokens``: sequences in flight per rank (also the memory check);
+        decode_step_tokens: decode ``step_tokens``: sequences in flight per rank (also the memory check);
             default :data:`placement.steps.DEFAULT_STEP_TOKENS` of decode.
-        prefill_chunk: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
+        prefill_step_tokens: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
             tokens); default that of prefill.
         redundant_per_gpu: the redundant slots per GPU compared (``r``).
         context_len: cached tokens per decode sequence (memory side).
@@ -82,8 +82,8 @@ class AdviseOptions:
     engine: str
     nodes: int
     gpus_per_node: int = 8
-    decode_batch: int = DEFAULT_STEP_TOKENS["decode"]
-    prefill_chunk: int = DEFAULT_STEP_TOKENS["prefill"]
+    decode_step_tokens: int = DEFAULT_STEP_TOKENS["decode"]
+    prefill_step_tokens: int = DEFAULT_STEP_TOKENS["prefill"]
     redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
     context_len: int = 4096
     windows: int = 8
@@ -103,7 +103,7 @@ class AdviseOptions:
     def __post_init__(self) -> None:
         if self.engine.lower() not in engine_names():
             raise ValueError(f"unknown engine {self.engine!r}; use one of {', '.join(engine_names())}")
-        for name in ("nodes", "gpus_per_node", "decode_batch", "prefill_chunk", "context_len"):
+        for name in ("nodes", "gpus_per_node", "decode_step_tokens", "prefill_step_tokens", "context_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")

@@ -84,7 +84,7 @@ def judge(
     topology: Topology,
     price: PriceFn,
     engine: str,
-    decode_batch: int,
+    decode_step_tokens: int,
     num_windows: int,
     margin: float,
 ) -> Rebalance:
@@ -93,7 +93,7 @@ def judge(
     is_async = ENGINES[engine].async_rebalance
     stall_ms = stall_s * 1e3
     wins = held.windows(num_windows)
-    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * decode_batch)
+    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * decode_step_tokens)
 
     def verdict(interval, g, band, reason):
         return Rebalance(
