@@ -369,3 +369,29 @@ def test_engine_batches_trace_without_model_is_one_line_naming_the_fix(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "60 experts, top-4 and 5 MoE layers" in err and "a model JSON" in err, err
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tmp_path, phase):
+    """``--phase``: only that phase is priced (its figures are those of the two-phase run, option by
+    option), the choice is made on it alone, and the report and CLI table render without the other."""
+    model = _model_json(model_dir, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3)
+    one = advise(_skewed(), model, "h200", _options("sglang", phase=phase), output="OUT")
+    d, both = one.to_dict(), sglang_advice.to_dict()
+    other = "decode" if phase == "prefill" else "prefill"
+    assert set(d["held_out_steps"]) == {phase} and set(d["recommendation"]["phases"]) <= {phase}
+    for mine, full in zip(d["options"], both["options"]):
+        assert mine["key"] == full["key"] and set(mine["phases"]) == {phase}
+        assert mine["phases"][phase] == full["phases"][phase]
+    assert any(f"--phase {phase}" in a for a in d["assumptions"])
+    assert other not in d["summary"].split("Rebalance:")[0]
+    gains = {o["key"]: o["phases"][phase]["whole_step_gain"] for o in d["options"] if o["available"]}
+    if d["recommendation"]["option"] != "no balancing":
+        assert gains[d["recommendation"]["option"]] > 0
+    assert "not priced" in render_html(one)
+    trace = tmp_path / "t.npz"
+    write_trace(_skewed(), trace)
+    args = ["advise", "--trace", str(trace), "--quick", "--nodes", "1", "--gpus-per-node", "4"]
+    args += ["--engine", "sglang", "--model", model, "--decode-batch", "8", "--prefill-chunk", "64"]
+    assert main([*args, "--phase", phase, "--json"]) == 0
+    assert main([*args, "--phase", "both"]) == 2

@@ -49,16 +49,21 @@ class Row:
     redundant_per_gpu: int
     placement_key: str
     scores: balance.Scores
-    decode: phases.PhasePrice
-    prefill: phases.PhasePrice
+    decode: phases.PhasePrice | None  # None: the phase was not priced (``--phase``)
+    prefill: phases.PhasePrice | None
     memory: cost.MemoryCost
 
     @property
     def key(self) -> str:
         return f"{self.kind}|{self.dispatch}|r{self.redundant_per_gpu}"
 
-    def phase(self, name: str) -> phases.PhasePrice:
+    def phase(self, name: str) -> phases.PhasePrice | None:
         return self.decode if name == "decode" else self.prefill
+
+    @property
+    def priced(self) -> tuple[str, ...]:
+        """The phases this row was priced on (both, or the one ``--phase`` asked for)."""
+        return tuple(ph for ph in phases.PHASES if self.phase(ph) is not None)
 
 
 def _rounded(x: Any) -> Any:
@@ -135,7 +140,7 @@ class Advice:
             "env": list(self.launch.env),
             "launch_command": self.launch.command,
             "files": list(self.launch.files),
-            "phases": {ph: phase_figures(row, base, ph, engine) for ph in phases.PHASES},
+            "phases": {ph: phase_figures(row, base, ph, engine) for ph in base.priced},
             "rebalance": self.rebalance.to_dict(),
         }
 
@@ -147,7 +152,7 @@ class Advice:
             "available": ok, "unavailable_reason": why or None, "fits": r.memory.fits,
             "window_par": r.scores.window_par, "step_par_decode": r.scores.step_par_decode,
             "step_par_prefill": r.scores.step_par_prefill,
-            "phases": {ph: phase_figures(r, base, ph, engine) for ph in phases.PHASES},
+            "phases": {ph: phase_figures(r, base, ph, engine) for ph in base.priced},
         }  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -174,7 +179,7 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     if options.quick and len(trace.natural_windows()) > options.quick_prompts:
         trace = trace.select_windows(range(options.quick_prompts))
     fit, held = trace.split(0.5)
-    if held.num_tokens < options.ep_size * options.decode_step_tokens:
+    if "decode" in options.priced_phases and held.num_tokens < options.ep_size * options.decode_step_tokens:
         raise ValueError(
             f"the held-out half has {held.num_tokens} tokens, fewer than one decode step of "
             f"{options.decode_step_tokens} tokens x {options.ep_size} ranks; use a smaller --decode-batch or a longer trace"
@@ -183,7 +188,8 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
 
 
 def _step_tokens(held: RoutingTrace, options: AdviseOptions) -> dict[str, int]:
-    return {"decode": options.decode_step_tokens, "prefill": balance.prefill_tokens(held, options)}
+    every = {"decode": options.decode_step_tokens, "prefill": balance.prefill_tokens(held, options)}
+    return {ph: every[ph] for ph in options.priced_phases}
 
 
 def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[str, int], list[str]]:
@@ -238,8 +244,8 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
             o.redundant_per_gpu,
             o.placement_key,
             s,
-            price["decode"],
-            price["prefill"],
+            price.get("decode"),
+            price.get("prefill"),
             mem,
         )
 
@@ -264,7 +270,9 @@ def _assumptions(
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
         f"rebalance stall: {source}",
     ]
-    if steps["prefill"].step_tokens < options.prefill_step_tokens:
+    if options.phase is not None:
+        out.append(f"--phase {options.phase}: priced and recommended on {options.phase} steps only")
+    if "prefill" in steps and steps["prefill"].step_tokens < options.prefill_step_tokens:
         out.append(
             f"prefill chunk {options.prefill_step_tokens} tokens per rank capped to {steps['prefill'].step_tokens}"
         )
@@ -277,7 +285,7 @@ def _band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]
     """A warning per phase where the chosen row's modelled whole-step gain is above the published band,
     with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
     out = []
-    for ph in phases.PHASES if row is not base else ():
+    for ph in row.priced if row is not base else ():
         p, b = row.phase(ph), base.phase(ph)
         par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
         why = (
@@ -304,12 +312,16 @@ def _summary(
     if row is base:
         text = f"Run {engine} without expert balancing ({reason})."
     else:
-        d, p = (phase_figures(row, base, ph, engine) for ph in phases.PHASES)
+        figs = {ph: phase_figures(row, base, ph, engine) for ph in row.priced}
+        gains = ", ".join(
+            f"{ph} {f['whole_step_gain'] * 100:+.2f}% (band {f['band'] * 100:.2f}%; published {_pub(f)})"
+            for ph, f in figs.items()
+        )
+        f = next(iter(figs.values()))
         text = (
             f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
-            f"per GPU ({reason}): modelled whole step decode {d['whole_step_gain'] * 100:+.2f}% "
-            f"(band {d['band'] * 100:.2f}%; published {_pub(d)}), prefill {p['whole_step_gain'] * 100:+.2f}% "
-            f"(band {p['band'] * 100:.2f}%; published {_pub(p)}), for {d['memory_gb']:.2f} GB per GPU ({d['kv_tokens_lost']:,.0f} KV tokens)."
+            f"per GPU ({reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
+            f"({f['kv_tokens_lost']:,.0f} KV tokens)."
         )
     text += (
         f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
@@ -370,7 +382,8 @@ def advise(
         "model": spec.name, "hardware": cluster.name, "engine": options.engine,
         "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
         "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_step_tokens,
-        "prefill_tokens_per_rank": _step_tokens(held, options)["prefill"], "context_len": options.context_len,
+        "prefill_tokens_per_rank": balance.prefill_tokens(held, options), "context_len": options.context_len,
+        "phases": list(options.priced_phases),
         "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
         "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
     }  # fmt: skip
@@ -389,16 +402,18 @@ def _rebalance(held, row, base, placements, model, cluster, options, progress) -
     topo = balance.trace_topology(held.num_logical_experts, row.redundant_per_gpu, options)
     static = None if row is base else placements[row.placement_key]
 
+    ph = options.priced_phases[0]  # decode when it is priced
+
     def price(pl: Placement, window: RoutingTrace) -> float:
         steps = phases.held_out_steps(
-            window, options.ep_size, "decode", options.decode_step_tokens, options.seed
+            window, options.ep_size, ph, _step_tokens(window, options)[ph], options.seed
         )
         return phases.price_phase(
             pl, window, steps, row.dispatch, model, cluster, options.context_len
         ).whole_ms
 
     (out,) = _run(
-        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.decode_step_tokens,
+        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.step_tokens(ph),
                                                options.windows, options.rebalance_margin))],
         progress, "rebalance",
     )  # fmt: skip

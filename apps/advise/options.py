@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from placement.steps import DEFAULT_STEP_TOKENS
+from placement.steps import PHASES as STEP_PHASES
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -77,6 +78,7 @@ class AdviseOptions:
         strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
         min_held_out_steps: held-out steps per phase below which the figures are warned about.
         rebalance_margin: out-of-sample whole-step gain a periodic rebalance must clear (fraction).
+        phase: ``"decode"`` or ``"prefill"`` to price and recommend on that phase only; None: both.
     """
 
     engine: str
@@ -98,6 +100,7 @@ class AdviseOptions:
     strict: bool = False
     min_held_out_steps: int = 20
     rebalance_margin: float = 0.005
+    phase: str | None = None
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -115,6 +118,10 @@ class AdviseOptions:
         r = tuple(self.redundant_per_gpu)
         if not r or min(r) < 0 or len(set(r)) != len(r):
             raise ValueError(f"redundant_per_gpu must be distinct integers >= 0, got {list(r)}")
+        if self.phase is not None and self.phase not in STEP_PHASES:
+            raise ValueError(
+                f"phase must be one of {', '.join(STEP_PHASES)} (or None: both), got {self.phase!r}"
+            )
         if self.windows < 2:
             raise ValueError(f"windows must be >= 2 (drift compares window i with i + 1), got {self.windows}")
         if not self.move_fractions or any(not 0 <= f <= 1 for f in self.move_fractions):
@@ -125,6 +132,15 @@ class AdviseOptions:
     @property
     def ep_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def priced_phases(self) -> tuple[str, ...]:
+        """The phases priced and recommended on: ``(phase,)``, or decode and prefill."""
+        return STEP_PHASES if self.phase is None else (self.phase,)
+
+    def step_tokens(self, phase: str) -> int:
+        """Tokens per rank per step asked for ``phase`` (before prefill's cap to the held-out half)."""
+        return self.decode_step_tokens if phase == "decode" else self.prefill_step_tokens
 
     @classmethod
     def quick_form(cls, engine: str, nodes: int, **kw) -> AdviseOptions:
