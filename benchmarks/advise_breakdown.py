@@ -4,21 +4,26 @@ option, per phase, on the held-out half exactly as ``moe-placement advise`` pric
 Run (about a minute per phase on the full DeepSeek-V2-Lite trace):
     PYTHONPATH=. MOE_TRACES_DIR=... python benchmarks/advise_breakdown.py \
         [--trace PATH] [--model deepseek-v2-lite] [--hardware h200] [--nodes 4] \
-        [--option "ours, our runtime|balanced|r4"] [--phase decode] [--max-steps 200]
+        [--option "ours|sglang-dynamic|r1"] [--phase decode] [--max-steps 200] [--v3-sized]
 
 Prints, for the baseline (trivial placement, one replica per expert, the engine's plain routing) and
 the option: whole step = attention + shared experts + dense layers + LM head (the rest) + expert GEMM +
 dispatch/combine + the dispatch's own per-step cost, in ms, and each term's share of the whole-step
-gain. Also: the MoE layer's balance (busiest GPU over the mean, for GEMM pairs and received bytes),
-and the published decode band (benchmarks/step_model_check.py) next to the modelled gain.
+gain. Also: the MoE layers' balance (busiest GPU and the mean per step and layer: token-expert pairs,
+and the dispatch's received RDMA picks), and the published band (apps.advise.phases.PUBLISHED_GAIN)
+next to the modelled gain. ``--v3-sized`` prices the same routing with DeepSeek-V3's layer sizes (as
+benchmarks/step_model_check.py does), to separate the model's size from the experts per GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -26,8 +31,10 @@ from apps.advise import balance  # noqa: E402
 from apps.advise.options import AdviseOptions, resolve_model  # noqa: E402
 from apps.advise.phases import published_band  # noqa: E402
 from placement.cost.hardware import cluster_preset  # noqa: E402
+from placement.cost.modelspec import load_model  # noqa: E402
 from placement.cost.primitives import attention_time, lm_head_time, mlp_time  # noqa: E402
-from placement.cost.step_time import step_time  # noqa: E402
+from placement.cost.step_time import layer_flows, step_time, traffic_bytes  # noqa: E402
+from placement.dispatch import get_dispatch  # noqa: E402
 from placement.steps import make_steps  # noqa: E402
 from profiling.readers import read_trace  # noqa: E402
 
@@ -55,6 +62,29 @@ def _placements(fit, options: AdviseOptions, option_key: str):
     return (by_key[base.placement_key](), base.dispatch), (by_key[opt.placement_key](), opt.dispatch)
 
 
+def _balance(pl, held, steps, dispatch: str, model) -> str:
+    """Busiest GPU / mean per step and layer (means over both): token-expert pairs, received RDMA picks."""
+    t = pl.topology
+    G, S = t.ep_size, steps.num_steps
+    ids = np.asarray(held.topk_ids)[steps.token]
+    src = np.bincount(steps.step * G + steps.rank, minlength=S * G).reshape(S, G).astype(float)
+    pairs, rdma = [], []
+    kernel = "low_latency" if steps.phase == "decode" else "normal"
+    for layer in range(ids.shape[1]):
+        flows = layer_flows(
+            pl, layer, ids[:, layer, :], steps.step, steps.rank, S, get_dispatch(dispatch), steps.row
+        )
+        pair = flows.reshape(S, G, G, t.slots_per_gpu).sum(axis=3)  # [S, G src, G dst]
+        pairs.append(pair.sum(axis=1))
+        recv = traffic_bytes(pair, src, t.gpus_per_node, model.top_k, kernel, 1.0)[1]
+        rdma.append(recv[..., 1])
+    p, r = np.stack(pairs), np.stack(rdma)  # [L, S, G]
+    return (
+        f"pairs per GPU busiest/mean {p.max(axis=-1).mean():.0f}/{p.mean():.0f}; received RDMA tokens busiest/mean "
+        f"{r.max(axis=-1).mean():.0f}/{r.mean():.0f}"
+    )
+
+
 def _print(label: str, st, parts: dict[str, float]) -> None:
     rest = " ".join(f"{k} {v:.3f}" for k, v in parts.items())
     print(
@@ -72,12 +102,13 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default="h200")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--engine", default="sglang")
-    ap.add_argument("--option", default="ours, our runtime|balanced|r4")
+    ap.add_argument("--option", default="ours|sglang-dynamic|r1", help="an option key of advise's table")
     ap.add_argument("--phase", choices=("decode", "prefill", "both"), default="both")
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--prefill-chunk", type=int, default=256)
     ap.add_argument("--context-len", type=int, default=4096)
     ap.add_argument("--max-steps", type=int, default=None)
+    ap.add_argument("--v3-sized", action="store_true", help="DeepSeek-V3's layer sizes on the same routing")
     args = ap.parse_args(argv)
     if not Path(args.trace).is_file():
         print(f"trace not found: {args.trace} (set MOE_TRACES_DIR)", file=sys.stderr)
@@ -89,6 +120,10 @@ def main(argv=None) -> int:
     )  # fmt: skip
     fit, held = trace.split(0.5)
     model, cluster = resolve_model(args.model, trace), cluster_preset(args.hardware)
+    if args.v3_sized:  # V3's layers (hidden 7168, FP8, 61 layers) with the trace's experts and top-k
+        v3 = load_model("deepseek-v3")
+        model = dataclasses.replace(v3, name="deepseek-v3-sized", num_logical_experts=model.num_logical_experts,
+                                    top_k=model.top_k, num_groups=None, topk_group=None)  # fmt: skip
     (base_pl, base_d), (opt_pl, opt_d) = _placements(fit, options, args.option)
     G = options.ep_size
     print(
@@ -103,6 +138,7 @@ def main(argv=None) -> int:
             st = step_time(pl, held, steps, d, model, cluster, context_len=args.context_len)
             held_tokens = len(steps.token) / (steps.num_steps * G)
             _print(f"{label}", st, _rest_parts(model, cluster, held_tokens, phase, args.context_len))
+            print(f"            {_balance(pl, held, steps, d, model)}")
             out[label] = st
         bs, op = out["baseline"], out["option"]
         whole = bs.whole_ms / op.whole_ms - 1.0
