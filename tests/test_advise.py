@@ -395,3 +395,16 @@ def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tm
     args += ["--engine", "sglang", "--model", model, "--decode-batch", "8", "--prefill-chunk", "64"]
     assert main([*args, "--phase", phase, "--json"]) == 0
     assert main([*args, "--phase", "both"]) == 2
+
+
+def test_band_warning_names_the_side_and_the_published_figures():
+    from apps.advise.phases import band_warning, published_band
+
+    lo, hi, src = published_band("decode")
+    assert band_warning("decode", (lo + hi) / 200.0, "why") is None
+    above = band_warning("decode", hi / 100.0 + 0.03, "2 experts per GPU")
+    below = band_warning("decode", lo / 100.0 - 0.01, "why")
+    assert above is not None and f"is above the published {lo:g}-{hi:g}%" in above and src in above
+    assert "2 experts per GPU" in above and "modelled, not measured" in above
+    assert below is not None and "is below the published" in below
+    assert "is above" in band_warning("prefill", 0.5, "why")

@@ -272,13 +272,16 @@ def independent_gains(adv, model, cluster, context: int) -> dict[str, float]:
 
 
 def _above_band(advice: dict, phase: str) -> bool:
-    """The chosen option's modelled gain is above the published band, and a warning says so (or neither)."""
+    """The chosen option's modelled gain is above the published band, and a warning says so (or neither;
+    a gain below the band is warned about as below)."""
     fig = advice["recommendation"]["phases"][phase]
-    above = fig["whole_step_gain"] > fig["published_band"][1]
-    warned = any(w.startswith(f"modelled {phase} whole-step gain") for w in advice["warnings"])
-    assert above == warned, (phase, fig["whole_step_gain"], advice["warnings"])
-    assert above == (f"modelled {phase} whole-step gain" in advice["summary"].lower())
-    return above
+    lo, hi = fig["published_band"]
+    side = "above" if fig["whole_step_gain"] > hi else "below" if fig["whole_step_gain"] < lo else None
+    warned = [w for w in advice["warnings"] if w.startswith(f"modelled {phase} whole-step gain")]
+    assert len(warned) == (side is not None), (phase, fig["whole_step_gain"], advice["warnings"])
+    assert all(f"is {side} the published" in w for w in warned)
+    assert (side is not None) == (f"modelled {phase} whole-step gain" in advice["summary"].lower())
+    return side == "above"
 
 
 def _check(trace, nodes: int, decode_step_tokens: int, context: int = 4096) -> dict:

@@ -282,19 +282,20 @@ def _assumptions(
 
 
 def _band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
-    """A warning per phase where the chosen row's modelled whole-step gain is above the published band,
+    """A warning per phase where the chosen row's modelled whole-step gain is outside the published band,
     with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
     out = []
     for ph in row.priced if row is not base else ():
         p, b = row.phase(ph), base.phase(ph)
+        g = phases.gain(p, b)[0]
         par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
         why = (
-            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU, so without balancing the busiest GPU carries "
+            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU; without balancing the busiest GPU carries "
             f"{par[base.key]:.2f}x the mean load of a {ph} step ({par[row.key]:.2f}x with this option), and the "
             f"MoE layers are {b.moe_ms / b.whole_ms * 100:.0f}% of the modelled {model} {ph} step; the published "
             f"figures are at DeepSeek-V3 scale (256 experts, 8 per GPU at EP32)"
         )
-        msg = phases.band_warning(ph, phases.gain(p, b)[0], why)
+        msg = phases.band_warning(ph, g, why)
         if msg:
             out.append(msg)
     return out

@@ -27,6 +27,7 @@ __all__ = [
     "PHASES",
     "PUBLISHED_GAIN",
     "PhasePrice",
+    "band_side",
     "band_warning",
     "count_steps",
     "gain",
@@ -130,15 +131,22 @@ def published_band(phase: str) -> tuple[float, float, str]:
     return PUBLISHED_GAIN[phase]
 
 
+def band_side(phase: str, whole_gain: float) -> str | None:
+    """``"above"`` or ``"below"`` the published band of ``phase`` for a gain (fraction); None inside."""
+    lo, hi, _ = published_band(phase)
+    return "above" if whole_gain * 100.0 > hi else "below" if whole_gain * 100.0 < lo else None
+
+
 def band_warning(phase: str, whole_gain: float, why: str) -> str | None:
-    """A warning when a modelled whole-step gain (fraction) lies above the published band of ``phase``
-    (None inside it or below): the published figures were measured elsewhere, so the modelled one is
-    named next to them, never clipped; ``why`` says what makes this deployment differ."""
-    lo, hi, src = published_band(phase)
-    if whole_gain * 100.0 <= hi:
+    """A warning when a modelled whole-step gain (fraction) lies outside the published band of ``phase``
+    (None inside it): the published figures were measured elsewhere, so the modelled one is named next
+    to them, never clipped; ``why`` says what makes this deployment differ."""
+    side = band_side(phase, whole_gain)
+    if side is None:
         return None
+    lo, hi, src = published_band(phase)
     return (
-        f"modelled {phase} whole-step gain {whole_gain * 100:+.1f}% is above the published {lo:g}-{hi:g}% "
+        f"modelled {phase} whole-step gain {whole_gain * 100:+.1f}% is {side} the published {lo:g}-{hi:g}% "
         f"({src}): {why}; modelled, not measured"
     )
 
