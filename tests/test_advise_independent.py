@@ -287,7 +287,7 @@ def _above_band(advice: dict, phase: str) -> bool:
 def _check(trace, nodes: int, decode_step_tokens: int, context: int = 4096) -> dict:
     opts = AdviseOptions(
         engine="vllm", nodes=nodes, decode_step_tokens=decode_step_tokens, redundant_per_gpu=(1,), windows=2,
-        move_fractions=(0.0, 1.0), context_len=context,
+        context_len=context,
     )  # fmt: skip
     adv = advise(trace, "deepseek-v2-lite", "h200", opts)
     model, cluster = load_model("deepseek-v2-lite"), cluster_preset("h200")

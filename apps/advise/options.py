@@ -68,12 +68,10 @@ class AdviseOptions:
         redundant_per_gpu: the redundant slots per GPU compared (``r``).
         context_len: cached tokens per decode sequence (memory side).
         windows: windows the drift is measured over (window ``i`` fit, ``i + 1`` scored).
-        move_fractions: migration budgets, as fractions of a full re-placement's moved slots
-            (1.0 is the unbudgeted re-placement).
         solver: our solver (``greedy`` keeps the advice deterministic; the pipeline fits it for
             table dispatch models).
         fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
-        quick: fewer prompts (``quick_prompts``), fewer options and budgets; for notebooks and tests.
+        quick: fewer prompts (``quick_prompts``), fewer options and fit budget; for notebooks and tests.
         hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
         strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
         min_held_out_steps: held-out steps per phase below which the figures are warned about.
@@ -89,7 +87,6 @@ class AdviseOptions:
     redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
     context_len: int = 4096
     windows: int = 8
-    move_fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     solver: str = "greedy"
     fit_steps: int = 60
     fit_dealings: int = 16
@@ -124,8 +121,6 @@ class AdviseOptions:
             )
         if self.windows < 2:
             raise ValueError(f"windows must be >= 2 (drift compares window i with i + 1), got {self.windows}")
-        if not self.move_fractions or any(not 0 <= f <= 1 for f in self.move_fractions):
-            raise ValueError(f"move_fractions must lie in [0, 1], got {list(self.move_fractions)}")
         object.__setattr__(self, "engine", self.engine.lower())
         object.__setattr__(self, "redundant_per_gpu", tuple(sorted(int(x) for x in r)))
 
@@ -144,11 +139,10 @@ class AdviseOptions:
 
     @classmethod
     def quick_form(cls, engine: str, nodes: int, **kw) -> AdviseOptions:
-        """The ``--quick`` settings: 300 prompts, 0 and 2 redundant slots, 4 windows, 3 budgets."""
+        """The ``--quick`` settings: 300 prompts, 0 and 2 redundant slots, 4 windows, a smaller fit budget."""
         base = dict(
             redundant_per_gpu=(0, 2),
             windows=4,
-            move_fractions=(0.0, 0.25, 1.0),
             fit_steps=15,
             fit_dealings=4,
             quick=True,
