@@ -21,6 +21,7 @@ JSON = "advise.json"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from apps.advise import AUTO_MODEL, engine_names
     from placement.steps import DEFAULT_STEP_TOKENS
+    from placement.steps import PHASES as STEP_PHASES
 
     p = subparsers.add_parser(
         "advise",
@@ -59,6 +60,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=f"folder for {REPORT} (self-contained), {JSON} and every file the launch command names",
     )
+    p.add_argument(
+        "--phase",
+        choices=STEP_PHASES,
+        default=None,
+        help="price and recommend on this phase's steps only (default: decode and prefill)",
+    )
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
     p.add_argument(
@@ -82,11 +89,12 @@ def _options(args):
 
     kw = dict(
         gpus_per_node=args.gpus_per_node,
-        decode_batch=args.decode_batch,
-        prefill_chunk=args.prefill_chunk,
+        decode_step_tokens=args.decode_batch,
+        prefill_step_tokens=args.prefill_chunk,
         context_len=args.context_len,
         hardware_calibrated=str(args.hardware).endswith(".json"),
         strict=args.strict,
+        phase=args.phase,
     )
     try:
         if args.quick:
@@ -106,7 +114,9 @@ _COLS = [
 ]
 
 
-def _gain(ph: dict) -> str:
+def _gain(ph: dict | None) -> str:
+    if ph is None:
+        return "not priced"
     return f"{ph['whole_step_gain'] * 100:+.2f}% +-{ph['band'] * 100:.2f}"
 
 
@@ -114,16 +124,17 @@ def _print(d: dict) -> None:
     c, rec = d["context"], d["recommendation"]
     echo(
         f"{c['engine']} {c['engine_version']}: {c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']} "
-        f"(modelled); trace {c['trace']['name']}, held-out steps decode {d['held_out_steps']['decode']}, "
-        f"prefill {d['held_out_steps']['prefill']}"
+        f"(modelled); trace {c['trace']['name']}, held-out steps "
+        + ", ".join(f"{ph} {n}" for ph, n in d["held_out_steps"].items())
     )
     chosen = rec["option"]
     rows = []
     for o in d["options"]:
         mark = "* " if o["key"] == chosen else "  "
         rows.append(
-            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"]["decode"]),
-             "prefill": _gain(o["phases"]["prefill"]), "memory_gb": o["phases"]["decode"]["memory_gb"],
+            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"].get("decode")),
+             "prefill": _gain(o["phases"].get("prefill")),
+             "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
              "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}"}
         )  # fmt: skip
     echo(format_table(rows, _COLS))

@@ -50,7 +50,7 @@ def _skewed(experts: int = 16, top_k: int = 4, tokens: int = 24000, **kw) -> Rou
 
 
 def _options(engine: str, **kw) -> AdviseOptions:
-    base = dict(gpus_per_node=4, decode_batch=8, prefill_chunk=64, quick_prompts=1000)
+    base = dict(gpus_per_node=4, decode_step_tokens=8, prefill_step_tokens=64, quick_prompts=1000)
     base.update(kw)
     return AdviseOptions.quick_form(engine, 1, **base)
 
@@ -178,7 +178,7 @@ def test_sixty_experts_on_sixteen_gpus_is_advised(model_dir):
     model = _model_json(model_dir, "deepseek-v2-lite", "qwen1.5-moe-a2.7b", 60, 4, 2)
     tr = _skewed(experts=60, top_k=4, tokens=40000, num_layers=2)
     opts = AdviseOptions.quick_form(
-        "sglang", 2, gpus_per_node=8, decode_batch=2, prefill_chunk=16, quick_prompts=1000
+        "sglang", 2, gpus_per_node=8, decode_step_tokens=2, prefill_step_tokens=16, quick_prompts=1000
     )
     assert min_redundant(60, 16) == 4
     adv = advise(tr, model, "h200", opts, output="OUT")
@@ -208,11 +208,11 @@ def test_refusals_name_the_numbers(model_dir):
 def test_short_trace_is_warned_or_refused_with_strict(model_dir):
     model = _model_json(model_dir, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3)
     tr = _skewed(tokens=2000, num_prompts=20)
-    d = advise(tr, model, "h200", _options("vllm", decode_batch=16)).to_dict()
+    d = advise(tr, model, "h200", _options("vllm", decode_step_tokens=16)).to_dict()
     assert d["held_out_steps"]["decode"] < 20
     assert any("held-out decode steps" in w for w in d["warnings"])
     with pytest.raises(ValueError, match="--strict: only .* held-out decode steps"):
-        advise(tr, model, "h200", _options("vllm", decode_batch=16, strict=True))
+        advise(tr, model, "h200", _options("vllm", decode_step_tokens=16, strict=True))
 
 
 def _rebalance_verdict(trace: RoutingTrace, engine: str, model_path: str, b: int = 64):
@@ -340,3 +340,71 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, model_dir, extra, ne
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and needle in err, err
+
+
+def test_published_band_is_the_calibration_tables_over_none_rows():
+    """advise's published band per phase is the span of benchmarks/step_model_check.py's "over none"
+    rows (the figures are written there once, with their sources)."""
+    import importlib.util
+    from pathlib import Path
+
+    from apps.advise.phases import PUBLISHED_GAIN
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model_check.py"
+    spec = importlib.util.spec_from_file_location("step_model_check_gains", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for phase, (lo, hi, _) in PUBLISHED_GAIN.items():
+        rows = [r for r in mod.PUBLISHED_GAINS.values() if r[0] == phase and r[1][0] == "none"]
+        assert rows and (lo, hi) == (min(r[2] for r in rows), max(r[3] for r in rows)), phase
+
+
+def test_engine_batches_trace_without_model_is_one_line_naming_the_fix(capsys):
+    """The Qwen1.5 trace (recorded engine batches, 60 experts, 5 of 24 layers logged) has no built-in
+    model of its shape: refused in one line that says what to pass."""
+    from tests.conftest import QWEN, shared_trace_path
+
+    path = shared_trace_path(QWEN)
+    assert main(["advise", "--trace", str(path), "--nodes", "1", "--engine", "vllm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "60 experts, top-4 and 5 MoE layers" in err and "a model JSON" in err, err
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tmp_path, phase):
+    """``--phase``: only that phase is priced (its figures are those of the two-phase run, option by
+    option), the choice is made on it alone, and the report and CLI table render without the other."""
+    model = _model_json(model_dir, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3)
+    one = advise(_skewed(), model, "h200", _options("sglang", phase=phase), output="OUT")
+    d, both = one.to_dict(), sglang_advice.to_dict()
+    other = "decode" if phase == "prefill" else "prefill"
+    assert set(d["held_out_steps"]) == {phase} and set(d["recommendation"]["phases"]) <= {phase}
+    for mine, full in zip(d["options"], both["options"]):
+        assert mine["key"] == full["key"] and set(mine["phases"]) == {phase}
+        assert mine["phases"][phase] == full["phases"][phase]
+    assert any(f"--phase {phase}" in a for a in d["assumptions"])
+    assert other not in d["summary"].split("Rebalance:")[0]
+    gains = {o["key"]: o["phases"][phase]["whole_step_gain"] for o in d["options"] if o["available"]}
+    if d["recommendation"]["option"] != "no balancing":
+        assert gains[d["recommendation"]["option"]] > 0
+    assert "not priced" in render_html(one)
+    trace = tmp_path / "t.npz"
+    write_trace(_skewed(), trace)
+    args = ["advise", "--trace", str(trace), "--quick", "--nodes", "1", "--gpus-per-node", "4"]
+    args += ["--engine", "sglang", "--model", model, "--decode-batch", "8", "--prefill-chunk", "64"]
+    assert main([*args, "--phase", phase, "--json"]) == 0
+    assert main([*args, "--phase", "both"]) == 2
+
+
+def test_band_warning_names_the_side_and_the_published_figures():
+    from apps.advise.phases import band_warning, published_band
+
+    lo, hi, src = published_band("decode")
+    assert band_warning("decode", (lo + hi) / 200.0, "why") is None
+    above = band_warning("decode", hi / 100.0 + 0.03, "2 experts per GPU")
+    below = band_warning("decode", lo / 100.0 - 0.01, "why")
+    assert above is not None and f"is above the published {lo:g}-{hi:g}%" in above and src in above
+    assert "2 experts per GPU" in above and "modelled, not measured" in above
+    assert below is not None and "is below the published" in below
+    assert "is above" in band_warning("prefill", 0.5, "why")

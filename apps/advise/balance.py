@@ -117,7 +117,7 @@ def _builder(name: str, topo: Topology, fit: RoutingTrace, dispatch: str, option
 
 def prefill_tokens(held: RoutingTrace, options: AdviseOptions) -> int:
     """The prefill chunk per rank, capped so one step fits in the held-out tokens."""
-    return max(1, min(options.prefill_chunk, held.num_tokens // options.ep_size))
+    return max(1, min(options.prefill_step_tokens, held.num_tokens // options.ep_size))
 
 
 def score(
@@ -125,8 +125,10 @@ def score(
 ) -> Scores:
     """Held-out window PAR, and the per-step PAR of the decode steps (the decode batch) and of the
     prefill chunks (:func:`placement.metrics.step_par` with ``phase``)."""
-    gl = trace_gpu_load(placement, held, dispatch, step_tokens=options.decode_batch)  # [L, G]
+    gl = trace_gpu_load(placement, held, dispatch, step_tokens=options.decode_step_tokens)  # [L, G]
     window = balance_stats(gl)["par"]
-    dec = step_par(placement, held, options.decode_batch, dispatch, "decode", seed=options.seed)["step_par"]
+    dec = step_par(placement, held, options.decode_step_tokens, dispatch, "decode", seed=options.seed)[
+        "step_par"
+    ]
     pre = step_par(placement, held, prefill_tokens(held, options), dispatch, "prefill")["step_par"]
     return Scores(float(window), float(dec), float(pre))

@@ -49,16 +49,21 @@ class Row:
     redundant_per_gpu: int
     placement_key: str
     scores: balance.Scores
-    decode: phases.PhasePrice
-    prefill: phases.PhasePrice
+    decode: phases.PhasePrice | None  # None: the phase was not priced (``--phase``)
+    prefill: phases.PhasePrice | None
     memory: cost.MemoryCost
 
     @property
     def key(self) -> str:
         return f"{self.kind}|{self.dispatch}|r{self.redundant_per_gpu}"
 
-    def phase(self, name: str) -> phases.PhasePrice:
+    def phase(self, name: str) -> phases.PhasePrice | None:
         return self.decode if name == "decode" else self.prefill
+
+    @property
+    def priced(self) -> tuple[str, ...]:
+        """The phases this row was priced on (both, or the one ``--phase`` asked for)."""
+        return tuple(ph for ph in phases.PHASES if self.phase(ph) is not None)
 
 
 def _rounded(x: Any) -> Any:
@@ -77,9 +82,11 @@ def phase_figures(row: Row, base: Row, name: str, engine: str) -> dict:
     own per-step cost, memory and KV tokens the replicas take."""
     p, b = row.phase(name), base.phase(name)
     g, band = phases.gain(p, b)
+    lo, hi, _ = phases.published_band(name)
     return {
         "whole_step_gain": g,
         "band": band,
+        "published_band": [lo / 100.0, hi / 100.0],
         "moe_step_gain": b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0,
         "dispatch_overhead_ms": p.dispatch_overhead_ms,
         "memory_gb": row.memory.redundant_bytes / 1e9,
@@ -133,7 +140,7 @@ class Advice:
             "env": list(self.launch.env),
             "launch_command": self.launch.command,
             "files": list(self.launch.files),
-            "phases": {ph: phase_figures(row, base, ph, engine) for ph in phases.PHASES},
+            "phases": {ph: phase_figures(row, base, ph, engine) for ph in base.priced},
             "rebalance": self.rebalance.to_dict(),
         }
 
@@ -145,7 +152,7 @@ class Advice:
             "available": ok, "unavailable_reason": why or None, "fits": r.memory.fits,
             "window_par": r.scores.window_par, "step_par_decode": r.scores.step_par_decode,
             "step_par_prefill": r.scores.step_par_prefill,
-            "phases": {ph: phase_figures(r, base, ph, engine) for ph in phases.PHASES},
+            "phases": {ph: phase_figures(r, base, ph, engine) for ph in base.priced},
         }  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -172,16 +179,17 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     if options.quick and len(trace.natural_windows()) > options.quick_prompts:
         trace = trace.select_windows(range(options.quick_prompts))
     fit, held = trace.split(0.5)
-    if held.num_tokens < options.ep_size * options.decode_batch:
+    if "decode" in options.priced_phases and held.num_tokens < options.ep_size * options.decode_step_tokens:
         raise ValueError(
             f"the held-out half has {held.num_tokens} tokens, fewer than one decode step of "
-            f"{options.decode_batch} tokens x {options.ep_size} ranks; use a smaller --decode-batch or a longer trace"
+            f"{options.decode_step_tokens} tokens x {options.ep_size} ranks; use a smaller --decode-batch or a longer trace"
         )
     return trace, fit, held
 
 
 def _step_tokens(held: RoutingTrace, options: AdviseOptions) -> dict[str, int]:
-    return {"decode": options.decode_batch, "prefill": balance.prefill_tokens(held, options)}
+    every = {"decode": options.decode_step_tokens, "prefill": balance.prefill_tokens(held, options)}
+    return {ph: every[ph] for ph in options.priced_phases}
 
 
 def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[str, int], list[str]]:
@@ -228,7 +236,7 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
             for ph, st in steps.items()
         }
         # (E + R0) / G = ceil(E / G): the engines' minimum R0 fills the padding; r slots are on top
-        r, b = o.redundant_per_gpu, options.decode_batch
+        r, b = o.redundant_per_gpu, options.decode_step_tokens
         mem = cost.replica_memory(model, cluster, options.ep_size, r, b, options.context_len)
         return Row(
             o.kind,
@@ -236,8 +244,8 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
             o.redundant_per_gpu,
             o.placement_key,
             s,
-            price["decode"],
-            price["prefill"],
+            price.get("decode"),
+            price.get("prefill"),
             mem,
         )
 
@@ -258,35 +266,70 @@ def _assumptions(
         *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
         "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
         f"engine capabilities: {options.engine} {caps.version} (apps/advise/engines.py, read from its code)",
-        f"memory: decode at {options.decode_batch} sequences per rank, context {options.context_len}; "
+        f"memory: decode at {options.decode_step_tokens} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
         f"rebalance stall: {source}",
     ]
-    if steps["prefill"].step_tokens < options.prefill_chunk:
+    if options.phase is not None:
+        out.append(f"--phase {options.phase}: priced and recommended on {options.phase} steps only")
+    if "prefill" in steps and steps["prefill"].step_tokens < options.prefill_step_tokens:
         out.append(
-            f"prefill chunk {options.prefill_chunk} tokens per rank capped to {steps['prefill'].step_tokens}"
+            f"prefill chunk {options.prefill_step_tokens} tokens per rank capped to {steps['prefill'].step_tokens}"
         )
     if options.quick:
         out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
     return tuple(out)
 
 
-def _summary(engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch) -> str:
+def _band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
+    """A warning per phase where the chosen row's modelled whole-step gain is outside the published band,
+    with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
+    out = []
+    for ph in row.priced if row is not base else ():
+        p, b = row.phase(ph), base.phase(ph)
+        g = phases.gain(p, b)[0]
+        par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
+        why = (
+            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU; without balancing the busiest GPU carries "
+            f"{par[base.key]:.2f}x the mean load of a {ph} step ({par[row.key]:.2f}x with this option), and the "
+            f"MoE layers are {b.moe_ms / b.whole_ms * 100:.0f}% of the modelled {model} {ph} step; the published "
+            f"figures are at DeepSeek-V3 scale (256 experts, 8 per GPU at EP32)"
+        )
+        msg = phases.band_warning(ph, g, why)
+        if msg:
+            out.append(msg)
+    return out
+
+
+def _pub(figures: dict) -> str:
+    lo, hi = figures["published_band"]
+    return f"{lo * 100:g}-{hi * 100:g}%"
+
+
+def _summary(
+    engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch, notes: list[str]
+) -> str:
     """One paragraph, built from the same figures as the JSON."""
     if row is base:
         text = f"Run {engine} without expert balancing ({reason})."
     else:
-        d, p = (phase_figures(row, base, ph, engine) for ph in phases.PHASES)
+        figs = {ph: phase_figures(row, base, ph, engine) for ph in row.priced}
+        gains = ", ".join(
+            f"{ph} {f['whole_step_gain'] * 100:+.2f}% (band {f['band'] * 100:.2f}%; published {_pub(f)})"
+            for ph, f in figs.items()
+        )
+        f = next(iter(figs.values()))
         text = (
             f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
-            f"per GPU ({reason}): modelled whole step decode {d['whole_step_gain'] * 100:+.2f}% "
-            f"(band {d['band'] * 100:.2f}%), prefill {p['whole_step_gain'] * 100:+.2f}% (band "
-            f"{p['band'] * 100:.2f}%), for {d['memory_gb']:.2f} GB per GPU ({d['kv_tokens_lost']:,.0f} KV tokens)."
+            f"per GPU ({reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
+            f"({f['kv_tokens_lost']:,.0f} KV tokens)."
         )
     text += (
         f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
     )
-    return text + f" ({rb.reason}). Command: {launch.command}"
+    text += f" ({rb.reason})."
+    text += "".join(f" Warning: {n[0].upper()}{n[1:]}." for n in notes)
+    return text + f" Command: {launch.command}"
 
 
 def advise(
@@ -328,6 +371,8 @@ def advise(
         warnings.append(
             f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
         )
+    above = _band_warnings(choice.row, base, E, G, spec.name)
+    warnings += above
     if min_redundant(E, G):
         warnings.append(
             f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
@@ -337,15 +382,16 @@ def advise(
                   "layers": trace.num_layers, "fit_tokens": fit.num_tokens, "held_out_tokens": held.num_tokens},
         "model": spec.name, "hardware": cluster.name, "engine": options.engine,
         "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
-        "gpus_per_node": options.gpus_per_node, "decode_batch": options.decode_batch,
-        "prefill_tokens_per_rank": _step_tokens(held, options)["prefill"], "context_len": options.context_len,
+        "gpus_per_node": options.gpus_per_node, "decode_step_tokens": options.decode_step_tokens,
+        "prefill_tokens_per_rank": balance.prefill_tokens(held, options), "context_len": options.context_len,
+        "phases": list(options.priced_phases),
         "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
         "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
     }  # fmt: skip
     return Advice(
         context=context, rows=tuple(rows), baseline=base.key, chosen=choice.row.key, available=available,
         launch=launch, rebalance=rb, reason=choice.reason,
-        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch),
+        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch, above),
         held_out_steps=steps, warnings=tuple(warnings),
         assumptions=_assumptions(spec, cluster, options, steps_used, rebalance.stall(options.engine)[1]),
         placements=placements, held_out=held, files=files,
@@ -357,14 +403,18 @@ def _rebalance(held, row, base, placements, model, cluster, options, progress) -
     topo = balance.trace_topology(held.num_logical_experts, row.redundant_per_gpu, options)
     static = None if row is base else placements[row.placement_key]
 
+    ph = options.priced_phases[0]  # decode when it is priced
+
     def price(pl: Placement, window: RoutingTrace) -> float:
-        steps = phases.held_out_steps(window, options.ep_size, "decode", options.decode_batch, options.seed)
+        steps = phases.held_out_steps(
+            window, options.ep_size, ph, _step_tokens(window, options)[ph], options.seed
+        )
         return phases.price_phase(
             pl, window, steps, row.dispatch, model, cluster, options.context_len
         ).whole_ms
 
     (out,) = _run(
-        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.decode_batch,
+        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.step_tokens(ph),
                                                options.windows, options.rebalance_margin))],
         progress, "rebalance",
     )  # fmt: skip

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from placement.steps import DEFAULT_STEP_TOKENS
+from placement.steps import PHASES as STEP_PHASES
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -60,34 +61,32 @@ class AdviseOptions:
     Attributes:
         engine: one of :func:`engine_names` (``sglang``, ``vllm``).
         nodes / gpus_per_node: the cluster; ``G = nodes x gpus_per_node`` EP ranks.
-        decode_batch: decode ``step_tokens``: sequences in flight per rank (also the memory check);
+        decode_step_tokens: decode ``step_tokens``: sequences in flight per rank (also the memory check);
             default :data:`placement.steps.DEFAULT_STEP_TOKENS` of decode.
-        prefill_chunk: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
+        prefill_step_tokens: prefill ``step_tokens``: tokens per rank per chunk (capped by the held-out
             tokens); default that of prefill.
         redundant_per_gpu: the redundant slots per GPU compared (``r``).
         context_len: cached tokens per decode sequence (memory side).
         windows: windows the drift is measured over (window ``i`` fit, ``i + 1`` scored).
-        move_fractions: migration budgets, as fractions of a full re-placement's moved slots
-            (1.0 is the unbudgeted re-placement).
         solver: our solver (``greedy`` keeps the advice deterministic; the pipeline fits it for
             table dispatch models).
         fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
-        quick: fewer prompts (``quick_prompts``), fewer options and budgets; for notebooks and tests.
+        quick: fewer prompts (``quick_prompts``), fewer options and fit budget; for notebooks and tests.
         hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
         strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
         min_held_out_steps: held-out steps per phase below which the figures are warned about.
         rebalance_margin: out-of-sample whole-step gain a periodic rebalance must clear (fraction).
+        phase: ``"decode"`` or ``"prefill"`` to price and recommend on that phase only; None: both.
     """
 
     engine: str
     nodes: int
     gpus_per_node: int = 8
-    decode_batch: int = DEFAULT_STEP_TOKENS["decode"]
-    prefill_chunk: int = DEFAULT_STEP_TOKENS["prefill"]
+    decode_step_tokens: int = DEFAULT_STEP_TOKENS["decode"]
+    prefill_step_tokens: int = DEFAULT_STEP_TOKENS["prefill"]
     redundant_per_gpu: tuple[int, ...] = (0, 1, 2, 4)
     context_len: int = 4096
     windows: int = 8
-    move_fractions: tuple[float, ...] = (0.0, 0.125, 0.25, 0.5, 1.0)
     solver: str = "greedy"
     fit_steps: int = 60
     fit_dealings: int = 16
@@ -98,12 +97,13 @@ class AdviseOptions:
     strict: bool = False
     min_held_out_steps: int = 20
     rebalance_margin: float = 0.005
+    phase: str | None = None
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.engine.lower() not in engine_names():
             raise ValueError(f"unknown engine {self.engine!r}; use one of {', '.join(engine_names())}")
-        for name in ("nodes", "gpus_per_node", "decode_batch", "prefill_chunk", "context_len"):
+        for name in ("nodes", "gpus_per_node", "decode_step_tokens", "prefill_step_tokens", "context_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
@@ -115,10 +115,12 @@ class AdviseOptions:
         r = tuple(self.redundant_per_gpu)
         if not r or min(r) < 0 or len(set(r)) != len(r):
             raise ValueError(f"redundant_per_gpu must be distinct integers >= 0, got {list(r)}")
+        if self.phase is not None and self.phase not in STEP_PHASES:
+            raise ValueError(
+                f"phase must be one of {', '.join(STEP_PHASES)} (or None: both), got {self.phase!r}"
+            )
         if self.windows < 2:
             raise ValueError(f"windows must be >= 2 (drift compares window i with i + 1), got {self.windows}")
-        if not self.move_fractions or any(not 0 <= f <= 1 for f in self.move_fractions):
-            raise ValueError(f"move_fractions must lie in [0, 1], got {list(self.move_fractions)}")
         object.__setattr__(self, "engine", self.engine.lower())
         object.__setattr__(self, "redundant_per_gpu", tuple(sorted(int(x) for x in r)))
 
@@ -126,13 +128,21 @@ class AdviseOptions:
     def ep_size(self) -> int:
         return self.nodes * self.gpus_per_node
 
+    @property
+    def priced_phases(self) -> tuple[str, ...]:
+        """The phases priced and recommended on: ``(phase,)``, or decode and prefill."""
+        return STEP_PHASES if self.phase is None else (self.phase,)
+
+    def step_tokens(self, phase: str) -> int:
+        """Tokens per rank per step asked for ``phase`` (before prefill's cap to the held-out half)."""
+        return self.decode_step_tokens if phase == "decode" else self.prefill_step_tokens
+
     @classmethod
     def quick_form(cls, engine: str, nodes: int, **kw) -> AdviseOptions:
-        """The ``--quick`` settings: 300 prompts, 0 and 2 redundant slots, 4 windows, 3 budgets."""
+        """The ``--quick`` settings: 300 prompts, 0 and 2 redundant slots, 4 windows, a smaller fit budget."""
         base = dict(
             redundant_per_gpu=(0, 2),
             windows=4,
-            move_fractions=(0.0, 0.25, 1.0),
             fit_steps=15,
             fit_dealings=4,
             quick=True,

@@ -25,15 +25,31 @@ __all__ = [
     "BLOCKS",
     "MODEL_NOTE",
     "PHASES",
+    "PUBLISHED_GAIN",
     "PhasePrice",
+    "band_side",
+    "band_warning",
     "count_steps",
     "gain",
     "held_out_steps",
     "price_phase",
+    "published_band",
 ]
 
 PHASES = ("decode", "prefill")
 BLOCKS = 8  # blocks of held-out steps the band is measured over
+
+# Published whole-step throughput gains of expert balancing over none, percent: (low, high, source).
+# The "over none" rows of benchmarks/step_model_check.py's PUBLISHED_GAINS (a test checks they agree),
+# all measured on DeepSeek-V3-scale serving (671B, FP8, 61 layers, 256 experts, EP 32+).
+PUBLISHED_GAIN: dict[str, tuple[float, float, str]] = {
+    "decode": (
+        2.6,
+        7.5,
+        "SGLang DeepEP waterfill +2.6-4.3%, vLLM-Ascend EPLB TPOT -7% (+7.5%), DeepSeek-V3 scale",
+    ),
+    "prefill": (4.9, 18.0, "SGLang EPLB +4.9-13.5%, large-scale EP prefill +18%, DeepSeek-V3 scale"),
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +130,31 @@ def gain(option: PhasePrice, baseline: PhasePrice) -> tuple[float, float]:
         return float(g), 0.0
     per = b / np.where(a > 0, a, 1.0) - 1.0
     return float(g), float(2.0 * per.std(ddof=1) / math.sqrt(per.size))
+
+
+def published_band(phase: str) -> tuple[float, float, str]:
+    """``(low %, high %, source)`` of the published whole-step gains of balancing in ``phase``."""
+    return PUBLISHED_GAIN[phase]
+
+
+def band_side(phase: str, whole_gain: float) -> str | None:
+    """``"above"`` or ``"below"`` the published band of ``phase`` for a gain (fraction); None inside."""
+    lo, hi, _ = published_band(phase)
+    return "above" if whole_gain * 100.0 > hi else "below" if whole_gain * 100.0 < lo else None
+
+
+def band_warning(phase: str, whole_gain: float, why: str) -> str | None:
+    """A warning when a modelled whole-step gain (fraction) lies outside the published band of ``phase``
+    (None inside it): the published figures were measured elsewhere, so the modelled one is named next
+    to them, never clipped; ``why`` says what makes this deployment differ."""
+    side = band_side(phase, whole_gain)
+    if side is None:
+        return None
+    lo, hi, src = published_band(phase)
+    return (
+        f"modelled {phase} whole-step gain {whole_gain * 100:+.1f}% is {side} the published {lo:g}-{hi:g}% "
+        f"({src}): {why}; modelled, not measured"
+    )
 
 
 MODEL_NOTE = (

@@ -4,7 +4,7 @@ the window that follows, by more than a margin, after the engine's stall?
 Protocol: the held-out half is cut into ``W`` windows. For ``i = 0 .. W-2`` the engine's rebalance
 (DeepSeek's greedy, what both engines run) is fitted on window ``i`` and scored on window ``i + 1``;
 the static placement (fitted once on the fit half) is scored on the same window. Both are out of
-sample. ``gain_i = static_ms / rebalanced_ms - 1`` of the decode whole step. A periodic rebalance is
+sample. ``gain_i = static_ms / rebalanced_ms - 1`` of the whole step (decode, or the one phase asked for). A periodic rebalance is
 advised only when half of the sure gain (mean less twice its standard error) clears ``margin``; its
 interval is then the longer of one window and the steps over which one stall (0 for vLLM's async
 EPLB) takes at most half of the sure gain. Otherwise ``interval_steps`` is None: a stationary trace
@@ -74,7 +74,7 @@ class Rebalance:
         }
 
 
-# (placement, window trace) -> decode whole-step ms on that window
+# (placement, window trace) -> whole-step ms on that window (decode; prefill with --phase prefill)
 PriceFn = Callable[[Placement, RoutingTrace], float]
 
 
@@ -84,7 +84,7 @@ def judge(
     topology: Topology,
     price: PriceFn,
     engine: str,
-    decode_batch: int,
+    step_tokens: int,
     num_windows: int,
     margin: float,
 ) -> Rebalance:
@@ -93,7 +93,7 @@ def judge(
     is_async = ENGINES[engine].async_rebalance
     stall_ms = stall_s * 1e3
     wins = held.windows(num_windows)
-    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * decode_batch)
+    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * step_tokens)
 
     def verdict(interval, g, band, reason):
         return Rebalance(
@@ -107,7 +107,7 @@ def judge(
             None,
             None,
             None,
-            f"held-out windows of {window_steps:.1f} decode steps or fewer: too short to judge a rebalance",
+            f"held-out windows of {window_steps:.1f} steps or fewer: too short to judge a rebalance",
         )
     gains, static_ms = [], []
     for i in range(len(wins) - 1):
@@ -120,7 +120,7 @@ def judge(
     sure = g - band  # the gain a rebalance makes out of sample, less its band
     if sure / 2 <= margin:
         why = (
-            f"re-placing every window ({window_steps:,.0f} decode steps) gains {g * 100:+.2f}% out of sample "
+            f"re-placing every window ({window_steps:,.0f} steps) gains {g * 100:+.2f}% out of sample "
             f"(band {band * 100:.2f}%): half of it clears no {margin * 100:.1f}% margin, no periodic rebalance"
         )
         return verdict(None, g, band, why)

@@ -51,16 +51,22 @@ def availability(engine: str, model_name: str, row, platform: str = "cuda") -> t
     ok, why = can_dispatch(engine, dispatch_algorithm(engine, row.dispatch), arch, platform)
     if not ok:
         return ok, why
-    if get_dispatch(row.dispatch).needs_step_counts and not (row.decode.dispatch_overhead_ms > 0):
+    priced = [row.phase(ph) for ph in row.priced]
+    if get_dispatch(row.dispatch).needs_step_counts and not all(p.dispatch_overhead_ms > 0 for p in priced):
         return False, f"{row.dispatch}: its per-step overhead (count all-reduce, LP per layer) is not priced"
     return True, ""
 
 
 def net_gain(row, base) -> dict:
-    """Per-phase whole-step gains of ``row`` over ``base`` with bands, and the net (phases weighted
-    alike): ``{decode: (g, band), prefill: (g, band), net, band}``."""
-    d, p = gain(row.decode, base.decode), gain(row.prefill, base.prefill)
-    return {"decode": d, "prefill": p, "net": (d[0] + p[0]) / 2, "band": math.hypot(d[1], p[1]) / 2}
+    """Per-phase whole-step gains of ``row`` over ``base`` with bands, and the net (the priced phases
+    weighted alike): ``{decode: (g, band), prefill: (g, band), net, band}`` (a phase not priced: absent)."""
+    g = {ph: gain(row.phase(ph), base.phase(ph)) for ph in row.priced}
+    n = max(len(g), 1)
+    return {
+        **g,
+        "net": sum(v[0] for v in g.values()) / n,
+        "band": math.hypot(*(v[1] for v in g.values())) / n,
+    }
 
 
 @dataclass(frozen=True)
@@ -70,7 +76,7 @@ class Choice:
 
 
 def _pays(g: dict) -> bool:
-    worse = any(g[ph][0] + g[ph][1] < 0 for ph in ("decode", "prefill"))
+    worse = any(g[ph][0] + g[ph][1] < 0 for ph in ("decode", "prefill") if ph in g)
     return g["net"] - g["band"] > 0 and not worse
 
 

@@ -46,10 +46,12 @@ def _gain_plot(plt, d: dict) -> str:
     """Whole-step gain vs replica GB per GPU, one panel per phase, error bars = the band; the GB the
     user's batch x context leaves for replicas marked; unrunnable options hollow; series at the same GB
     nudged apart by a hair so their bars do not hide each other."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    priced = [ph for ph in _PHASES if ph in d["held_out_steps"]]
+    fig, axes = plt.subplots(1, len(priced), figsize=(5 * len(priced), 3.6), sharex=True, squeeze=False)
+    axes = axes[0]
     limit = d["context"]["replica_gb_limit"]
     marks = []
-    for ax, ph in zip(axes, _PHASES):
+    for ax, ph in zip(axes, priced):
         series = _series(d)
         span = max([o["phases"][ph]["memory_gb"] for o in d["options"]] + [0.1])
         for i, ((kind, disp), opts) in enumerate(series.items()):
@@ -70,7 +72,7 @@ def _gain_plot(plt, d: dict) -> str:
         ax.set_xlabel("replica GB per GPU")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("whole-step gain over no EPLB, %")
-    b, c = d["context"]["decode_batch"], d["context"]["context_len"]
+    b, c = d["context"]["decode_step_tokens"], d["context"]["context_len"]
     handles, labels = axes[0].get_legend_handles_labels()
     if marks:
         labels = [*labels, f"GB left for replicas at batch {b} x context {c}"]
@@ -107,7 +109,9 @@ def _fmt(v: Any) -> str:
     return "" if v is None else str(v)
 
 
-def _pct(ph: dict) -> str:
+def _pct(ph: dict | None) -> str:
+    if ph is None:
+        return "not priced"
     return f"{ph['whole_step_gain'] * 100:+.2f}% ± {ph['band'] * 100:.2f}"
 
 
@@ -117,10 +121,11 @@ def _table(d: dict) -> str:
     rows = []
     chosen = d["recommendation"]["option"]
     for o in d["options"]:
-        dec, pre = o["phases"]["decode"], o["phases"]["prefill"]
+        dec, pre = o["phases"].get("decode"), o["phases"].get("prefill")
+        one = dec or pre
         cells = (o["option"], o["dispatch"], o["redundant_per_gpu"],
                  "yes" if o["available"] else f"no: {o['unavailable_reason']}", o["window_par"], _pct(dec),
-                 _pct(pre), dec["dispatch_overhead_ms"], dec["memory_gb"], dec["kv_tokens_lost"],
+                 _pct(pre), one["dispatch_overhead_ms"], one["memory_gb"], one["kv_tokens_lost"],
                  "yes" if o["fits"] else "no")  # fmt: skip
         cls = "chosen" if o["key"] == chosen else ("grey" if not o["available"] else "")
         tds = "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
@@ -183,8 +188,9 @@ def render_html(advice) -> str:
         f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
         f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p><ul>{warn}</ul>'
         f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "
-        f"{t['layers']} layers; held-out steps: decode {d['held_out_steps']['decode']}, prefill "
-        f"{d['held_out_steps']['prefill']}.</p>"
+        f"{t['layers']} layers; held-out steps: "
+        + ", ".join(f"{ph} {n}" for ph, n in d["held_out_steps"].items())
+        + ".</p>"
         f"<h2>Options (modelled, held-out half)</h2>{_table(d)}"
         f"<h2>Rebalancing (modelled, out of sample)</h2>{_rebalance_table(rec['rebalance'])}"
         f"<h2>Plots (modelled)</h2>{figs}"
