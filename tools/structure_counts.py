@@ -3,7 +3,8 @@
 Each row is a function ``root -> list of findings`` (one ``"path:line what"`` string per finding; the
 solver share and the README line count are one-element lists holding a number) and a limit. A row is
 *enforced* (``tools/check_structure.py`` fails when it is over its limit) or *report-only* (printed by
-``--counts``; the rows that parallel work is still changing; ``--enforce-all`` enforces them too).
+``--counts``; ``--enforce-all`` enforces them too). Every row is enforced now that issue 35's counts are
+within their limits.
 
 Rows:
 
@@ -421,16 +422,16 @@ ROWS: tuple[Row, ...] = (
         "dispatch_branches",
         "branches on one dispatch model outside the registry",
         0,
-        False,
+        True,
         dispatch_branches,
     ),
-    Row("wide_functions", f"functions with more than {MAX_PARAMETERS} parameters", 5, False, wide_functions),
-    Row("step_tokens_names", "other names for tokens per rank per step", 0, False, step_tokens_names),
-    Row("policy_words", '"policy" outside runtime_hooks/engine_plugins/', 0, False, policy_words),
+    Row("wide_functions", f"functions with more than {MAX_PARAMETERS} parameters", 5, True, wide_functions),
+    Row("step_tokens_names", "other names for tokens per rank per step", 0, True, step_tokens_names),
+    Row("policy_words", '"policy" outside runtime_hooks/engine_plugins/', 0, True, policy_words),
     Row("exception_roots", "exception classes that start a family", 1, True, exception_roots),
     Row("import_fallbacks", "ImportError fallbacks around our own modules", 0, True, import_fallbacks),
     Row("outside_references", "prose sending the reader outside the repo", 0, True, outside_references),
-    Row("solver_share", "solver/ share of the package lines (%)", 35, False, solver_share),
+    Row("solver_share", "solver/ share of the package lines (%)", 35, True, solver_share),
     Row("readme_lines", "README.md lines", 150, True, readme_lines),
     Row("readme_deprecated", "deprecated flags shown in README.md", 0, True, readme_deprecated),
 )
