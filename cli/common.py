@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -372,13 +372,22 @@ def checked_dispatch(args: argparse.Namespace) -> str:
 
 
 class DeprecatedAlias(argparse.Action):
-    """An old spelling of an option: stores like it, with one warning line on stderr."""
+    """An old spelling of an option: stores like it, with one warning line on stderr.
 
-    def __init__(self, *args, new: str, **kwargs):
+    ``check``: called on the value before the warning; a bad value is refused in one line (a
+    ValueError becomes a :class:`CliError`), never a warning followed by an error."""
+
+    def __init__(self, *args, new: str, check: Callable[[Any], object] | None = None, **kwargs):
         self.new = new
+        self.check = check
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        if self.check is not None:
+            try:
+                self.check(values)
+            except ValueError as exc:
+                raise CliError(f"{option_string}: {exc}") from None
         warn(f"{option_string} is deprecated; use {self.new}")
         setattr(namespace, self.dest, values)
 

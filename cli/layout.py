@@ -98,7 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
     p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
-    p.add_argument("--time-limit", type=seconds, default=10.0, help="seconds per exact solve (cpsat)")
+    p.add_argument("--time-limit", type=seconds, help="seconds per exact solve (cpsat; default 10)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument(
         "--top", type=non_negative_int, default=12, help="rows of the table to print (rejected ones follow)"
@@ -209,6 +209,7 @@ def _read_inputs(args):
     from placement.cost.hardware import cluster_preset
     from placement.cost.modelspec import load_model
     from profiling.readers import require_data
+    from solver.api import SOLVERS
 
     if args.nodes * args.gpus_per_node > MAX_RANKS:
         raise CliError(
@@ -222,6 +223,8 @@ def _read_inputs(args):
             f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
             f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
+    if args.time_limit is not None and "time_limit" not in SOLVERS[args.solver].option_names:
+        raise CliError(f"--time-limit bounds the exact solves (--solver cpsat), not {args.solver}; drop it")
     for flag, value in (("--batch-per-rank", args.batch_per_rank), ("--context-len", args.context_len)):
         if value is not None and value > MAX_STEP_TOKENS:
             raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
@@ -259,7 +262,7 @@ def _plan(args, model, cluster, trace):
         solver=args.solver,
         max_redundant=args.max_redundant,
         seed=args.seed,
-        time_limit=args.time_limit,
+        time_limit=10.0 if args.time_limit is None else args.time_limit,
     )
     compare = None
     if not args.no_phase_compare and plan.best is not None:

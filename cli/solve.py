@@ -213,7 +213,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--hardware",
-        default="h200",
+        default=None,
         help="GPU preset that prices the fitted steps: h100, h800, h200, b200 or a preset .json (default h200)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
@@ -355,13 +355,17 @@ def _solver_problem(args, prob: _Problem) -> Problem:
 def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
     """The pipeline (:func:`solver.api.run`) under a time bar; a warning when the gate kept greedy."""
     from solver.api import BASELINE, FitOptions, make_options, run
+    from solver.step_cost import DEFAULT_HARDWARE
 
     values = _solver_options(args, spec, prob.load.shape[0])
     options = make_options(prob.name, values, seed=args.seed, time_limit=args.time_limit)
     limit = args.time_limit if "time_limit" in spec.option_names else None
     with elapsed_bar(prob.name, limit):
         fit = FitOptions(
-            step_tokens=args.step_tokens, phase=args.phase, model=args.model, hardware=args.hardware
+            step_tokens=args.step_tokens,
+            phase=args.phase,
+            model=args.model,
+            hardware=args.hardware or DEFAULT_HARDWARE,
         )
         result = run(prob.name, _solver_problem(args, prob), options, fit)
     if result.objective_fallback:

@@ -29,6 +29,7 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     ``prob``: the problem read (its ``name``, ``fit`` and ``held`` traces). Sets ``args.step_tokens`` to
     its default when not given."""
     from placement.dispatch import get_dispatch
+    from placement.steps import PHASES
     from solver.api import SOLVERS
 
     mine = set(spec.flags.values())
@@ -42,10 +43,17 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     if args.wall_clock and not spec.work_per_layer:
         raise CliError(f"--wall-clock applies to a solver bounded by --work-limit, not {prob.name}; drop it")
     model = get_dispatch(args.policy)
-    if args.step_tokens is not None and not model.needs_step_counts:
-        raise CliError(
-            f"--step-tokens applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
-        )
+    if not model.needs_step_counts:
+        given = {
+            "--step-tokens": args.step_tokens is not None,
+            "--phase": args.phase != PHASES[0],
+            "--model": args.model is not None,
+            "--hardware": args.hardware is not None,
+        }
+        for flag in (f for f, on in given.items() if on):
+            raise CliError(
+                f"{flag} applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
+            )
     args.step_tokens = args.step_tokens or STEP_TOKENS
     fit = prob.fit
     fit_ranked = bool(model.engine) and fit is not None and (fit.has_tokens or fit.window_counts is not None)

@@ -41,6 +41,13 @@ __all__ = ["MAX_RANKS", "add_parser", "check_numbers", "run"]
 MAX_RANKS = 256  # ranks one launch may start: each is a process holding the model (gloo) or a GPU (nccl)
 
 
+def _runtime_dispatch(name: str) -> None:
+    """A dispatch model the runtime executes, else a ValueError (torch is imported only when asked)."""
+    from runtime_hooks.ep_layer import runtime_dispatch
+
+    runtime_dispatch(name)
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from placement.dispatch import EVEN, dispatch_names
 
@@ -71,6 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=argparse.SUPPRESS,
         action=DeprecatedAlias,
         new="--dispatch",
+        check=_runtime_dispatch,
         help="deprecated alias of --dispatch",
     )
     p.add_argument("--tokens-per-rank", type=int, default=32, help="tokens each rank replays (default 32)")

@@ -535,6 +535,18 @@ def safe_torch_load(
         return torch.load(p if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
         raise InputFileError(
-            f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+            f"{p}: not a safe torch.save file ({_torch_load_cause(exc, size)}); "
             f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
         ) from None
+
+
+def _torch_load_cause(exc: Exception, size: int) -> str:
+    """What went wrong in ``torch.load``, in our words (torch's own messages run to a paragraph)."""
+    text = " ".join(str(exc).split())
+    if size == 0:
+        return "the file is empty"
+    if isinstance(exc, EOFError) or "zip archive" in text or "central directory" in text:
+        return "a truncated or corrupt archive"
+    if type(exc).__name__ == "UnpicklingError":
+        return "not a torch.save archive, or it holds objects other than tensors, dicts, lists and numbers"
+    return f"{type(exc).__name__}: {text.split('. ')[0][:120]}"

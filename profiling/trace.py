@@ -175,6 +175,8 @@ class RoutingTrace:
             if off is not None:
                 off.setflags(write=False)
             object.__setattr__(self, name, off)
+        if not isinstance(self.metadata, Mapping):
+            raise ValueError(f"metadata must be a mapping (a dict), got {type(self.metadata).__name__}")
         object.__setattr__(self, "metadata", dict(self.metadata))
 
     # ---- shape -------------------------------------------------------------------------------
