@@ -14,9 +14,7 @@ from cli.common import CliError
 if TYPE_CHECKING:
     from solver.api import SolverSpec
 
-__all__ = ["STEP_TOKENS", "refuse_ignored_flags"]
-
-STEP_TOKENS = 64  # --step-tokens when not given
+__all__ = ["refuse_ignored_flags"]
 
 
 def _flag(dest: str) -> str:
@@ -27,9 +25,9 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     """A flag given that cannot take effect on this run is refused (the user would believe it did):
     another solver's options, a per-step or source-rank setting nothing here uses, a format with no file.
     ``prob``: the problem read (its ``name``, ``fit`` and ``held`` traces). Sets ``args.step_tokens`` to
-    its default when not given."""
+    its phase's default when not given (decode 64, prefill 256)."""
     from placement.dispatch import get_dispatch
-    from placement.steps import PHASES
+    from placement.steps import DEFAULT_STEP_TOKENS, PHASES
     from solver.api import SOLVERS
 
     mine = set(spec.flags.values())
@@ -54,7 +52,7 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
             raise CliError(
                 f"{flag} applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
             )
-    args.step_tokens = args.step_tokens or STEP_TOKENS
+    args.step_tokens = args.step_tokens or DEFAULT_STEP_TOKENS[args.phase]  # as --help says: by phase
     fit = prob.fit
     fit_ranked = bool(model.engine) and fit is not None and (fit.has_tokens or fit.window_counts is not None)
     if (

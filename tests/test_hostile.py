@@ -107,6 +107,10 @@ CASES = [
     ),
     ([*SOLVE, "--hardware", "h100"], "--hardware applies to a per-step dispatch model"),
     ([*SOLVE, "--phase", "prefill"], "--phase applies to a per-step dispatch model"),
+    (  # the help's default for prefill (256), not decode's 64
+        [*SOLVE, "--dispatch", "balanced", "--phase", "prefill", "--fit-fraction", "0.5"],
+        "one prefill step of 256 tokens per rank on 4 ranks takes 1024 tokens",
+    ),
     ([*LAYOUT, "--time-limit", "5"], "--time-limit bounds the exact solves (--solver cpsat), not greedy"),
     # -- unbounded work from one flag: refused before anything runs
     (
