@@ -157,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
     from profiling.readers import require_data
 
     names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
-    out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None
+    inputs = [args.trace, args.model, args.hardware]  # a model or GPU preset JSON is an input too
+    if args.model:
+        inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
+    out = check_folder_outputs(args.output, names, inputs) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
     require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)

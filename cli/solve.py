@@ -13,6 +13,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,8 +51,6 @@ from cli.common import (
 from cli.solve_flags import refuse_ignored_flags
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from placement.model import Placement
     from placement.topology import Topology
     from profiling.trace import RoutingTrace
@@ -269,6 +268,11 @@ def _check_files(args) -> Path | None:
         outputs.append(args.output + ".weights.json")
     outputs.append(args.report)
     inputs = [args.trace, args.load, source_ranks_file(args.source_ranks), *input_sidecars(args.previous)]
+    inputs += [
+        args.model,
+        args.hardware,
+        args.model and str(Path(args.model) / "config.json"),
+    ]  # preset files
     check_writes(inputs, outputs)
     return check_output(args.output)
 

@@ -70,6 +70,8 @@ def _write_inputs(d: Path) -> None:
     (d / "text.txt").write_text("experts route tokens to gpus " * 4)
     (d / "binary.txt").write_bytes(b"ok\x94\x00\xff")
     (d / "out").mkdir()
+    (d / "adv").mkdir()
+    (d / "adv" / "advise.json").write_text(json.dumps(model))  # a model JSON named like advise's output
 
 
 def _snapshot(d: Path) -> dict[str, str]:
@@ -88,6 +90,17 @@ BIG = str(10**12)
 
 # (argv, a fragment of the one stderr line); each was accepted, or leaked a library's text, before
 CASES = [
+    # -- a model or GPU preset file named as an output: it was overwritten ("no input overwritten, ever")
+    (
+        ["advise", "--trace", "{d}/t.npz", "--model", "{d}/adv/advise.json", "--nodes", "1"]
+        + ["--gpus-per-node", "4", "--engine", "vllm", "--output", "{d}/adv"],
+        "output {d}/adv/advise.json is the input",
+    ),
+    ([*SOLVE, "--dispatch", "balanced", "--model", "{d}/m.json", "--report", "{d}/m.json"], "is the input"),
+    (
+        [*SOLVE, "--dispatch", "balanced", "--hardware", "{d}/gstr.json", "-o", "{d}/gstr.json"],
+        "is the input",
+    ),
     # -- ids, layer ids and indices a cast or int() would have bent into other numbers
     (["inspect", "{d}/wrap.npz"], "topk_ids hold ids in [0, 4294967298] but must be in [-1, 7]"),
     ([*SOLVE[:2], "{d}/wrapneg.npz", *SOLVE[3:]], "topk_ids hold ids in [-4294967297, 7]"),
