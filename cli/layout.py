@@ -147,12 +147,12 @@ def _table(plan, top: int) -> list[str]:
 
 def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     from apps.planner.layout import launch_flags
-    from placement.formats import write_placement
-    from profiling.fileio import atomic_write_json, atomic_write_text
+    from placement.formats import placement_files
+    from profiling.fileio import atomic_write_files, json_bytes
 
     best = plan.best
     out.mkdir(parents=True, exist_ok=True)
-    files: list[Path] = []
+    files: list[tuple[Path, bytes]] = []  # published together at the end: the old set or the new, never a mix
     pl = best.placement.with_provenance(
         solver=best.solver_status or "greedy",
         layout=best.candidate.label(model.num_logical_experts),
@@ -161,19 +161,18 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
         phase=plan.options.phase,
         workload=plan.workload,
     )
-    files += write_placement(pl, out / "placement.json", "native")
+    files += placement_files(pl, out / "placement.json", "native")
     sg = out / "sglang_expert_location.json"
-    files += write_placement(pl, sg, "sglang", num_hidden_layers=model.num_layers)
+    files += placement_files(pl, sg, "sglang", num_hidden_layers=model.num_layers)
     trt = out / "moe_load_balancer.yaml"
-    files += write_placement(pl, trt, "trtllm")
+    files += placement_files(pl, trt, "trtllm")
     flags = launch_flags(
         best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node
     )
     import yaml
 
     trt_opts = out / "trtllm_extra_llm_api_options.yaml"
-    atomic_write_text(trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False))
-    files.append(trt_opts)
+    files.append((trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False).encode()))
     text = [
         f"# {model.name} on {plan.cluster.name}, {plan.options.phase}: {best.candidate.label(model.num_logical_experts)}",
         f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU, step {best.cost.step_time * 1e3:.2f} ms (cost model, not measured)",
@@ -187,17 +186,15 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
         f"# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {best.candidate.ep_size} --ep_size {best.candidate.ep_size} --extra_llm_api_options {trt_opts.name}",
     ] + [f"# note: {n}" for n in flags["notes"]]
     lf = out / "launch_flags.sh"
-    atomic_write_text(lf, "\n".join(text) + "\n")
-    files.append(lf)
+    files.append((lf, ("\n".join(text) + "\n").encode()))
     summary = plan.to_dict()
     if compare is not None:
         summary["phase_comparison"] = compare["message"]
         summary["separate_prefill_decode"] = compare["separate_wins"]
     summary["launch_flags"] = flags
     js = out / "layout.json"
-    atomic_write_json(js, summary)
-    files.append(js)
-    return files
+    files.append((js, json_bytes(js, summary)))
+    return atomic_write_files(files)
 
 
 def _q(a: str) -> str:

@@ -42,6 +42,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "json_bytes",
     "atomic_write_files",
     "clean_stale_temps",
     "atomic_save_npz",
@@ -358,6 +359,11 @@ def atomic_write_text(path, text: str) -> None:
 
 def atomic_write_json(path, obj, indent: int | None = 1) -> None:
     """``obj`` as JSON; NaN and infinities are refused (bare ``NaN`` is not JSON: most readers fail on it)."""
+    atomic_write_bytes(path, json_bytes(path, obj, indent))
+
+
+def json_bytes(path, obj, indent: int | None = 1) -> bytes:
+    """The bytes :func:`atomic_write_json` writes to ``path`` (for :func:`atomic_write_files`)."""
     try:
         text = json.dumps(obj, indent=indent, allow_nan=False)
     except ValueError as exc:
@@ -365,7 +371,7 @@ def atomic_write_json(path, obj, indent: int | None = 1) -> None:
             f"cannot write {path}: the data holds NaN or an infinity ({exc}), which JSON cannot represent; "
             f"the input load was probably non-finite or too large: check it"
         ) from None
-    atomic_write_text(path, text + "\n")
+    return (text + "\n").encode("utf-8")
 
 
 def atomic_save_npz(path, compress: bool = True, **arrays) -> None:

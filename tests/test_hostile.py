@@ -226,3 +226,44 @@ def test_library_entry_points_refuse_odd_arguments_with_a_value_error(index):
 def test_read_trace_refuses_a_path_that_is_not_a_name(path):
     with pytest.raises(InputFileError, match="path must be a file name"):
         read_trace(path)
+
+
+def _folder(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("interrupted half-way through the folder")
+
+
+def test_a_layout_output_folder_is_published_whole_or_not_at_all(inputs, tmp_path, monkeypatch, capsys):
+    """``layout --output DIR`` wrote file after file: a failure after the placements (here in the launch
+    flags) left the new placements beside the previous run's flags and summary. (``advise --output``
+    publishes its folder the same way now.)"""
+    import apps.planner.layout
+
+    model = json.loads((inputs / "m.json").read_text())
+    model["num_layers"] = model["first_moe_layer"] + L  # the trace's 2 MoE layers
+    (tmp_path / "m2.json").write_text(json.dumps(model))
+    spec = dict(num_tokens=400, num_layers=L, num_logical_experts=E, top_k=2, num_prompts=8)
+    for seed in (0, 1):  # two workloads: the second run's placements differ from the first's
+        write_trace(synthetic_trace(**spec, seed=seed), tmp_path / f"t{seed}.npz")
+    out = tmp_path / "out"
+
+    def argv(seed: int) -> list[str]:
+        return ["layout", "--model", str(tmp_path / "m2.json"), "--nodes", "1", "--gpus-per-node", "4"] + [
+            "--trace",
+            str(tmp_path / f"t{seed}.npz"),
+            "--output",
+            str(out),
+        ]
+
+    assert main(argv(1)) == 0
+    second = _folder(out)
+    assert main(argv(0)) == 0
+    capsys.readouterr()
+    first = _folder(out)
+    assert len(first) >= 3 and first != second  # the runs write different placements
+    monkeypatch.setattr(apps.planner.layout, "launch_flags", _boom)
+    assert main(argv(1)) == 1  # an internal error after the placements are built: exit 1
+    assert _folder(out) == first  # every file of the last whole run, none of the interrupted one
