@@ -167,7 +167,8 @@ def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: Dispa
     counts = np.asarray(rank_counts, dtype=np.float64)
     lead = counts.shape[:-3]
     G, E = t.ep_size, placement.num_logical_experts
-    if counts.ndim < 3 or counts.shape[-3:] != (placement.num_layers, G, E):
+    ranks = counts.shape[-2] if counts.ndim >= 3 and model.step_load is not None else G  # summed per step
+    if counts.ndim < 3 or counts.shape[-3:] != (placement.num_layers, ranks, E):
         raise ValueError(
             f"rank_counts must be [..., {placement.num_layers}, {G}, {E}] (layers, ranks, experts), got {counts.shape}"
         )
