@@ -46,6 +46,8 @@ def _write_inputs(d: Path) -> None:
     # ids past int32 with the expert count from 'counts': the cast wrapped 2**32 + 2 to expert 2
     np.savez(d / "wrap.npz", topk_ids=np.where(ids == 2, 2**32 + 2, ids), counts=counts)
     np.savez(d / "wrapneg.npz", topk_ids=np.where(ids == 2, -(2**32) - 1, ids), counts=counts)
+    native = dict(np.load(d / "t.npz"))
+    np.savez(d / "labels.npz", **native, window_labels=np.array(["a"] * 7))  # names for windows it lacks
     np.savez(d / "lidf.npz", topk_ids=ids, layer_ids=np.array([0.5, 1.5]))  # was read as layers 0 and 1
     np.savez(d / "lids.npz", topk_ids=ids, layer_ids=np.array(["a", "b"]))  # was int()'s message
     np.savez(
@@ -106,6 +108,7 @@ CASES = [
     ([*SOLVE[:2], "{d}/wrapneg.npz", *SOLVE[3:]], "topk_ids hold ids in [-4294967297, 7]"),
     (["inspect", "{d}/lidf.npz"], "field 'layer_ids' must be a 1-D integer array, got float64"),
     (["evaluate", "{d}/p.json", "{d}/lids.npz"], "field 'layer_ids' must be a 1-D integer array, got <U1"),
+    (["inspect", "{d}/labels.npz"], "window_labels names 7 windows but the trace has no window_counts"),
     (["inspect", "{d}/subjf.npz"], "field 'subject_index' must be a 1-D integer array, got float64"),
     # -- torch.load's paragraph replaced by our words
     (["inspect", "{d}/bad.pt"], "bad.pt: not a safe torch.save file (not a torch.save archive"),
