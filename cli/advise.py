@@ -147,18 +147,19 @@ def _print(d: dict) -> None:
 
 def _write(out: Path, advice, d: dict) -> list[Path]:
     from apps.advise import render_html
-    from placement.formats import write_placement
-    from profiling.fileio import atomic_write_bytes, atomic_write_json
+    from placement.formats import placement_files
+    from profiling.fileio import atomic_write_files, json_bytes
 
     out.mkdir(parents=True, exist_ok=True)
-    files = []
+    files: list[tuple[Path, bytes]] = []
     for name, (placement, hidden) in advice.files.items():
         fmt = "sglang" if advice.context["engine"] == "sglang" else "native"
         extra = {"num_hidden_layers": hidden} if fmt == "sglang" else {}
-        files += write_placement(placement, name, fmt, **extra)
-    atomic_write_bytes(out / REPORT, render_html(advice).encode())
-    atomic_write_json(out / JSON, d)
-    return [out / REPORT, out / JSON, *files]
+        files += placement_files(placement, name, fmt, **extra)
+    report = [(out / REPORT, render_html(advice).encode()), (out / JSON, json_bytes(out / JSON, d))]
+    # every file of the folder as one: an interrupt leaves the old set or the new set, never a mix
+    atomic_write_files([*report, *files])
+    return [out / REPORT, out / JSON, *(f for f, _ in files)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +169,10 @@ def run(args: argparse.Namespace) -> int:
     from profiling.readers import require_data
 
     names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
-    out = check_folder_outputs(args.output, names, [args.trace]) if args.output else None
+    inputs = [args.trace, args.model, args.hardware]  # a model or GPU preset JSON is an input too
+    if args.model:
+        inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
+    out = check_folder_outputs(args.output, names, inputs) if args.output else None
     options = _options(args)
     trace = open_trace(args.trace)
     require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)

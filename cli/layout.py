@@ -101,7 +101,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
     p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
-    p.add_argument("--time-limit", type=seconds, default=10.0, help="seconds per exact solve (cpsat)")
+    p.add_argument("--time-limit", type=seconds, help="seconds per exact solve (cpsat; default 10)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument(
         "--top", type=non_negative_int, default=12, help="rows of the table to print (rejected ones follow)"
@@ -147,12 +147,12 @@ def _table(plan, top: int) -> list[str]:
 
 def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     from apps.planner.layout import launch_flags
-    from placement.formats import write_placement
-    from profiling.fileio import atomic_write_json, atomic_write_text
+    from placement.formats import placement_files
+    from profiling.fileio import atomic_write_files, json_bytes
 
     best = plan.best
     out.mkdir(parents=True, exist_ok=True)
-    files: list[Path] = []
+    files: list[tuple[Path, bytes]] = []  # published together at the end: the old set or the new, never a mix
     pl = best.placement.with_provenance(
         solver=best.solver_status or "greedy",
         layout=best.candidate.label(model.num_logical_experts),
@@ -161,19 +161,18 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
         phase=plan.options.phase,
         workload=plan.workload,
     )
-    files += write_placement(pl, out / "placement.json", "native")
+    files += placement_files(pl, out / "placement.json", "native")
     sg = out / "sglang_expert_location.json"
-    files += write_placement(pl, sg, "sglang", num_hidden_layers=model.num_layers)
+    files += placement_files(pl, sg, "sglang", num_hidden_layers=model.num_layers)
     trt = out / "moe_load_balancer.yaml"
-    files += write_placement(pl, trt, "trtllm")
+    files += placement_files(pl, trt, "trtllm")
     flags = launch_flags(
         best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node
     )
     import yaml
 
     trt_opts = out / "trtllm_extra_llm_api_options.yaml"
-    atomic_write_text(trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False))
-    files.append(trt_opts)
+    files.append((trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False).encode()))
     text = [
         f"# {model.name} on {plan.cluster.name}, {plan.options.phase}: {best.candidate.label(model.num_logical_experts)}",
         f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU, step {best.cost.step_time * 1e3:.2f} ms (cost model, not measured)",
@@ -187,17 +186,15 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
         f"# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {best.candidate.ep_size} --ep_size {best.candidate.ep_size} --extra_llm_api_options {trt_opts.name}",
     ] + [f"# note: {n}" for n in flags["notes"]]
     lf = out / "launch_flags.sh"
-    atomic_write_text(lf, "\n".join(text) + "\n")
-    files.append(lf)
+    files.append((lf, ("\n".join(text) + "\n").encode()))
     summary = plan.to_dict()
     if compare is not None:
         summary["phase_comparison"] = compare["message"]
         summary["separate_prefill_decode"] = compare["separate_wins"]
     summary["launch_flags"] = flags
     js = out / "layout.json"
-    atomic_write_json(js, summary)
-    files.append(js)
-    return files
+    files.append((js, json_bytes(js, summary)))
+    return atomic_write_files(files)
 
 
 def _q(a: str) -> str:
@@ -209,6 +206,7 @@ def _read_inputs(args):
     from placement.cost.hardware import cluster_preset
     from placement.cost.modelspec import load_model
     from profiling.readers import require_data
+    from solver.api import SOLVERS
 
     if args.nodes * args.gpus_per_node > MAX_RANKS:
         raise CliError(
@@ -222,6 +220,8 @@ def _read_inputs(args):
             f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
             f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
         )
+    if args.time_limit is not None and "time_limit" not in SOLVERS[args.solver].option_names:
+        raise CliError(f"--time-limit bounds the exact solves (--solver cpsat), not {args.solver}; drop it")
     for flag, value in (
         ("--step-tokens/--batch-per-rank", args.step_tokens),
         ("--context-len", args.context_len),
@@ -254,7 +254,10 @@ def _plan(args, model, cluster, trace):
 
     opts = _options(args, args.phase)
     search = PlanOptions(
-        solver=args.solver, max_redundant=args.max_redundant, seed=args.seed, time_limit=args.time_limit
+        solver=args.solver,
+        max_redundant=args.max_redundant,
+        seed=args.seed,
+        time_limit=PlanOptions.time_limit if args.time_limit is None else args.time_limit,
     )
     plan = plan_layout(model, cluster, args.nodes, opts, trace=trace, plan=search)
     compare = None

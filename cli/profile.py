@@ -145,9 +145,12 @@ def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
         if not t.exists():
             raise CliError(f"--text {t} does not exist")
         require_regular(t)  # a FIFO or folder is refused instead of read forever
+        _check_utf8(t)
     model = Path(args.model)
     model_files = sorted(model.iterdir()) if model.is_dir() else [model]  # config, weights, tokenizer
     check_writes([*texts, *model_files], [out])
+    if out.suffix != ".npz":
+        raise CliError(f"-o {out}: the trace is written as a native .npz archive; name it {out.stem}.npz")
     stream_dir = Path(args.stream_dir) if args.stream_dir else None
     if stream_dir is not None:
         if args.mode != "tokens":
@@ -156,6 +159,51 @@ def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
         if any(stream_dir.glob("chunk_*.npz")):
             raise CliError(f"--stream-dir {stream_dir} already holds chunk_*.npz files; give an empty folder")
     return out, texts, stream_dir
+
+
+def _check_utf8(path: Path, chunk: int = 1 << 20) -> None:
+    """``path`` decodes as UTF-8 (read in 1 MiB chunks), else a CliError naming the byte offset."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                raise CliError(
+                    f"--text {path}: not UTF-8 text (byte {offset + exc.start} is 0x{block[exc.start]:02x}); "
+                    "give plain text files"
+                ) from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise CliError(
+            f"--text {path}: not UTF-8 text (it ends inside a character); give plain text files"
+        ) from None
+
+
+def _check_device(name: str) -> None:
+    """``--device`` names a torch device this machine has, else a CliError naming what it has."""
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise CliError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return
+    if dev.type != "cuda":
+        raise CliError(f"--device {name!r}: profile runs on cpu or cuda, not {dev.type}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        raise CliError(f"--device {name!r}: this machine has no CUDA device; use --device cpu")
+    if dev.index is not None and dev.index >= count:
+        raise CliError(
+            f"--device {name!r}: this machine has {count} CUDA device(s) (cuda:0..cuda:{count - 1})"
+        )
 
 
 def _open_model(args):
@@ -253,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(
             f"profile needs torch and transformers (pip install torch transformers): {exc}"
         ) from None
+    _check_device(args.device)
 
     from profiling.hooks import RecordOptions, attach
     from profiling.readers import write_trace

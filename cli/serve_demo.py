@@ -89,6 +89,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+MAX_SERVE_TOKENS = 1 << 24  # tokens all ranks process in one demo (prompts and generated), about 16.8M
+
+
+def _check_work(args: argparse.Namespace) -> None:
+    """The demo's whole token count (ranks x prompts per rank x (prompt + new tokens)) is bounded before
+    any rank starts: a flag of 10**12 is refused, never run until the timeout."""
+    total = args.ranks * args.prompts_per_rank * (args.prompt_len + args.new_tokens)
+    if total > MAX_SERVE_TOKENS:
+        raise CliError(
+            f"--ranks {args.ranks} x --prompts-per-rank {args.prompts_per_rank} x (--prompt-len {args.prompt_len} "
+            f"+ --new-tokens {args.new_tokens}) = {total:,} tokens is over the accepted {MAX_SERVE_TOKENS:,} "
+            "(MAX_SERVE_TOKENS); lower one of them"
+        )
+
+
 def _spec(args: argparse.Namespace):
     """The :class:`runtime_hooks.hf_serve.ServeSpec` the arguments describe (CliError on bad numbers)."""
     from cli.validate import check_numbers
@@ -103,6 +118,7 @@ def _spec(args: argparse.Namespace):
         non_negative=("rebalance_every", "redundant", "seed", "max_moves"),
     )
     runtime_dispatch(args.dispatch)
+    _check_work(args)
     if args.layers and not args.placement:
         raise CliError("--layers maps the rows of --placement; pass --placement FILE or drop --layers")
     if args.redundant is not None and args.placement:

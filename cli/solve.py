@@ -13,6 +13,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,8 +51,6 @@ from cli.common import (
 from cli.solve_flags import refuse_ignored_flags
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from placement.model import Placement
     from placement.topology import Topology
     from profiling.trace import RoutingTrace
@@ -213,7 +212,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--hardware",
-        default="h200",
+        default=None,
         help="GPU preset that prices the fitted steps: h100, h800, h200, b200 or a preset .json (default h200)",
     )
     p.add_argument("-o", "--output", help="placement file to write")
@@ -269,6 +268,11 @@ def _check_files(args) -> Path | None:
         outputs.append(args.output + ".weights.json")
     outputs.append(args.report)
     inputs = [args.trace, args.load, source_ranks_file(args.source_ranks), *input_sidecars(args.previous)]
+    inputs += [
+        args.model,
+        args.hardware,
+        args.model and str(Path(args.model) / "config.json"),
+    ]  # preset files
     check_writes(inputs, outputs)
     return check_output(args.output)
 
@@ -355,13 +359,17 @@ def _solver_problem(args, prob: _Problem) -> Problem:
 def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
     """The pipeline (:func:`solver.api.run`) under a time bar; a warning when the gate kept greedy."""
     from solver.api import BASELINE, FitOptions, make_options, run
+    from solver.step_cost import DEFAULT_HARDWARE
 
     values = _solver_options(args, spec, prob.load.shape[0])
     options = make_options(prob.name, values, seed=args.seed, time_limit=args.time_limit)
     limit = args.time_limit if "time_limit" in spec.option_names else None
     with elapsed_bar(prob.name, limit):
         fit = FitOptions(
-            step_tokens=args.step_tokens, phase=args.phase, model=args.model, hardware=args.hardware
+            step_tokens=args.step_tokens,
+            phase=args.phase,
+            model=args.model,
+            hardware=args.hardware or DEFAULT_HARDWARE,
         )
         result = run(prob.name, _solver_problem(args, prob), options, fit)
     if result.objective_fallback:

@@ -14,9 +14,7 @@ from cli.common import CliError
 if TYPE_CHECKING:
     from solver.api import SolverSpec
 
-__all__ = ["STEP_TOKENS", "refuse_ignored_flags"]
-
-STEP_TOKENS = 64  # --step-tokens when not given
+__all__ = ["refuse_ignored_flags"]
 
 
 def _flag(dest: str) -> str:
@@ -27,8 +25,9 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     """A flag given that cannot take effect on this run is refused (the user would believe it did):
     another solver's options, a per-step or source-rank setting nothing here uses, a format with no file.
     ``prob``: the problem read (its ``name``, ``fit`` and ``held`` traces). Sets ``args.step_tokens`` to
-    its default when not given."""
+    its phase's default when not given (decode 64, prefill 256)."""
     from placement.dispatch import get_dispatch
+    from placement.steps import DEFAULT_STEP_TOKENS, PHASES
     from solver.api import SOLVERS
 
     mine = set(spec.flags.values())
@@ -42,11 +41,18 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     if args.wall_clock and not spec.work_per_layer:
         raise CliError(f"--wall-clock applies to a solver bounded by --work-limit, not {prob.name}; drop it")
     model = get_dispatch(args.dispatch)
-    if args.step_tokens is not None and not model.needs_step_counts:
-        raise CliError(
-            f"--step-tokens applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
-        )
-    args.step_tokens = args.step_tokens or STEP_TOKENS
+    if not model.needs_step_counts:
+        given = {
+            "--step-tokens": args.step_tokens is not None,
+            "--phase": args.phase != PHASES[0],
+            "--model": args.model is not None,
+            "--hardware": args.hardware is not None,
+        }
+        for flag in (f for f, on in given.items() if on):
+            raise CliError(
+                f"{flag} applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
+            )
+    args.step_tokens = args.step_tokens or DEFAULT_STEP_TOKENS[args.phase]  # as --help says: by phase
     fit = prob.fit
     fit_ranked = bool(model.engine) and fit is not None and (fit.has_tokens or fit.window_counts is not None)
     if (

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from cli.common import CliError, positive_int
+from cli.common import CliError, bounded_int
+from profiling.limits import MAX_STEP_TOKENS
 
 __all__ = ["add_step_time_args", "step_time_dict"]
 
@@ -24,7 +25,7 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--context-len",
-        type=positive_int,
+        type=bounded_int(1, MAX_STEP_TOKENS, "MAX_STEP_TOKENS"),
         help="cached tokens per sequence (decode) or prompt length (prefill) for step_time's attention (default 4096)",
     )
 

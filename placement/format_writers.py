@@ -32,7 +32,7 @@ from placement.format_spec import (
 from placement.model import Placement, hidden_layer_rows, validate_map
 from profiling.fileio import atomic_write_files
 
-__all__ = ["write_placement"]
+__all__ = ["placement_files", "write_placement"]
 
 # The public logger name of the formats (the CLI's log format shows it), kept from before the split.
 logger = logging.getLogger("placement.formats")
@@ -115,21 +115,34 @@ def write_placement(
             output folder missing (:class:`~profiling.fileio.InputFileError`). Nothing is written
             then, and existing files keep their content.
     """
-    if format not in FORMATS:
-        raise ValueError(f"unknown placement format {format!r}; choose one of {', '.join(FORMATS)}")
-    p2l = _checked(placement)  # [L, P]
-    out = Path(path)
-    L, P = p2l.shape
-    if num_hidden_layers is not None and format != "sglang":
-        raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")
-    check_output_name(out, format)  # a name the readers would not read back as this format
     # Build every file's bytes first, so a failure leaves the disk untouched.
-    files = _encode(placement, p2l, format, out, num_hidden_layers)
+    files = placement_files(placement, path, format, num_hidden_layers=num_hidden_layers)
     atomic_write_files(files)  # the map and its sidecar as one: both of this call, or neither
+    L, P = placement.num_layers, placement.num_physical_experts
     logger.info(
         "wrote %s placement (%d layers x %d slots) to %s", format, L, P, ", ".join(str(f) for f, _ in files)
     )
     return [f for f, _ in files]
+
+
+def placement_files(
+    placement: Placement,
+    path: str | os.PathLike,
+    format: str = "native",
+    *,
+    num_hidden_layers: int | None = None,
+) -> list[tuple[Path, bytes]]:
+    """What :func:`write_placement` would write, as ``[(path, bytes)]`` (the map, then its sidecar),
+    writing nothing: a command that writes several files publishes them all at once with
+    :func:`profiling.fileio.atomic_write_files`. Same arguments and errors as :func:`write_placement`."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown placement format {format!r}; choose one of {', '.join(FORMATS)}")
+    p2l = _checked(placement)  # [L, P]
+    out = Path(path)
+    if num_hidden_layers is not None and format != "sglang":
+        raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")
+    check_output_name(out, format)  # a name the readers would not read back as this format
+    return _encode(placement, p2l, format, out, num_hidden_layers)
 
 
 def _encode(

@@ -49,7 +49,7 @@ from placement.format_spec import (
 from placement.format_spec import SIDECAR_SUFFIX as SIDECAR_SUFFIX  # re-exported
 from placement.format_spec import VLLM_RECORD_TYPE as VLLM_RECORD_TYPE  # re-exported
 from placement.format_spec import VLLM_RECORD_VERSION as VLLM_RECORD_VERSION  # re-exported
-from placement.format_writers import write_placement
+from placement.format_writers import placement_files, write_placement
 
 __all__ = [
     "FORMATS",
@@ -58,6 +58,7 @@ __all__ = [
     "SIDECAR_SCHEMA",
     "check_output_name",
     "detect_format",
+    "placement_files",
     "read_placement",
     "sidecar_path",
     "write_placement",

@@ -36,7 +36,7 @@ from placement.dispatch import (
     route_layer,
 )
 from placement.model import Placement
-from placement.sources import rank_expert_counts, resolve_source_ranks, source_ranks
+from placement.sources import check_src_ranks, rank_expert_counts, resolve_source_ranks, source_ranks
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES, make_steps
 from profiling.readers import require_data
 from profiling.trace import RoutingTrace
@@ -71,6 +71,16 @@ ENGINE_RULES = tuple(n for n, m in DISPATCH.items() if m.route is not None)  # d
 # consecutive tokens per rank (the batch rows vllm-hash hashes; the steps of a per-step model).
 WINDOW_STEP_TOKENS = DEFAULT_STEP_TOKENS["prefill"]
 DEFAULT_PHASE = "decode"  # the phase step_par and evaluate use when none is given (what engines mostly run)
+
+
+def _check_types(placement: object, trace: object = None, what: str = "trace") -> None:
+    """A :class:`Placement` (and a :class:`RoutingTrace` ``trace`` unless ``what`` is empty), else a ValueError."""
+    if not isinstance(placement, Placement):
+        raise ValueError(f"placement must be a placement.model.Placement, got {type(placement).__name__}")
+    if what and not isinstance(trace, RoutingTrace):
+        raise ValueError(
+            f"{what} must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
+        )
 
 
 def _check_compatible(placement: Placement, num_layers: int, num_experts: int, what: str) -> None:
@@ -155,6 +165,11 @@ def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: Dispa
     counts = np.asarray(rank_counts, dtype=np.float64)
     lead = counts.shape[:-3]
     G, E = t.ep_size, placement.num_logical_experts
+    ranks = counts.shape[-2] if counts.ndim >= 3 and model.step_load is not None else G  # summed per step
+    if counts.ndim < 3 or counts.shape[-3:] != (placement.num_layers, ranks, E):
+        raise ValueError(
+            f"rank_counts must be [..., {placement.num_layers}, {G}, {E}] (layers, ranks, experts), got {counts.shape}"
+        )
     out = np.zeros((*lead, placement.num_layers, G))
     for l in range(placement.num_layers):
         if model.step_load is not None:
@@ -409,7 +424,7 @@ def route_tokens(
             f"topk_ids must be integer ids in [-1, {placement.num_logical_experts}), got {ids.dtype}"
         )
     tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
-    src = np.asarray(src_gpu, dtype=np.int64)
+    src = check_src_ranks(src_gpu, T, placement.topology.ep_size)
     if model.route is not None:
         return _route_engine(placement, ids, src, model, batch_index, seed)
     if not model.runtime:
@@ -463,6 +478,7 @@ def imbalance_ratio(placement: Placement, trace_or_load, dispatch: Dispatch = EV
 
 
 def _gpu_load_any(placement, trace_or_load, dispatch):
+    _check_types(placement, what="")
     require_data(trace_or_load, "the trace" if isinstance(trace_or_load, RoutingTrace) else "the load")
     if isinstance(trace_or_load, RoutingTrace):
         return trace_gpu_load(placement, trace_or_load, dispatch)
@@ -539,6 +555,7 @@ def communication(
     ``hidden_size`` is given: dispatch ``d * dispatch_bytes_per_elem + d/128*4`` (FP8 with scales by
     default), combine ``d * combine_bytes_per_elem`` (BF16), per remote GPU reached.
     """
+    _check_types(placement, trace)
     model = get_dispatch(dispatch)
     how = "given" if src is not None else source_ranks(trace, placement.topology.ep_size)[1]
     src = _layer_ids_src(placement, trace, src)
@@ -649,6 +666,7 @@ def evaluate(
     every token (default: :func:`source_ranks`). Step metrics (:func:`step_par`) when ``step_tokens``
     or ``phase`` is given (``phase`` default :data:`DEFAULT_PHASE`, ``step_tokens`` the phase's
     default); they name the phase and carry the steps' notes."""
+    _check_types(placement, trace)
     model = get_dispatch(dispatch)
     if not model.counts_only and not trace.has_tokens:
         raise ValueError(

@@ -11,7 +11,7 @@ import numpy as np
 
 from profiling.trace import RoutingTrace
 
-__all__ = ["rank_expert_counts", "resolve_source_ranks", "source_ranks"]
+__all__ = ["check_src_ranks", "rank_expert_counts", "resolve_source_ranks", "source_ranks"]
 
 
 def source_ranks(trace: RoutingTrace, ep_size: int) -> tuple[np.ndarray, str]:
@@ -50,11 +50,23 @@ def resolve_source_ranks(
         return np.repeat(np.arange(lengths.size, dtype=np.int64) % ep_size, lengths), f"round-robin by {unit}"
     if spec == "random" or spec.startswith("random:"):
         seed_text = spec.partition(":")[2] or "0"
-        if not seed_text.isdigit():
-            raise ValueError(f"--source-ranks {spec!r}: the seed after 'random:' must be a whole number")
-        ranks = np.random.default_rng(int(seed_text)).integers(0, ep_size, size=lengths.size)
+        ranks = np.random.default_rng(_random_seed(spec)).integers(0, ep_size, size=lengths.size)
         return np.repeat(ranks.astype(np.int64), lengths), f"random by {unit} (seed {seed_text})"
     return _source_ranks_file(spec, trace.num_tokens, ep_size), f"file {spec}"
+
+
+def check_src_ranks(src_gpu, num_tokens: int, ep_size: int) -> np.ndarray:
+    """``src_gpu`` as int64 ``[T]`` ranks in ``[0, G)``, else a ValueError naming the shape or range."""
+    src = np.asarray(src_gpu)
+    if (
+        src.shape != (num_tokens,)
+        or (src.size and src.dtype.kind not in "iu")
+        or (src.size and not 0 <= int(src.min()) <= int(src.max()) < ep_size)
+    ):
+        raise ValueError(
+            f"src_gpu must be {num_tokens} integer ranks in 0..{ep_size - 1}, got {src.dtype} {src.shape}"
+        )
+    return src.astype(np.int64)
 
 
 def rank_expert_counts(trace: RoutingTrace, ep_size: int, spec: str | None = None) -> np.ndarray:
@@ -79,11 +91,24 @@ def rank_expert_counts(trace: RoutingTrace, ep_size: int, spec: str | None = Non
     if spec in (None, "round-robin"):
         ranks = np.arange(W) % ep_size
     elif spec == "random" or spec.startswith("random:"):
-        ranks = np.random.default_rng(int(spec.partition(":")[2] or 0)).integers(0, ep_size, size=W)
+        ranks = np.random.default_rng(_random_seed(spec)).integers(0, ep_size, size=W)
     else:
         raise ValueError(f"--source-ranks {spec!r}: a counts-only trace takes round-robin or random[:SEED]")
     np.add.at(out, (slice(None), ranks), np.moveaxis(np.asarray(trace.window_counts, dtype=np.int64), 0, 1))
     return out
+
+
+MAX_SEED = 2**31 - 1  # the CLI's --seed bound
+
+
+def _random_seed(spec: str) -> int:
+    """The seed of ``random[:SEED]``: a whole number in ``0..MAX_SEED``, else a one-line ValueError."""
+    text = spec.partition(":")[2] or "0"
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or int(text) > MAX_SEED:
+        raise ValueError(
+            f"--source-ranks {spec[:40]!r}: the seed after 'random:' must be a whole number in 0..{MAX_SEED}"
+        )
+    return int(text)
 
 
 def _source_ranks_file(path: str, num_tokens: int, ep_size: int) -> np.ndarray:

@@ -42,6 +42,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
+    "json_bytes",
     "atomic_write_files",
     "clean_stale_temps",
     "atomic_save_npz",
@@ -358,6 +359,11 @@ def atomic_write_text(path, text: str) -> None:
 
 def atomic_write_json(path, obj, indent: int | None = 1) -> None:
     """``obj`` as JSON; NaN and infinities are refused (bare ``NaN`` is not JSON: most readers fail on it)."""
+    atomic_write_bytes(path, json_bytes(path, obj, indent))
+
+
+def json_bytes(path, obj, indent: int | None = 1) -> bytes:
+    """The bytes :func:`atomic_write_json` writes to ``path`` (for :func:`atomic_write_files`)."""
     try:
         text = json.dumps(obj, indent=indent, allow_nan=False)
     except ValueError as exc:
@@ -365,7 +371,7 @@ def atomic_write_json(path, obj, indent: int | None = 1) -> None:
             f"cannot write {path}: the data holds NaN or an infinity ({exc}), which JSON cannot represent; "
             f"the input load was probably non-finite or too large: check it"
         ) from None
-    atomic_write_text(path, text + "\n")
+    return (text + "\n").encode("utf-8")
 
 
 def atomic_save_npz(path, compress: bool = True, **arrays) -> None:
@@ -535,6 +541,18 @@ def safe_torch_load(
         return torch.load(p if data is None else io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - UnpicklingError, RuntimeError (bad zip), EOFError, ...
         raise InputFileError(
-            f"{p}: not a safe torch.save file ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); "
+            f"{p}: not a safe torch.save file ({_torch_load_cause(exc, size)}); "
             f"only tensors, dicts, lists and numbers are loaded, never pickled objects"
         ) from None
+
+
+def _torch_load_cause(exc: Exception, size: int) -> str:
+    """What went wrong in ``torch.load``, in our words (torch's own messages run to a paragraph)."""
+    text = " ".join(str(exc).split())
+    if size == 0:
+        return "the file is empty"
+    if isinstance(exc, EOFError) or "zip archive" in text or "central directory" in text:
+        return "a truncated or corrupt archive"
+    if type(exc).__name__ == "UnpicklingError":
+        return "not a torch.save archive, or it holds objects other than tensors, dicts, lists and numbers"
+    return f"{type(exc).__name__}: {text.split('. ')[0][:120]}"

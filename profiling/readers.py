@@ -80,6 +80,15 @@ def _int_vector(arrays, key, path) -> np.ndarray:
     return v.astype(np.int64)
 
 
+def _layer_ids(arrays, path) -> tuple[int, ...]:
+    """Field ``layer_ids`` as a tuple of ints (``()`` when absent): whole numbers only, never 0.5 read as 0."""
+    if "layer_ids" not in arrays:
+        return ()
+    if np.asarray(arrays["layer_ids"]).ndim == 0:
+        return (_int_scalar(arrays, "layer_ids", path),)
+    return tuple(int(x) for x in _int_vector(arrays, "layer_ids", path))
+
+
 def _str_scalar(arrays, key, default=""):
     if key not in arrays:
         return default
@@ -112,6 +121,8 @@ def read_trace(
     Raises:
         InputFileError (a ValueError) naming the file, the field and the expected form.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputFileError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
     if num_logical_experts is not None:
         _check_num_experts(num_logical_experts)  # ValueError naming the value
@@ -135,9 +146,7 @@ def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_
     if "schema" in arrays:
         _no_domains(p, domains)
         return _native_trace(arrays, p)
-    layer_ids = (
-        tuple(int(x) for x in np.asarray(arrays["layer_ids"]).ravel()) if "layer_ids" in arrays else ()
-    )
+    layer_ids = _layer_ids(arrays, p)
     if "topk_ids" in arrays:
         _no_domains(p, domains)
         return _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids)
@@ -188,7 +197,7 @@ def _native_trace(arrays, p) -> RoutingTrace:
     return RoutingTrace(
         num_logical_experts=_int_scalar(arrays, "num_logical_experts", p),
         topk_ids=arrays.get("topk_ids"),
-        layer_ids=tuple(int(x) for x in arrays["layer_ids"]) if "layer_ids" in arrays else (),
+        layer_ids=_layer_ids(arrays, p),
         source_rank=arrays.get("source_rank"),
         seq_offsets=arrays.get("seq_offsets"),
         step_offsets=arrays.get("step_offsets"),
@@ -222,6 +231,12 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
         E = int(shape[-1])
     if E is None:
         E = int(ids.max()) + 1 if ids.size else 1
+    if ids.size and int(E) <= MAX_EXPERTS and (int(ids.min()) < -1 or int(ids.max()) >= int(E)):
+        # checked before the int32 cast, which would wrap 2**32 + 2 to expert 2 and -2**32 - 1 to padding
+        raise InputFileError(
+            f"{p}: topk_ids hold ids in [{int(ids.min())}, {int(ids.max())}] but must be in [-1, {int(E) - 1}] "
+            f"for num_logical_experts={int(E)} (-1 = no expert); pass the model's real expert count"
+        )
     return ids.astype(np.int32), E
 
 
@@ -320,7 +335,7 @@ def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
     labels: tuple[str, ...] = ()
     if c.ndim == 3 and "subject_index" in arrays and "subjects" in arrays:
         subj = np.asarray(arrays["subjects"]).astype(str)
-        si = np.asarray(arrays["subject_index"]).astype(np.int64)
+        si = _int_vector(arrays, "subject_index", p)
         if si.shape != (c.shape[0],) or (si.size and (si.min() < 0 or si.max() >= subj.size)):
             raise InputFileError(f"{p}: 'subject_index' does not match 'counts' rows or 'subjects'")
         labels = tuple(subj[si])

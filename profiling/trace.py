@@ -154,6 +154,10 @@ class RoutingTrace:
             if labels and len(labels) != wc.shape[0]:
                 raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
             object.__setattr__(self, "window_labels", labels)
+        if self.window_counts is None and len(self.window_labels):
+            raise ValueError(
+                f"window_labels names {len(self.window_labels)} windows but the trace has no window_counts; drop them"
+            )
         assert L is not None  # one of topk_ids / window_counts was checked above
         ids_ = check_layer_ids(self.layer_ids if len(self.layer_ids) else range(L))
         if len(ids_) != L:
@@ -175,6 +179,8 @@ class RoutingTrace:
             if off is not None:
                 off.setflags(write=False)
             object.__setattr__(self, name, off)
+        if not isinstance(self.metadata, Mapping):
+            raise ValueError(f"metadata must be a mapping (a dict), got {type(self.metadata).__name__}")
         object.__setattr__(self, "metadata", dict(self.metadata))
 
     # ---- shape -------------------------------------------------------------------------------

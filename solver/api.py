@@ -297,6 +297,7 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
     (objective) -> fit -> gate (dispatch) -> report."""
     spec = _spec(name)
     options = options if options is not None else make_options(name)
+    _check_run_args(name, spec, options, fit)
     t0 = time.perf_counter()
     baseline, baseline_report = _baseline(problem)
     is_baseline = name == BASELINE and options == make_options(BASELINE)
@@ -321,6 +322,30 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
         objective_fallback,
         dispatch_fallback,
     )
+
+
+def _check_run_args(name: str, spec: SolverSpec, options: Any, fit: Any) -> None:
+    """``options`` the solver's options object and ``fit`` a :class:`FitOptions` (or None), else a
+    one-line ValueError naming what came and how to build the right one."""
+    if not isinstance(options, spec.options):
+        raise ValueError(
+            f"options must be a {spec.options.__name__} for the {name} solver, got {type(options).__name__}; "
+            f"build it with solver.api.make_options({name!r}, {{...}})"
+        )
+    if fit is not None and not isinstance(fit, FitOptions):
+        raise ValueError(
+            f"fit must be a solver.api.FitOptions or None, got {type(fit).__name__}; e.g. FitOptions(steps=60)"
+        )
+
+
+def _check_solve_args(seed: Any, options: Any) -> None:
+    """``seed`` a whole number >= 0 and ``options`` a mapping of option names (or None), else a ValueError."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(
+            f"options must be a mapping of option names to values (e.g. {{'max_moves': 4}}), got {type(options).__name__}"
+        )
 
 
 def _baseline(problem: Problem) -> tuple[Placement, SolveReport]:
@@ -466,6 +491,7 @@ def solve(
     ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError. ``fit``: the fit
     step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`.
     """
+    _check_solve_args(seed, options)
     problem = Problem.build(
         topology,
         load=load,

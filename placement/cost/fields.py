@@ -89,8 +89,23 @@ def check_value(name: str, value: Any, kind: str, rule: Range | None, where: str
     elif kind.startswith(("Mapping", "dict")):
         if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
             raise _refuse(where, name, value, "a JSON object (string keys)")
+        _check_seconds(name, value, where)
     elif type(value).__name__ != kind:  # a class name (a nested spec)
         raise _refuse(where, name, value, f"a {kind}")
+
+
+def _check_seconds(name: str, value: Mapping, where: str) -> None:
+    """Measured seconds in a mapping (a preset's ``provenance``, whose ``times_s`` make it calibrated):
+    every ``*_s`` entry a finite number >= 0 or a non-empty list of them, never text read as a measurement."""
+    for key in (k for k in value if k.endswith("_s")):
+        v = value[key]
+        items = v if isinstance(v, (list, tuple)) else [v]
+        if not items or len(items) > MAX_SEQUENCE:
+            raise _refuse(
+                where, f"{name}.{key}", v, "a measured time in seconds, or a non-empty list of them"
+            )
+        for i, x in enumerate(items):
+            _check_number(f"{name}.{key}" + (f"[{i}]" if v is items else ""), x, False, None, where)
 
 
 def _check_number(name: str, value: Any, integer: bool, rule: Range | None, where: str) -> None:

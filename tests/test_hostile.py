@@ -1,0 +1,272 @@
+"""Issue 36, a fresh hostile pass: inputs a previous pass did not try, each refused in one line.
+
+Every CLI case runs ``cli.main.main`` in-process on small files in a fresh folder and asserts exit 2,
+one stderr line holding the fragment (which names the number and the fix), and no file changed. The
+library cases assert a ValueError (never an AttributeError, IndexError or TypeError from inside) or, for
+the reader, the project's :class:`~profiling.errors.InputFileError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli.main import main
+from placement.formats import write_placement
+from placement.model import Placement
+from placement.topology import Topology
+from profiling.errors import InputFileError
+from profiling.readers import read_trace, write_trace
+from profiling.synthetic import synthetic_trace
+from profiling.trace import RoutingTrace
+
+E, L, G = 8, 2, 4  # experts, layers, GPUs of the synthetic files
+HF = {
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": E,
+    "num_experts_per_tok": 2,
+    "vocab_size": 100,
+}
+
+
+def _write_inputs(d: Path) -> None:
+    trace = synthetic_trace(num_tokens=400, num_layers=L, num_logical_experts=E, top_k=2, num_prompts=8)
+    write_trace(trace, d / "t.npz")
+    ids = trace.topk_ids.astype(np.int64)
+    counts = np.ones((L, E))
+    # ids past int32 with the expert count from 'counts': the cast wrapped 2**32 + 2 to expert 2
+    np.savez(d / "wrap.npz", topk_ids=np.where(ids == 2, 2**32 + 2, ids), counts=counts)
+    np.savez(d / "wrapneg.npz", topk_ids=np.where(ids == 2, -(2**32) - 1, ids), counts=counts)
+    native = dict(np.load(d / "t.npz"))
+    np.savez(d / "labels.npz", **native, window_labels=np.array(["a"] * 7))  # names for windows it lacks
+    np.savez(d / "lidf.npz", topk_ids=ids, layer_ids=np.array([0.5, 1.5]))  # was read as layers 0 and 1
+    np.savez(d / "lids.npz", topk_ids=ids, layer_ids=np.array(["a", "b"]))  # was int()'s message
+    np.savez(
+        d / "subjf.npz",
+        counts=np.ones((3, L, E)),
+        subject_index=np.array([0.5, 1.0, 1.0]),
+        subjects=np.array(["a", "b"]),
+    )
+    (d / "bad.pt").write_bytes(bytes(range(256)) * 2)
+    (d / "empty.pt").write_bytes(b"")
+    (d / "zip.pt").write_bytes(b"PK\x03\x04" + b"\x00" * 100)
+    pl = Placement.trivial(L, E, Topology(G, E, 1))
+    write_placement(pl, d / "p.json")
+    model = json.loads(
+        (Path(__file__).parents[1] / "placement/cost/models/deepseek_v2_lite.json").read_text()
+    )
+    model.update(num_logical_experts=E, top_k=2)
+    (d / "m.json").write_text(json.dumps(model))
+    (d / "hf.json").write_text(json.dumps(HF))
+    for name, prov in (("gstr.json", {"times_s": "x"}), ("gnan.json", {"times_s": [1e-5, "nan"]})):
+        (d / name).write_text(json.dumps({"base": "h200", "provenance": prov}))
+    (d / "text.txt").write_text("experts route tokens to gpus " * 4)
+    (d / "binary.txt").write_bytes(b"ok\x94\x00\xff")
+    (d / "out").mkdir()
+    (d / "adv").mkdir()
+    (d / "adv" / "advise.json").write_text(json.dumps(model))  # a model JSON named like advise's output
+
+
+def _snapshot(d: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(d)): "dir" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(d.rglob("*"))
+    }
+
+
+SOLVE = ["solve", "--trace", "{d}/t.npz", "--ep-size", "4"]
+EVAL = ["evaluate", "{d}/p.json", "{d}/t.npz"]
+LAYOUT = ["layout", "--model", "{d}/m.json", "--nodes", "1", "--gpus-per-node", "4"]
+PROFILE = ["profile", "--model", "{d}/hf.json", "--text", "{d}/text.txt", "-o", "{d}/out/t.npz"]
+SERVE = ["serve-demo", "--model", "{d}/hf.json"]
+BIG = str(10**12)
+
+# (argv, a fragment of the one stderr line); each was accepted, or leaked a library's text, before
+CASES = [
+    # -- a model or GPU preset file named as an output: it was overwritten ("no input overwritten, ever")
+    (
+        ["advise", "--trace", "{d}/t.npz", "--model", "{d}/adv/advise.json", "--nodes", "1"]
+        + ["--gpus-per-node", "4", "--engine", "vllm", "--output", "{d}/adv"],
+        "output {d}/adv/advise.json is the input",
+    ),
+    ([*SOLVE, "--dispatch", "balanced", "--model", "{d}/m.json", "--report", "{d}/m.json"], "is the input"),
+    (
+        [*SOLVE, "--dispatch", "balanced", "--hardware", "{d}/gstr.json", "-o", "{d}/gstr.json"],
+        "is the input",
+    ),
+    # -- ids, layer ids and indices a cast or int() would have bent into other numbers
+    (["inspect", "{d}/wrap.npz"], "topk_ids hold ids in [0, 4294967298] but must be in [-1, 7]"),
+    ([*SOLVE[:2], "{d}/wrapneg.npz", *SOLVE[3:]], "topk_ids hold ids in [-4294967297, 7]"),
+    (["inspect", "{d}/lidf.npz"], "field 'layer_ids' must be a 1-D integer array, got float64"),
+    (["evaluate", "{d}/p.json", "{d}/lids.npz"], "field 'layer_ids' must be a 1-D integer array, got <U1"),
+    (["inspect", "{d}/labels.npz"], "window_labels names 7 windows but the trace has no window_counts"),
+    (["inspect", "{d}/subjf.npz"], "field 'subject_index' must be a 1-D integer array, got float64"),
+    # -- torch.load's paragraph replaced by our words
+    (["inspect", "{d}/bad.pt"], "bad.pt: not a safe torch.save file (not a torch.save archive"),
+    (["inspect", "{d}/empty.pt"], "empty.pt: not a safe torch.save file (the file is empty)"),
+    (["evaluate", "{d}/zip.pt", "{d}/t.npz"], "zip.pt: not a safe torch.save file (a truncated or corrupt"),
+    # -- flags accepted and ignored
+    (["validate", "{d}/p.json", "--policy", "nosuch"], "--policy: unknown dispatch model 'nosuch'"),
+    (["validate", "{d}/p.json", "--policy", "sglang-static"], "scored offline only"),
+    (
+        [*SOLVE, "--model", "deepseek-v3"],
+        "--model applies to a per-step dispatch model (balanced, sglang-lp)",
+    ),
+    ([*SOLVE, "--hardware", "h100"], "--hardware applies to a per-step dispatch model"),
+    ([*SOLVE, "--phase", "prefill"], "--phase applies to a per-step dispatch model"),
+    (  # the help's default for prefill (256), not decode's 64
+        [*SOLVE, "--dispatch", "balanced", "--phase", "prefill", "--fit-fraction", "0.5"],
+        "one prefill step of 256 tokens per rank on 4 ranks takes 1024 tokens",
+    ),
+    ([*LAYOUT, "--time-limit", "5"], "--time-limit bounds the exact solves (--solver cpsat), not greedy"),
+    # -- unbounded work from one flag: refused before anything runs
+    (
+        [*EVAL, "--model", "{d}/m.json", "--context-len", BIG],
+        f"{BIG} is not in the accepted range: 1..16777216",
+    ),
+    ([*SERVE, "--new-tokens", BIG], "= 8,000,000,000,064 tokens is over the accepted 16,777,216"),
+    ([*SERVE, "--prompts-per-rank", BIG], "(MAX_SERVE_TOKENS); lower one of them"),
+    ([*EVAL, "--source-ranks", "random:" + "9" * 5000], "must be a whole number in 0..2147483647"),
+    # -- profile: a device the machine lacks, an output read back as another format, binary "text"
+    ([*PROFILE, "--device", "nosuch"], "--device 'nosuch' is not a torch device; use cpu, cuda or cuda:N"),
+    ([*PROFILE[:-1], "{d}/out/t.json"], "-o {d}/out/t.json: the trace is written as a native .npz archive"),
+    ([*PROFILE[:4], "{d}/binary.txt", *PROFILE[5:]], "not UTF-8 text (byte 2 is 0x94)"),
+    # -- a GPU preset whose measured times are not times: it would have said 'calibrated'
+    ([*EVAL, "--model", "{d}/m.json", "--hardware", "{d}/gstr.json"], "provenance.times_s is 'x'; accepted"),
+    ([*LAYOUT, "--hardware", "{d}/gnan.json"], "provenance.times_s[1] is 'nan'"),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("hostile")
+    _write_inputs(d)
+    return d
+
+
+@pytest.mark.parametrize("argv, fragment", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_hostile_input_is_one_line_exit_2_and_nothing_changes(argv, fragment, inputs, capsys):
+    before = _snapshot(inputs)
+    rc = main([a.format(d=inputs) for a in argv])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, (argv, err)
+    assert len(lines) == 1 and lines[0].startswith("moe-placement: error:"), err
+    assert fragment.format(d=inputs) in lines[0], lines[0]
+    assert _snapshot(inputs) == before
+
+
+def test_ids_inside_int32_still_read(inputs):
+    """The range check is no stricter than before: a trace of valid ids reads, and 'counts' sets E."""
+    tr = read_trace(inputs / "t.npz")
+    ids = tr.topk_ids.astype(np.int64)
+    np.savez(inputs / "out" / "ok.npz", topk_ids=ids, counts=np.ones((L, E)), layer_ids=np.array([3.0, 4.0]))
+    back = read_trace(inputs / "out" / "ok.npz")
+    assert back.num_logical_experts == E and back.layer_ids == (3, 4)  # whole floats read as before
+    assert np.array_equal(back.topk_ids, ids)
+
+
+def _lib_trace() -> RoutingTrace:
+    return synthetic_trace(num_tokens=100, num_layers=L, num_logical_experts=E, top_k=2, num_prompts=5)
+
+
+def _lib_calls():
+    """(call, fragment): each used to raise AttributeError / IndexError / TypeError from inside."""
+    import placement.metrics as m
+    from solver.api import FitOptions, make_options, run, solve
+    from solver.problem import Problem
+
+    tr = _lib_trace()
+    topo = Topology.from_redundant(E, 0, G)
+    pl = Placement.trivial(L, E, topo)
+    prob = Problem.build(topo, trace=tr)
+    return [
+        (lambda: solve("cpsat", topology=topo, trace=tr, seed="a"), "seed must be an integer >= 0, got 'a'"),
+        (lambda: solve("greedy", topology=topo, trace=tr, options=[1]), "options must be a mapping"),
+        (
+            lambda: solve("greedy", topology=topo, trace=tr, fit={"steps": 3}),
+            "fit must be a solver.api.FitOptions",
+        ),
+        (lambda: run("greedy", prob, make_options("cpsat")), "options must be a GreedyOptions"),
+        (lambda: run("greedy", prob, None, FitOptions), "fit must be a solver.api.FitOptions"),
+        (lambda: m.par(None, tr), "placement must be a placement.model.Placement, got NoneType"),
+        (
+            lambda: m.evaluate(pl, None),
+            "trace must be a profiling.trace.RoutingTrace (read_trace), got NoneType",
+        ),
+        (lambda: m.evaluate(pl, "t.npz"), "got str"),
+        (lambda: m.communication(pl, None), "got NoneType"),
+        (lambda: m.remote_nodes_per_token(pl, np.ones((L, E))), "got ndarray"),
+        (lambda: m.rank_gpu_load(pl, np.ones((L, E)), "even"), "rank_counts must be [..., 2, 4, 8]"),
+        (
+            lambda: m.route_tokens(pl, tr.topk_ids, np.full(100, 99)),
+            "src_gpu must be 100 integer ranks in 0..3",
+        ),
+        (lambda: m.route_tokens(pl, tr.topk_ids, np.zeros(3, int)), "got int64 (3,)"),
+        (lambda: RoutingTrace(E, topk_ids=tr.topk_ids, metadata=[1]), "metadata must be a mapping"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(14))
+def test_library_entry_points_refuse_odd_arguments_with_a_value_error(index):
+    call, fragment = _lib_calls()[index]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("path", [None, 5, 3.5])
+def test_read_trace_refuses_a_path_that_is_not_a_name(path):
+    with pytest.raises(InputFileError, match="path must be a file name"):
+        read_trace(path)
+
+
+def _folder(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _boom(*args, **kwargs):
+    raise RuntimeError("interrupted half-way through the folder")
+
+
+def test_a_layout_output_folder_is_published_whole_or_not_at_all(inputs, tmp_path, monkeypatch, capsys):
+    """``layout --output DIR`` wrote file after file: a failure after the placements (here in the launch
+    flags) left the new placements beside the previous run's flags and summary. (``advise --output``
+    publishes its folder the same way now.)"""
+    import apps.planner.layout
+
+    model = json.loads((inputs / "m.json").read_text())
+    model["num_layers"] = model["first_moe_layer"] + L  # the trace's 2 MoE layers
+    (tmp_path / "m2.json").write_text(json.dumps(model))
+    spec = dict(num_tokens=400, num_layers=L, num_logical_experts=E, top_k=2, num_prompts=8)
+    for seed in (0, 1):  # two workloads: the second run's placements differ from the first's
+        write_trace(synthetic_trace(**spec, seed=seed), tmp_path / f"t{seed}.npz")
+    out = tmp_path / "out"
+
+    def argv(seed: int) -> list[str]:
+        return ["layout", "--model", str(tmp_path / "m2.json"), "--nodes", "1", "--gpus-per-node", "4"] + [
+            "--trace",
+            str(tmp_path / f"t{seed}.npz"),
+            "--output",
+            str(out),
+        ]
+
+    assert main(argv(1)) == 0
+    second = _folder(out)
+    assert main(argv(0)) == 0
+    capsys.readouterr()
+    first = _folder(out)
+    assert len(first) >= 3 and first != second  # the runs write different placements
+    monkeypatch.setattr(apps.planner.layout, "launch_flags", _boom)
+    assert main(argv(1)) == 1  # an internal error after the placements are built: exit 1
+    assert _folder(out) == first  # every file of the last whole run, none of the interrupted one
