@@ -115,7 +115,7 @@ CASES = [
     (["inspect", "{d}/empty.pt"], "empty.pt: not a safe torch.save file (the file is empty)"),
     (["evaluate", "{d}/zip.pt", "{d}/t.npz"], "zip.pt: not a safe torch.save file (a truncated or corrupt"),
     # -- flags accepted and ignored
-    (["validate", "{d}/p.json", "--policy", "nosuch"], "--policy: unknown dispatch model 'nosuch'"),
+    (["validate", "{d}/p.json", "--policy", "nosuch"], "unknown dispatch model 'nosuch'"),
     (["validate", "{d}/p.json", "--policy", "sglang-static"], "scored offline only"),
     (
         [*SOLVE, "--model", "deepseek-v3"],
