@@ -98,6 +98,18 @@ def _check_compatible(placement: Placement, num_layers: int, num_experts: int, w
 # ---------------------------------------------------------------------------------------------
 # Balance
 # ---------------------------------------------------------------------------------------------
+def _check_load_values(g: np.ndarray, what: str) -> None:
+    """ValueError unless ``g`` holds finite, non-negative numbers, not all zero."""
+    if g.size == 0 or not np.isfinite(g).all() or (g < 0).any():
+        bad = "empty" if g.size == 0 else "negative or non-finite values"
+        raise ValueError(f"{what} of shape {list(g.shape)} is {bad}; give finite token counts >= 0")
+    if not g.any():
+        raise ValueError(
+            f"{what} is zero everywhere: the PAR of zero load is undefined (nothing was routed); "
+            f"score a trace or load that routes tokens"
+        )
+
+
 def balance_stats(gpu_load: np.ndarray) -> dict:
     """Balance of per-GPU loads.
 
@@ -107,8 +119,13 @@ def balance_stats(gpu_load: np.ndarray) -> dict:
     Returns:
         dict with ``par``, ``balancedness``, ``imbalance_ratio`` (mean over layers), ``par_worst``
         (worst layer), and ``*_per_layer`` lists. A layer with no load counts as perfectly balanced.
+
+    Raises:
+        ValueError: a negative or non-finite load, or no load at all (the PAR of zero load is undefined,
+            not 1.0: nothing was routed).
     """
     g = np.asarray(gpu_load, dtype=np.float64)
+    _check_load_values(g, "GPU load")
     mean = g.mean(axis=-1)
     peak = g.max(axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -628,6 +645,12 @@ def peak_lower_bound(load: np.ndarray, ep_size: int, num_physical_experts: int) 
     """
     w = np.asarray(load, dtype=np.float64)
     E = w.shape[-1]
+    if int(ep_size) < 1 or int(num_physical_experts) < E:
+        raise ValueError(
+            f"peak_lower_bound needs ep_size >= 1 and num_physical_experts >= the {E} experts of the load; "
+            f"got ep_size={ep_size}, num_physical_experts={num_physical_experts}"
+        )
+    _check_load_values(w, "load")
     max_rep = max(1, min(ep_size, 1 + num_physical_experts - E))
     return np.maximum(w.sum(axis=-1) / ep_size, w.max(axis=-1) / max_rep)
 

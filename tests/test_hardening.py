@@ -15,12 +15,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from cli.main import main
 from placement import Placement, Topology
-from placement.metrics import balance_stats, communication, expected_gpu_load, trace_gpu_load
+from placement.metrics import (
+    balance_stats,
+    communication,
+    expected_gpu_load,
+    peak_lower_bound,
+    trace_gpu_load,
+)
 from profiling.fileio import InputFileError, load_npz
 from profiling.readers import read_trace, write_trace
 from profiling.synthetic import synthetic_trace
@@ -51,12 +57,37 @@ def problems(draw):
     return topo, np.repeat(load, layers, axis=0) * np.arange(1, layers + 1)[:, None]
 
 
+@pytest.mark.parametrize(
+    "gpu_load, words",
+    [
+        (np.zeros((2, 4)), "zero everywhere"),
+        (np.array([[1.0, -1.0]]), "negative or non-finite"),
+        (np.array([[1.0, np.nan]]), "negative or non-finite"),
+        (np.array([[np.inf, 1.0]]), "negative or non-finite"),
+        (np.zeros((0, 4)), "empty"),
+    ],
+)
+def test_balance_stats_refuses_undefined_and_bad_loads(gpu_load, words):
+    with pytest.raises(ValueError, match=words):
+        balance_stats(gpu_load)
+    assert balance_stats(np.array([[0.0, 0.0], [1.0, 3.0]]))["par_per_layer"] == [1.0, 1.5]  # one idle layer
+
+
+def test_peak_lower_bound_refuses_impossible_sizes():
+    load = np.ones((1, 8))
+    for ep, phys in [(0, 8), (4, 7), (-1, 16)]:
+        with pytest.raises(ValueError, match=f"ep_size={ep}, num_physical_experts={phys}"):
+            peak_lower_bound(load, ep, phys)
+    assert peak_lower_bound(load, 4, 8).tolist() == [2.0]
+
+
 @given(problems())
 def test_greedy_always_valid_and_par_at_least_one(prob):
     topo, load = prob
     E = load.shape[1]
     if topo.num_physical_experts < E:
         return
+    assume(load.sum() > 0)  # the PAR of zero load is undefined (test_balance_stats_refuses_...)
     pl, rep = greedy_placement(load, topo)
     assert (pl.logical_replica_count >= 1).all()  # no expert without a replica
     s = balance_stats(expected_gpu_load(pl, load))
@@ -70,6 +101,7 @@ def test_metrics_invariant_to_gpu_permutation_within_nodes_and_expert_relabellin
     E = load.shape[1]
     if topo.num_physical_experts < E:
         return
+    assume(load.sum() > 0)  # the PAR of zero load is undefined (test_balance_stats_refuses_...)
     pl, _ = greedy_placement(load, topo)
     base = balance_stats(expected_gpu_load(pl, load))
     # permute GPUs inside each node (move whole slot blocks)

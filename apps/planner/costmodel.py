@@ -108,6 +108,10 @@ class CostOptions:
     def __post_init__(self) -> None:
         if self.phase not in ("decode", "prefill"):
             raise ValueError(f"phase must be 'decode' or 'prefill', got {self.phase!r}")
+        sizes = {"step_tokens": self.step_tokens, "context_len": self.context_len, "attn_tp": self.attn_tp}
+        for name, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.step_tokens < 1 or self.context_len < 1 or self.attn_tp < 1:
             raise ValueError(
                 f"step_tokens, context_len and attn_tp must be >= 1, got {self.step_tokens}, {self.context_len}, {self.attn_tp}"

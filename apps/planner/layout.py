@@ -367,6 +367,23 @@ def _fmt_rate(x: float) -> str:
     return f"{x:,.0f} tok/s/GPU"
 
 
+def _check_plan_inputs(model, cluster, num_nodes, options, plan) -> None:
+    """ValueError naming the argument whose type or value plan_layout cannot use."""
+    expected = {
+        "model": (model, ModelSpec),
+        "cluster": (cluster, ClusterSpec),
+        "options": (options, CostOptions),
+    }
+    expected["plan"] = (plan, (PlanOptions, type(None)))
+    for name, (value, kind) in expected.items():
+        if not isinstance(value, kind):
+            raise ValueError(
+                f"plan_layout: {name} must be a {getattr(kind, '__name__', kind)}, got {value!r}"
+            )
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, (int, np.integer)) or num_nodes < 1:
+        raise ValueError(f"num_nodes must be a whole number >= 1, got {num_nodes!r}")
+
+
 def plan_layout(
     model: ModelSpec,
     cluster: ClusterSpec,
@@ -384,8 +401,7 @@ def plan_layout(
         plan: how to search and place (:class:`PlanOptions`; default its defaults).
         placements: optional cache ``{(ep_size, num_nodes, R): Placement}`` shared between calls.
     """
-    if num_nodes < 1:
-        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    _check_plan_inputs(model, cluster, num_nodes, options, plan)
     m = cluster.gpus_per_node
     plan = plan or PlanOptions()
     how = "given per-expert load"

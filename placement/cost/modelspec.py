@@ -66,7 +66,7 @@ def _as_tuple(ids: Any) -> Any:
 
 def _check_shape(m: ModelSpec, where: str) -> None:
     """What a single field's range cannot say: top-k within the experts, the MoE layers among the
-    layers, groups dividing the experts, MLA's ranks."""
+    layers, groups dividing the experts, MLA's ranks, GQA's heads dividing over the KV heads."""
     if m.top_k > m.num_logical_experts:
         raise ValueError(f"{where}: top_k={m.top_k} exceeds the {m.num_logical_experts} experts")
     ids = m.moe_layer_ids
@@ -78,6 +78,11 @@ def _check_shape(m: ModelSpec, where: str) -> None:
         raise ValueError(f"{where}: attention must be 'mla' or 'gqa', got {m.attention!r}")
     if m.attention == "mla" and not (m.kv_lora_rank and m.qk_rope_head_dim):
         raise ValueError(f"{where}: MLA needs kv_lora_rank and qk_rope_head_dim (both > 0)")
+    if m.attention == "gqa" and m.num_attention_heads % m.num_kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads={m.num_attention_heads} is not a multiple of num_kv_heads="
+            f"{m.num_kv_heads} (grouped-query attention shares each KV head among whole query groups)"
+        )
     if m.num_groups is not None and m.num_logical_experts % m.num_groups:
         raise ValueError(
             f"{where}: num_groups={m.num_groups} does not divide the {m.num_logical_experts} experts"
@@ -423,6 +428,10 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     folder holding one)."""
     from profiling.fileio import load_json
 
+    if not isinstance(name_or_path, (str, Path)):
+        raise ValueError(
+            f"model must be a built-in name ({sorted(BUILTIN_MODELS)}) or a path, got {type(name_or_path).__name__}"
+        )
     key = str(name_or_path).lower()
     if key in BUILTIN_MODELS:
         return ModelSpec.from_dict(load_json(_MODELS_DIR / BUILTIN_MODELS[key]), where=BUILTIN_MODELS[key])
