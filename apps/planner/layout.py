@@ -288,31 +288,18 @@ def _place(
     topo = Topology.from_redundant(
         model.num_logical_experts, cand.num_redundant, cand.ep_size, cand.num_nodes
     )
-    groups = model.num_groups
-    if solver == "greedy":
-        from solver.greedy import greedy_placement
-
-        pl, rep = greedy_placement(load, topo, groups, layer_ids=model.moe_layer_ids)
-        return pl, rep.status
     from solver.api import solve
 
-    try:
-        pl, rep = solve(
-            solver,
-            topology=topo,
-            load=load,
-            num_groups=groups,
-            layer_ids=model.moe_layer_ids,
-            time_limit=time_limit,
-            seed=seed,
-        )
-        return pl, rep.status
-    except ImportError as exc:  # the exact solver module is another issue; fall back loudly
-        log.warning("solver %s unavailable (%s); using greedy", solver, exc)
-        from solver.greedy import greedy_placement
-
-        pl, rep = greedy_placement(load, topo, groups, layer_ids=model.moe_layer_ids)
-        return pl, "greedy_fallback"
+    pl, rep = solve(
+        solver,
+        topology=topo,
+        load=load,
+        num_groups=model.num_groups,
+        layer_ids=model.moe_layer_ids,
+        time_limit=time_limit,
+        seed=seed,
+    )
+    return pl, rep.status
 
 
 def evaluate_candidate(
