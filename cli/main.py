@@ -98,10 +98,10 @@ def _terminate_as_exception() -> Iterator[None]:
 
 def _stop_searches() -> None:
     """Stop every CP-SAT search running now (any thread) and make later ones refuse to start, as
-    Ctrl-C does (``solver.exact.cpsat._interrupt_solves``), so SIGTERM does not wait for a solve to
+    Ctrl-C does (``solver.search.interrupt_solves``), so SIGTERM does not wait for a solve to
     reach its time limit. Nothing is imported here: no solver module loaded, no search running."""
-    cpsat = sys.modules.get("solver.exact.cpsat")
-    stop = getattr(cpsat, "_interrupt_solves", None)
+    search = sys.modules.get("solver.search")
+    stop = getattr(search, "interrupt_solves", None)
     if stop is not None:
         stop()
 

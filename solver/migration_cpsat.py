@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from solver.search import run_solve
+
 __all__ = ["ExactLayer", "exact_layer"]
 
 DET_UNITS_PER_S = 0.5  # deterministic-time units per second of share (as solver.exact's _DET_FACTOR)
@@ -75,7 +77,7 @@ def exact_layer(layer: ExactLayer) -> tuple[np.ndarray | None, str, float | None
         solver.parameters.max_deterministic_time = DET_UNITS_PER_S * limit
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = int(layer.seed)
-    code = solver.solve(model)
+    code = run_solve(solver, model)
     note = "replica counts restricted to +-2 around the hint" if restricted else ""
     if deterministic and solver.wall_time >= 0.98 * solver.parameters.max_time_in_seconds:
         cap = "CP-SAT hit its wall-clock safety cap (result may differ between runs)"

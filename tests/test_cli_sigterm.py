@@ -54,3 +54,29 @@ def test_sigterm_during_cpsat_solve_exits_143_promptly(tmp_path):
     assert waited < 5.0, waited
     assert lines[-1] == "moe-placement: terminated (SIGTERM); nothing half-written is left"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["load.npy"]  # no output, no temporary file
+
+
+def test_every_cpsat_search_runs_through_the_interruptible_runner():
+    """The SIGTERM/Ctrl-C stop above reaches a search only if it was started by
+    ``solver.search.run_solve``: no module starts a CP-SAT search (``<CpSolver>.solve(model)``) itself."""
+    import ast
+
+    direct = []
+    for path in sorted((ROOT).glob("*/**/*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if (
+            rel.split("/")[0] not in ("solver", "placement", "runtime_hooks", "apps", "cli")
+            or rel == "solver/search.py"
+        ):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("solve", "Solve")
+            ):
+                if isinstance(node.func.value, ast.Name) and "solver" in node.func.value.id.lower():
+                    direct.append(f"{rel}:{node.lineno}")
+    assert direct == [], direct
+    users = [p for p in (ROOT / "solver").rglob("*.py") if "CpSolver()" in p.read_text()]
+    assert len(users) >= 4 and all("run_solve" in p.read_text() for p in users), users

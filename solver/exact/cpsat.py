@@ -7,17 +7,13 @@ Shapes: ``E`` experts, ``G`` GPUs with ``S`` slots, ``N`` nodes, ``W`` windows, 
 ``tab`` int64 ``[W, E, R+1]`` scaled shares; ``x[e][g]`` bool (a replica of ``e`` on ``g``),
 ``n[e]`` replicas of ``e`` (an int when its range is a single count).
 
-Ctrl-C: OR-Tools' own SIGINT handler is never installed (``catch_sigint_signal = False``; with it, a
-Ctrl-C during a solve in a worker thread aborted the process with ``std::bad_function_call``). A solve
-on the main thread runs in a helper thread while the main thread waits interruptibly, so Ctrl-C stops
-the search at once and reaches Python as ``KeyboardInterrupt``; solves in worker threads are stopped by
-:func:`_interrupt_solves` and then raise ``KeyboardInterrupt`` themselves.
+Ctrl-C and SIGTERM: every CP-SAT search of the project runs through :func:`solver.search.run_solve`
+(see there).
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +31,7 @@ from solver.exact.layer_problem import (
     _Result,
     _Start,
 )
+from solver.search import run_solve as _run_solve
 
 
 @dataclass
@@ -153,73 +150,6 @@ def _cp_solver(seed: int, deterministic_time: float | None, wall_s: float) -> An
         prm.max_deterministic_time = deterministic_time
     prm.max_time_in_seconds = wall_s
     return solver
-
-
-_ACTIVE: set = set()  # solvers searching now (any thread)
-_ACTIVE_LOCK = threading.Lock()
-_INTERRUPTED = threading.Event()  # set by Ctrl-C on the main thread until the next solve starts
-
-
-def _reset_interrupt() -> None:
-    """Forget an earlier Ctrl-C (called when a new solve starts)."""
-    _INTERRUPTED.clear()
-
-
-def _interrupt_solves() -> None:
-    """Ctrl-C on the main thread: stop every running search; later solves raise ``KeyboardInterrupt``."""
-    _INTERRUPTED.set()
-    with _ACTIVE_LOCK:
-        for solver in list(_ACTIVE):
-            solver.stop_search()
-
-
-def _run_solve(solver: Any, model: Any) -> Any:
-    """``solver.solve(model)`` (its status) with Ctrl-C delivered as ``KeyboardInterrupt``.
-
-    On the main thread the search runs in a helper thread while the main thread waits on an Event
-    (interruptible), so the signal is handled at once; on a worker thread it runs in place and raises
-    after a stop by :func:`_interrupt_solves`.
-    """
-    if _INTERRUPTED.is_set():
-        raise KeyboardInterrupt
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(solver)
-    try:
-        if threading.current_thread() is not threading.main_thread():
-            status = solver.solve(model)
-            if _INTERRUPTED.is_set():
-                raise KeyboardInterrupt
-            return status
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def search() -> None:
-            try:
-                box["status"] = solver.solve(model)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = exc
-            finally:
-                done.set()
-
-        helper = threading.Thread(target=search, name="cpsat-solve", daemon=True)
-        helper.start()
-        # wait on an Event, not on helper.join(): a join interrupted by Ctrl-C leaves the thread
-        # half-finished and the interpreter aborts at exit
-        try:
-            while not done.wait(0.1):
-                pass
-        except KeyboardInterrupt:
-            _interrupt_solves()
-            done.wait()
-            helper.join()
-            raise
-        helper.join()
-        if "error" in box:
-            raise box["error"]
-        return box["status"]
-    finally:
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(solver)
 
 
 def _add_replicas(m: Any, pb: _Layer, d: _CpData, v: _CpVars, P: int) -> None:

@@ -11,9 +11,10 @@ import time
 
 import numpy as np
 
-from solver.exact.cpsat import _cp_solver, _run_solve
+from solver.exact.cpsat import _cp_solver
 from solver.exact.layer_problem import _DET_FACTOR, _LNS_ROUND_S, _SAFETY_CAP, _counts_of, _Layer, _Result
 from solver.exact.local_search import _local_search
+from solver.search import run_solve as _run_solve
 
 
 def _large_layer(

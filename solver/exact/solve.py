@@ -27,7 +27,6 @@ from profiling.trace import RoutingTrace
 from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
 from solver.exact.costs import DecodeCost, _max_replicas, count_lower_bound
-from solver.exact.cpsat import _interrupt_solves, _reset_interrupt
 from solver.exact.gate import _gate_noise_source, _gate_prepare, _noise_gate
 from solver.exact.guard import _validation_guard, _validation_split
 from solver.exact.options import ExactOptions
@@ -35,6 +34,8 @@ from solver.exact.per_layer import _Setup, _solve_layer, greedy_layer
 from solver.greedy import greedy_placement
 from solver.problem import Problem
 from solver.report import LayerReport, SolveReport
+from solver.search import interrupt_solves as _interrupt_solves
+from solver.search import reset_interrupt as _reset_interrupt
 from solver.weighted import solve_weighted
 
 __all__ = ["ExactOptions", "run_exact", "solve_exact"]

@@ -24,6 +24,7 @@ import numpy as np
 
 from solver.budget import Budget, as_budget
 from solver.greedy import balanced_packing, greedy_replica_counts
+from solver.search import run_solve
 
 __all__ = ["pack_node_exact", "pack_node_gpus", "pack_peak", "pair_pack"]
 
@@ -304,7 +305,7 @@ def pack_node_exact(
     as_budget(time_limit).cpsat(solver.parameters)
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1
-    st = solver.solve(model)
+    st = run_solve(solver, model)
     name = solver.status_name(st).lower()
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if hint is None:

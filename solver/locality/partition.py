@@ -40,6 +40,7 @@ import numpy as np
 
 from placement.dispatch import LOCAL, get_dispatch
 from solver.locality.reach import token_sample
+from solver.search import run_solve
 
 log = logging.getLogger(__name__)
 
@@ -433,7 +434,7 @@ def refine_cpsat(
     solver.parameters.max_time_in_seconds = float(max(time_limit, 0.05))
     solver.parameters.random_seed = int(seed)
     solver.parameters.num_workers = 1  # one worker: the same seed gives the same memberships
-    st = solver.solve(model)
+    st = run_solve(solver, model)
     name = solver.status_name(st).lower()
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return member0, name
