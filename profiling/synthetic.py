@@ -15,6 +15,7 @@ over the trace from one random permutation to another, with ``drift`` the fracti
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -22,7 +23,9 @@ import numpy as np
 
 from profiling.trace import RoutingTrace
 
-__all__ = ["SyntheticSpec", "synthetic_trace"]
+__all__ = ["MAX_SYNTHETIC_CELLS", "SyntheticSpec", "synthetic_trace"]
+
+MAX_SYNTHETIC_CELLS = 1 << 28  # token x layer x pick cells one synthetic trace allocates (~0.5 GiB of int16)
 
 
 @dataclass(frozen=True)
@@ -57,12 +60,25 @@ class SyntheticSpec:
             ("num_tokens", 1),
             ("num_layers", 1),
             ("num_logical_experts", 2),
+            ("top_k", 1),
             ("num_prompts", 1),
             ("num_clusters", 1),
+            ("seed", 0),
         ):
             v = getattr(self, name)
-            if int(v) < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v}")
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{name} must be a whole number >= {lo}, got {v!r}")
+        for name in ("skew", "affinity", "drift"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.number)) or not np.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
+        cells = self.num_tokens * self.num_layers * self.top_k
+        if cells > MAX_SYNTHETIC_CELLS:
+            raise ValueError(
+                f"num_tokens x num_layers x top_k = {self.num_tokens} x {self.num_layers} x {self.top_k} = "
+                f"{cells} routing cells, over the {MAX_SYNTHETIC_CELLS} a synthetic trace may hold "
+                f"(MAX_SYNTHETIC_CELLS); use fewer tokens or layers"
+            )
         E, k = self.num_logical_experts, self.top_k
         if not 1 <= k < E:
             raise ValueError(f"top_k must be in [1, {E - 1}], got {k}")
@@ -76,6 +92,20 @@ class SyntheticSpec:
             )
 
 
+def _spec_of(spec: SyntheticSpec | None, fields: dict) -> SyntheticSpec:
+    """``spec`` (default ``SyntheticSpec()``) with ``fields`` set; a ValueError names a stray keyword."""
+    if spec is not None and not isinstance(spec, SyntheticSpec):
+        raise ValueError(f"spec must be a SyntheticSpec, got {type(spec).__name__}")
+    known = [f.name for f in dataclasses.fields(SyntheticSpec)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise ValueError(
+            f"synthetic_trace got unknown keyword(s) {', '.join(unknown)}; its keywords are the fields of "
+            f"SyntheticSpec: {', '.join(known)}"
+        )
+    return replace(spec if spec is not None else SyntheticSpec(), **fields)
+
+
 def synthetic_trace(spec: SyntheticSpec | None = None, /, **fields) -> RoutingTrace:
     """Generate a synthetic per-token trace.
 
@@ -87,7 +117,7 @@ def synthetic_trace(spec: SyntheticSpec | None = None, /, **fields) -> RoutingTr
     Returns:
         RoutingTrace with ``topk_ids`` int16 ``[T, L, k]`` and ``seq_offsets`` ``[num_prompts + 1]``.
     """
-    spec = replace(spec if spec is not None else SyntheticSpec(), **fields)
+    spec = _spec_of(spec, fields)
     rng = np.random.default_rng(spec.seed)
     T, L, E, k = int(spec.num_tokens), int(spec.num_layers), int(spec.num_logical_experts), int(spec.top_k)
     base = 1.0 / np.arange(1, E + 1) ** spec.skew  # [E]

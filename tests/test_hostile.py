@@ -314,3 +314,22 @@ def test_load_model_refuses_a_non_path_and_gqa_heads_that_do_not_divide():
     with pytest.raises(ValueError, match="num_attention_heads=6 is not a multiple of num_kv_heads=4"):
         model_from_hf_config({**cfg, "num_key_value_heads": 4}, where="cfg.json")
     assert model_from_hf_config({**cfg, "num_key_value_heads": 3}, where="cfg.json").num_kv_heads == 3
+
+
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"num_experts": 8}, "unknown keyword(s) num_experts; its keywords are the fields of SyntheticSpec"),
+        ({"num_tokens": "x"}, "num_tokens must be a whole number >= 1, got 'x'"),
+        ({"num_tokens": None}, "num_tokens must be a whole number >= 1, got None"),
+        ({"num_layers": True}, "num_layers must be a whole number >= 1, got True"),
+        ({"seed": -1}, "seed must be a whole number >= 0, got -1"),
+        ({"skew": float("nan")}, "skew must be a finite number, got nan"),
+        ({"num_tokens": 10**12}, "routing cells, over the"),
+    ],
+)
+def test_synthetic_trace_refuses_odd_fields_before_allocating(fields, words):
+    with pytest.raises(ValueError) as info:
+        synthetic_trace(**fields)
+    assert words in str(info.value)
+    assert synthetic_trace(num_tokens=np.int64(300), num_prompts=3, num_layers=1).num_tokens == 300
