@@ -15,12 +15,12 @@ over the trace from one random permutation to another, with ``drift`` the fracti
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
+from profiling.options import options_or_fields
 from profiling.trace import RoutingTrace
 
 __all__ = ["MAX_SYNTHETIC_CELLS", "SyntheticSpec", "synthetic_trace"]
@@ -92,20 +92,6 @@ class SyntheticSpec:
             )
 
 
-def _spec_of(spec: SyntheticSpec | None, fields: dict) -> SyntheticSpec:
-    """``spec`` (default ``SyntheticSpec()``) with ``fields`` set; a ValueError names a stray keyword."""
-    if spec is not None and not isinstance(spec, SyntheticSpec):
-        raise ValueError(f"spec must be a SyntheticSpec, got {type(spec).__name__}")
-    known = [f.name for f in dataclasses.fields(SyntheticSpec)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ValueError(
-            f"synthetic_trace got unknown keyword(s) {', '.join(unknown)}; its keywords are the fields of "
-            f"SyntheticSpec: {', '.join(known)}"
-        )
-    return replace(spec if spec is not None else SyntheticSpec(), **fields)
-
-
 def synthetic_trace(spec: SyntheticSpec | None = None, /, **fields) -> RoutingTrace:
     """Generate a synthetic per-token trace.
 
@@ -117,7 +103,7 @@ def synthetic_trace(spec: SyntheticSpec | None = None, /, **fields) -> RoutingTr
     Returns:
         RoutingTrace with ``topk_ids`` int16 ``[T, L, k]`` and ``seq_offsets`` ``[num_prompts + 1]``.
     """
-    spec = _spec_of(spec, fields)
+    spec = options_or_fields(SyntheticSpec, spec, fields, "synthetic_trace", merge=True)
     rng = np.random.default_rng(spec.seed)
     T, L, E, k = int(spec.num_tokens), int(spec.num_layers), int(spec.num_logical_experts), int(spec.top_k)
     base = 1.0 / np.arange(1, E + 1) ** spec.skew  # [E]

@@ -25,7 +25,6 @@ Without per-token or per-window routing (an engine's rebalance call, a bare load
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from placement.dispatch import (
 )
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement, compute_logical_maps, hidden_layer_rows
+from profiling.options import options_or_fields
 from profiling.trace import RoutingTrace
 from solver.greedy import group_nodes, hierarchical_groups
 
@@ -347,7 +347,7 @@ def fit_for_dispatch(
         on the validation part) and what changed.
     """
     dispatch = _check_table(dispatch)
-    o = _options_of(options, fields)
+    o = options_or_fields(TableFitOptions, options, fields, "fit_for_dispatch")
     if not fit.has_tokens and fit.window_counts is None:
         raise ValueError(
             f"placing for {dispatch} from a trace needs per-token or per-window routing (source ranks "
@@ -359,23 +359,6 @@ def fit_for_dispatch(
     static = get_dispatch(dispatch).table_fit == "swaps"
     dealt = _random_dealings(train, G, o.dealings, o.seed) if static else None  # [K, L, G, E]
     return _fit(placement, train.counts(), dealt, parts, dispatch, o, num_groups)
-
-
-def _options_of(options: TableFitOptions | None, fields: dict[str, Any]) -> TableFitOptions:
-    """``options``, or a :class:`TableFitOptions` of the keyword ``fields`` (ValueError naming a stray one)."""
-    known = [f.name for f in dataclasses.fields(TableFitOptions)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ValueError(
-            f"fit_for_dispatch got unknown keyword(s) {', '.join(unknown)}; its search keywords are the "
-            f"fields of TableFitOptions: {', '.join(known)}"
-        )
-    if options is not None and fields:
-        raise ValueError(
-            f"give fit_for_dispatch options=TableFitOptions(...) or its fields as keywords, not both "
-            f"(got options and {', '.join(sorted(fields))})"
-        )
-    return options if options is not None else TableFitOptions(**fields)
 
 
 def fit_for_dispatch_load(

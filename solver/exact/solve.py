@@ -9,7 +9,6 @@ Shapes: ``L`` layers, ``E`` experts, ``G`` GPUs with ``S`` slots, ``P = G * S``,
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -23,6 +22,7 @@ import numpy as np
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.limits import MAX_SEARCH_SAMPLES, check_memory
+from profiling.options import options_or_fields
 from profiling.trace import RoutingTrace
 from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust
@@ -70,28 +70,13 @@ def solve_exact(
         ValueError: both ``options`` and keywords, a keyword that is not a field of :class:`ExactOptions`,
             or a bad input (one line naming it).
     """
-    return _solve(load_or_trace, topology, _options_of(options, fields), num_groups, layer_ids)
-
-
-def _options_of(options: ExactOptions | None, fields: dict[str, Any]) -> ExactOptions:
-    """``options``, or an :class:`ExactOptions` of the keyword ``fields`` (ValueError naming a stray one)."""
-    known = [f.name for f in dataclasses.fields(ExactOptions)]
-    unknown = sorted(set(fields) - set(known))
-    if unknown:
-        raise ValueError(
-            f"solve_exact got unknown keyword(s) {', '.join(unknown)}; its keywords are the fields of "
-            f"ExactOptions: {', '.join(known)}"
-        )
-    if options is None:
-        return ExactOptions(**fields)
-    if not isinstance(options, ExactOptions):
-        raise ValueError(f"options must be an ExactOptions, got {type(options).__name__}")
-    if fields:
-        raise ValueError(
-            f"give solve_exact options=ExactOptions(...) or its fields as keywords, not both "
-            f"(got options and {', '.join(sorted(fields))}); use dataclasses.replace(options, ...)"
-        )
-    return options
+    return _solve(
+        load_or_trace,
+        topology,
+        options_or_fields(ExactOptions, options, fields, "solve_exact"),
+        num_groups,
+        layer_ids,
+    )
 
 
 def run_exact(problem: Problem, options: ExactOptions) -> tuple[Placement, SolveReport]:
