@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from test_engine_plugins import _engines_python  # one skip reason, naming no machine path
 
 from apps.advise.balance import ENGINE, NO_EPLB, OURS
 from apps.advise.engines import _SGLANG_EPLB, _SGLANG_LP, _VLLM_EPLB, ENGINES, architecture_of, can_dispatch
@@ -20,16 +20,6 @@ from apps.advise.options import AdviseOptions
 from apps.advise.recommend import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _engines_python() -> Path:
-    given = os.environ.get("MOE_ENGINES_PYTHON")
-    path = Path(given) if given else ROOT / ".engines-venv" / "bin" / "python"
-    if not path.exists():
-        pytest.skip(
-            f"no engines environment at {path} (set MOE_ENGINES_PYTHON to a python with sglang and vllm)"
-        )
-    return path
 
 
 def _package_dir(name: str) -> Path:
