@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
+
 __all__ = [
     "MAX_EXPERTS",
     "MAX_LAYER_ID",
@@ -90,3 +92,23 @@ def check_memory(nbytes: float, what: str, fix: str, share: float = 0.8) -> None
             f"{what} needs about {nbytes / 1e9:,.1f} GB, over {share:.0%} of the {avail / 1e9:,.1f} GB of "
             f"memory available; {fix}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# a library argument that must be a whole number: bool, float, str and None are named, not cast
+# ---------------------------------------------------------------------------------------------
+__all__ += ["check_whole"]
+
+
+def check_whole(name: str, value, lo: int | None = 0, hi: int | None = None, fix: str = "") -> int:
+    """``value`` as an int when it is a Python or numpy integer (not a bool) in ``lo..hi``, else a
+    one-line ValueError naming ``name``, the value and the accepted range; ``fix`` ends the message."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if ok and (lo is None or lo <= value) and (hi is None or value <= hi):
+        return int(value)
+    span = f" {lo}..{hi:,}" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else ""
+    shown = repr(value) if not ok else f"{int(value):,}"
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    kind = "" if ok else f" ({type(value).__name__})"
+    raise ValueError(f"{name} must be a whole number{span}, got {shown}{kind}{'; ' + fix if fix else ''}")

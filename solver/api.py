@@ -185,6 +185,13 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
     are used only where the solver has such an option. Unknown keys raise ValueError."""
     spec = _spec(name)
     known = set(spec.option_names)
+    anywhere = set().union(*(set(sp.option_names) for sp in SOLVERS.values()))
+    unknown = sorted(set(common) - anywhere)
+    if unknown:  # a misspelt common key was dropped silently: no solver has it
+        raise ValueError(
+            f"make_options: no solver has an option {unknown[0]!r}; common keys are the solvers' own "
+            f"({', '.join(sorted(anywhere & {'seed', 'time_limit', 'work_limit'}))} ...), or pass it in values"
+        )
     merged = {k: v for k, v in common.items() if k in known}
     merged.update(values or {})
     merged.update(spec.fixed)
