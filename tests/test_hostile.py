@@ -143,6 +143,22 @@ CASES = [
     # -- a GPU preset whose measured times are not times: it would have said 'calibrated'
     ([*EVAL, "--model", "{d}/m.json", "--hardware", "{d}/gstr.json"], "provenance.times_s is 'x'; accepted"),
     ([*LAYOUT, "--hardware", "{d}/gnan.json"], "provenance.times_s[1] is 'nan'"),
+    # -- second pass (hostile2): flag pairs where one cannot take effect (each exited 0 before)
+    ([*SOLVE, "--solver", "cpsat", "--num-windows", "4"], "--num-windows 4 sets the windows of a robust fit"),
+    (
+        [*SOLVE, "--solver", "cpsat", "--robust", "max", "--num-windows", "1"],
+        "over --num-windows 1 is the plain",
+    ),
+    ([*SOLVE, "--solver", "locality", "--work-limit", "5", "--wall-clock"], "--work-limit 5 sets one"),
+    (
+        ["convert", "{d}/t.npz", "-o", "{d}/out/c.npz", "--format", "trace", "--ep-size", "4"],
+        "--ep-size shapes a placement, but --format trace converts a trace",
+    ),
+    (
+        ["advise", "--trace", "{d}/t.npz", "--model", "{d}/m.json", "--nodes", "1", "--gpus-per-node", "4"]
+        + ["--engine", "vllm", "--phase", "decode", "--prefill-chunk", "8"],
+        "--prefill-chunk 8 sizes prefill steps, but --phase decode prices no prefill step",
+    ),
 ]
 
 
