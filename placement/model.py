@@ -306,7 +306,9 @@ class Placement:
 
     def select_layers(self, indices: Sequence[int]) -> Placement:
         """A placement over a subset of rows (by row index, not layer id)."""
-        idx = [int(i) for i in indices]
+        idx = [
+            check_whole("select_layers' row", i, None, fix="pass whole-number row indices") for i in indices
+        ]
         if any(not 0 <= i < self.num_layers for i in idx):
             raise ValueError(f"rows {idx[:8]} are outside this placement's rows 0..{self.num_layers - 1}")
         return Placement(

@@ -134,6 +134,7 @@ def make_steps(
         raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
     if max_steps is not None:
         check_whole("max_steps", max_steps, 1, fix="or None for every step")
+    check_whole("seed", seed, 0, fix="e.g. 0")
     G = int(ep_size)
     if trace.step_offsets is not None:
         cap = None if step_tokens is None else _check_step_tokens(step_tokens, PHASES[0])

@@ -79,6 +79,13 @@ def _check_num_experts(E) -> int:
     return int(E)
 
 
+def _labels(value) -> tuple[str, ...]:
+    """Window names as strings; a bare string (whose letters would become names) is refused."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"window_labels must be a sequence of names, got the string {value!r}")
+    return tuple(str(x) for x in value)
+
+
 def _sequence(value, name: str) -> tuple:
     """``value`` as a tuple when it is a sequence (not a string), else a ValueError naming ``name``."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
@@ -164,7 +171,7 @@ class RoutingTrace:
             wc.setflags(write=False)
             object.__setattr__(self, "window_counts", wc)
             L = wc.shape[1]
-            labels = tuple(str(x) for x in self.window_labels)
+            labels = _labels(self.window_labels)
             if labels and len(labels) != wc.shape[0]:
                 raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
             object.__setattr__(self, "window_labels", labels)

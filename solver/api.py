@@ -303,6 +303,10 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
     its defaults; ``fit``: the fit step's, default :class:`FitOptions`): baseline -> solver -> gate
     (objective) -> fit -> gate (dispatch) -> report."""
     spec = _spec(name)
+    if not isinstance(problem, Problem):
+        raise ValueError(
+            f"problem must be a solver.problem.Problem (Problem.build(topology, trace=...)), got {type(problem).__name__}"
+        )
     options = options if options is not None else make_options(name)
     _check_run_args(name, spec, options, fit)
     t0 = time.perf_counter()

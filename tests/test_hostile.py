@@ -394,10 +394,42 @@ def _lib_calls_2():
         (lambda: RoutingRecorder(None, 8, 2), "layer_ids must be a sequence of layer ids, got None"),
         (lambda: find_moe_layers(None), "model must be a torch.nn.Module"),
         (lambda: write_placement(pl, None), "path must be a file name (str or os.PathLike), got NoneType"),
+        (lambda: RoutingTrace(E, window_counts=np.ones((2, L, E)), window_labels="ab"), "the string 'ab'"),
+        (lambda: pl.select_layers([0.5]), "select_layers' row must be a whole number, got 0.5 (float)"),
+        (lambda: make_steps(tr, G, "decode", 4, seed=2.5), "seed must be a whole number >= 0, got 2.5"),
     ]
 
 
-@pytest.mark.parametrize("index", range(40))
+def _step_time_calls():
+    """step_time's arguments of the wrong type: AttributeError from inside (or inf's OverflowError)."""
+    from placement.cost.hardware import cluster_preset
+    from placement.cost.modelspec import load_model
+    from placement.cost.step_time import step_time
+    from placement.steps import make_steps
+    from solver.api import run
+
+    tr = _lib_trace()
+    pl = Placement.trivial(L, E, Topology.from_redundant(E, 0, G))
+    st, cl = make_steps(tr, G, "decode", 4), cluster_preset("h200")
+    model = load_model("deepseek-v2-lite")
+    return [
+        (lambda: step_time(pl, tr, None, "even", model, cl), "steps must be a Steps"),
+        (lambda: step_time(pl, tr, st, "even", "deepseek-v3", cl), "model must be a ModelSpec"),
+        (lambda: step_time(pl, tr, st, "even", model, "h200"), "cluster must be a ClusterSpec"),
+        (lambda: step_time(None, tr, st, "even", model, cl), "placement must be a Placement"),
+        (lambda: step_time(pl, tr, st, "even", model, cl, context_len=float("inf")), "got inf"),
+        (lambda: run("greedy", None), "problem must be a solver.problem.Problem"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_step_time_and_run_refuse_wrong_types(index):
+    call, fragment = _step_time_calls()[index]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("index", range(43))
 def test_library_entry_points_second_pass(index):
     call, fragment = _lib_calls_2()[index]
     with pytest.raises(ValueError) as info:
