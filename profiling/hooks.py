@@ -44,9 +44,8 @@ import torch
 from torch import nn
 
 from profiling.fileio import InputFileError
-from profiling.hook_checks import check_layer_seq as _check_layer_seq
-from profiling.hook_checks import check_module as _check_module
-from profiling.hook_checks import check_sizes as _check_sizes
+from profiling.hook_checks import check_layer_seq, check_module, check_sizes
+from profiling.limits import refuse_unknown_fields
 from profiling.readers import read_trace, write_trace
 from profiling.trace import RoutingTrace
 
@@ -94,7 +93,7 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayerSpec]:
     A block is a module with an ``experts`` child and a ``gate`` or ``router`` child module. The layer id
     is the decoder-layer index in the module path (``model.layers.7.mlp`` -> 7).
     """
-    _check_module(model)
+    check_module(model)
     config = getattr(model, "config", None)
     text_cfg = getattr(config, "text_config", None) or config
     specs: list[MoeLayerSpec] = []
@@ -208,6 +207,7 @@ def read_stream(stream_dir: str | Path) -> RoutingTrace:
     )
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class RecordOptions:
     """What a :class:`RoutingRecorder` keeps (checked when the recorder is built).
@@ -253,7 +253,7 @@ class RoutingRecorder:
         stream_dir, chunk_tokens = o.stream_dir, o.chunk_tokens
         if mode not in ("counts", "tokens"):
             raise ValueError(f"mode must be 'counts' or 'tokens', got {mode!r}")
-        _check_layer_seq(layer_ids)
+        check_layer_seq(layer_ids)
         L = len(layer_ids)
         if L < 1:
             raise ValueError(
@@ -261,7 +261,7 @@ class RoutingRecorder:
             )
         if len(set(int(x) for x in layer_ids)) != L:
             raise ValueError(f"layer_ids must be distinct, got {list(layer_ids)}")
-        _check_sizes(L, num_logical_experts, top_k, o)
+        check_sizes(L, num_logical_experts, top_k, o)
         if stream_dir is not None and mode != "tokens":
             raise ValueError(
                 "stream_dir streams per-token ids; use mode='tokens' (counts mode is already bounded)"
@@ -595,7 +595,7 @@ def attach(
             path (``layers.<i>``) unless ``layer_ids`` is given; ``num_logical_experts`` and ``top_k``
             are then required unless the model's config says them.
     """
-    _check_module(model)
+    check_module(model)
     device = _model_device(model)
     config = getattr(model, "config", None)
     text_cfg = getattr(config, "text_config", None) or config

@@ -51,7 +51,7 @@ from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_lo
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
-from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS, refuse_unknown_fields
 from profiling.trace import RoutingTrace
 from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import (
@@ -228,6 +228,7 @@ _FIT_RANGES = {
 }
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class FitOptions:
     """How the fit step searches (:func:`solver.dispatch_fit.fit_for_dispatch`).

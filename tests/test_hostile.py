@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -341,7 +342,7 @@ def _lib_calls_2():
     from placement.steps import make_steps, step_counts
     from profiling.hooks import RecordOptions, RoutingRecorder, find_moe_layers
     from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
-    from solver.api import make_options
+    from solver.api import FitOptions, make_options
     from solver.greedy import greedy_placement
 
     tr = _lib_trace()
@@ -397,6 +398,10 @@ def _lib_calls_2():
         (lambda: RoutingTrace(E, window_counts=np.ones((2, L, E)), window_labels="ab"), "the string 'ab'"),
         (lambda: pl.select_layers([0.5]), "select_layers' row must be a whole number, got 0.5 (float)"),
         (lambda: make_steps(tr, G, "decode", 4, seed=2.5), "seed must be a whole number >= 0, got 2.5"),
+        # options dataclasses built from **fields or dataclasses.replace: Python's TypeError named no field
+        (lambda: FitOptions(stepz=3), "FitOptions has no field 'stepz'; its fields are enabled, steps"),
+        (lambda: replace(RebalancerConfig(), windw_size=5), "RebalancerConfig has no field 'windw_size'"),
+        (lambda: RecordOptions(capacity=5), "RecordOptions has no field 'capacity'; its fields are mode"),
     ]
 
 
@@ -429,7 +434,7 @@ def test_step_time_and_run_refuse_wrong_types(index):
         call()
 
 
-@pytest.mark.parametrize("index", range(43))
+@pytest.mark.parametrize("index", range(46))
 def test_library_entry_points_second_pass(index):
     call, fragment = _lib_calls_2()[index]
     with pytest.raises(ValueError) as info:

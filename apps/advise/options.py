@@ -14,7 +14,7 @@ from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from placement.steps import DEFAULT_STEP_TOKENS
 from placement.steps import PHASES as STEP_PHASES
-from profiling.limits import MAX_FIT_STEPS, check_whole
+from profiling.limits import MAX_FIT_STEPS, check_whole, refuse_unknown_fields
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -56,6 +56,7 @@ def engine_flag_value(model: DispatchModel) -> str | None:
     return hit.group(1) if hit else None
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class AdviseOptions:
     """Every knob of one advice run.
