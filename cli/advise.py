@@ -43,14 +43,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--decode-batch",
         type=bounded_int(1, 1 << 20),
-        default=DEFAULT_STEP_TOKENS["decode"],
-        help="decode step_tokens: sequences in flight per rank, one token each per step (default %(default)s)",
+        default=None,
+        help="decode step_tokens: sequences in flight per rank, one token each per step "
+        f"(default {DEFAULT_STEP_TOKENS['decode']})",
     )
     p.add_argument(
         "--prefill-chunk",
         type=bounded_int(1, 1 << 24),
-        default=DEFAULT_STEP_TOKENS["prefill"],
-        help="prefill step_tokens: tokens per rank per prefill chunk (default %(default)s)",
+        default=None,
+        help=f"prefill step_tokens: tokens per rank per prefill chunk (default {DEFAULT_STEP_TOKENS['prefill']})",
     )
     p.add_argument(
         "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"
@@ -86,11 +87,17 @@ def _bar(items, total, desc):
 
 def _options(args):
     from apps.advise import AdviseOptions
+    from placement.steps import DEFAULT_STEP_TOKENS
 
+    if args.prefill_chunk is not None and args.phase == "decode":  # decode-batch also sizes the KV memory
+        raise CliError(
+            f"--prefill-chunk {args.prefill_chunk} sizes prefill steps, but --phase decode prices no prefill step; "
+            "drop it"
+        )
     kw = dict(
         gpus_per_node=args.gpus_per_node,
-        decode_step_tokens=args.decode_batch,
-        prefill_step_tokens=args.prefill_chunk,
+        decode_step_tokens=args.decode_batch or DEFAULT_STEP_TOKENS["decode"],
+        prefill_step_tokens=args.prefill_chunk or DEFAULT_STEP_TOKENS["prefill"],
         context_len=args.context_len,
         hardware_calibrated=str(args.hardware).endswith(".json"),
         strict=args.strict,

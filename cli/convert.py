@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from cli.common import (
+    CliError,
     check_output,
     check_writes,
     echo,
@@ -40,9 +41,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_convert)
 
 
+def _refuse_placement_flags(args: argparse.Namespace) -> None:
+    """``--format trace`` copies a trace: the placement flags would be accepted and ignored."""
+    for dest in ("from_format", "ep_size", "num_nodes", "num_logical_experts", "num_hidden_layers"):
+        if getattr(args, dest) is not None:
+            flag = "--" + dest.replace("_", "-")
+            raise CliError(
+                f"{flag} shapes a placement, but --format trace converts a trace (which keeps its own shape); drop it"
+            )
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """Steps: check the output (never the input) -> read (trace or placement, with the shape flags
     given) -> write."""
+    if args.format == "trace":
+        _refuse_placement_flags(args)
     outputs = [args.output] if args.format == "trace" else output_files(args.output, args.format)
     check_writes(input_sidecars(args.input), outputs)
     out = check_output(args.output)

@@ -21,6 +21,25 @@ def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
+def _refuse_contradictions(args) -> None:
+    """Two flags that cannot both take effect: the first would be ignored, or do nothing."""
+    if args.wall_clock and getattr(args, "work_limit", None) is not None:
+        raise CliError(
+            f"--wall-clock bounds the search by --time-limit instead of a step budget, but --work-limit "
+            f"{args.work_limit} sets one (and would bound it); give one of them"
+        )
+    windows, robust = getattr(args, "num_windows", None), getattr(args, "robust", None)
+    if windows is not None and not robust:
+        raise CliError(
+            f"--num-windows {windows} sets the windows of a robust fit, but no --robust is given (the plain fit "
+            f"uses the whole load); add --robust max or --robust q90, or drop it"
+        )
+    if windows == 1 and robust:
+        raise CliError(
+            f"--robust {robust} over --num-windows 1 is the plain fit; use --num-windows 2 or more"
+        )
+
+
 def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
     """A flag given that cannot take effect on this run is refused (the user would believe it did):
     another solver's options, a per-step or source-rank setting nothing here uses, a format with no file.
@@ -40,6 +59,7 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
             )
     if args.wall_clock and not spec.work_per_layer:
         raise CliError(f"--wall-clock applies to a solver bounded by --work-limit, not {prob.name}; drop it")
+    _refuse_contradictions(args)
     model = get_dispatch(args.dispatch)
     if not model.needs_step_counts:
         given = {

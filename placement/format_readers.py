@@ -502,6 +502,8 @@ def read_placement(
         InputFileError (a ValueError) naming the file, the field and the expected form, or the
         missing argument (e.g. ``sglang file has no sidecar: pass ep_size``).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise InputFileError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
     if format is not None and format not in FORMATS:
         raise ValueError(f"unknown placement format {format!r}; choose one of {', '.join(FORMATS)}")

@@ -62,7 +62,7 @@ def _rows_json(key: str, rows: np.ndarray) -> str:
 def _checked(placement: Placement) -> np.ndarray:
     """Re-validate before writing: a file is only ever written for a valid placement."""
     if not isinstance(placement, Placement):
-        raise TypeError(f"write_placement needs a Placement, got {type(placement).__name__}")
+        raise ValueError(f"write_placement needs a Placement, got {type(placement).__name__}")
     return validate_map(
         placement.physical_to_logical_map,
         placement.num_logical_experts,
@@ -138,6 +138,8 @@ def placement_files(
     if format not in FORMATS:
         raise ValueError(f"unknown placement format {format!r}; choose one of {', '.join(FORMATS)}")
     p2l = _checked(placement)  # [L, P]
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
     out = Path(path)
     if num_hidden_layers is not None and format != "sglang":
         raise ValueError(f"num_hidden_layers applies to the sglang format only, not {format!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from placement.model import Placement
+from profiling.limits import MAX_HIDDEN_SIZE, check_whole
 from profiling.trace import RoutingTrace
 
 
@@ -41,3 +42,13 @@ def check_load_values(g: np.ndarray, what: str) -> None:
             f"{what} is zero everywhere: the PAR of zero load is undefined (nothing was routed); "
             f"score a trace or load that routes tokens"
         )
+
+
+def check_bytes_args(hidden_size, dispatch_bytes: float, combine_bytes: float) -> None:
+    """``hidden_size`` None or a whole number in ``1..MAX_HIDDEN_SIZE``; bytes per element finite, > 0."""
+    if hidden_size is not None:
+        check_whole("hidden_size", hidden_size, 1, MAX_HIDDEN_SIZE, fix="the model's hidden size (e.g. 7168)")
+    for name, v in (("dispatch_bytes_per_elem", dispatch_bytes), ("combine_bytes_per_elem", combine_bytes)):
+        real = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+        if not real or not 0 < v <= 64:
+            raise ValueError(f"{name} must be a number in (0, 64], got {v!r}; FP8 is 1, BF16 is 2")

@@ -35,6 +35,7 @@ from placement.dispatch import (
     rank_choices,
     route_layer,
 )
+from placement.metric_checks import check_bytes_args as _check_bytes_args
 from placement.metric_checks import check_compatible as _check_compatible
 from placement.metric_checks import check_load_values as _check_load_values
 from placement.metric_checks import check_types as _check_types
@@ -329,13 +330,7 @@ def _layer_ids_src(placement: Placement, trace: RoutingTrace, src: np.ndarray | 
     _check_compatible(placement, trace.num_layers, trace.num_logical_experts, "the trace")
     if src is None:
         src, _ = source_ranks(trace, placement.topology.ep_size)
-    src = np.asarray(src, dtype=np.int64)
-    if src.shape != (trace.num_tokens,):
-        raise ValueError(f"source ranks must have shape ({trace.num_tokens},), got {src.shape}")
-    if src.size and (src.min() < 0 or src.max() >= placement.topology.ep_size):
-        raise ValueError(
-            f"source ranks must be in [0, {placement.topology.ep_size}), got [{src.min()}, {src.max()}]"
-        )
+    src = check_src_ranks(src, trace.num_tokens, placement.topology.ep_size)
     return src
 
 
@@ -409,7 +404,8 @@ def route_tokens(
         raise ValueError(
             f"topk_ids must be integer ids in [-1, {placement.num_logical_experts}), got {ids.dtype}"
         )
-    tok = np.arange(T, dtype=np.int64) if token_index is None else np.asarray(token_index, dtype=np.int64)
+    tok = np.arange(T, dtype=np.int64) if token_index is None else _check_index("token_index", token_index, T)
+    batch_index = None if batch_index is None else _check_index("batch_index", batch_index, T)
     src = check_src_ranks(src_gpu, T, placement.topology.ep_size)
     if model.route is not None:
         return _route_engine(placement, ids, src, model, batch_index, seed)
@@ -427,6 +423,16 @@ def route_tokens(
         near = tab.node_l2p[src_node[:, None], e, rot % nc]  # [T, k]
         out[:, l, :] = np.select([tier == 0, tier == 1, tier == 2], [own, near, remote], -1)
     return out
+
+
+def _check_index(name: str, index, T: int) -> np.ndarray:
+    """``index`` as int64 ``[T]`` (one whole number >= 0 per token), else a ValueError naming it."""
+    arr = np.asarray(index)
+    if arr.shape != (T,) or (arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0)):
+        raise ValueError(
+            f"{name} must be {T} whole numbers >= 0 (one per token), got {arr.dtype} {arr.shape}"
+        )
+    return arr.astype(np.int64)
 
 
 def _route_engine(placement, ids, src, model, batch_index, seed) -> np.ndarray:
@@ -543,6 +549,7 @@ def communication(
     """
     _check_types(placement, trace)
     model = get_dispatch(dispatch)
+    _check_bytes_args(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
     how = "given" if src is not None else source_ranks(trace, placement.topology.ep_size)[1]
     src = _layer_ids_src(placement, trace, src)
     t = placement.topology

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from placement.topology import Topology
-from profiling.limits import MAX_LAYER_ID
+from profiling.limits import MAX_LAYER_ID, check_whole
 
 __all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "hidden_layer_rows", "validate_map"]
 
@@ -90,9 +90,7 @@ def validate_map(
             f"physical_to_logical_map has {P} slots per layer but the topology has "
             f"{topology.num_physical_experts} ({topology.ep_size} GPUs x {topology.slots_per_gpu} slots)"
         )
-    E = int(num_logical_experts)
-    if E < 1:
-        raise ValueError(f"num_logical_experts must be >= 1, got {E}")
+    E = check_whole("num_logical_experts", num_logical_experts, 1, fix="the model's expert count")
     if E > P:
         raise ValueError(
             f"{E} logical experts cannot fit in {P} physical slots; use at least {E} physical experts "
@@ -225,11 +223,15 @@ class Placement:
         layer_ids: Sequence[int] | None = None,
     ) -> Placement:
         """Slot ``p`` holds expert ``p % E`` (the engines' default with redundant slots)."""
-        P, E = topology.num_physical_experts, int(num_logical_experts)
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a placement.topology.Topology, got {type(topology).__name__}")
+        P = topology.num_physical_experts
+        E = check_whole("num_logical_experts", num_logical_experts, 1, fix="the model's expert count")
+        L = check_whole("num_layers", num_layers, 1, MAX_LAYER_ID + 1, fix="the number of MoE layers")
         if E > P:
             raise ValueError(f"{E} logical experts do not fit in {P} physical slots")
         row = np.arange(P, dtype=np.int64) % E
-        p2l = np.tile(row, (int(num_layers), 1))
+        p2l = np.tile(row, (L, 1))
         # p % E may put two replicas on one GPU when S > E; such topologies need a solver instead.
         return cls(p2l, E, topology, tuple(layer_ids or ()), {"solver": "trivial"})
 
@@ -304,7 +306,9 @@ class Placement:
 
     def select_layers(self, indices: Sequence[int]) -> Placement:
         """A placement over a subset of rows (by row index, not layer id)."""
-        idx = [int(i) for i in indices]
+        idx = [
+            check_whole("select_layers' row", i, None, fix="pass whole-number row indices") for i in indices
+        ]
         if any(not 0 <= i < self.num_layers for i in idx):
             raise ValueError(f"rows {idx[:8]} are outside this placement's rows 0..{self.num_layers - 1}")
         return Placement(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profiling.limits import check_whole
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -123,12 +124,17 @@ def make_steps(
     """
     if phase not in PHASES + (ENGINE,):
         raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES)}")
+    if not isinstance(trace, RoutingTrace):
+        raise ValueError(
+            f"trace must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
+        )
     if not trace.has_tokens:
         raise ValueError("steps need a per-token trace (topk_ids); this trace has window counts only")
     if isinstance(ep_size, bool) or not isinstance(ep_size, (int, np.integer)) or ep_size < 1:
         raise ValueError(f"ep_size must be a positive integer, got {ep_size!r}")
-    if max_steps is not None and max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    if max_steps is not None:
+        check_whole("max_steps", max_steps, 1, fix="or None for every step")
+    check_whole("seed", seed, 0, fix="e.g. 0")
     G = int(ep_size)
     if trace.step_offsets is not None:
         cap = None if step_tokens is None else _check_step_tokens(step_tokens, PHASES[0])
@@ -372,6 +378,11 @@ def step_counts(trace: RoutingTrace, steps: Steps) -> np.ndarray:
 
     Raises ValueError when the array would exceed :data:`MAX_STEP_CELLS` cells (use ``max_steps``).
     """
+    if not isinstance(trace, RoutingTrace) or not isinstance(steps, Steps):
+        got = type(trace if not isinstance(trace, RoutingTrace) else steps).__name__
+        raise ValueError(
+            f"step_counts needs a RoutingTrace and the Steps make_steps built from it, got {got}"
+        )
     if not trace.has_tokens:
         raise ValueError("step counts need a per-token trace (topk_ids)")
     S, G, E, L = steps.num_steps, steps.ep_size, trace.num_logical_experts, trace.num_layers

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 
 from profiling.fileio import InputFileError
+from profiling.hook_checks import check_layer_seq, check_module, check_sizes
+from profiling.limits import refuse_unknown_fields
 from profiling.readers import read_trace, write_trace
 from profiling.trace import RoutingTrace
 
@@ -91,6 +93,7 @@ def find_moe_layers(model: nn.Module) -> list[MoeLayerSpec]:
     A block is a module with an ``experts`` child and a ``gate`` or ``router`` child module. The layer id
     is the decoder-layer index in the module path (``model.layers.7.mlp`` -> 7).
     """
+    check_module(model)
     config = getattr(model, "config", None)
     text_cfg = getattr(config, "text_config", None) or config
     specs: list[MoeLayerSpec] = []
@@ -204,6 +207,7 @@ def read_stream(stream_dir: str | Path) -> RoutingTrace:
     )
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class RecordOptions:
     """What a :class:`RoutingRecorder` keeps (checked when the recorder is built).
@@ -249,6 +253,7 @@ class RoutingRecorder:
         stream_dir, chunk_tokens = o.stream_dir, o.chunk_tokens
         if mode not in ("counts", "tokens"):
             raise ValueError(f"mode must be 'counts' or 'tokens', got {mode!r}")
+        check_layer_seq(layer_ids)
         L = len(layer_ids)
         if L < 1:
             raise ValueError(
@@ -256,12 +261,7 @@ class RoutingRecorder:
             )
         if len(set(int(x) for x in layer_ids)) != L:
             raise ValueError(f"layer_ids must be distinct, got {list(layer_ids)}")
-        if num_logical_experts < 1 or top_k < 1:
-            raise ValueError(f"num_logical_experts ({num_logical_experts}) and top_k ({top_k}) must be >= 1")
-        if int(sample_every) < 1:
-            raise ValueError(f"sample_every must be >= 1, got {sample_every}")
-        if mode == "tokens" and int(capacity_tokens) < 1:
-            raise ValueError(f"capacity_tokens must be >= 1, got {capacity_tokens}")
+        check_sizes(L, num_logical_experts, top_k, o)
         if stream_dir is not None and mode != "tokens":
             raise ValueError(
                 "stream_dir streams per-token ids; use mode='tokens' (counts mode is already bounded)"
@@ -595,6 +595,7 @@ def attach(
             path (``layers.<i>``) unless ``layer_ids`` is given; ``num_logical_experts`` and ``top_k``
             are then required unless the model's config says them.
     """
+    check_module(model)
     device = _model_device(model)
     config = getattr(model, "config", None)
     text_cfg = getattr(config, "text_config", None) or config
@@ -603,7 +604,7 @@ def attach(
     else:
         hooks, ids_, E, k = _walked_hooks(model, num_logical_experts, top_k)
     ids_ = _final_layer_ids(ids_, layer_ids)
-    rec = RoutingRecorder(ids_, int(E), int(k), options, device=device)
+    rec = RoutingRecorder(ids_, E, k, options, device=device)
     _register_hooks(model, rec, hooks)
     log.info("recording %d MoE layers %s (E=%d, top_k=%d, mode=%s)", len(ids_), ids_, E, k, rec.mode)
     return rec
@@ -622,8 +623,12 @@ def _adapter_hooks(model: nn.Module, adapters, text_cfg, num_logical_experts, to
             raise ValueError(f"adapter for {type(mod).__name__} is not callable")
         ids_.append(_layer_id_of(names.get(mod, ""), i))
         hooks.append((mod, "adapter", fn))
-    E = num_logical_experts or _cfg_get(text_cfg, "num_local_experts", "num_experts", "n_routed_experts")
-    k = top_k or _cfg_get(text_cfg, "num_experts_per_tok", "top_k")
+    E = (
+        num_logical_experts
+        if num_logical_experts is not None
+        else _cfg_get(text_cfg, "num_local_experts", "num_experts", "n_routed_experts")
+    )
+    k = top_k if top_k is not None else _cfg_get(text_cfg, "num_experts_per_tok", "top_k")
     if E is None or k is None:
         raise ValueError("adapters need num_logical_experts= and top_k= (the model config does not say them)")
     return hooks, ids_, E, k
@@ -642,8 +647,17 @@ def _walked_hooks(model: nn.Module, num_logical_experts, top_k):
         raise ValueError(
             f"MoE blocks disagree on the expert count {sorted(Es)}; record them with separate adapters"
         )
-    E = num_logical_experts or Es.pop()
-    k = top_k or max(s.top_k for s in specs)
+    found_E, found_k = Es.pop(), max(s.top_k for s in specs)
+    for name, given, found in (
+        ("num_logical_experts", num_logical_experts, found_E),
+        ("top_k", top_k, found_k),
+    ):
+        if given is not None and given != found:
+            raise ValueError(
+                f"{name}={given!r} but the model's MoE blocks have {found}; leave {name} out (it is read from the "
+                f"blocks) or record with adapters="
+            )
+    E, k = found_E, found_k
     hooks: list[_Hook] = [(s.hook_module, s.where, None) for s in specs]
     return hooks, [s.layer_id for s in specs], E, k
 

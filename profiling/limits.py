@@ -8,8 +8,12 @@ constant. The limits are far above any real model: DeepSeek-V3 has 61 layers and
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable
 from pathlib import Path
+
+import numpy as np
 
 __all__ = [
     "MAX_EXPERTS",
@@ -90,3 +94,50 @@ def check_memory(nbytes: float, what: str, fix: str, share: float = 0.8) -> None
             f"{what} needs about {nbytes / 1e9:,.1f} GB, over {share:.0%} of the {avail / 1e9:,.1f} GB of "
             f"memory available; {fix}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# a library argument that must be a whole number: bool, float, str and None are named, not cast
+# ---------------------------------------------------------------------------------------------
+__all__ += ["check_whole"]
+
+
+def check_whole(name: str, value, lo: int | None = 0, hi: int | None = None, fix: str = "") -> int:
+    """``value`` as an int when it is a Python or numpy integer (not a bool) in ``lo..hi``, else a
+    one-line ValueError naming ``name``, the value and the accepted range; ``fix`` ends the message."""
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if ok and (lo is None or lo <= value) and (hi is None or value <= hi):
+        return int(value)
+    span = f" {lo}..{hi:,}" if lo is not None and hi is not None else f" >= {lo}" if lo is not None else ""
+    shown = repr(value) if not ok else f"{int(value):,}"
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    kind = "" if ok else f" ({type(value).__name__})"
+    raise ValueError(f"{name} must be a whole number{span}, got {shown}{kind}{'; ' + fix if fix else ''}")
+
+
+# ---------------------------------------------------------------------------------------------
+# an options dataclass built from **fields (or dataclasses.replace): an unknown key is named
+# ---------------------------------------------------------------------------------------------
+__all__ += ["refuse_unknown_fields"]
+
+
+def refuse_unknown_fields(cls):
+    """Class decorator for an options dataclass (below ``@dataclass``): a keyword that is not a field, or
+    too many positional arguments, raises a one-line ValueError listing the fields (Python's TypeError
+    names neither). ``dataclasses.replace(obj, nosuch=1)`` goes through the same check."""
+    init = cls.__init__
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown or len(args) > len(names):
+            what = (
+                f"no field {unknown[0]!r}" if unknown else f"{len(names)} fields, not {len(args)} arguments"
+            )
+            raise ValueError(f"{cls.__name__} has {what}; its fields are {', '.join(names)}")
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls

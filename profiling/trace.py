@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from profiling.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids
+from profiling.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids, check_whole
 
 __all__ = ["RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
 
@@ -77,6 +77,27 @@ def _check_num_experts(E) -> int:
             f"pass the model's real expert count"
         )
     return int(E)
+
+
+def _labels(value) -> tuple[str, ...]:
+    """Window names as strings; a bare string (whose letters would become names) is refused."""
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"window_labels must be a sequence of names, got the string {value!r}")
+    return tuple(str(x) for x in value)
+
+
+def _sequence(value, name: str) -> tuple:
+    """``value`` as a tuple when it is a sequence (not a string), else a ValueError naming ``name``."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise ValueError(f"{name} must be a sequence of layer ids, got {value!r}; or leave it out")
+    return tuple(value)
+
+
+def _whole_list(what: str, indices, words: str) -> list[int]:
+    """``indices`` as a list of ints, or a ValueError: a bare number, None or a float index is named."""
+    if isinstance(indices, (str, bytes)) or not isinstance(indices, (Sequence, range, np.ndarray)):
+        raise ValueError(f"{what} needs a sequence of {words}, got {indices!r}; e.g. [0, 1]")
+    return [check_whole(f"{what}'s index", i, None, fix=f"pass whole-number {words}") for i in indices]
 
 
 def _check_source_rank(sr: np.ndarray) -> None:
@@ -150,7 +171,7 @@ class RoutingTrace:
             wc.setflags(write=False)
             object.__setattr__(self, "window_counts", wc)
             L = wc.shape[1]
-            labels = tuple(str(x) for x in self.window_labels)
+            labels = _labels(self.window_labels)
             if labels and len(labels) != wc.shape[0]:
                 raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
             object.__setattr__(self, "window_labels", labels)
@@ -159,7 +180,7 @@ class RoutingTrace:
                 f"window_labels names {len(self.window_labels)} windows but the trace has no window_counts; drop them"
             )
         assert L is not None  # one of topk_ids / window_counts was checked above
-        ids_ = check_layer_ids(self.layer_ids if len(self.layer_ids) else range(L))
+        ids_ = check_layer_ids(_sequence(self.layer_ids, "layer_ids") or range(L))
         if len(ids_) != L:
             raise ValueError(f"layer_ids has {len(ids_)} entries but the trace has {L} layers")
         object.__setattr__(self, "layer_ids", ids_)
@@ -242,7 +263,8 @@ class RoutingTrace:
         if self.topk_ids is None:
             raise ValueError("slice_tokens needs a per-token trace; this one has window counts only")
         T = self.num_tokens
-        start, stop = max(0, int(start)), min(T, int(stop))
+        start = max(0, check_whole("start", start, None, fix="pass token indices"))
+        stop = min(T, check_whole("stop", stop, None, fix="pass token indices"))
         if stop <= start:
             raise ValueError(f"empty token range [{start}, {stop}) of a {T}-token trace")
 
@@ -266,7 +288,7 @@ class RoutingTrace:
     def select_windows(self, indices: Sequence[int]) -> RoutingTrace:
         """Keep the given natural windows (prompts/steps for token traces, rows for counts-only)."""
         wins = self.natural_windows()
-        idx = [int(i) for i in indices]
+        idx = _whole_list("select_windows", indices, "window indices")
         if not idx:
             raise ValueError("select_windows needs at least one window")
         for i in idx:
@@ -299,7 +321,9 @@ class RoutingTrace:
 
     def select_layers(self, indices: Sequence[int]) -> RoutingTrace:
         """Keep the given layer rows (by row index, ``0 .. num_layers - 1``)."""
-        idx = [int(i) for i in indices]
+        idx = _whole_list("select_layers", indices, "layer rows")
+        if not idx:
+            raise ValueError("select_layers needs at least one layer row")
         bad = [i for i in idx if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"layer rows {bad[:8]} are outside this trace's rows 0..{self.num_layers - 1}")
@@ -322,8 +346,9 @@ class RoutingTrace:
         Windows are prompts (or steps) for per-token traces and rows for counts-only traces; a
         per-token trace with no boundaries is split by tokens.
         """
-        if not 0.0 < fraction < 1.0:
-            raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+        real = isinstance(fraction, (int, float, np.integer, np.floating)) and not isinstance(fraction, bool)
+        if not real or not 0.0 < fraction < 1.0:
+            raise ValueError(f"fraction must be in (0, 1) (a number), got {fraction!r}; e.g. 0.5")
         wins = self.natural_windows()
         if len(wins) >= 2:
             cut = min(max(1, int(round(len(wins) * fraction))), len(wins) - 1)
@@ -338,8 +363,7 @@ class RoutingTrace:
 
     def windows(self, num_windows: int) -> list[RoutingTrace]:
         """Split into ``num_windows`` consecutive groups of natural windows (or of tokens)."""
-        if num_windows < 1:
-            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        num_windows = check_whole("num_windows", num_windows, 1, fix="e.g. 8")
         wins = self.natural_windows()
         if len(wins) >= num_windows:
             bounds = np.linspace(0, len(wins), num_windows + 1).round().astype(int)

@@ -63,6 +63,8 @@ from placement.cost.hardware import GPUS
 from placement.cost.hardware import LINKS as _HW_LINKS
 from placement.cost.primitives import move_time
 from placement.dispatch import EVEN, check_dispatch
+from placement.model import Placement
+from profiling.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole, refuse_unknown_fields
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
 
 __all__ = [
@@ -91,6 +93,7 @@ def seconds_per_assignment(
     return 6.0 * hidden_size * intermediate_size / (peak_flops * efficiency)
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class RebalancerConfig:
     """Rebalancer settings (frozen).
@@ -178,6 +181,32 @@ class RebalancerConfig:
         check_dispatch(self.dispatch)
         if self.max_moves is not None and (int(self.max_moves) != self.max_moves or self.max_moves < 0):
             raise ValueError(f"max_moves must be a non-negative integer or None, got {self.max_moves!r}")
+        self._check_more()
+
+    def _check_more(self) -> None:
+        """The fields checked only at the first re-solve (or never) before: link, sizes, solver options."""
+        if self.num_redundant_experts is not None:
+            check_whole(
+                "num_redundant_experts", self.num_redundant_experts, 0, fix="or None to take the placement's"
+            )
+        for name in ("hidden_size", "expert_intermediate_size"):
+            check_whole(
+                name, getattr(self, name), 1, MAX_INTERMEDIATE_SIZE, fix="the model's size (e.g. 7168)"
+            )
+        for name, lo in (("link_bandwidth", 0.0), ("link_latency", -1.0)):
+            v = getattr(self, name)
+            ok = v is None or (isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and v > lo)
+            if not ok or (v is not None and not np.isfinite(v)):
+                what = "bytes/s > 0" if lo == 0.0 else "seconds >= 0"
+                raise ValueError(f"{name} must be None (the link's preset) or finite {what}, got {v!r}")
+        if not self.compute_efficiency <= 1.0:
+            raise ValueError(f"compute_efficiency must be in (0, 1], got {self.compute_efficiency!r}")
+        if not self.time_limit <= MAX_TIME_LIMIT_S:
+            raise ValueError(f"time_limit is {self.time_limit:g} s, over the accepted {MAX_TIME_LIMIT_S:g}")
+        if self.method not in ("auto", "exact", "incremental"):  # solver.migration.METHODS
+            raise ValueError(f"method must be 'auto', 'exact' or 'incremental', got {self.method!r}")
+        if not (isinstance(self.drift_guard, (int, float)) and 1.0 <= self.drift_guard < float("inf")):
+            raise ValueError(f"drift_guard must be a finite number >= 1, got {self.drift_guard!r}")
 
     @property
     def bandwidth(self) -> float:
@@ -271,6 +300,25 @@ def _resolve_job(
     return new, report, time.perf_counter() - t0, threading.current_thread().name
 
 
+def _check_arguments(placement, config, apply, executor) -> None:
+    """A ValueError naming the :class:`Rebalancer` argument whose type is wrong (before: an
+    AttributeError at construction, or a TypeError in the worker thread at the first re-solve)."""
+    if not isinstance(placement, Placement):
+        raise ValueError(
+            f"current_placement must be a placement.model.Placement, got {type(placement).__name__}"
+        )
+    if not isinstance(config, RebalancerConfig):
+        raise ValueError(
+            f"config must be a RebalancerConfig, got {type(config).__name__}; build one with RebalancerConfig(**fields)"
+        )
+    if apply is not None and not callable(apply):
+        raise ValueError(f"apply must be a callable apply(new_placement) or None, got {type(apply).__name__}")
+    if executor is not None and not isinstance(executor, cf.Executor):
+        raise ValueError(
+            f"executor must be a concurrent.futures.Executor or None, got {type(executor).__name__}"
+        )
+
+
 class Rebalancer:
     """Sliding-window rebalancer driven by per-step expert counts.
 
@@ -295,7 +343,8 @@ class Rebalancer:
         apply: Callable[[Any], None] | None = None,
         executor: cf.Executor | None = None,
     ):
-        cfg = config or RebalancerConfig()
+        cfg = RebalancerConfig() if config is None else config
+        _check_arguments(current_placement, cfg, apply, executor)
         if link is not None:
             if link not in LINKS:
                 raise ValueError(f"link must be one of {sorted(LINKS)}, got {link!r}")
@@ -315,8 +364,8 @@ class Rebalancer:
         self.expert_bytes = float(
             expert_bytes if expert_bytes is not None else 3 * cfg.hidden_size * cfg.expert_intermediate_size
         )
-        if not self.expert_bytes > 0:
-            raise ValueError(f"expert_bytes must be > 0, got {expert_bytes!r}")
+        if not 0 < self.expert_bytes < float("inf"):
+            raise ValueError(f"expert_bytes must be a finite number > 0, got {expert_bytes!r}")
         self.apply_fn = apply
         self._placement = current_placement
         L, E = current_placement.num_layers, current_placement.num_logical_experts

@@ -51,7 +51,7 @@ from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_lo
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
-from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS, refuse_unknown_fields
 from profiling.trace import RoutingTrace
 from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import (
@@ -185,6 +185,13 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
     are used only where the solver has such an option. Unknown keys raise ValueError."""
     spec = _spec(name)
     known = set(spec.option_names)
+    anywhere = set().union(*(set(sp.option_names) for sp in SOLVERS.values()))
+    unknown = sorted(set(common) - anywhere)
+    if unknown:  # a misspelt common key was dropped silently: no solver has it
+        raise ValueError(
+            f"make_options: no solver has an option {unknown[0]!r}; common keys are the solvers' own "
+            f"({', '.join(sorted(anywhere & {'seed', 'time_limit', 'work_limit'}))} ...), or pass it in values"
+        )
     merged = {k: v for k, v in common.items() if k in known}
     merged.update(values or {})
     merged.update(spec.fixed)
@@ -221,6 +228,7 @@ _FIT_RANGES = {
 }
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class FitOptions:
     """How the fit step searches (:func:`solver.dispatch_fit.fit_for_dispatch`).
@@ -296,6 +304,10 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
     its defaults; ``fit``: the fit step's, default :class:`FitOptions`): baseline -> solver -> gate
     (objective) -> fit -> gate (dispatch) -> report."""
     spec = _spec(name)
+    if not isinstance(problem, Problem):
+        raise ValueError(
+            f"problem must be a solver.problem.Problem (Problem.build(topology, trace=...)), got {type(problem).__name__}"
+        )
     options = options if options is not None else make_options(name)
     _check_run_args(name, spec, options, fit)
     t0 = time.perf_counter()

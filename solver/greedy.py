@@ -27,6 +27,7 @@ import numpy as np
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from placement.topology import Topology
+from profiling.limits import check_whole
 from solver.report import LayerReport, SolveReport
 
 if TYPE_CHECKING:
@@ -391,6 +392,10 @@ def greedy_placement(
         provenance keeps it under its former key ``policy``, so placement files stay byte-identical).
     """
     t0 = time.perf_counter()
+    if not isinstance(topology, Topology):
+        raise ValueError(f"topology must be a placement.topology.Topology, got {type(topology).__name__}")
+    if num_groups is not None:
+        check_whole("num_groups", num_groups, 1, fix="the model's expert groups, or None for none")
     w = _checked_load(load, topology, parity)
     used, phy2log, notes = _place_by_mode(w, topology, num_groups, mode, parity)
     placement = Placement(
@@ -410,8 +415,10 @@ def greedy_placement(
 def _checked_load(load: np.ndarray, topology: Topology, parity: bool) -> np.ndarray:
     """``load`` as float64 ``[L, E]``, or a ValueError naming what does not fit the topology."""
     w = np.asarray(load, dtype=np.float64)
-    if w.ndim != 2:
-        raise ValueError(f"load must be [num_layers, num_logical_experts], got shape {w.shape}")
+    if w.ndim != 2 or 0 in w.shape:
+        raise ValueError(
+            f"load must be [num_layers, num_logical_experts] with both >= 1, got shape {w.shape}"
+        )
     if not np.all(np.isfinite(w)) or (w.size and w.min() < 0):
         raise ValueError("load must be finite and >= 0 (found NaN, inf or a negative count)")
     E = w.shape[1]

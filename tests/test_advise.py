@@ -392,8 +392,9 @@ def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tm
     trace = tmp_path / "t.npz"
     write_trace(_skewed(), trace)
     args = ["advise", "--trace", str(trace), "--quick", "--nodes", "1", "--gpus-per-node", "4"]
-    args += ["--engine", "sglang", "--model", model, "--decode-batch", "8", "--prefill-chunk", "64"]
-    assert main([*args, "--phase", phase, "--json"]) == 0
+    args += ["--engine", "sglang", "--model", model, "--decode-batch", "8"]
+    chunk = ["--prefill-chunk", "64"] if phase == "prefill" else []  # --phase decode prices no prefill chunk
+    assert main([*args, *chunk, "--phase", phase, "--json"]) == 0
     assert main([*args, "--phase", "both"]) == 2
 
 

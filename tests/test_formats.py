@@ -281,7 +281,7 @@ def test_write_into_missing_folder_fails_cleanly(tmp_path, placement):
 
 
 def test_write_rejects_non_placement_and_bad_options(tmp_path, placement):
-    with pytest.raises(TypeError, match="needs a Placement"):
+    with pytest.raises(ValueError, match="needs a Placement"):
         write_placement(MAP, tmp_path / "p.json")
     with pytest.raises(ValueError, match="unknown placement format"):
         write_placement(placement, tmp_path / "p.json", "deepep")

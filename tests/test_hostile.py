@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,22 @@ CASES = [
     # -- a GPU preset whose measured times are not times: it would have said 'calibrated'
     ([*EVAL, "--model", "{d}/m.json", "--hardware", "{d}/gstr.json"], "provenance.times_s is 'x'; accepted"),
     ([*LAYOUT, "--hardware", "{d}/gnan.json"], "provenance.times_s[1] is 'nan'"),
+    # -- second pass (hostile2): flag pairs where one cannot take effect (each exited 0 before)
+    ([*SOLVE, "--solver", "cpsat", "--num-windows", "4"], "--num-windows 4 sets the windows of a robust fit"),
+    (
+        [*SOLVE, "--solver", "cpsat", "--robust", "max", "--num-windows", "1"],
+        "over --num-windows 1 is the plain",
+    ),
+    ([*SOLVE, "--solver", "locality", "--work-limit", "5", "--wall-clock"], "--work-limit 5 sets one"),
+    (
+        ["convert", "{d}/t.npz", "-o", "{d}/out/c.npz", "--format", "trace", "--ep-size", "4"],
+        "--ep-size shapes a placement, but --format trace converts a trace",
+    ),
+    (
+        ["advise", "--trace", "{d}/t.npz", "--model", "{d}/m.json", "--nodes", "1", "--gpus-per-node", "4"]
+        + ["--engine", "vllm", "--phase", "decode", "--prefill-chunk", "8"],
+        "--prefill-chunk 8 sizes prefill steps, but --phase decode prices no prefill step",
+    ),
 ]
 
 
@@ -333,3 +350,141 @@ def test_synthetic_trace_refuses_odd_fields_before_allocating(fields, words):
         synthetic_trace(**fields)
     assert words in str(info.value)
     assert synthetic_trace(num_tokens=np.int64(300), num_prompts=3, num_layers=1).num_tokens == 300
+
+
+# ---- a second hostile pass (hostile2): notebook entry points the first pass did not call ---------------
+def _lib_calls_2():
+    """(call, fragment): each raised a TypeError/AttributeError from inside, allocated without bound,
+    or was accepted and silently ignored or cast (``[0.5]`` read as layer 0, a misspelt key dropped)."""
+    import placement.metrics as m
+    from apps.advise import AdviseOptions, advise
+    from placement.steps import make_steps, step_counts
+    from profiling.hooks import RecordOptions, RoutingRecorder, find_moe_layers
+    from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
+    from solver.api import FitOptions, make_options
+    from solver.greedy import greedy_placement
+
+    tr = _lib_trace()
+    topo = Topology.from_redundant(E, 0, G)
+    pl = Placement.trivial(L, E, topo)
+    w = np.ones((L, E))
+    ids, src = tr.topk_ids, np.zeros(tr.num_tokens, int)
+    vllm = dict(engine="vllm", nodes=1, gpus_per_node=4)
+    return [
+        (lambda: tr.split("0.5"), "fraction must be in (0, 1) (a number), got '0.5'"),
+        (lambda: tr.select_layers(0), "select_layers needs a sequence of layer rows, got 0"),
+        (lambda: tr.select_layers([0.5]), "index must be a whole number, got 0.5 (float)"),
+        (lambda: tr.slice_tokens(0.5, 3), "start must be a whole number, got 0.5 (float)"),
+        (lambda: tr.windows(float("nan")), "num_windows must be a whole number >= 1, got nan"),
+        (lambda: RoutingTrace(E, topk_ids=ids, layer_ids=None), "layer_ids must be a sequence of layer ids"),
+        (lambda: Placement.trivial(10**12, E, topo), "num_layers must be a whole number 1..100,001"),
+        (lambda: Placement.trivial(L, E, None), "topology must be a placement.topology.Topology"),
+        (lambda: Placement(pl.physical_to_logical_map, None, topo), "num_logical_experts must be a whole"),
+        (lambda: make_steps(None, G, "decode"), "trace must be a profiling.trace.RoutingTrace"),
+        (lambda: make_steps(tr, G, "decode", 4, max_steps="3"), "max_steps must be a whole number >= 1"),
+        (lambda: step_counts(tr, None), "step_counts needs a RoutingTrace and the Steps"),
+        (lambda: greedy_placement(w, None), "topology must be a placement.topology.Topology, got NoneType"),
+        (lambda: greedy_placement(w, topo, 0), "num_groups must be a whole number >= 1, got 0"),
+        (lambda: greedy_placement(w, topo, 2.0), "num_groups must be a whole number >= 1, got 2.0"),
+        (lambda: greedy_placement(np.ones((0, E)), topo), "with both >= 1, got shape (0, 8)"),
+        (lambda: m.communication(pl, tr, hidden_size=-1), "hidden_size must be a whole number 1..1,048,576"),
+        (lambda: m.communication(pl, tr, combine_bytes_per_elem=float("nan")), "combine_bytes_per_elem must"),
+        (lambda: m.communication(pl, tr, src=src + 0.5), "src_gpu must be 100 integer ranks in 0..3"),
+        (lambda: m.route_tokens(pl, ids, src, token_index=src[:3]), "token_index must be 100 whole numbers"),
+        (lambda: RebalancerConfig(link_bandwidth=float("nan")), "link_bandwidth must be None"),
+        (lambda: RebalancerConfig(method="nosuch"), "method must be 'auto', 'exact' or 'incremental'"),
+        (lambda: RebalancerConfig(drift_guard=float("nan")), "drift_guard must be a finite number >= 1"),
+        (lambda: RebalancerConfig(compute_efficiency=2), "compute_efficiency must be in (0, 1], got 2"),
+        (lambda: Rebalancer(None), "current_placement must be a placement.model.Placement, got NoneType"),
+        (lambda: Rebalancer(pl, {"window_size": 10}), "config must be a RebalancerConfig, got dict"),
+        (lambda: Rebalancer(pl, apply=5), "apply must be a callable"),
+        (lambda: AdviseOptions(**vllm, solver="nosuch"), "unknown solver 'nosuch'"),
+        (lambda: AdviseOptions(**vllm, redundant_per_gpu=2), "redundant_per_gpu must be a tuple"),
+        (lambda: AdviseOptions(**vllm, rebalance_margin=float("nan")), "rebalance_margin must be a fraction"),
+        (lambda: advise(tr, nosuch=1, **vllm), "AdviseOptions has no field 'nosuch'; the fields are engine"),
+        (lambda: advise(tr, options={"engine": "vllm"}), "options must be an AdviseOptions, got dict"),
+        (lambda: advise(None, **vllm), "trace must be a profiling.trace.RoutingTrace"),
+        (lambda: make_options("cpsat", time_limt=3), "no solver has an option 'time_limt'"),
+        (lambda: RoutingRecorder([0], 8, 9), "top_k must be a whole number 1..8, got 9"),
+        (lambda: RoutingRecorder([0], 10**9, 2), "num_logical_experts must be a whole number 1..65,536"),
+        (
+            lambda: RoutingRecorder(list(range(60)), 256, 8, RecordOptions("tokens", capacity_tokens=10**12)),
+            "the recorder's buffers needs about",
+        ),
+        (lambda: RoutingRecorder(None, 8, 2), "layer_ids must be a sequence of layer ids, got None"),
+        (lambda: find_moe_layers(None), "model must be a torch.nn.Module"),
+        (lambda: write_placement(pl, None), "path must be a file name (str or os.PathLike), got NoneType"),
+        (lambda: RoutingTrace(E, window_counts=np.ones((2, L, E)), window_labels="ab"), "the string 'ab'"),
+        (lambda: pl.select_layers([0.5]), "select_layers' row must be a whole number, got 0.5 (float)"),
+        (lambda: make_steps(tr, G, "decode", 4, seed=2.5), "seed must be a whole number >= 0, got 2.5"),
+        # options dataclasses built from **fields or dataclasses.replace: Python's TypeError named no field
+        (lambda: FitOptions(stepz=3), "FitOptions has no field 'stepz'; its fields are enabled, steps"),
+        (lambda: replace(RebalancerConfig(), windw_size=5), "RebalancerConfig has no field 'windw_size'"),
+        (lambda: RecordOptions(capacity=5), "RecordOptions has no field 'capacity'; its fields are mode"),
+    ]
+
+
+def _step_time_calls():
+    """step_time's arguments of the wrong type: AttributeError from inside (or inf's OverflowError)."""
+    from placement.cost.hardware import cluster_preset
+    from placement.cost.modelspec import load_model
+    from placement.cost.step_time import step_time
+    from placement.steps import make_steps
+    from solver.api import run
+
+    tr = _lib_trace()
+    pl = Placement.trivial(L, E, Topology.from_redundant(E, 0, G))
+    st, cl = make_steps(tr, G, "decode", 4), cluster_preset("h200")
+    model = load_model("deepseek-v2-lite")
+    return [
+        (lambda: step_time(pl, tr, None, "even", model, cl), "steps must be a Steps"),
+        (lambda: step_time(pl, tr, st, "even", "deepseek-v3", cl), "model must be a ModelSpec"),
+        (lambda: step_time(pl, tr, st, "even", model, "h200"), "cluster must be a ClusterSpec"),
+        (lambda: step_time(None, tr, st, "even", model, cl), "placement must be a Placement"),
+        (lambda: step_time(pl, tr, st, "even", model, cl, context_len=float("inf")), "got inf"),
+        (lambda: run("greedy", None), "problem must be a solver.problem.Problem"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_step_time_and_run_refuse_wrong_types(index):
+    call, fragment = _step_time_calls()[index]
+    with pytest.raises(ValueError, match=fragment):
+        call()
+
+
+@pytest.mark.parametrize("index", range(46))
+def test_library_entry_points_second_pass(index):
+    call, fragment = _lib_calls_2()[index]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 3}, {"num_logical_experts": 16}])
+def test_attach_refuses_a_top_k_or_expert_count_the_model_does_not_have(kw):
+    """Mixtral routes top-2 over 8 experts: top_k=3 or 16 experts were accepted and recorded as given."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from profiling.hooks import attach
+
+    cfg = dict(HF, hidden_size=32, intermediate_size=64)
+    model = MixtralForCausalLM(MixtralConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))
+    with pytest.raises(ValueError, match=f"{next(iter(kw))}={next(iter(kw.values()))} but the model's MoE"):
+        attach(model, **kw)
+    with attach(model) as rec:  # left out: read from the blocks
+        assert (rec.num_logical_experts, rec.top_k) == (E, 2)
+
+
+def test_second_pass_keeps_valid_arguments_working():
+    """The checks refuse only what was wrong: numpy integers, ranges and whole numbers still work."""
+    tr = _lib_trace()
+    assert tr.select_layers(np.array([1])).layer_ids == (1,)
+    assert tr.slice_tokens(np.int64(2), 10**9).num_tokens == tr.num_tokens - 2  # stop still clipped
+    assert len(tr.windows(np.int32(2))) == 2
+    topo = Topology.from_redundant(E, 0, G)
+    pl = Placement.trivial(np.int64(L), np.int64(E), topo)
+    import placement.metrics as m
+
+    assert m.communication(pl, tr, hidden_size=np.int64(128))["bytes_per_token"] > 0

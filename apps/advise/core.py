@@ -350,7 +350,15 @@ def advise(
         progress: wraps each stage (``(items, total, description) -> items``), e.g. a progress line.
         output: the folder the launch command's files are named in (the CLI's ``--output``).
     """
-    options = options or AdviseOptions(**kw)
+    if options is not None and kw:
+        raise ValueError(f"advise takes options or keywords, not both (got options and {sorted(kw)[0]}=...)")
+    options = options if options is not None else AdviseOptions.from_fields(kw)
+    if not isinstance(options, AdviseOptions):
+        raise ValueError(f"options must be an AdviseOptions, got {type(options).__name__}")
+    if not isinstance(trace, RoutingTrace):
+        raise ValueError(
+            f"trace must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
+        )
     progress = progress or _identity
     trace, fit, held = _inputs(trace, options)
     spec = resolve_model(model, trace)

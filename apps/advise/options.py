@@ -6,6 +6,7 @@ Shapes: L MoE layers, E logical experts, G EP ranks (GPUs), r redundant slots pe
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -13,6 +14,7 @@ from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from placement.steps import DEFAULT_STEP_TOKENS
 from placement.steps import PHASES as STEP_PHASES
+from profiling.limits import MAX_FIT_STEPS, check_whole, refuse_unknown_fields
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -54,6 +56,7 @@ def engine_flag_value(model: DispatchModel) -> str | None:
     return hit.group(1) if hit else None
 
 
+@refuse_unknown_fields
 @dataclass(frozen=True)
 class AdviseOptions:
     """Every knob of one advice run.
@@ -112,6 +115,7 @@ class AdviseOptions:
                 f"EP needs more than one rank: --nodes {self.nodes} x --gpus-per-node {self.gpus_per_node} "
                 f"= {self.ep_size} GPU; use at least 2 GPUs"
             )
+        self._check_more()
         r = tuple(self.redundant_per_gpu)
         if not r or min(r) < 0 or len(set(r)) != len(r):
             raise ValueError(f"redundant_per_gpu must be distinct integers >= 0, got {list(r)}")
@@ -119,10 +123,30 @@ class AdviseOptions:
             raise ValueError(
                 f"phase must be one of {', '.join(STEP_PHASES)} (or None: both), got {self.phase!r}"
             )
-        if self.windows < 2:
-            raise ValueError(f"windows must be >= 2 (drift compares window i with i + 1), got {self.windows}")
         object.__setattr__(self, "engine", self.engine.lower())
         object.__setattr__(self, "redundant_per_gpu", tuple(sorted(int(x) for x in r)))
+
+    def _check_more(self) -> None:
+        """The fields a call could set to anything before (a negative fit budget, an unknown solver)."""
+        from solver.api import SOLVERS
+
+        if self.solver not in SOLVERS:
+            raise ValueError(f"unknown solver {self.solver!r}; use one of {', '.join(SOLVERS)}")
+        rp = self.redundant_per_gpu
+        if isinstance(rp, (str, bytes)) or not isinstance(rp, (tuple, list, range)):
+            raise ValueError(f"redundant_per_gpu must be a tuple of whole numbers, got {rp!r}; e.g. (0, 2)")
+        for x in rp:
+            check_whole("redundant_per_gpu's entry", x, 0, fix="e.g. (0, 1, 2, 4)")
+        for name, lo in (("fit_steps", 0), ("fit_dealings", 1), ("quick_prompts", 1)):
+            check_whole(name, getattr(self, name), lo, MAX_FIT_STEPS)
+        check_whole("seed", self.seed, 0)
+        check_whole("min_held_out_steps", self.min_held_out_steps, 0)
+        check_whole("windows", self.windows, 2, fix="drift compares window i with i + 1")
+        m = self.rebalance_margin
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 <= m < 1:
+            raise ValueError(f"rebalance_margin must be a fraction in [0, 1), got {m!r}; e.g. 0.005")
+        if not isinstance(self.notes, tuple) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError(f"notes must be a tuple of strings, got {self.notes!r}")
 
     @property
     def ep_size(self) -> int:
@@ -136,6 +160,19 @@ class AdviseOptions:
     def step_tokens(self, phase: str) -> int:
         """Tokens per rank per step asked for ``phase`` (before prefill's cap to the held-out half)."""
         return self.decode_step_tokens if phase == "decode" else self.prefill_step_tokens
+
+    @classmethod
+    def from_fields(cls, fields: dict) -> AdviseOptions:
+        """``AdviseOptions(**fields)``, with an unknown or missing field named in a ValueError (Python's
+        own TypeError names neither the class's fields nor a fix)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(fields) - set(names))
+        if unknown:
+            raise ValueError(f"AdviseOptions has no field {unknown[0]!r}; the fields are {', '.join(names)}")
+        missing = [n for n in ("engine", "nodes") if n not in fields]
+        if missing:
+            raise ValueError(f"AdviseOptions needs {' and '.join(missing)} (e.g. engine='vllm', nodes=1)")
+        return cls(**fields)
 
     @classmethod
     def quick_form(cls, engine: str, nodes: int, **kw) -> AdviseOptions:

@@ -393,6 +393,29 @@ def _stepped(steps: Steps, trace: RoutingTrace, ep_size: int):
     return ids, np.asarray(steps.step), np.asarray(steps.rank), np.asarray(steps.row)
 
 
+def _check_types(placement, trace, steps, model, cluster, context_len) -> None:
+    """A ValueError naming the :func:`step_time` argument of the wrong type (an AttributeError from
+    inside before), or a context length that is not a finite number > 0."""
+    from placement.model import Placement
+    from placement.steps import Steps
+    from profiling.trace import RoutingTrace
+
+    for name, value, cls, how in (
+        ("placement", placement, Placement, "placement.formats.read_placement"),
+        ("trace", trace, RoutingTrace, "profiling.readers.read_trace"),
+        ("steps", steps, Steps, "placement.steps.make_steps"),
+        ("model", model, ModelSpec, "placement.cost.modelspec.load_model"),
+        ("cluster", cluster, ClusterSpec, "placement.cost.hardware.cluster_preset"),
+    ):
+        if not isinstance(value, cls):
+            raise ValueError(f"{name} must be a {cls.__name__} ({how}), got {type(value).__name__}")
+    c = context_len
+    if c is not None and (
+        isinstance(c, bool) or not isinstance(c, (int, float, np.number)) or not np.isfinite(c)
+    ):
+        raise ValueError(f"context_len must be a finite number of tokens > 0 or None (4096), got {c!r}")
+
+
 def step_time(
     placement: Placement,
     trace: RoutingTrace,
@@ -415,6 +438,7 @@ def step_time(
             :class:`~placement.cost.hardware.ClusterSpec` presets.
         context_len: cached tokens per sequence in decode, prompt length in prefill (default 4096).
     """
+    _check_types(placement, trace, steps, model, cluster, context_len)
     if not trace.has_tokens:
         raise ValueError("step_time needs a per-token trace (topk_ids); this trace has counts only")
     if trace.num_logical_experts != placement.num_logical_experts or trace.num_layers != placement.num_layers:
