@@ -136,19 +136,9 @@ _SCRIPT = textwrap.dedent(
 
     out = {}
     if engine == "vllm":
-        os.environ["VLLM_PLUGINS"] = "moe_placement"
-        import vllm.plugins
-        from vllm.distributed.eplb import policy as eplb
+        from tests.engine_loaders import vllm_loader
 
-        def load_with(spec):
-            os.environ.pop("MOE_PLACEMENT_EPLB", None)
-            if spec:
-                os.environ["MOE_PLACEMENT_EPLB"] = spec
-            eplb.EPLB_POLICIES["default"] = eplb.DefaultEplbPolicy
-            vllm.plugins.plugins_loaded = False
-            vllm.plugins.load_general_plugins()
-            return eplb.EPLB_POLICIES["default"]
-
+        load_with, eplb = vllm_loader()
         for spec in [None] + specs:
             policy = load_with(spec)
             for name, (w, P, groups, N, G) in cases.items():
@@ -158,24 +148,10 @@ _SCRIPT = textwrap.dedent(
                 policy.preserve_intragpu_slots.__func__ is eplb.DefaultEplbPolicy.preserve_intragpu_slots.__func__
             )
     else:
-        os.environ["SGLANG_PLUGINS"] = "moe_placement"
-        import sglang.srt.plugins as plugins
-        from sglang.srt.eplb import eplb_algorithms as algos
         from sglang.srt.eplb.eplb_algorithms import deepseek
-        from sglang.srt.plugins.hook_registry import HookRegistry
+        from tests.engine_loaders import sglang_loader
 
-        keep = {"original": algos.rebalance_experts}
-
-        def load_with(spec):
-            os.environ.pop("MOE_PLACEMENT_EPLB", None)
-            if spec:
-                os.environ["MOE_PLACEMENT_EPLB"] = spec
-            HookRegistry.reset()
-            algos.rebalance_experts = keep["original"]
-            plugins._plugins_loaded = False
-            plugins.load_plugins()
-            return algos.rebalance_experts
-
+        load_with, algos, _ = sglang_loader()
         for spec in [None] + specs:
             fn = load_with(spec)
             for name, (w, P, groups, N, G) in cases.items():

@@ -336,19 +336,9 @@ _ENGINE_SCRIPT = textwrap.dedent(
         return phy2log.numpy()
 
     if engine == "vllm":
-        os.environ["VLLM_PLUGINS"] = "moe_placement"
-        import vllm.plugins
-        from vllm.distributed.eplb import policy as eplb
+        from tests.engine_loaders import vllm_loader
 
-        def load_with(spec):
-            os.environ.pop("MOE_PLACEMENT_EPLB", None)
-            if spec:
-                os.environ["MOE_PLACEMENT_EPLB"] = spec
-            eplb.EPLB_POLICIES["default"] = eplb.DefaultEplbPolicy
-            vllm.plugins.plugins_loaded = False
-            vllm.plugins.load_general_plugins()
-            return eplb.EPLB_POLICIES["default"]
-
+        load_with, eplb = vllm_loader()
         out["unset_untouched"] = load_with(None) is eplb.DefaultEplbPolicy
         default_map = eplb.DefaultEplbPolicy.rebalance_experts(weight, P, GROUPS, N, G, None)
         kept = load_with("migration").rebalance_experts(weight, P, GROUPS, N, G, default_map)
@@ -371,24 +361,9 @@ _ENGINE_SCRIPT = textwrap.dedent(
         except ValueError as exc:
             out["bad_spec"] = str(exc)
     else:
-        os.environ["SGLANG_PLUGINS"] = "moe_placement"
-        import sglang.srt.plugins as plugins
-        from sglang.srt.eplb import eplb_algorithms as algos
-        from sglang.srt.plugins.hook_registry import HookRegistry
+        from tests.engine_loaders import sglang_loader
 
-        # in a dict: applying a hook rebinds every module-level name that holds the original
-        keep = {"original": algos.rebalance_experts}
-
-        def load_with(spec):
-            os.environ.pop("MOE_PLACEMENT_EPLB", None)
-            if spec:
-                os.environ["MOE_PLACEMENT_EPLB"] = spec
-            HookRegistry.reset()
-            algos.rebalance_experts = keep["original"]
-            plugins._plugins_loaded = False
-            plugins.load_plugins()
-            return algos.rebalance_experts
-
+        load_with, algos, keep = sglang_loader()
         tokens = torch.from_numpy(load.astype(np.int64))[None]  # [W=1, L, E]
         algorithm = algos.compute_algorithm("auto", GROUPS, N)
         kw = dict(tokens_per_expert=tokens, num_physical_experts=P, num_local_physical_experts=P // G,
