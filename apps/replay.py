@@ -236,13 +236,26 @@ class _Run:
     reb: object = None
 
 
+def _greedy(load: np.ndarray, topology, layer_ids, keep):
+    """Greedy from scratch on ``load`` ``[L, E]`` through the one pipeline (:func:`solver.api.solve`).
+    A window that routed nothing has no balance to place for: the placement ``keep`` stays (the
+    engines' trivial map when there is none yet)."""
+    from placement.model import Placement
+    from solver.api import solve
+
+    if not np.any(load > 0):
+        if keep is not None:
+            return keep
+        return Placement.trivial(load.shape[0], load.shape[1], topology, layer_ids)
+    return solve("greedy", topology=topology, load=load, layer_ids=layer_ids).placement
+
+
 def _replace_all(run: _Run, k: int, current: dict) -> dict:
     """Each strategy's placement for window ``k``, fitted on what was seen up to the end of window ``k-1``.
 
     The fit load is the rebalancer's sliding window (or the last ``cfg.window_size`` steps of
     ``run.steps`` summed, ``[L, E]``). Returns strategy -> placement.
     """
-    from solver.greedy import greedy_placement
     from solver.migration import align_to_previous
 
     ws, strategies, reb = run.window_steps, run.strategies, run.reb
@@ -250,7 +263,7 @@ def _replace_all(run: _Run, k: int, current: dict) -> dict:
     fit = reb.window_load() if reb is not None else run.steps[lo : k * ws].sum(axis=0)  # [L, E]
     new = {}
     if "greedy" in strategies or "greedy+align" in strategies:
-        g, _ = greedy_placement(fit, run.topology, layer_ids=run.layer_ids)
+        g = _greedy(fit, run.topology, run.layer_ids, current.get("greedy", current.get("greedy+align")))
         if "greedy" in strategies:
             new["greedy"] = g
         if "greedy+align" in strategies:
@@ -442,7 +455,6 @@ def replay(
     on the window -> feed the window to the rebalancer -> summarise.
     """
     from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
-    from solver.greedy import greedy_placement
 
     steps = np.asarray(stream.steps, dtype=np.float64)  # [N, L, E]
     N, L, E = steps.shape
@@ -457,7 +469,7 @@ def replay(
     cfg = replace(cfg, trigger="interval", step_interval=window_steps)
     G = topology.ep_size
     layer_ids = stream.layer_ids or tuple(range(L))
-    init, _ = greedy_placement(_window_load(steps, 0, window_steps), topology, layer_ids=layer_ids)
+    init = _greedy(_window_load(steps, 0, window_steps), topology, layer_ids, None)
     current = {p: init for p in strategies}
     reb = Rebalancer(init, cfg, expert_bytes=expert_bytes) if "migration" in strategies else None
     run = _Run(

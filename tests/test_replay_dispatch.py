@@ -127,3 +127,19 @@ def test_replay_reports_the_break_even_interval(stream):
     fake = [{"arrived_experts": 3, "rebalance_cost_s": 2.0, "saved_s_per_step": 0.5}]
     assert break_even(fake) == 4.0
     assert break_even([{**fake[0], "saved_s_per_step": -0.1}]) == "never"
+
+
+def test_a_window_that_routes_nothing_keeps_the_greedy_placement():
+    """Greedy re-places through solver.api.solve; a window with no routed token has no balance to
+    place for, so the next window keeps the map it had (nothing moves) instead of a map of zeros."""
+    from apps.replay import ReplayStream
+
+    steps = np.random.default_rng(0).poisson(3, (30, 2, 8)).astype(float)  # [N, L, E]
+    steps[10:20] = 0
+    st = ReplayStream(name="silent window", steps=steps, layer_ids=(0, 1))
+    res = replay(
+        st, Topology(ep_size=4, num_physical_experts=12), window_steps=10, strategies=("greedy", "static")
+    )
+    after = {r["strategy"]: r for r in res.rows if r["window"] == 2}
+    assert after["greedy"]["moved_slots"] == 0
+    assert after["greedy"]["par"] == after["static"]["par"]

@@ -550,3 +550,36 @@ def test_inspect_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkey
     assert main(["inspect", str(path), "--plot", str(tmp_path / "plots")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["moe-placement: error: --plot needs the viz extra: pip install matplotlib"]
+
+
+# Outside solver/, a placement comes from solver.api (solve, run): no module imports a solver's own
+# placement function. The one exception places as the engine itself would (not our solver): the engine
+# default guard's parity greedy, which reproduces vLLM's and SGLang's built-in balancer.
+_PLACING = ("greedy_placement", "solve_exact", "solve_locality", "solve_migration", "solve_weighted")
+_ENGINE_PARITY = {("runtime_hooks/engine_plugins/default_guard.py", "greedy_placement")}
+
+
+def _placing_imports(root: Path) -> set[tuple[str, str]]:
+    """``(file, name)`` for each import of a placing function from a solver module outside solver/."""
+    import ast
+
+    found = set()
+    for pkg in ("profiling", "placement", "runtime_hooks", "apps", "cli"):
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("solver."):
+                    if node.module == "solver.api":
+                        continue
+                    rel = path.relative_to(root).as_posix()
+                    found |= {(rel, a.name) for a in node.names if a.name.startswith(_PLACING)}
+    return found
+
+
+def test_placements_outside_solver_come_from_solver_api():
+    assert _placing_imports(ROOT) <= _ENGINE_PARITY
+
+
+def test_a_placing_import_outside_solver_is_found(tmp_path):
+    tree = _tree(tmp_path, {"apps/sim.py": "def f():\n    from solver.greedy import greedy_placement\n"})
+    (tree / "apps" / "ok.py").write_text("from solver.api import solve\n")
+    assert _placing_imports(tree) == {("apps/sim.py", "greedy_placement")}
