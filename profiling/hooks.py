@@ -45,7 +45,7 @@ from torch import nn
 
 from profiling.fileio import InputFileError
 from profiling.hook_checks import check_layer_seq, check_module, check_sizes
-from profiling.limits import refuse_unknown_fields
+from profiling.options import refuse_unknown_keywords
 from profiling.readers import read_trace, write_trace
 from profiling.trace import RoutingTrace
 
@@ -207,7 +207,7 @@ def read_stream(stream_dir: str | Path) -> RoutingTrace:
     )
 
 
-@refuse_unknown_fields
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class RecordOptions:
     """What a :class:`RoutingRecorder` keeps (checked when the recorder is built).

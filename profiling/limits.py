@@ -8,8 +8,6 @@ constant. The limits are far above any real model: DeepSeek-V3 has 61 layers and
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -114,30 +112,3 @@ def check_whole(name: str, value, lo: int | None = 0, hi: int | None = None, fix
         shown = shown[:57] + "..."
     kind = "" if ok else f" ({type(value).__name__})"
     raise ValueError(f"{name} must be a whole number{span}, got {shown}{kind}{'; ' + fix if fix else ''}")
-
-
-# ---------------------------------------------------------------------------------------------
-# an options dataclass built from **fields (or dataclasses.replace): an unknown key is named
-# ---------------------------------------------------------------------------------------------
-__all__ += ["refuse_unknown_fields"]
-
-
-def refuse_unknown_fields(cls):
-    """Class decorator for an options dataclass (below ``@dataclass``): a keyword that is not a field, or
-    too many positional arguments, raises a one-line ValueError listing the fields (Python's TypeError
-    names neither). ``dataclasses.replace(obj, nosuch=1)`` goes through the same check."""
-    init = cls.__init__
-    names = [f.name for f in dataclasses.fields(cls) if f.init]
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        unknown = sorted(set(kwargs) - set(names))
-        if unknown or len(args) > len(names):
-            what = (
-                f"no field {unknown[0]!r}" if unknown else f"{len(names)} fields, not {len(args)} arguments"
-            )
-            raise ValueError(f"{cls.__name__} has {what}; its fields are {', '.join(names)}")
-        init(self, *args, **kwargs)
-
-    cls.__init__ = __init__
-    return cls

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiling.options import options_or_fields
+from profiling.options import options_or_fields, refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 
 __all__ = ["MAX_SYNTHETIC_CELLS", "SyntheticSpec", "synthetic_trace"]
@@ -28,6 +28,7 @@ __all__ = ["MAX_SYNTHETIC_CELLS", "SyntheticSpec", "synthetic_trace"]
 MAX_SYNTHETIC_CELLS = 1 << 28  # token x layer x pick cells one synthetic trace allocates (~0.5 GiB of int16)
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class SyntheticSpec:
     """The shape and the routing statistics of a synthetic trace; a bad value is a ValueError naming it.

@@ -46,6 +46,7 @@ import numpy as np
 
 from placement.dispatch import EVEN, get_dispatch
 from placement.model import Placement
+from profiling.options import refuse_unknown_keywords
 from runtime_hooks.migration_core import FaultSpec
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class ServeSpec:
     """One serving run.

@@ -64,7 +64,8 @@ from placement.cost.hardware import LINKS as _HW_LINKS
 from placement.cost.primitives import move_time
 from placement.dispatch import EVEN, check_dispatch
 from placement.model import Placement
-from profiling.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole, refuse_unknown_fields
+from profiling.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole
+from profiling.options import refuse_unknown_keywords
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
 
 __all__ = [
@@ -93,7 +94,7 @@ def seconds_per_assignment(
     return 6.0 * hidden_size * intermediate_size / (peak_flops * efficiency)
 
 
-@refuse_unknown_fields
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class RebalancerConfig:
     """Rebalancer settings (frozen).

@@ -34,6 +34,7 @@ import numpy as np
 from placement.dispatch import EVEN, get_dispatch
 from placement.metrics import route_tokens
 from placement.model import Placement
+from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 
 TIMING_REPEATS = 8  # extra counts all-gathers per row after the forward, timed with it (balanced)
@@ -48,6 +49,7 @@ __all__ = [
 ]
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class ValidationSpec:
     """Everything a rank needs (pickled to every rank).

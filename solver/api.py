@@ -51,7 +51,8 @@ from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_lo
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
-from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS, refuse_unknown_fields
+from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import (
@@ -104,6 +105,7 @@ _LOCALITY_FLAGS = {
 }
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class SolverSpec:
     """One solver: its function, its options class, and what the pipeline and the CLI read.
@@ -228,7 +230,7 @@ _FIT_RANGES = {
 }
 
 
-@refuse_unknown_fields
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class FitOptions:
     """How the fit step searches (:func:`solver.dispatch_fit.fit_for_dispatch`).
@@ -477,6 +479,7 @@ def _gate_dispatch(
     return placement, False
 
 
+@refuse_unknown_keywords(fix="a solver's own options go in options={...}, e.g. options={'max_moves': 4}")
 def solve(
     name: str,
     *,
@@ -501,7 +504,8 @@ def solve(
     per-window routing the counts are split evenly over the ranks). ``options`` carries
     solver-specific keywords (the fields of its options class, e.g. ``objective``, ``robust``,
     ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError. ``fit``: the fit
-    step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`.
+    step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`. An
+    unknown keyword raises ValueError naming the accepted ones.
     """
     _check_solve_args(seed, options)
     problem = Problem.build(

@@ -41,7 +41,7 @@ from placement.dispatch import (
 )
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement, compute_logical_maps, hidden_layer_rows
-from profiling.options import options_or_fields
+from profiling.options import options_or_fields, refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 from solver.greedy import group_nodes, hierarchical_groups
 
@@ -57,6 +57,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class TableFitOptions:
     """How :func:`fit_for_dispatch` searches a layer's table.

@@ -28,6 +28,7 @@ from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.limits import check_whole
+from profiling.options import refuse_unknown_keywords
 from solver.report import LayerReport, SolveReport
 
 if TYPE_CHECKING:
@@ -492,6 +493,7 @@ def _greedy_report(
     )
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class GreedyOptions:
     """How the greedy baseline runs: ``mode`` (``auto``: hierarchical when the expert groups divide

@@ -63,6 +63,7 @@ import numpy as np
 from placement.dispatch import get_dispatch
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
+from profiling.options import refuse_unknown_keywords
 from solver.budget import check_time_limit
 from solver.greedy import greedy_placement
 from solver.migration_cpsat import ExactLayer
@@ -94,6 +95,7 @@ METHODS = ("auto", "exact", "incremental")
 # ---------------------------------------------------------------------------------------------
 # Entry points
 # ---------------------------------------------------------------------------------------------
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class MigrationOptions:
     """How the migration-aware re-placement searches (the ``options`` of :func:`solve_migration`).

@@ -16,6 +16,7 @@ import numpy as np
 from placement.dispatch import EVEN, DispatchModel, check_dispatch
 from placement.model import Placement
 from placement.topology import Topology
+from profiling.options import check_keywords
 from profiling.trace import RoutingTrace
 
 __all__ = ["Problem", "options_from"]
@@ -161,9 +162,10 @@ def _check_previous(previous, L: int, E: int, topology: Topology) -> None:
 
 
 def options_from(cls: type, solver: str, values: dict) -> object:
-    """``cls(**values)``, with unknown keys named in a ValueError instead of a TypeError."""
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"{solver} takes no options {unknown}; its options are {sorted(known)}")
+    """``cls(**values)``, with unknown keys named in a ValueError (:func:`profiling.options.check_keywords`)
+    that names the solver, instead of a TypeError."""
+    known = [f.name for f in fields(cls) if f.init]
+    check_keywords(
+        f"the {solver} solver's options", values, known, fix=f"they are the fields of {cls.__name__}"
+    )
     return cls(**values)

@@ -54,6 +54,7 @@ from placement.dispatch import DispatchModel, get_dispatch
 from placement.model import Placement, compute_logical_maps
 from placement.steps import make_steps, step_counts
 from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 from solver.step_cost import StepCost, layer_seconds, slot_loads
 from solver.step_start import start_rows
@@ -73,6 +74,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class StepFitOptions:
     """How :func:`fit_for_steps` samples, starts and searches.

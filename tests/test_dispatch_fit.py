@@ -64,7 +64,9 @@ def test_fit_takes_its_options_object_or_their_keywords(fit_trace):
     a, ra = fit_for_dispatch(greedy, fit_trace, "sglang-static", options=TableFitOptions(steps=10, seed=2))
     b, rb = fit_for_dispatch(greedy, fit_trace, "sglang-static", steps=10, seed=2)
     assert np.array_equal(a.physical_to_logical_map, b.physical_to_logical_map) and ra == rb
-    with pytest.raises(ValueError, match="unknown keyword.*stepz.*fields of TableFitOptions"):
+    with pytest.raises(
+        ValueError, match="fit_for_dispatch: unknown keyword 'stepz' .*fields of TableFitOptions"
+    ):
         fit_for_dispatch(greedy, fit_trace, "sglang-static", stepz=10)
     with pytest.raises(ValueError, match="not both"):
         fit_for_dispatch(greedy, fit_trace, "sglang-static", options=TableFitOptions(), steps=10)

@@ -336,7 +336,7 @@ def test_load_model_refuses_a_non_path_and_gqa_heads_that_do_not_divide():
 @pytest.mark.parametrize(
     "fields, words",
     [
-        ({"num_experts": 8}, "unknown keyword(s) num_experts; its keywords are the fields of SyntheticSpec"),
+        ({"num_experts": 8}, "synthetic_trace: unknown keyword 'num_experts' (did you mean"),
         ({"num_tokens": "x"}, "num_tokens must be a whole number >= 1, got 'x'"),
         ({"num_tokens": None}, "num_tokens must be a whole number >= 1, got None"),
         ({"num_layers": True}, "num_layers must be a whole number >= 1, got True"),
@@ -401,7 +401,7 @@ def _lib_calls_2():
         (lambda: AdviseOptions(**vllm, solver="nosuch"), "unknown solver 'nosuch'"),
         (lambda: AdviseOptions(**vllm, redundant_per_gpu=2), "redundant_per_gpu must be a tuple"),
         (lambda: AdviseOptions(**vllm, rebalance_margin=float("nan")), "rebalance_margin must be a fraction"),
-        (lambda: advise(tr, nosuch=1, **vllm), "AdviseOptions has no field 'nosuch'; the fields are engine"),
+        (lambda: advise(tr, nosuch=1, **vllm), "AdviseOptions: unknown keyword 'nosuch'; its keywords are"),
         (lambda: advise(tr, options={"engine": "vllm"}), "options must be an AdviseOptions, got dict"),
         (lambda: advise(None, **vllm), "trace must be a profiling.trace.RoutingTrace"),
         (lambda: make_options("cpsat", time_limt=3), "no solver has an option 'time_limt'"),
@@ -418,9 +418,9 @@ def _lib_calls_2():
         (lambda: pl.select_layers([0.5]), "select_layers' row must be a whole number, got 0.5 (float)"),
         (lambda: make_steps(tr, G, "decode", 4, seed=2.5), "seed must be a whole number >= 0, got 2.5"),
         # options dataclasses built from **fields or dataclasses.replace: Python's TypeError named no field
-        (lambda: FitOptions(stepz=3), "FitOptions has no field 'stepz'; its fields are enabled, steps"),
-        (lambda: replace(RebalancerConfig(), windw_size=5), "RebalancerConfig has no field 'windw_size'"),
-        (lambda: RecordOptions(capacity=5), "RecordOptions has no field 'capacity'; its fields are mode"),
+        (lambda: FitOptions(stepz=3), "FitOptions: unknown keyword 'stepz' (did you mean 'steps'?)"),
+        (lambda: replace(RebalancerConfig(), windw_size=5), "RebalancerConfig: unknown keyword 'windw_size'"),
+        (lambda: RecordOptions(capacity=5), "RecordOptions: unknown keyword 'capacity' (did you mean"),
     ]
 
 
@@ -488,3 +488,97 @@ def test_second_pass_keeps_valid_arguments_working():
     import placement.metrics as m
 
     assert m.communication(pl, tr, hidden_size=np.int64(128))["bytes_per_token"] > 0
+
+
+# ---- an unknown keyword: one check and one wording (profiling.options.check_keywords) ---------------
+# the public options classes by family, each built (or replaced) with an unknown keyword; before, Python's
+# own TypeError named neither the accepted keywords nor a close one
+_OPTION_CLASSES = {
+    "solver": [
+        ("solver.greedy", "GreedyOptions"),
+        ("solver.exact", "ExactOptions"),
+        ("solver.locality", "LocalityOptions"),
+        ("solver.migration", "MigrationOptions"),
+        ("solver.dispatch_fit", "TableFitOptions"),
+        ("solver.step_fit", "StepFitOptions"),
+        ("solver.api", "SolverSpec"),
+    ],
+    "cost": [
+        ("placement.cost.modelspec", "ModelSpec"),
+        ("placement.cost.hardware", "LinkSpec"),
+        ("placement.cost.hardware", "GpuSpec"),
+        ("placement.cost.hardware", "ClusterSpec"),
+    ],
+    "planner": [("apps.planner.costmodel", "CostOptions"), ("apps.planner.layout", "PlanOptions")],
+    "runtime": [("runtime_hooks.hf_serve", "ServeSpec"), ("runtime_hooks.validate", "ValidationSpec")],
+    "profiling": [("profiling.synthetic", "SyntheticSpec")],
+}
+
+
+@pytest.mark.parametrize("family", sorted(_OPTION_CLASSES))
+def test_options_classes_name_an_unknown_keyword(family):
+    import dataclasses
+    import importlib
+
+    for module, name in _OPTION_CLASSES[family]:
+        cls = getattr(importlib.import_module(module), name)
+        first = dataclasses.fields(cls)[0].name
+        with pytest.raises(ValueError) as info:
+            cls(**{first + "x": 1})
+        message = str(info.value)
+        assert message.startswith(f"{name}: unknown keyword '{first}x' (did you mean '{first}'?)"), message
+        assert f"its keywords are {first}, " in message and "\n" not in message
+        if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+               for f in dataclasses.fields(cls)):  # fmt: skip
+            with pytest.raises(ValueError, match=f"{name}: unknown keyword 'nosuch'"):
+                replace(cls(), nosuch=1)
+
+
+def test_solve_names_an_unknown_keyword_and_keeps_its_signature():
+    import inspect
+
+    from solver.api import solve
+
+    topo = Topology.from_redundant(E, 0, G)
+    w = np.arange(1.0, L * E + 1).reshape(L, E)
+    with pytest.raises(ValueError) as info:
+        solve("greedy", topology=topo, load=w, time_limt=3)
+    assert str(info.value).startswith("solve: unknown keyword 'time_limt' (did you mean 'time_limit'?)")
+    assert "its keywords are name, topology, load" in str(info.value) and "options={" in str(info.value)
+    with pytest.raises(ValueError, match="solve: unknown keyword 'objective'; its keywords are"):
+        solve("cpsat", topology=topo, load=w, objective="peak")  # a solver's option, not solve's
+    with pytest.raises(ValueError, match="solve: takes at most 1 positional argument, got 2"):
+        solve("greedy", topo)
+    kinds = {p.kind for p in inspect.signature(solve).parameters.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds  # help() shows the documented keywords only
+    ok = solve("greedy", topology=topo, load=w, seed=0)
+    assert ok.placement.physical_to_logical_map.shape == (L, E)
+
+
+def test_refuse_unknown_keywords_is_refused_where_it_cannot_check():
+    from dataclasses import dataclass
+
+    from profiling.options import check_keywords, refuse_unknown_keywords
+
+    class Plain:
+        pass
+
+    with pytest.raises(TypeError, match="goes above @dataclass on Plain"):
+        refuse_unknown_keywords(Plain)
+    with pytest.raises(TypeError, match="takes \\*\\*kwargs"):
+        refuse_unknown_keywords(lambda **kw: kw)
+
+    @refuse_unknown_keywords(fix="see the docs")
+    @dataclass
+    class Two:
+        a: int = 0
+        bb: int = 0
+
+    assert Two(1, bb=2) == Two(a=1, bb=2)
+    with pytest.raises(
+        ValueError, match="^Two: takes at most 2 positional arguments, got 3; its keywords are a, bb; see"
+    ):
+        Two(1, 2, 3)
+    with pytest.raises(ValueError, match="^f: unknown keywords 'b' \\(did you mean 'bb'\\?\\), 'zz'; its"):
+        check_keywords("f", ["zz", "b"], ["a", "bb"])
+    check_keywords("f", ["a"], ["a", "bb"])  # a known keyword: nothing raised

@@ -6,7 +6,6 @@ Shapes: L MoE layers, E logical experts, G EP ranks (GPUs), r redundant slots pe
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -14,7 +13,8 @@ from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.dispatch import DISPATCH, DispatchModel
 from placement.steps import DEFAULT_STEP_TOKENS
 from placement.steps import PHASES as STEP_PHASES
-from profiling.limits import MAX_FIT_STEPS, check_whole, refuse_unknown_fields
+from profiling.limits import MAX_FIT_STEPS, check_whole
+from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -56,7 +56,7 @@ def engine_flag_value(model: DispatchModel) -> str | None:
     return hit.group(1) if hit else None
 
 
-@refuse_unknown_fields
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class AdviseOptions:
     """Every knob of one advice run.
@@ -163,12 +163,9 @@ class AdviseOptions:
 
     @classmethod
     def from_fields(cls, fields: dict) -> AdviseOptions:
-        """``AdviseOptions(**fields)``, with an unknown or missing field named in a ValueError (Python's
-        own TypeError names neither the class's fields nor a fix)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(fields) - set(names))
-        if unknown:
-            raise ValueError(f"AdviseOptions has no field {unknown[0]!r}; the fields are {', '.join(names)}")
+        """``AdviseOptions(**fields)``, with a missing field named in a ValueError (Python's own
+        TypeError gives no fix); an unknown one is named by the class's own check
+        (:func:`profiling.options.refuse_unknown_keywords`)."""
         missing = [n for n in ("engine", "nodes") if n not in fields]
         if missing:
             raise ValueError(f"AdviseOptions needs {' and '.join(missing)} (e.g. engine='vllm', nodes=1)")

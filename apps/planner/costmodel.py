@@ -60,6 +60,7 @@ from placement.cost.primitives import (
     mlp_time,
 )
 from placement.steps import SIZING_STEP_TOKENS
+from profiling.options import refuse_unknown_keywords
 
 if TYPE_CHECKING:
     from placement.model import Placement
@@ -81,6 +82,7 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # Options and primitive timings
 # ---------------------------------------------------------------------------------------------
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class CostOptions:
     """Knobs of one evaluation.

@@ -29,6 +29,7 @@ from apps.planner.costmodel import CostOptions, MemoryBreakdown, StepCost, memor
 from apps.planner.workload import analytic_workload, trace_workload
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
+from profiling.options import refuse_unknown_keywords
 
 __all__ = [
     "SYNTHETIC_ZIPF",
@@ -55,6 +56,7 @@ EXTRA_SLOTS_PER_GPU = (0, 1, 2, 4)
 TIE = 0.03
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class PlanOptions:
     """How the planner searches and places (the cost model's knobs are :class:`CostOptions`).

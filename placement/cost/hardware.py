@@ -17,6 +17,7 @@ from typing import Any
 
 from placement.cost.fields import Range, check_fields, show
 from profiling.limits import MAX_RANKS
+from profiling.options import refuse_unknown_keywords
 
 __all__ = [
     "LinkSpec",
@@ -64,6 +65,7 @@ _RANGES = {
 }
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class LinkSpec:
     """One link type as the all-to-all kernels see it.
@@ -107,6 +109,7 @@ class LinkSpec:
             raise ValueError(f"{where}: band {self.band} must be (low, high) with low <= high")
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class GpuSpec:
     """One GPU type.
@@ -164,6 +167,7 @@ class GpuSpec:
         )
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class ClusterSpec:
     """GPUs of one type, ``gpus_per_node`` per node, an intra-node and an inter-node link."""

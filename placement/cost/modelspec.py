@@ -14,6 +14,7 @@ from typing import Any
 
 from placement.cost.fields import Range, check_fields, check_value, show
 from profiling.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
+from profiling.options import refuse_unknown_keywords
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "check_hf_config_fits", "load_model", "model_from_hf_config"]
 
@@ -98,6 +99,7 @@ def _short(ids: tuple[int, ...]) -> str:
 # ---------------------------------------------------------------------------------------------
 # Model description
 # ---------------------------------------------------------------------------------------------
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class ModelSpec:
     """What the cost model needs to know about an MoE model.

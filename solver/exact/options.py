@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from placement.model import Placement
+from profiling.options import refuse_unknown_keywords
 
 __all__ = ["ExactOptions"]
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class ExactOptions:
     """How the exact solver searches: every keyword of :func:`solver.exact.solve_exact` but the

@@ -10,10 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from placement.dispatch import LOCAL
+from profiling.options import refuse_unknown_keywords
 
 __all__ = ["LocalityOptions"]
 
 
+@refuse_unknown_keywords
 @dataclass(frozen=True)
 class LocalityOptions:
     """How the locality solver searches (the ``options`` of :func:`solver.locality.solve_locality`).
