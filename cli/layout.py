@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
-        "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder",
+        "qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b), a model JSON, or a HF config.json / folder",
     )
     p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=ep_size_int, default=8)

@@ -16,7 +16,7 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         help="price whole steps with this model: a built-in name (deepseek-v3, deepseek-v2-lite, mixtral-8x7b, "
-        "qwen3-30b-a3b, olmoe-1b-7b), a model JSON, or a HF config.json / folder; adds step_time to the report",
+        "qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b), a model JSON, or a HF config.json / folder; adds step_time to the report",
     )
     p.add_argument(
         "--hardware",

@@ -361,7 +361,7 @@ def test_published_band_is_the_calibration_tables_over_none_rows():
 
 def test_engine_batches_trace_without_model_is_one_line_naming_the_fix(capsys):
     """The Qwen1.5 trace (recorded engine batches, 60 experts, 5 of 24 layers logged) has no built-in
-    model of its shape: refused in one line that says what to pass."""
+    model of its shape: refused in one line that names the built-in it nearly matches and what to pass."""
     from tests.conftest import QWEN, shared_trace_path
 
     path = shared_trace_path(QWEN)
@@ -369,6 +369,7 @@ def test_engine_batches_trace_without_model_is_one_line_naming_the_fix(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert "60 experts, top-4 and 5 MoE layers" in err and "a model JSON" in err, err
+    assert "qwen1.5-moe-a2.7b has them but 24 MoE layers" in err, err  # the built-in it nearly is
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
@@ -409,3 +410,21 @@ def test_band_warning_names_the_side_and_the_published_figures():
     assert "2 experts per GPU" in above and "modelled, not measured" in above
     assert below is not None and "is below the published" in below
     assert "is above" in band_warning("prefill", 0.5, "why")
+
+
+def test_auto_finds_the_shared_traces_models_and_their_launch_ids():
+    """Every model the shared traces were recorded from that has a built-in preset is found by ``auto``
+    from a trace of its shape (experts, top-k, MoE layers), with a Hugging Face id and an architecture
+    the engine table knows; Qwen1.5-MoE (60 experts, top-4, 24 layers) among them."""
+    from apps.advise.engines import ARCHITECTURES
+    from apps.advise.options import resolve_model
+    from apps.advise.recommend import HF_IDS
+
+    for name in ("deepseek-v2-lite", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b"):
+        ref = load_model(name)
+        ids = np.zeros((8, ref.num_moe_layers, ref.top_k), dtype=np.int16)
+        ids[:] = np.arange(ref.top_k)
+        tr = RoutingTrace(num_logical_experts=ref.num_logical_experts, topk_ids=ids)
+        got = resolve_model("auto", tr)
+        assert dataclasses.replace(got, name=ref.name) == ref, name
+        assert got.name in HF_IDS and got.name in ARCHITECTURES, got.name

@@ -103,7 +103,15 @@ def test_model_layer_ids_checked(ids):
 
 
 def test_builtin_models_load_and_a_valid_override_is_kept():
-    for name in ("deepseek-v3", "deepseek-v2-lite", "mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b"):
+    names = (
+        "deepseek-v3",
+        "deepseek-v2-lite",
+        "mixtral-8x7b",
+        "qwen3-30b-a3b",
+        "olmoe-1b-7b",
+        "qwen1.5-moe-a2.7b",
+    )
+    for name in names:
         m = load_model(name)
         assert m.num_moe_layers >= 1 and m.kv_bytes_per_token > 0
     m = replace(load_model("deepseek-v3"), kv_cache_bytes=1)

@@ -44,7 +44,7 @@ ARCHITECTURES = MappingProxyType(
         "mixtral-8x7b": "MixtralForCausalLM",
         "qwen3-30b-a3b": "Qwen3MoeForCausalLM",
         "olmoe-1b-7b": "OlmoeForCausalLM",
-        "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",  # no built-in preset: a model JSON of that name
+        "qwen1.5-moe-a2.7b": "Qwen2MoeForCausalLM",
     }
 )
 

@@ -27,6 +27,7 @@ HF_IDS = {
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924",
+    "qwen1.5-moe-a2.7b": "Qwen/Qwen1.5-MoE-A2.7B-Chat",
 }
 SGLANG_FILE = "expert_location.json"
 VLLM_FILE = "placement.json"

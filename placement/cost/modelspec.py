@@ -27,6 +27,8 @@ BUILTIN_MODELS = {
     "qwen3-30b-a3b": "qwen3_30b_a3b.json",
     "olmoe-1b-7b": "olmoe_1b_7b.json",
     "olmoe": "olmoe_1b_7b.json",
+    "qwen1.5-moe-a2.7b": "qwen15_moe_a2_7b.json",
+    "qwen1.5-moe": "qwen15_moe_a2_7b.json",
 }
 
 
@@ -426,8 +428,8 @@ def check_hf_config_fits(cfg: Mapping[str, Any], where: str, bytes_per_weight: f
 
 def load_model(name_or_path: str | Path) -> ModelSpec:
     """A built-in model (``deepseek-v3``, ``deepseek-r1``, ``deepseek-v2-lite``, ``mixtral-8x7b``,
-    ``qwen3-30b-a3b``, ``olmoe-1b-7b``), a model-description JSON, or a HF ``config.json`` (or a
-    folder holding one)."""
+    ``qwen3-30b-a3b``, ``olmoe-1b-7b``, ``qwen1.5-moe-a2.7b``), a model-description JSON, or a HF
+    ``config.json`` (or a folder holding one)."""
     from profiling.fileio import load_json
 
     if not isinstance(name_or_path, (str, Path)):
