@@ -232,28 +232,15 @@ def test_a_model_that_leaves_a_question_unsaid_is_refused():
         )
         with pytest.raises(ValueError, match=rf"'half-said' does not say {left_out}: give {left_out}="):
             register(model)
-    with pytest.raises(ValueError, match="runtime_route must be one of"):
-        register(
-            DispatchModel(
-                "odd-route", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "gpu"}
-            )
-        )
-    with pytest.raises(ValueError, match="set needs_source_ranks"):
-        register(
-            DispatchModel(
-                "odd-tiers", "a test model", DISPATCH["even"].choices, **{**said, "local_first": True}
-            )
-        )
-    with pytest.raises(ValueError, match="set needs_step_counts"):
-        register(
-            DispatchModel(
-                "odd-step", "a test model", DISPATCH["even"].choices, **{**said, "runtime_route": "step"}
-            )
-        )
-    with pytest.raises(ValueError, match="table_fit must be one of"):
-        register(
-            DispatchModel("odd-fit", "a test model", DISPATCH["even"].choices, **{**said, "table_fit": "yes"})
-        )
+    contradictions = [  # (one answer over a complete set, what the refusal says)
+        ({"runtime_route": "gpu"}, "runtime_route must be one of"),
+        ({"local_first": True}, "set needs_source_ranks"),
+        ({"runtime_route": "step"}, "set needs_step_counts"),
+        ({"table_fit": "yes"}, "table_fit must be one of"),
+    ]
+    for answer, refusal in contradictions:
+        with pytest.raises(ValueError, match=refusal):
+            register(DispatchModel("odd", "a test model", DISPATCH["even"].choices, **{**said, **answer}))
     assert DISPATCH == before
 
 

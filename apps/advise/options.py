@@ -185,11 +185,10 @@ class AdviseOptions:
         return cls(engine=engine, nodes=nodes, **base)
 
 
-def _near_miss(E: int, k: int, L: int) -> str:
+def _near_miss(builtins: dict[str, ModelSpec], E: int, k: int, L: int) -> str:
     """``" (qwen1.5-moe-a2.7b has them but 24 MoE layers: ...)"`` when a built-in model differs from the
     trace only in its MoE layer count (a trace that logged some layers), else ``""``."""
-    for name in BUILTIN_MODELS:
-        m = load_model(name)
+    for name, m in builtins.items():
         if (m.num_logical_experts, m.top_k) == (E, k) and m.num_moe_layers != L:
             return (
                 f" ({name} has them but {m.num_moe_layers} MoE layers: record all {m.num_moe_layers}, "
@@ -206,13 +205,13 @@ def resolve_model(spec: str, trace: RoutingTrace) -> ModelSpec:
     """
     E, k, L = trace.num_logical_experts, trace.top_k, trace.num_layers
     if spec.lower() == AUTO_MODEL:
-        for name in BUILTIN_MODELS:
-            m = load_model(name)
+        builtins = {name: load_model(name) for name in BUILTIN_MODELS}
+        for m in builtins.values():
             if (m.num_logical_experts, m.top_k, m.num_moe_layers) == (E, k, L):
                 return m
         raise ValueError(
             f"--model auto: no built-in model has the trace's {E} experts, top-{k} and {L} MoE layers"
-            f"{_near_miss(E, k, L)}; name one of {', '.join(BUILTIN_MODELS)} or a model JSON"
+            f"{_near_miss(builtins, E, k, L)}; name one of {', '.join(BUILTIN_MODELS)} or a model JSON"
         )
     model = load_model(spec)
     if (model.num_logical_experts, model.top_k, model.num_moe_layers) != (E, k, L):
