@@ -10,7 +10,7 @@ Prints, for the baseline (trivial placement, one replica per expert, the engine'
 the option: whole step = attention + shared experts + dense layers + LM head (the rest) + expert GEMM +
 dispatch/combine + the dispatch's own per-step cost, in ms, and each term's share of the whole-step
 gain. Also: the MoE layers' balance (busiest GPU and the mean per step and layer: token-expert pairs,
-and the dispatch's received RDMA picks), and the published band (apps.advise.phases.PUBLISHED_GAIN)
+and the dispatch's received RDMA picks), and the published band (moe_placement.apps.advise.phases.PUBLISHED_GAIN)
 next to the modelled gain. ``--v3-sized`` prices the same routing with DeepSeek-V3's layer sizes (as
 benchmarks/step_model_check.py does), to separate the model's size from the experts per GPU.
 """
@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.advise import balance  # noqa: E402
-from apps.advise.options import AdviseOptions, resolve_model  # noqa: E402
-from apps.advise.phases import published_band  # noqa: E402
+from moe_placement.apps.advise import balance  # noqa: E402
+from moe_placement.apps.advise.options import AdviseOptions, resolve_model  # noqa: E402
+from moe_placement.apps.advise.phases import published_band  # noqa: E402
 from placement.cost.hardware import cluster_preset  # noqa: E402
 from placement.cost.modelspec import load_model  # noqa: E402
 from placement.cost.primitives import attention_time, lm_head_time, mlp_time  # noqa: E402

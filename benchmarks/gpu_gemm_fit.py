@@ -52,8 +52,8 @@ def main() -> int:
     import numpy as np
     from scipy.optimize import least_squares
 
+    from moe_placement.base.fileio import atomic_write_json
     from placement.cost.hardware import GPUS
-    from profiling.fileio import atomic_write_json
 
     base = GPUS[args.base]
     dev = torch.device("cuda")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from apps.planner.costmodel import CostOptions
-from apps.planner.layout import compare_phases
+from moe_placement.apps.planner.costmodel import CostOptions
+from moe_placement.apps.planner.layout import compare_phases
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
 from placement.steps import SIZING_STEP_TOKENS

@@ -10,7 +10,7 @@ placement chosen before it), moved slots, moved bytes and migration time (cost m
 that the done criterion of issue 7 names: PAR migration / greedy, moved migration / greedy, and the
 same against greedy + align_to_previous (the fair from-scratch baseline). Baselines run in the same
 process on the same windows. Per strategy also: arrived experts and the break-even rebalance interval in
-steps (held out; apps.replay.break_even: "never" when its re-placements saved nothing).
+steps (held out; moe_placement.apps.replay.break_even: "never" when its re-placements saved nothing).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from apps.replay import domain_stream, question_stream, replay, token_stream
+from moe_placement.apps.replay import domain_stream, question_stream, replay, token_stream
+from moe_placement.base.fileio import atomic_write_text
 from placement.cost.hardware import GPUS
 from placement.dispatch import DISPATCH, EVEN
 from placement.topology import Topology
-from profiling.fileio import atomic_write_text
 from profiling.readers import default_traces_dir, read_trace
 from runtime_hooks.rebalancer import RebalancerConfig
 

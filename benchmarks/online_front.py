@@ -34,16 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from moe_placement.base.fileio import atomic_write_text
 from placement.churn import arrived_experts
 from placement.dispatch import EVEN, SGLANG_STATIC, VLLM_HASH, get_dispatch
 from placement.metrics import balance_stats, moved_slots, par, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.fileio import atomic_write_text
 from profiling.readers import default_traces_dir, read_trace
 from solver.greedy import greedy_placement
 from solver.migration import MigrationOptions, align_to_previous, run_migration
-from solver.migration_slots import colocated_extra_copies
+from solver.migration.slots import colocated_extra_copies
 from solver.problem import Problem
 
 STEM = ("abstract_algebra", "astronomy", "college_", "computer_security", "conceptual_physics",
@@ -202,7 +202,7 @@ def front(case, budgets, dispatches, time_limit: float) -> list[dict]:
 
 
 def _valid(start: Placement, w: np.ndarray) -> Placement:
-    from solver.migration_slots import repair_colocated
+    from solver.migration.slots import repair_colocated
 
     return repair_colocated(start, w)[0] if start.allow_colocated_replicas else start
 

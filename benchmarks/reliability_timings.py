@@ -7,7 +7,7 @@ of migration and locality hold, each next to the greedy baseline measured in the
 Rows (each: ``measured_s``, ``limit_s``, ``ratio`` = measured / limit, ``greedy_s`` and
 ``measured_over_greedy``):
 
-- ``sigterm``: ``python -m cli solve --load L.npy --ep-size 32 --num-redundant 32 --solver cpsat
+- ``sigterm``: ``python -m moe_placement solve --load L.npy --ep-size 32 --num-redundant 32 --solver cpsat
   --time-limit 60 -o out.json`` on a heavy-tailed ``[8, 64]`` load (CP-SAT cannot prove it within
   seconds). Once greedy's baseline and start are logged (``--debug``), the script waits
   ``--signal-after`` seconds and sends SIGTERM. ``measured_s``: seconds from the signal to the exit;
@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from moe_placement.base.fileio import atomic_write_text  # noqa: E402
 from placement.topology import Topology  # noqa: E402
-from profiling.fileio import atomic_write_text  # noqa: E402
 from profiling.synthetic import synthetic_trace  # noqa: E402
 from solver.greedy import greedy_placement  # noqa: E402
 from solver.locality import LocalityOptions, solve_locality  # noqa: E402
@@ -63,7 +63,7 @@ STARTED = "greedy: mode="  # the debug line greedy logs; the second one (the sta
 
 def solve_command(folder: Path, solver: str, time_limit: float) -> list[str]:
     """``moe-placement --debug solve`` on ``folder/load.npy`` writing ``folder/out.json``."""
-    return [sys.executable, "-m", "cli", "--debug", "solve", "--load", str(folder / "load.npy"),
+    return [sys.executable, "-m", "moe_placement", "--debug", "solve", "--load", str(folder / "load.npy"),
             "--ep-size", "32", "--num-redundant", "32", "--solver", solver,
             "--time-limit", f"{time_limit:g}", "-o", str(folder / "out.json")]  # fmt: skip
 

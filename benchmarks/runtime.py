@@ -215,7 +215,7 @@ def main(argv=None) -> int:
         f"ms per step above ideal x step PAR is gloo all_to_all and Python overhead on 2 shared cores)"
     )
     if args.json:
-        from profiling.fileio import atomic_write_json
+        from moe_placement.base.fileio import atomic_write_json
 
         atomic_write_json(args.json, {"rows": rows, "args": vars(args), "notes": notes, "trace": source})
     return 0

@@ -34,17 +34,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.step_lp import highs_step_peak  # noqa: E402
 from placement.step_balance import ROUNDS, balanced_gpu_load  # noqa: E402
 from placement.topology import Topology  # noqa: E402
 from runtime_hooks.step_balance import StepBalancer  # noqa: E402
 from solver.api import solve  # noqa: E402
-from solver.step_lp import highs_step_peak  # noqa: E402
 
 L, E, TOP_K, TOKENS_PER_RANK = 58, 256, 8, 64
 
 
 def highs_peak(c: np.ndarray, l2p: np.ndarray, S: int) -> float:
-    """LP optimum of one layer: ``c [E]``, ``l2p [E, R]`` (:func:`solver.step_lp.highs_step_peak`)."""
+    """LP optimum of one layer: ``c [E]``, ``l2p [E, R]`` (:func:`benchmarks.step_lp.highs_step_peak`)."""
     return highs_step_peak(c, l2p, S)
 
 

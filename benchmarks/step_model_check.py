@@ -372,7 +372,7 @@ def main(argv=None) -> int:
     _print_table(rows, priced, settings)
     print(f"({time.perf_counter() - t0:.1f} s)")
     if args.json:
-        from profiling.fileio import atomic_write_json
+        from moe_placement.base.fileio import atomic_write_json
 
         atomic_write_json(args.json, {"rows": rows, "settings": settings, "step_time": priced})
     return 0

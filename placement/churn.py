@@ -5,7 +5,7 @@ Shapes: L layers, E logical experts, P physical slots, G GPUs, S = P // G slots 
 - ``moved_slots`` (in :mod:`placement.metrics`): slots whose logical expert changed.
 - ``arrived_experts``: (layer, GPU, expert) triples of the new placement whose GPU did not hold that
   expert before. Only these cross a link; an expert already on the GPU (in another slot) is a local
-  copy. After :func:`solver.migration_slots.keep_slots` the two counts are equal; a map whose slots
+  copy. After :func:`solver.migration.slots.keep_slots` the two counts are equal; a map whose slots
   were shuffled within GPUs has moved slots but no arrivals.
 - ``moved_bytes`` = arrived experts x the weight bytes of one expert.
 

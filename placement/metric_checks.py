@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_HIDDEN_SIZE, check_whole
 from placement.model import Placement
-from profiling.limits import MAX_HIDDEN_SIZE, check_whole
 from profiling.trace import RoutingTrace
 
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_LAYER_ID, check_whole
 from placement.topology import Topology
-from profiling.limits import MAX_LAYER_ID, check_whole
 
 __all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "hidden_layer_rows", "validate_map"]
 
@@ -128,7 +128,7 @@ def hidden_layer_rows(placement: Placement, num_hidden_layers: int | None = None
 
     MoE rows sit at their real layer index (``placement.layer_ids``); the other (dense) rows hold the
     trivial map ``p % E``. ``H`` defaults to the largest layer id + 1; both are bounded by
-    ``MAX_LAYER_ID`` (:mod:`profiling.limits`) before the ``[H, P]`` map is allocated.
+    ``MAX_LAYER_ID`` (:mod:`moe_placement.base.limits`) before the ``[H, P]`` map is allocated.
     """
     ids = list(placement.layer_ids)
     P, E = placement.num_physical_experts, placement.num_logical_experts

@@ -116,7 +116,9 @@ def _source_ranks_file(path: str, num_tokens: int, ep_size: int) -> np.ndarray:
     if not path.endswith(".npy"):
         raise ValueError(f"--source-ranks {path!r}: use round-robin, random[:SEED] or a .npy file of ranks")
     try:
-        from profiling.fileio import load_npy  # regular files only: a FIFO is refused, not read forever
+        from moe_placement.base.fileio import (
+            load_npy,  # regular files only: a FIFO is refused, not read forever
+        )
 
         arr = load_npy(path)
     except (OSError, ValueError) as exc:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiling.limits import check_whole
+from moe_placement.base.limits import check_whole
 from profiling.trace import RoutingTrace
 
 __all__ = [

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiling.limits import MAX_EXPERTS, MAX_RANKS
+from moe_placement.base.limits import MAX_EXPERTS, MAX_RANKS
 
 __all__ = ["Topology"]
 
@@ -59,7 +59,7 @@ class Topology:
             limit, limit_name = _LIMITS[name]
             if value > limit:
                 raise ValueError(
-                    f"{name} is {value}, outside the accepted range 1..{limit} ({limit_name} in profiling/limits.py)"
+                    f"{name} is {value}, outside the accepted range 1..{limit} ({limit_name} in moe_placement/base/limits.py)"
                 )
             object.__setattr__(self, name, int(value))
         if self.num_physical_experts % self.ep_size:

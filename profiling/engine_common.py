@@ -12,8 +12,13 @@ from pathlib import Path
 
 import numpy as np
 
-from profiling.fileio import DEFAULT_MAX_ARRAY_BYTES, InputFileError, require_regular, safe_torch_load
-from profiling.limits import MAX_EXPERTS
+from moe_placement.base.fileio import (
+    DEFAULT_MAX_ARRAY_BYTES,
+    InputFileError,
+    require_regular,
+    safe_torch_load,
+)
+from moe_placement.base.limits import MAX_EXPERTS
 
 __all__ = ["MAX_DUMP_BYTES", "physical_to_logical_counts", "physical_to_logical_ids"]
 

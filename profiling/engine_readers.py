@@ -28,7 +28,7 @@ Layer axes: SGLang rows are every hidden layer (dense layers are all-zero rows, 
 (real ids from the record's ``layer_ids`` or ``moe_layer_ids``). Real layer ids are kept.
 
 Everything is loaded safely (``torch.load(weights_only=True)``, safetensors, JSON); malformed input
-raises :class:`~profiling.fileio.InputFileError` naming the file and the field.
+raises :class:`~moe_placement.base.fileio.InputFileError` naming the file and the field.
 
 Modules: :mod:`profiling.engine_sglang`, :mod:`profiling.engine_trtllm` and :mod:`profiling.engine_vllm`
 read one engine each; :mod:`profiling.engine_common` holds the shared loading, checks and the
@@ -41,6 +41,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from moe_placement.base.fileio import InputFileError, require_regular
+from moe_placement.base.limits import MAX_EXPERTS
 from profiling.engine_common import MAX_DUMP_BYTES as MAX_DUMP_BYTES  # re-exported
 from profiling.engine_common import physical_to_logical_counts, physical_to_logical_ids
 from profiling.engine_sglang import _read_sglang
@@ -48,8 +50,6 @@ from profiling.engine_trtllm import _read_trtllm
 from profiling.engine_vllm import VLLM_LOAD_RECORD as VLLM_LOAD_RECORD  # re-exported
 from profiling.engine_vllm import VLLM_LOAD_VERSION as VLLM_LOAD_VERSION  # re-exported
 from profiling.engine_vllm import _read_vllm_jsonl
-from profiling.fileio import InputFileError, require_regular
-from profiling.limits import MAX_EXPERTS
 from profiling.trace import RoutingTrace
 
 __all__ = ["physical_to_logical_counts", "physical_to_logical_ids", "read_engine_dump"]

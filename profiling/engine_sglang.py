@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_placement.base.fileio import InputFileError
 from profiling.engine_common import (
     _array,
     _check_map,
@@ -24,7 +25,6 @@ from profiling.engine_common import (
     physical_to_logical_counts,
     physical_to_logical_ids,
 )
-from profiling.fileio import InputFileError
 from profiling.trace import RoutingTrace
 
 # The readers' public logger name (users and the CLI's log format see it), kept from before the split.

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_placement.base.fileio import InputFileError, load_json
+from moe_placement.base.limits import MAX_EXPERTS
 from profiling.engine_common import _array, _int, _pick, _safetensors_load
-from profiling.fileio import InputFileError, load_json
-from profiling.limits import MAX_EXPERTS
 from profiling.trace import RoutingTrace, token_counts
 
 # The readers' public logger name (users and the CLI's log format see it), kept from before the split.

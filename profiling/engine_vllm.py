@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_placement.base.fileio import InputFileError, open_regular
+from moe_placement.base.limits import MAX_EXPERTS, MAX_RANKS, check_layer_ids
+from moe_placement.base.textparse import parse_json
 from profiling.engine_common import _array, _check_size, _int, _pick, physical_to_logical_counts
-from profiling.fileio import InputFileError, open_regular
-from profiling.limits import MAX_EXPERTS, MAX_RANKS, check_layer_ids
-from profiling.textparse import parse_json
 from profiling.trace import RoutingTrace
 
 VLLM_LOAD_RECORD = "eplb_load_stats"

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 from torch import nn
 
-from profiling.limits import MAX_EXPERTS, check_memory, check_whole
+from moe_placement.base.limits import MAX_EXPERTS, check_memory, check_whole
 
 __all__ = ["check_layer_seq", "check_module", "check_sizes"]
 

@@ -43,9 +43,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from profiling.fileio import InputFileError
+from moe_placement.base.fileio import InputFileError
+from moe_placement.base.options import refuse_unknown_keywords
 from profiling.hook_checks import check_layer_seq, check_module, check_sizes
-from profiling.options import refuse_unknown_keywords
 from profiling.readers import read_trace, write_trace
 from profiling.trace import RoutingTrace
 

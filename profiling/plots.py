@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from moe_placement.base.fileio import atomic_write_bytes
 from profiling import stats
-from profiling.fileio import atomic_write_bytes
 from profiling.trace import RoutingTrace
 
 __all__ = [

@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from profiling.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
-from profiling.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
-from profiling.textparse import parse_json
+from moe_placement.base.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
+from moe_placement.base.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
+from moe_placement.base.textparse import parse_json
 from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace, _check_num_experts
 
 __all__ = [

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from profiling.options import options_or_fields, refuse_unknown_keywords
+from moe_placement.base.options import options_or_fields, refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 
 __all__ = ["MAX_SYNTHETIC_CELLS", "SyntheticSpec", "synthetic_trace"]

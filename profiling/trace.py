@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from profiling.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids, check_whole
+from moe_placement.base.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids, check_whole
 
 __all__ = ["RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
 

@@ -44,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.dispatch import EVEN, get_dispatch
 from placement.model import Placement
-from profiling.options import refuse_unknown_keywords
 from runtime_hooks.migration_core import FaultSpec
 
 __all__ = [

@@ -57,8 +57,8 @@ def _config(source):
     from transformers import AutoConfig, PretrainedConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from moe_placement.base.fileio import load_json
     from placement.cost.modelspec import check_hf_config_fits
-    from profiling.fileio import load_json
 
     if isinstance(source, PretrainedConfig):
         return source

@@ -33,7 +33,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from profiling.errors import WorkerError, WorkerTimeout  # re-exported: the family lives in profiling.errors
+from moe_placement.base.errors import (  # re-exported: the family lives in moe_placement.base.errors
+    WorkerError,
+    WorkerTimeout,
+)
 
 __all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
 

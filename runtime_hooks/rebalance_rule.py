@@ -4,7 +4,7 @@ Shapes: L MoE layers, E logical experts, P physical slots, G EP ranks (GPUs).
 
 Pure numpy (no torch, no solver): the online rebalancer (:mod:`runtime_hooks.rebalancer`), both
 engine plugins (:mod:`runtime_hooks.engine_plugins.policy`) and the trace replay
-(:mod:`apps.replay`) decide with the same three functions.
+(:mod:`moe_placement.apps.replay`) decide with the same three functions.
 
 Model (the migration cost below; every constant a field of :class:`RuleParams`):
 

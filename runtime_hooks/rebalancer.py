@@ -59,13 +59,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import GPUS
 from placement.cost.hardware import LINKS as _HW_LINKS
 from placement.cost.primitives import move_time
 from placement.dispatch import EVEN, check_dispatch
 from placement.model import Placement
-from profiling.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole
-from profiling.options import refuse_unknown_keywords
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
 
 __all__ = [

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.dispatch import EVEN, get_dispatch
 from placement.metrics import route_tokens
 from placement.model import Placement
-from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 
 TIMING_REPEATS = 8  # extra counts all-gathers per row after the forward, timed with it (balanced)

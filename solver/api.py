@@ -18,7 +18,7 @@ steps, each a short function below:
   routing: the counts are then taken as split evenly over the ranks).
 - fit (``fittable`` solvers, dispatch models that split each step's counts, ``needs_step_counts``):
   re-choose which experts hold the redundant slots and where, for the flattest per-step split of
-  sampled fit steps (:func:`solver.step_fit.fit_for_steps`; needs a per-token trace).
+  sampled fit steps (:func:`solver.step.fit.fit_for_steps`; needs a per-token trace).
 - gate, dispatch (``gated`` solvers, after a fit): keep the baseline when the fitted placement's peak
   under the table is higher than the baseline's on the same tokens per (rank, expert) (per-step
   models: its mean step peak on the fit's validation steps).
@@ -45,14 +45,14 @@ from typing import Any
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.fields import Range, check_fields
 from placement.dispatch import EVEN, DispatchModel, get_dispatch
 from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_load
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
-from profiling.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
-from profiling.options import refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import (
@@ -69,8 +69,8 @@ from solver.locality.solve import run_locality
 from solver.migration import MigrationOptions, run_migration
 from solver.problem import Problem, options_from
 from solver.report import SolveReport
-from solver.step_cost import DEFAULT_HARDWARE, step_cost_for
-from solver.step_fit import StepFit, StepFitOptions, fit_for_steps
+from solver.step.cost import DEFAULT_HARDWARE, step_cost_for
+from solver.step.fit import StepFit, StepFitOptions, fit_for_steps
 
 __all__ = [
     "BASELINE",
@@ -242,10 +242,10 @@ class FitOptions:
         noise_z: standard errors the mean gain over those dealings must exceed to change a layer.
         step_tokens: tokens per rank per step for models that split each step (``--step-tokens``;
             None: the phase's default, :data:`placement.steps.DEFAULT_STEP_TOKENS`);
-            step_moves: move attempts per layer of :func:`solver.step_fit.fit_for_steps`.
+            step_moves: move attempts per layer of :func:`solver.step.fit.fit_for_steps`.
         phase: the steps such a model is placed for (``--phase``: ``decode`` or ``prefill``).
         model, hardware: the presets that price those steps (``--model``, ``--hardware``;
-            :mod:`solver.step_cost`): model None takes the built-in preset with the trace's experts
+            :mod:`solver.step.cost`): model None takes the built-in preset with the trace's experts
             and top-k, and with none the fit balances the step peak alone (its note says so).
     """
 
@@ -423,7 +423,7 @@ def _fit(
 def _fit_steps(
     problem: Problem, placement: Placement, o: FitOptions, notes: list
 ) -> tuple[Placement, StepFit | None]:
-    """Step 4 for a per-step model: :func:`solver.step_fit.fit_for_steps` on the fit trace's tokens."""
+    """Step 4 for a per-step model: :func:`solver.step.fit.fit_for_steps` on the fit trace's tokens."""
     if problem.trace is None or not problem.trace.has_tokens:
         notes.append(f"{problem.dispatch}: no per-token trace, so no steps to place for: replicas kept")
         return placement, None

@@ -13,7 +13,7 @@ import math
 import numbers
 import time
 
-from profiling.limits import MAX_TIME_LIMIT_S, MAX_WORK_STEPS
+from moe_placement.base.limits import MAX_TIME_LIMIT_S, MAX_WORK_STEPS
 
 __all__ = ["Budget", "as_budget", "check_time_limit"]
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from moe_placement.base.options import options_or_fields, refuse_unknown_keywords
 from placement.dispatch import (
     DISPATCH,
     SGLANG_STATIC_SEED,
@@ -41,7 +42,6 @@ from placement.dispatch import (
 )
 from placement.metrics import rank_expert_counts, rank_gpu_load
 from placement.model import Placement, compute_logical_maps, hidden_layer_rows
-from profiling.options import options_or_fields, refuse_unknown_keywords
 from profiling.trace import RoutingTrace
 from solver.greedy import group_nodes, hierarchical_groups
 

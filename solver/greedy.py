@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from moe_placement.base.limits import check_whole
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.metrics import expected_gpu_load, peak_lower_bound
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.limits import check_whole
-from profiling.options import refuse_unknown_keywords
 from solver.report import LayerReport, SolveReport
 
 if TYPE_CHECKING:

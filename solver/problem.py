@@ -13,10 +13,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from moe_placement.base.options import check_keywords
 from placement.dispatch import EVEN, DispatchModel, check_dispatch
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.options import check_keywords
 from profiling.trace import RoutingTrace
 
 __all__ = ["Problem", "options_from"]
@@ -162,7 +162,7 @@ def _check_previous(previous, L: int, E: int, topology: Topology) -> None:
 
 
 def options_from(cls: type, solver: str, values: dict) -> object:
-    """``cls(**values)``, with unknown keys named in a ValueError (:func:`profiling.options.check_keywords`)
+    """``cls(**values)``, with unknown keys named in a ValueError (:func:`moe_placement.base.options.check_keywords`)
     that names the solver, instead of a TypeError."""
     known = [f.name for f in fields(cls) if f.init]
     check_keywords(

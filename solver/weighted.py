@@ -509,7 +509,7 @@ def write_replica_weights(path: str | PathLike, weights: np.ndarray, placement: 
     ``num_logical_experts``, ``ep_size``, ``physical_to_logical_map`` ``[L, P]`` and
     ``replica_weights`` ``[L, P]`` (slot ``p``'s probability among its expert's replicas).
     """
-    from profiling.fileio import atomic_write_json
+    from moe_placement.base.fileio import atomic_write_json
 
     wts = np.asarray(weights, dtype=np.float64)
     if wts.shape != placement.physical_to_logical_map.shape:

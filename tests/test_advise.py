@@ -13,13 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apps.advise import AdviseOptions, advise, render_html
-from apps.advise.balance import trace_topology
-from apps.advise.engines import min_redundant
-from apps.advise.phases import price_phase
-from apps.advise.rebalance import judge
-from apps.advise.report import PLOT_COUNT
-from cli.main import main
+from moe_placement.apps.advise import AdviseOptions, advise, render_html
+from moe_placement.apps.advise.balance import trace_topology
+from moe_placement.apps.advise.engines import min_redundant
+from moe_placement.apps.advise.phases import price_phase
+from moe_placement.apps.advise.rebalance import judge
+from moe_placement.apps.advise.report import PLOT_COUNT
+from moe_placement.cli.main import main
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
 from placement.cost.step_time import step_time
@@ -116,7 +116,7 @@ def test_lp_is_never_available_without_its_overhead_priced(sglang_advice):
             and o["phases"]["prefill"]["dispatch_overhead_ms"] > 0
         )
     # a row whose overhead is zero (unpriced) is refused
-    from apps.advise.recommend import availability
+    from moe_placement.apps.advise.recommend import availability
 
     row = next(r for r in sglang_advice.rows if r.dispatch == "sglang-lp")
     unpriced = dataclasses.replace(row, decode=dataclasses.replace(row.decode, dispatch_overhead_ms=0.0))
@@ -289,7 +289,7 @@ def test_cli_progress_is_one_line_per_stage_off_a_terminal(tmp_path, model_dir):
     cmd = [
         sys.executable,
         "-m",
-        "cli",
+        "moe_placement",
         "advise",
         "--trace",
         str(path),
@@ -348,7 +348,7 @@ def test_published_band_is_the_calibration_tables_over_none_rows():
     import importlib.util
     from pathlib import Path
 
-    from apps.advise.phases import PUBLISHED_GAIN
+    from moe_placement.apps.advise.phases import PUBLISHED_GAIN
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_model_check.py"
     spec = importlib.util.spec_from_file_location("step_model_check_gains", path)
@@ -400,7 +400,7 @@ def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tm
 
 
 def test_band_warning_names_the_side_and_the_published_figures():
-    from apps.advise.phases import band_warning, published_band
+    from moe_placement.apps.advise.phases import band_warning, published_band
 
     lo, hi, src = published_band("decode")
     assert band_warning("decode", (lo + hi) / 200.0, "why") is None
@@ -416,9 +416,9 @@ def test_auto_finds_the_shared_traces_models_and_their_launch_ids():
     """Every model the shared traces were recorded from that has a built-in preset is found by ``auto``
     from a trace of its shape (experts, top-k, MoE layers), with a Hugging Face id and an architecture
     the engine table knows; Qwen1.5-MoE (60 experts, top-4, 24 layers) among them."""
-    from apps.advise.engines import ARCHITECTURES
-    from apps.advise.options import resolve_model
-    from apps.advise.recommend import HF_IDS
+    from moe_placement.apps.advise.engines import ARCHITECTURES
+    from moe_placement.apps.advise.options import resolve_model
+    from moe_placement.apps.advise.recommend import HF_IDS
 
     for name in ("deepseek-v2-lite", "mixtral-8x7b", "olmoe-1b-7b", "qwen1.5-moe-a2.7b"):
         ref = load_model(name)

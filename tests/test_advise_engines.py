@@ -1,4 +1,4 @@
-"""advise's engine table (``apps/advise/engines.py``) and the flags it prints, checked against the
+"""advise's engine table (``moe_placement/apps/advise/engines.py``) and the flags it prints, checked against the
 engines' own code: SGLang 0.5.23 and vLLM 0.33.0 in the side environment (``MOE_ENGINES_PYTHON`` or
 ``<repo>/.engines-venv/bin/python``). The engines' source is read (``ast``), not run, except SGLang's
 argument parser, which is built in the side environment to list every flag it accepts."""
@@ -14,10 +14,17 @@ from types import SimpleNamespace
 import pytest
 from test_engine_plugins import _engines_python  # one skip reason, naming no machine path
 
-from apps.advise.balance import ENGINE, NO_EPLB, OURS
-from apps.advise.engines import _SGLANG_EPLB, _SGLANG_LP, _VLLM_EPLB, ENGINES, architecture_of, can_dispatch
-from apps.advise.options import AdviseOptions
-from apps.advise.recommend import launch
+from moe_placement.apps.advise.balance import ENGINE, NO_EPLB, OURS
+from moe_placement.apps.advise.engines import (
+    _SGLANG_EPLB,
+    _SGLANG_LP,
+    _VLLM_EPLB,
+    ENGINES,
+    architecture_of,
+    can_dispatch,
+)
+from moe_placement.apps.advise.options import AdviseOptions
+from moe_placement.apps.advise.recommend import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 

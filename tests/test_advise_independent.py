@@ -1,6 +1,6 @@
 """advise's whole-step gains (decode and prefill) against an independent calculation from the same trace
 and the same cost constants (hardware preset fields, model sizes), written here without the cost
-model's code (no apps.advise pricing, no placement.cost.step_time, no placement.cost.primitives).
+model's code (no moe_placement.apps.advise pricing, no placement.cost.step_time, no placement.cost.primitives).
 
 The calculation, in plain loops over steps and layers:
 
@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apps.advise import AdviseOptions, advise
+from moe_placement.apps.advise import AdviseOptions, advise
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
 from placement.steps import make_steps
@@ -338,8 +338,8 @@ def test_real_trace_sglang_recommendation_matches_an_independent_calculation(tra
     sequences per rank, context 4096), where advise recommends ``ours|sglang-dynamic|r1`` (+10.6% decode,
     +4.7% prefill). The two placements are built as advise builds them and priced by advise's pricing
     (``price_phase``), then computed here in expectation (SGLang's dynamic split, written here again)."""
-    from apps.advise import balance
-    from apps.advise.phases import gain, price_phase
+    from moe_placement.apps.advise import balance
+    from moe_placement.apps.advise.phases import gain, price_phase
 
     path = traces_dir / TRACE
     if not path.is_file():

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import main
+from moe_placement.cli.main import main
 from profiling.readers import find_shared_traces, write_trace
 from profiling.synthetic import synthetic_trace
 
@@ -26,7 +26,7 @@ def small_trace(tmp_path_factory):
 
 def test_python_dash_m_entry_point(small_trace):
     r = subprocess.run(
-        [sys.executable, "-m", "cli", "inspect", str(small_trace), "--json"],
+        [sys.executable, "-m", "moe_placement", "inspect", str(small_trace), "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,

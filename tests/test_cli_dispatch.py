@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from cli.main import main
+from moe_placement.cli.main import main
 from placement.dispatch import DISPATCH, sglang_static_tables
 from placement.formats import read_placement
 from placement.metrics import balance_stats, source_ranks

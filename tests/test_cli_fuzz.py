@@ -1,7 +1,7 @@
 """Issue 25: bad input to any sub-command ends in one stderr line and exit code 2 (Ctrl-C: 130), in
 seconds, and no file on disk changes.
 
-Every case of :data:`CASES` runs ``cli.main.main`` in-process on small synthetic files in a fresh
+Every case of :data:`CASES` runs ``moe_placement.cli.main.main`` in-process on small synthetic files in a fresh
 folder; the folder's names and checksums before and after the run must be equal (an output that names
 an input, a report into a missing folder, a refused flag: nothing is written, nothing is replaced).
 Only the Ctrl-C test starts a subprocess.
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import main
+from moe_placement.cli.main import main
 from placement.formats import write_placement
 from placement.model import Placement
 from placement.topology import Topology
@@ -391,9 +391,9 @@ def test_resource_errors_are_bad_input_naming_the_file(error, fragment, inputs, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err and "t.npz" in err and type(error).__name__ in err
 
-    import cli.solve
+    import moe_placement.cli.solve
 
-    monkeypatch.setattr(cli.solve, "cmd_solve", boom)  # outside any reader
+    monkeypatch.setattr(moe_placement.cli.solve, "cmd_solve", boom)  # outside any reader
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("moe-placement: error:") and type(error).__name__ in err
@@ -402,24 +402,24 @@ def test_resource_errors_are_bad_input_naming_the_file(error, fragment, inputs, 
 
 
 def test_a_bug_is_exit_1_in_one_line(inputs, monkeypatch, capsys):
-    import cli.solve
+    import moe_placement.cli.solve
 
     def bug(args):
         raise KeyError("oops")
 
-    monkeypatch.setattr(cli.solve, "cmd_solve", bug)
+    monkeypatch.setattr(moe_placement.cli.solve, "cmd_solve", bug)
     assert main(["solve", "--trace", str(inputs / "t.npz"), "--ep-size", "4"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error: KeyError" in err and "--debug" in err
 
 
 def test_ctrl_c_in_process_is_exit_130(inputs, monkeypatch, capsys):
-    import cli.solve
+    import moe_placement.cli.solve
 
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli.solve, "cmd_solve", interrupted)
+    monkeypatch.setattr(moe_placement.cli.solve, "cmd_solve", interrupted)
     assert main(["solve", "--trace", str(inputs / "t.npz"), "--ep-size", "4"]) == 130
     assert capsys.readouterr().err == "moe-placement: interrupted\n"
 
@@ -435,7 +435,7 @@ def test_ctrl_c_during_a_long_cpsat_solve_is_exit_130_and_writes_nothing(tmp_pat
     argv = ["solve", "--trace", str(tmp_path / "t.npz"), "--ep-size", "8", "--num-redundant", "16"]
     argv += ["--solver", "cpsat", "--time-limit", "60", "-o", str(out), "--report", str(tmp_path / "r.json")]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", *argv],
+        [sys.executable, "-m", "moe_placement", *argv],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

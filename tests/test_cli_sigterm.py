@@ -21,7 +21,7 @@ def test_sigterm_during_cpsat_solve_exits_143_promptly(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "load.npy", np.round(rng.pareto(1.5, (8, 64)) * 1000 + 10))  # [8, 64]: slow to prove
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "cli", "--debug", "solve", "--load", str(tmp_path / "load.npy"),
+    cmd = [sys.executable, "-m", "moe_placement", "--debug", "solve", "--load", str(tmp_path / "load.npy"),
            "--ep-size", "32", "--num-redundant", "32", "--solver", "cpsat", "--time-limit", "60", "-o", str(out)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
@@ -65,7 +65,7 @@ def test_every_cpsat_search_runs_through_the_interruptible_runner():
     for path in sorted((ROOT).glob("*/**/*.py")):
         rel = path.relative_to(ROOT).as_posix()
         if (
-            rel.split("/")[0] not in ("solver", "placement", "runtime_hooks", "apps", "cli")
+            rel.split("/")[0] not in ("solver", "placement", "runtime_hooks", "moe_placement")
             or rel == "solver/search.py"
         ):
             continue

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from apps.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
-from apps.planner.workload import analytic_workload, trace_workload
+from moe_placement.apps.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
+from moe_placement.apps.planner.workload import analytic_workload, trace_workload
 from placement.cost.hardware import GPUS, LINKS, cluster_preset
 from placement.cost.modelspec import load_model, model_from_hf_config
 from placement.model import Placement
@@ -136,7 +136,7 @@ def test_memory_each_redundant_slot_costs_one_expert_per_moe_layer():
 
 
 def test_too_many_redundant_slots_rejected_with_numbers():
-    from apps.planner.layout import LayoutCandidate, evaluate_candidate
+    from moe_placement.apps.planner.layout import LayoutCandidate, evaluate_candidate
 
     cl = cluster_preset("h200")
     load = np.ones((DSV3.num_moe_layers, 256))

@@ -306,7 +306,7 @@ def test_a_model_needing_step_counts_must_give_step_load():
 def test_engine_models_name_the_engine_setting_that_selects_them():
     """The flag values agree with the engines' capability table (read from their code, checked in
     tests/test_advise_engines.py): SGLang's ``--ep-dispatch-algorithm`` values, vLLM's ``--enable-eplb``."""
-    from apps.advise.engines import ENGINES
+    from moe_placement.apps.advise.engines import ENGINES
 
     for model in DISPATCH.values():
         assert bool(model.engine) == bool(model.engine_flag), model.name

@@ -738,7 +738,7 @@ def _copied_rows(row: np.ndarray, load: np.ndarray, G: int, N: int):
 def test_a_kept_map_is_repaired_inside_each_groups_node(caplog):
     from placement.model import Placement
     from placement.topology import Topology
-    from solver.migration_slots import repair_colocated
+    from solver.migration.slots import repair_colocated
 
     load, P, G, N, groups = HIERARCHICAL[2]
     prev = place(parse_spec("greedy"), EngineCall("vllm", load, P, G, N, groups, None)).copy()

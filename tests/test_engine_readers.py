@@ -19,8 +19,8 @@ import pathlib
 import numpy as np
 import pytest
 
+from moe_placement.base.fileio import InputFileError
 from profiling.engine_readers import physical_to_logical_counts, physical_to_logical_ids, read_engine_dump
-from profiling.fileio import InputFileError
 from profiling.readers import read_trace
 
 torch = pytest.importorskip("torch")

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import main
+from moe_placement.base.fileio import InputFileError, atomic_write_files, clean_stale_temps
+from moe_placement.cli.main import main
 from placement.formats import read_placement, sidecar_path, write_placement
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.fileio import InputFileError, atomic_write_files, clean_stale_temps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,14 +79,14 @@ def test_evaluate_refuses_a_mixed_pair_in_one_line(tmp_path, capsys):
 _SLOW_WRITER = """
 import sys, time
 sys.path.insert(0, {root!r})
-import profiling.fileio as f
+import moe_placement.base.fileio as f
 real = f._publish
 def slow(pairs):
     print("temps written", flush=True)
     time.sleep(60)
     real(pairs)
 f._publish = slow
-from cli.main import main
+from moe_placement.cli.main import main
 sys.exit(main(["solve", "--trace", {trace!r}, "--ep-size", "4", "--format", "sglang", "-o", {out!r}]))
 """
 

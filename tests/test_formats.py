@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import yaml
 
+from moe_placement.base.fileio import InputFileError
 from placement.formats import FORMATS, detect_format, read_placement, sidecar_path, write_placement
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.fileio import InputFileError
 
 # 4 experts, 8 slots on 4 GPUs (2 slots each) in 2 nodes; MoE layers 1 and 3 of a 5-layer model.
 MAP = np.array(

@@ -23,11 +23,7 @@ import numpy as np
 import pytest
 import yaml
 
-from placement import Placement, Topology
-from placement.formats import read_placement, write_placement
-from placement.model import hidden_layer_rows
-from profiling.engine_readers import read_engine_dump
-from profiling.fileio import (
+from moe_placement.base.fileio import (
     InputFileError,
     atomic_write_bytes,
     atomic_write_json,
@@ -37,7 +33,11 @@ from profiling.fileio import (
     load_npz,
     safe_torch_load,
 )
-from profiling.limits import MAX_EXPERTS, MAX_LAYER_ID
+from moe_placement.base.limits import MAX_EXPERTS, MAX_LAYER_ID
+from placement import Placement, Topology
+from placement.formats import read_placement, write_placement
+from placement.model import hidden_layer_rows
+from profiling.engine_readers import read_engine_dump
 from profiling.readers import check_load, read_trace, require_data
 from profiling.trace import TRACE_SCHEMA, RoutingTrace
 

@@ -18,7 +18,8 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from cli.main import main
+from moe_placement.base.fileio import InputFileError, load_npz
+from moe_placement.cli.main import main
 from placement import Placement, Topology
 from placement.metrics import (
     balance_stats,
@@ -27,7 +28,6 @@ from placement.metrics import (
     peak_lower_bound,
     trace_gpu_load,
 )
-from profiling.fileio import InputFileError, load_npz
 from profiling.readers import read_trace, write_trace
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
@@ -238,7 +238,7 @@ def test_failed_write_leaves_existing_file(tmp_path):
     target.write_text("precious")
 
     def boom():
-        from profiling.fileio import atomic_write
+        from moe_placement.base.fileio import atomic_write
 
         with atomic_write(target) as fh:
             fh.write(b"half")
@@ -255,7 +255,7 @@ def test_write_killed_half_way_leaves_existing_file(tmp_path):
     target.write_bytes(b"old")
     script = (
         f"import sys, time; sys.path.insert(0, {str(ROOT)!r})\n"
-        "from profiling.fileio import atomic_write\n"
+        "from moe_placement.base.fileio import atomic_write\n"
         f"with atomic_write({str(target)!r}) as fh:\n"
         "    fh.write(b'x' * 1000000); fh.flush(); print('writing', flush=True); time.sleep(60)\n"
     )
@@ -324,7 +324,7 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"PK\x03\x04garbage")
     r = subprocess.run(
-        [sys.executable, "-m", "cli", "inspect", str(bad)],
+        [sys.executable, "-m", "moe_placement", "inspect", str(bad)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -338,7 +338,7 @@ def test_cli_subprocess_has_no_traceback(tmp_path):
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("compress", [True, False])
 def test_stream_counts_equal_full_counts_with_bounded_chunks(tmp_path, compress):
-    from profiling.fileio import atomic_save_npz, iter_npz_array_chunks
+    from moe_placement.base.fileio import atomic_save_npz, iter_npz_array_chunks
     from profiling.readers import stream_counts
 
     tr = synthetic_trace(
@@ -365,7 +365,7 @@ def test_stream_counts_rejects_truncated_and_out_of_range(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# topology sizes bounded by profiling.limits (issue 25)
+# topology sizes bounded by moe_placement.base.limits (issue 25)
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "build, fragment",
@@ -390,7 +390,7 @@ def test_topology_sizes_are_bounded_with_the_limit_named(build, fragment):
 
 
 def test_topology_at_the_limits_is_accepted():
-    from profiling.limits import MAX_EXPERTS, MAX_RANKS
+    from moe_placement.base.limits import MAX_EXPERTS, MAX_RANKS
 
     t = Topology(MAX_RANKS, MAX_EXPERTS, MAX_RANKS)
     assert t.slots_per_gpu == 1 and t.gpus_per_node == 1
@@ -477,7 +477,7 @@ def test_output_piped_to_a_reader_that_stops_early_is_silent(tmp_path):
     write_trace(RoutingTrace(4, topk_ids=ids), tmp_path / "wide.npz")
     for extra in ([], ["--json"]):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli", "inspect", str(tmp_path / "wide.npz"), *extra],
+            [sys.executable, "-m", "moe_placement", "inspect", str(tmp_path / "wide.npz"), *extra],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -218,7 +218,7 @@ def test_placement_that_does_not_fit_names_the_numbers():
 
 
 def test_cli_validate_model_json(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.formats import write_placement
 
     cfg = tmp_path / "config.json"
@@ -336,7 +336,7 @@ def test_vision_language_and_omni_models_serve_their_text_decoder():
 
 
 def test_cli_validate_refuses_bad_numbers_and_layers_in_one_line(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.dispatch import dispatch_names
     from placement.formats import write_placement
 

@@ -132,7 +132,7 @@ def test_contiguous_placement_rejects_uneven_split():
 
 
 def test_cli_serve_demo(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
 
     cfg = tmp_path / "config.json"
     cfg.write_text(mixtral().to_json_string())
@@ -146,7 +146,7 @@ def test_cli_serve_demo(tmp_path, capsys):
 
 
 def test_cli_serve_demo_refuses_bad_input_in_one_line(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.dispatch import dispatch_names
     from placement.formats import write_placement
 

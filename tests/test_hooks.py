@@ -375,7 +375,7 @@ def test_bad_arguments_name_the_fix(tmp_path):
 
 # ---- moe-placement profile ---------------------------------------------------------------------
 def _cli(argv):
-    from cli.main import main
+    from moe_placement.cli.main import main
 
     return main(argv)
 

@@ -1,9 +1,9 @@
 """Issue 36, a fresh hostile pass: inputs a previous pass did not try, each refused in one line.
 
-Every CLI case runs ``cli.main.main`` in-process on small files in a fresh folder and asserts exit 2,
+Every CLI case runs ``moe_placement.cli.main.main`` in-process on small files in a fresh folder and asserts exit 2,
 one stderr line holding the fragment (which names the number and the fix), and no file changed. The
 library cases assert a ValueError (never an AttributeError, IndexError or TypeError from inside) or, for
-the reader, the project's :class:`~profiling.errors.InputFileError`.
+the reader, the project's :class:`~moe_placement.base.errors.InputFileError`.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from test_cli_fuzz import _snapshot  # one checksum of an inputs folder, links and FIFOs included
 
-from cli.main import main
+from moe_placement.base.errors import InputFileError
+from moe_placement.cli.main import main
 from placement.formats import write_placement
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.errors import InputFileError
 from profiling.readers import read_trace, write_trace
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
@@ -254,7 +254,7 @@ def test_a_layout_output_folder_is_published_whole_or_not_at_all(inputs, tmp_pat
     """``layout --output DIR`` wrote file after file: a failure after the placements (here in the launch
     flags) left the new placements beside the previous run's flags and summary. (``advise --output``
     publishes its folder the same way now.)"""
-    import apps.planner.layout
+    import moe_placement.apps.planner.layout
 
     model = json.loads((inputs / "m.json").read_text())
     model["num_layers"] = model["first_moe_layer"] + L  # the trace's 2 MoE layers
@@ -278,15 +278,15 @@ def test_a_layout_output_folder_is_published_whole_or_not_at_all(inputs, tmp_pat
     capsys.readouterr()
     first = _folder(out)
     assert len(first) >= 3 and first != second  # the runs write different placements
-    monkeypatch.setattr(apps.planner.layout, "launch_flags", _boom)
+    monkeypatch.setattr(moe_placement.apps.planner.layout, "launch_flags", _boom)
     assert main(argv(1)) == 1  # an internal error after the placements are built: exit 1
     assert _folder(out) == first  # every file of the last whole run, none of the interrupted one
 
 
 # ---- library calls the hostile pass left failing: the planner's and the model presets' entry points --
 def test_plan_layout_and_cost_options_refuse_wrong_types_naming_the_argument():
-    from apps.planner.costmodel import CostOptions
-    from apps.planner.layout import plan_layout
+    from moe_placement.apps.planner.costmodel import CostOptions
+    from moe_placement.apps.planner.layout import plan_layout
     from placement.cost.hardware import cluster_preset
     from placement.cost.modelspec import load_model
 
@@ -351,7 +351,7 @@ def _lib_calls_2():
     """(call, fragment): each raised a TypeError/AttributeError from inside, allocated without bound,
     or was accepted and silently ignored or cast (``[0.5]`` read as layer 0, a misspelt key dropped)."""
     import placement.metrics as m
-    from apps.advise import AdviseOptions, advise
+    from moe_placement.apps.advise import AdviseOptions, advise
     from placement.steps import make_steps, step_counts
     from profiling.hooks import RecordOptions, RoutingRecorder, find_moe_layers
     from runtime_hooks.rebalancer import Rebalancer, RebalancerConfig
@@ -484,7 +484,7 @@ def test_second_pass_keeps_valid_arguments_working():
     assert m.communication(pl, tr, hidden_size=np.int64(128))["bytes_per_token"] > 0
 
 
-# ---- an unknown keyword: one check and one wording (profiling.options.check_keywords) ---------------
+# ---- an unknown keyword: one check and one wording (moe_placement.base.options.check_keywords) ---------------
 # the public options classes by family, each built (or replaced) with an unknown keyword; before, Python's
 # own TypeError named neither the accepted keywords nor a close one
 _OPTION_CLASSES = {
@@ -494,7 +494,7 @@ _OPTION_CLASSES = {
         ("solver.locality", "LocalityOptions"),
         ("solver.migration", "MigrationOptions"),
         ("solver.dispatch_fit", "TableFitOptions"),
-        ("solver.step_fit", "StepFitOptions"),
+        ("solver.step.fit", "StepFitOptions"),
         ("solver.api", "SolverSpec"),
     ],
     "cost": [
@@ -503,7 +503,10 @@ _OPTION_CLASSES = {
         ("placement.cost.hardware", "GpuSpec"),
         ("placement.cost.hardware", "ClusterSpec"),
     ],
-    "planner": [("apps.planner.costmodel", "CostOptions"), ("apps.planner.layout", "PlanOptions")],
+    "planner": [
+        ("moe_placement.apps.planner.costmodel", "CostOptions"),
+        ("moe_placement.apps.planner.layout", "PlanOptions"),
+    ],
     "runtime": [("runtime_hooks.hf_serve", "ServeSpec"), ("runtime_hooks.validate", "ValidationSpec")],
     "profiling": [("profiling.synthetic", "SyntheticSpec")],
 }
@@ -552,7 +555,7 @@ def test_solve_names_an_unknown_keyword_and_keeps_its_signature():
 def test_refuse_unknown_keywords_is_refused_where_it_cannot_check():
     from dataclasses import dataclass
 
-    from profiling.options import check_keywords, refuse_unknown_keywords
+    from moe_placement.base.options import check_keywords, refuse_unknown_keywords
 
     class Plain:
         pass

@@ -6,8 +6,8 @@ import json
 
 import numpy as np
 
-from apps.planner.costmodel import CostOptions
-from apps.planner.layout import (
+from moe_placement.apps.planner.costmodel import CostOptions
+from moe_placement.apps.planner.layout import (
     PlanOptions,
     compare_phases,
     enumerate_candidates,
@@ -15,7 +15,7 @@ from apps.planner.layout import (
     synthetic_load,
     workload_load,
 )
-from cli.main import main
+from moe_placement.cli.main import main
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
 

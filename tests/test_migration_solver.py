@@ -234,7 +234,7 @@ def test_max_steps_none_or_large_is_the_unlimited_search():
 
 
 def test_keep_slots_batched_equals_keep_slots():
-    from solver.migration_slots import keep_slots_batched
+    from solver.migration.slots import keep_slots_batched
 
     for seed in range(6):
         topo, prev, w = _setup(seed, L=3, E=16, red=8 + 4 * (seed % 3), G=4, N=2)
@@ -273,7 +273,7 @@ def _engine_map(seed, L=3, E=16, red=8, G=4, N=2, dup=3):
 
 
 def test_repair_moves_one_slot_per_extra_copy_and_keeps_every_other_slot():
-    from solver.migration_slots import colocated_extra_copies, repair_colocated
+    from solver.migration.slots import colocated_extra_copies, repair_colocated
 
     _, prev, w = _engine_map(3)
     need = colocated_extra_copies(prev)  # [L]
@@ -288,7 +288,7 @@ def test_repair_moves_one_slot_per_extra_copy_and_keeps_every_other_slot():
 @pytest.mark.parametrize("seed", range(12))
 def test_max_moves_is_a_hard_cap_from_an_engine_map(seed):
     from placement.churn import arrived_experts
-    from solver.migration_slots import colocated_extra_copies
+    from solver.migration.slots import colocated_extra_copies
 
     _, prev, w = _engine_map(seed, dup=1 + seed % 3)
     need = int(colocated_extra_copies(prev).sum())
@@ -310,7 +310,7 @@ def test_max_moves_is_a_hard_cap_from_an_engine_map(seed):
 
 def test_budget_beyond_the_repair_buys_balance():
     _, prev, w = _engine_map(5, dup=2)
-    from solver.migration_slots import colocated_extra_copies
+    from solver.migration.slots import colocated_extra_copies
 
     need = int(colocated_extra_copies(prev).sum())
     tight, _ = solve_migration(w, prev, MigrationOptions(max_moves=need))
@@ -389,7 +389,7 @@ def test_fixed_share_dispatch_scores_layers_and_never_loses_to_staying(deepseek_
 
 
 def test_choose_layers_keeps_the_budget_and_never_loses_to_staying():
-    from solver.migration_dispatch import choose_layers
+    from solver.migration.dispatch import choose_layers
 
     rng = np.random.default_rng(0)
     for _ in range(50):

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli.main import main
+from moe_placement.cli.main import main
 from placement.dispatch import SGLANG_STATIC
 from placement.formats import read_placement
 from placement.metrics import expected_gpu_load, rank_expert_counts, rank_gpu_load
@@ -119,7 +119,7 @@ def test_policy_is_a_deprecated_alias_that_warns(fit_file, tmp_path, capsys):
 
 
 def test_cli_choices_come_from_the_registries():
-    from cli.main import build_parser
+    from moe_placement.cli.main import build_parser
     from placement.formats import FORMATS
 
     solve_parser = build_parser()._subparsers._group_actions[0].choices["solve"]

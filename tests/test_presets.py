@@ -254,7 +254,7 @@ def test_a_field_added_later_is_checked_by_its_kind():
 
 # ---- the CLI: exit 2, one line, nothing written ---------------------------------------------------
 def _run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    from cli.main import main
+    from moe_placement.cli.main import main
 
     rc = main(argv)
     return rc, capsys.readouterr().err.strip()
@@ -341,7 +341,7 @@ def test_advise_bad_presets_exit_2(tmp_path, capsys, small_trace, kind, field, v
 # ---- unbounded sizes: refused before any work, within seconds --------------------------------------
 def _subprocess(code_or_argv: str | list[str], timeout: float = 30.0) -> tuple[int, str, float]:
     argv = (
-        [sys.executable, "-m", "cli", *code_or_argv]
+        [sys.executable, "-m", "moe_placement", *code_or_argv]
         if isinstance(code_or_argv, list)
         else [
             sys.executable,
@@ -413,9 +413,9 @@ def test_layout_sizes_bounded(capsys, flags, word):
         ("from solver.api import FitOptions; FitOptions(steps=10**12)", "FitOptions.steps"),
         ("from solver.api import FitOptions; FitOptions(step_moves=float('inf'))", "FitOptions.step_moves"),
         ("from solver.api import FitOptions; FitOptions(dealings=10**9)", "FitOptions.dealings"),
-        ("from solver.step_fit import StepFitOptions as S; S(num_steps=10**12)", "StepFitOptions.num_steps"),
-        ("from solver.step_fit import StepFitOptions as S; S(moves=10**12)", "StepFitOptions.moves"),
-        ("from solver.step_fit import StepFitOptions as S; S(iters=10**9)", "StepFitOptions.iters"),
+        ("from solver.step.fit import StepFitOptions as S; S(num_steps=10**12)", "StepFitOptions.num_steps"),
+        ("from solver.step.fit import StepFitOptions as S; S(moves=10**12)", "StepFitOptions.moves"),
+        ("from solver.step.fit import StepFitOptions as S; S(iters=10**9)", "StepFitOptions.iters"),
         ("from solver.budget import Budget; Budget(1.0, 10**12)", "MAX_WORK_STEPS"),
         ("from solver.budget import Budget; Budget(float('inf'))", "seconds"),
         (
@@ -534,7 +534,7 @@ def test_exact_refuses_an_empty_load_with_its_shape(shape):
 
 
 def test_step_fit_count_blends_checked_item_by_item():
-    from solver.step_fit import StepFitOptions
+    from solver.step.fit import StepFitOptions
 
     assert StepFitOptions(count_blends=()).count_blends == ()  # no starts: search from the given placement
     with pytest.raises(ValueError, match=r"StepFitOptions.count_blends\[0\]"):

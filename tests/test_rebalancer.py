@@ -159,7 +159,7 @@ def test_log_balancedness(caplog):
 
 def test_import_is_light():
     code = (
-        "import sys, runtime_hooks.rebalancer, apps.replay; "
+        "import sys, runtime_hooks.rebalancer, moe_placement.apps.replay; "
         "bad = [m for m in ('torch', 'ortools', 'networkx', 'solver.migration') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -169,7 +169,7 @@ def test_import_is_light():
 
 
 def test_replay_domain_switch_strategies():
-    from apps.replay import domain_stream, replay
+    from moe_placement.apps.replay import domain_stream, replay
     from profiling.trace import RoutingTrace
 
     pops = {"a": _popularity(7), "b": _popularity(8), "c": _popularity(9)}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apps.replay import question_stream, replay, token_stream
+from moe_placement.apps.replay import question_stream, replay, token_stream
 from placement.dispatch import SGLANG_DYNAMIC, DispatchModel, sglang_static_tables
 from placement.dispatch.ideal import even_choices
 from placement.metrics import balance_stats
@@ -111,7 +111,7 @@ def test_a_per_step_model_scores_a_counts_only_stream_from_the_step_counts():
 
 
 def test_replay_reports_the_break_even_interval(stream):
-    from apps.replay import break_even
+    from moe_placement.apps.replay import break_even
 
     _, stream = stream
     topo = Topology.from_redundant(stream.steps.shape[2], 8, 8)
@@ -132,7 +132,7 @@ def test_replay_reports_the_break_even_interval(stream):
 def test_a_window_that_routes_nothing_keeps_the_greedy_placement():
     """Greedy re-places through solver.api.solve; a window with no routed token has no balance to
     place for, so the next window keeps the map it had (nothing moves) instead of a map of zeros."""
-    from apps.replay import ReplayStream
+    from moe_placement.apps.replay import ReplayStream
 
     steps = np.random.default_rng(0).poisson(3, (30, 2, 8)).astype(float)  # [N, L, E]
     steps[10:20] = 0

@@ -298,7 +298,7 @@ def test_launcher_results_errors_timeouts_and_no_orphans():
 
 # ---- moe-placement validate ------------------------------------------------------------------------
 def test_cli_validate_end_to_end(tmp_path, ds2, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.formats import write_placement
     from profiling.readers import write_trace
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.step_lp import highs_step_peak
 from placement.model import compute_logical_maps
 from placement.step_balance import balanced_gpu_load, balanced_quotas, lp_peak
 from runtime_hooks.step_balance import StepBalancer
-from solver.step_lp import highs_step_peak
 
 
 def random_map(rng, L: int, E: int, G: int, S: int) -> np.ndarray:

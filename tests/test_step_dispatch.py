@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from benchmarks.step_lp import highs_step_peak
 from placement.dispatch import BALANCED, DISPATCH, SGLANG_LP, lp_shares
 from placement.dispatch.balanced import balanced_step_load
 from placement.formats import read_placement
@@ -16,8 +17,7 @@ from placement.step_balance import balanced_quotas
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
 from solver.api import solve
-from solver.step_fit import StepFitOptions, fit_for_steps, sample_step_counts, step_scores
-from solver.step_lp import highs_step_peak
+from solver.step.fit import StepFitOptions, fit_for_steps, sample_step_counts, step_scores
 
 
 def _case(seed: int, G: int = 8, E: int = 16, spare: int = 8, T: int = 1200, k: int = 2):
@@ -276,7 +276,7 @@ def test_solve_pipeline_fits_for_balanced_and_gates_against_greedy():
 
 
 def test_cli_evaluate_balanced_reports_step_par_and_solve_writes_a_placement(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.formats import write_placement
     from profiling.readers import write_trace
 
@@ -305,7 +305,7 @@ def test_cli_evaluate_balanced_reports_step_par_and_solve_writes_a_placement(tmp
 
 
 def test_cli_solve_reports_held_out_step_par_of_each_placement(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from profiling.readers import write_trace
 
     _, tr, _ = _fit_case()
@@ -398,7 +398,7 @@ def test_balanced_splits_colocated_maps_exactly_and_optimally(seed, G, S, E):
 
 
 def test_cli_evaluate_balanced_scores_an_engine_map_with_colocated_replicas(tmp_path, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
     from placement.formats import write_placement
     from profiling.readers import write_trace
 

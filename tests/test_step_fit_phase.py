@@ -1,4 +1,4 @@
-"""The per-step fit for a phase (``solver/step_fit.py`` with ``solver/step_cost.py``): steps of the phase,
+"""The per-step fit for a phase (``solver/step/fit.py`` with ``solver/step/cost.py``): steps of the phase,
 modelled step time as the objective, and the pipeline's gate on it."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from placement.topology import Topology
 from profiling.synthetic import synthetic_trace
 from profiling.trace import RoutingTrace
 from solver.api import FitOptions, solve
-from solver.step_cost import StepCost, layer_seconds, model_for_trace, step_cost_for
-from solver.step_fit import sample_step_counts
+from solver.step.cost import StepCost, layer_seconds, model_for_trace, step_cost_for
+from solver.step.fit import sample_step_counts
 
 MIXTRAL = load_model("mixtral-8x7b")
 
@@ -124,7 +124,7 @@ def test_fit_options_refuse_an_unknown_phase():
 def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
     import json
 
-    from cli.main import main
+    from moe_placement.cli.main import main
     from profiling.readers import write_trace
 
     tr = mixtral_like()
@@ -145,7 +145,7 @@ def test_cli_names_the_phase_in_evaluate_and_solve(tmp_path, capsys):
 
 
 def test_layout_takes_step_tokens_as_its_tokens_per_rank():
-    from cli.main import build_parser
+    from moe_placement.cli.main import build_parser
 
     base = ["layout", "--model", "deepseek-v3", "--nodes", "1"]
     assert build_parser().parse_args([*base, "--step-tokens", "32"]).step_tokens == 32

@@ -1,4 +1,4 @@
-"""Starting placements for the per-step fit (``solver/step_start.py``)."""
+"""Starting placements for the per-step fit (``solver/step/start.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from solver.greedy import balanced_packing, replicate
-from solver.step_start import connected_packing, spike_weights, start_rows
+from solver.step.start import connected_packing, spike_weights, start_rows
 
 
 def _islands(row: np.ndarray, G: int, S: int) -> int:

@@ -171,7 +171,7 @@ def _literal_values(tree: ast.AST):
 def test_no_hardware_constant_outside_placement_cost():
     figures = _hardware_figures()
     found = []
-    for pkg in ("profiling", "placement", "solver", "runtime_hooks", "cli", "benchmarks"):
+    for pkg in ("profiling", "placement", "solver", "runtime_hooks", "moe_placement", "benchmarks"):
         for path in sorted((ROOT / pkg).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             if rel.startswith("placement/cost/"):
@@ -249,7 +249,7 @@ def test_step_model_check_table_within_published_ranges(tmp_path):
 @pytest.fixture(scope="module")
 def deepseek_slice_files(tmp_path_factory):
     """The first 12,000 tokens of the shared DeepSeek-V2-Lite trace and a greedy map for 8 GPUs / 2 nodes."""
-    from cli.main import main
+    from moe_placement.cli.main import main
     from profiling.readers import read_trace, write_trace
     from tests.conftest import DEEPSEEK, shared_trace_path
 
@@ -263,7 +263,7 @@ def deepseek_slice_files(tmp_path_factory):
 
 
 def test_evaluate_reports_step_time(deepseek_slice_files, capsys):
-    from cli.main import main
+    from moe_placement.cli.main import main
 
     trace, pl = deepseek_slice_files
     capsys.readouterr()

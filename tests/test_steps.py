@@ -12,11 +12,11 @@ import random
 import numpy as np
 import pytest
 
+from benchmarks.step_lp import highs_step_peak
 from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES, make_steps, step_counts
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
-from solver.step_lp import highs_step_peak
 
 E, K, G, S_GPU = 16, 2, 4, 6  # experts, top-k, GPUs, slots per GPU
 TEMPLATE = 4  # template tokens at the start of every sequence

@@ -27,9 +27,9 @@ def _tree(tmp_path: Path, files: dict[str, str], filler: bool = False) -> Path:
     """A package tree holding ``files``; ``filler`` adds a 600-line module outside solver/ so that a small
     tree's solver share stays under its limit."""
     if filler:
-        files = {**files, "cli/filler.py": "x = 1\n" * 600}
+        files = {**files, "moe_placement/cli/filler.py": "x = 1\n" * 600}
     for pkg in check.FLOORS:
-        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg).mkdir(parents=True)
         (tmp_path / pkg / "__init__.py").write_text("")
     for rel, text in files.items():
         (tmp_path / rel).write_text(textwrap.dedent(text))
@@ -49,7 +49,7 @@ def test_clean_tree_passes(tmp_path):
             "profiling/trace.py": "import numpy\n",
             "placement/model.py": "from profiling.trace import numpy\n",
             "solver/greedy.py": "from placement import model\nfrom profiling import trace\n",
-            "cli/main.py": "def main():\n    from solver.greedy import model\n",
+            "moe_placement/cli/main.py": "def main():\n    from solver.greedy import model\n",
         },
     )
     assert check.measure(root).ok
@@ -69,8 +69,11 @@ def test_upward_import_inside_a_function_is_found(tmp_path):
 
 
 def test_importing_the_cli_is_upward(tmp_path):
-    root = _tree(tmp_path, {"runtime_hooks/x.py": "import cli.main\n", "cli/main.py": "x = 1\n"})
-    assert check.measure(root).upward_imports == ["runtime_hooks.x -> cli.main"]
+    root = _tree(
+        tmp_path,
+        {"runtime_hooks/x.py": "import moe_placement.cli.main\n", "moe_placement/cli/main.py": "x = 1\n"},
+    )
+    assert check.measure(root).upward_imports == ["runtime_hooks.x -> moe_placement.cli.main"]
 
 
 @pytest.mark.parametrize("style", ["absolute", "relative"])
@@ -142,7 +145,7 @@ def test_dispatch_name_literal_outside_the_registry_is_found(tmp_path):
                         return f"{x}" f"mine"
                     return {"never-registered": 1, "mine-ish": 2}
                 ''',
-            "cli/y.py": 'CHOICES = ("other-one",)\nDEFAULT = "ours"\n',
+            "moe_placement/cli/y.py": 'CHOICES = ("other-one",)\nDEFAULT = "ours"\n',
             "profiling/z.py": 'NOTE = "mine"\n',
         },
     )
@@ -151,7 +154,7 @@ def test_dispatch_name_literal_outside_the_registry_is_found(tmp_path):
         "profiling/z.py:1 'mine'",
         "solver/x.py:7 'mine'",
         "solver/x.py:8 'mine'",  # an f-string part
-        "cli/y.py:1 'other-one'",
+        "moe_placement/cli/y.py:1 'other-one'",
     ]
     assert not report.ok
     assert "dispatch-name literals outside placement/dispatch/: 4" in check.render(report, 80, 700)
@@ -191,7 +194,7 @@ def test_solver_name_branch_in_the_cli_is_found(tmp_path):
         {
             "solver/api.py": SOLVER_API,
             "solver/greedy.py": 'def f(name):\n    return name == "greedy"\n',  # outside cli: allowed
-            "cli/solve.py": """
+            "moe_placement/cli/solve.py": """
                 from solver.api import SOLVERS
 
                 def f(name, args):
@@ -209,13 +212,13 @@ def test_solver_name_branch_in_the_cli_is_found(tmp_path):
     )
     report = check.measure(root)
     assert report.solver_branches == [
-        "cli/solve.py:6 'fancy'",
-        "cli/solve.py:8 'greedy'",
-        "cli/solve.py:8 'greedy'",
-        "cli/solve.py:11 'fancy'",
+        "moe_placement/cli/solve.py:6 'fancy'",
+        "moe_placement/cli/solve.py:8 'greedy'",
+        "moe_placement/cli/solve.py:8 'greedy'",
+        "moe_placement/cli/solve.py:11 'fancy'",
     ]
     assert not report.ok
-    assert "solver-name branches in cli/: 4" in check.render(report, 80, 700)
+    assert "solver-name branches in moe_placement/cli/: 4" in check.render(report, 80, 700)
 
 
 def test_pending_files_only_warn(tmp_path, capsys):
@@ -224,20 +227,20 @@ def test_pending_files_only_warn(tmp_path, capsys):
         {
             "solver/api.py": SOLVER_API,
             "solver/old.py": 'D = "mine"\n',
-            "cli/main.py": 'def f(n):\n    return n == "fancy"\n',
+            "moe_placement/cli/main.py": 'def f(n):\n    return n == "fancy"\n',
         },
         filler=True,
     )
     assert not check.measure(root, pending=()).ok
-    report = check.measure(root, pending=("solver/old.py", "cli/main.py"))
+    report = check.measure(root, pending=("solver/old.py", "moe_placement/cli/main.py"))
     assert report.ok
-    assert report.pending == ["solver/old.py:1 'mine'", "cli/main.py:2 'fancy'"]
+    assert report.pending == ["solver/old.py:1 'mine'", "moe_placement/cli/main.py:2 'fancy'"]
     assert "warning: 2 registry names still spelled in _LITERAL_PENDING files" in check.render(
         report, 80, 700
     )
     # a pending file covers only itself
     (root / "runtime_hooks" / "new.py").write_text('D = "other-one"\n')
-    assert check.measure(root, pending=("solver/old.py", "cli/main.py")).dispatch_literals == [
+    assert check.measure(root, pending=("solver/old.py", "moe_placement/cli/main.py")).dispatch_literals == [
         "runtime_hooks/new.py:1 'other-one'"
     ]
 
@@ -357,7 +360,7 @@ def test_word_rows_skip_hidden_deprecated_aliases_and_documented_keys_only(tmp_p
     root = _tree(
         tmp_path,
         {
-            "cli/c.py": """
+            "moe_placement/cli/c.py": """
                 def add(p):
                     p.add_argument("--policy", help=argparse.SUPPRESS, action=DeprecatedAlias, new="--dispatch")
                     p.add_argument("--policy-shown", help="deprecated", action=DeprecatedAlias, new="--x")
@@ -370,12 +373,12 @@ def test_word_rows_skip_hidden_deprecated_aliases_and_documented_keys_only(tmp_p
     # the hidden deprecated alias and the documented keys (dict keys, subscripts) are skipped; a shown
     # or a merely hidden flag, an undocumented key and the same word as a call argument are not
     assert counts.policy_words(root) == [
-        "cli/c.py:4 '--policy-shown'",
-        "cli/c.py:5 '--policy-hidden'",
-        "cli/c.py:6 'my_policy'",
-        "cli/c.py:7 'policy'",
+        "moe_placement/cli/c.py:4 '--policy-shown'",
+        "moe_placement/cli/c.py:5 '--policy-hidden'",
+        "moe_placement/cli/c.py:6 'my_policy'",
+        "moe_placement/cli/c.py:7 'policy'",
     ]
-    assert counts.step_tokens_names(root) == ["cli/c.py:7 batch_tokens"]
+    assert counts.step_tokens_names(root) == ["moe_placement/cli/c.py:7 batch_tokens"]
     assert counts.deprecated_flags(root) == {"--policy", "--policy-shown"}
 
 
@@ -401,14 +404,17 @@ EXCEPTIONS = """
 
 
 def test_exception_roots_are_enforced(tmp_path):
-    root = _tree(tmp_path, {"profiling/errors.py": EXCEPTIONS})
-    assert counts.exception_roots(root) == ["profiling/errors.py:2 Base", "profiling/errors.py:8 Loose"]
+    root = _tree(tmp_path, {"moe_placement/base/errors.py": EXCEPTIONS})
+    assert counts.exception_roots(root) == [
+        "moe_placement/base/errors.py:2 Base",
+        "moe_placement/base/errors.py:8 Loose",
+    ]
     report = check.measure(root)
     assert report.over_limit == ["exception_roots"] and not report.ok
-    (root / "profiling" / "errors.py").write_text(
+    (root / "moe_placement/base" / "errors.py").write_text(
         textwrap.dedent(EXCEPTIONS).replace("Loose(RuntimeError)", "Loose(Base, RuntimeError)")
     )
-    assert counts.exception_roots(root) == ["profiling/errors.py:2 Base"]
+    assert counts.exception_roots(root) == ["moe_placement/base/errors.py:2 Base"]
     assert check.measure(root).ok
 
 
@@ -416,7 +422,7 @@ def test_import_fallbacks_around_own_modules_are_enforced(tmp_path):
     root = _tree(
         tmp_path,
         {
-            "cli/a.py": """
+            "moe_placement/cli/a.py": """
                 try:
                     import torch  # a third-party extra: fine
                 except ImportError:
@@ -438,7 +444,7 @@ def test_import_fallbacks_around_own_modules_are_enforced(tmp_path):
                 """,
         },
     )
-    assert counts.import_fallbacks(root) == ["cli/a.py:8", "cli/a.py:12"]
+    assert counts.import_fallbacks(root) == ["moe_placement/cli/a.py:8", "moe_placement/cli/a.py:12"]
     assert check.measure(root).over_limit == ["import_fallbacks"]
 
 
@@ -479,7 +485,7 @@ def test_readme_size_and_deprecated_flags_are_enforced(tmp_path):
     root = _tree(
         tmp_path,
         {
-            "cli/common.py": """
+            "moe_placement/cli/common.py": """
                 def add(p):
                     p.add_argument("--dispatch", help="how tokens pick a replica")
                     p.add_argument("--policy", dest="dispatch", help="deprecated alias of --dispatch")
@@ -511,9 +517,9 @@ def test_every_row_of_issue_35_is_enforced():
 
 
 def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
-    from cli.common import CliError
-    from profiling import errors
-    from profiling.fileio import InputFileError
+    from moe_placement.base.fileio import InputFileError
+    from moe_placement.cli.common import CliError
+    from moe_placement.base import errors
     from runtime_hooks.engine_plugins.policy import PolicyError
     from runtime_hooks.engine_plugins.spec import SpecError
     from runtime_hooks.launcher import WorkerError, WorkerTimeout
@@ -537,7 +543,7 @@ def test_inspect_plot_without_matplotlib_is_one_line_and_exit_2(tmp_path, monkey
     """The ImportError fallback is gone: a missing viz extra is checked up front, as bad input."""
     import importlib.util
 
-    from cli.main import main
+    from moe_placement.cli.main import main
     from profiling.readers import write_trace
     from profiling.synthetic import synthetic_trace
 
@@ -564,7 +570,7 @@ def _placing_imports(root: Path) -> set[tuple[str, str]]:
     import ast
 
     found = set()
-    for pkg in ("profiling", "placement", "runtime_hooks", "apps", "cli"):
+    for pkg in ("profiling", "placement", "runtime_hooks", "moe_placement"):
         for path in sorted((root / pkg).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("solver."):
@@ -580,6 +586,8 @@ def test_placements_outside_solver_come_from_solver_api():
 
 
 def test_a_placing_import_outside_solver_is_found(tmp_path):
-    tree = _tree(tmp_path, {"apps/sim.py": "def f():\n    from solver.greedy import greedy_placement\n"})
-    (tree / "apps" / "ok.py").write_text("from solver.api import solve\n")
-    assert _placing_imports(tree) == {("apps/sim.py", "greedy_placement")}
+    tree = _tree(
+        tmp_path, {"moe_placement/apps/sim.py": "def f():\n    from solver.greedy import greedy_placement\n"}
+    )
+    (tree / "moe_placement/apps" / "ok.py").write_text("from solver.api import solve\n")
+    assert _placing_imports(tree) == {("moe_placement/apps/sim.py", "greedy_placement")}

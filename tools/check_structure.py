@@ -1,10 +1,12 @@
 """Measure the package structure from the source (nothing is imported or run).
 
-Checks, over ``profiling``, ``placement``, ``solver``, ``runtime_hooks``, ``apps`` and ``cli``:
+Checks, over the floors (``moe_placement/base``, ``profiling``, ``placement``, ``solver``, ``runtime_hooks``,
+``moe_placement/apps``, ``moe_placement/cli``):
 
 1. Floors: each package imports only from the packages below it
-   (``profiling`` -> ``placement`` -> ``solver`` -> ``runtime_hooks`` -> ``apps`` -> ``cli``), counting
-   imports inside functions too; nothing imports ``cli``.
+   (``moe_placement.base`` -> ``profiling`` -> ``placement`` -> ``solver`` -> ``runtime_hooks`` ->
+   ``moe_placement.apps`` -> ``moe_placement.cli``), counting imports inside functions too; nothing
+   imports the CLI.
 2. No import cycles between modules (any import, at module level or inside a function).
 3. No function longer than ``--max-function`` lines (default 80), no module longer than
    ``--max-module`` lines (default 700).
@@ -12,7 +14,7 @@ Checks, over ``profiling``, ``placement``, ``solver``, ``runtime_hooks``, ``apps
    excepted; f-string parts count) equal to a name registered there. The names are read from the
    ``register(DispatchModel("name", ...))`` calls in ``placement/dispatch/*.py``, so a new model
    extends the check.
-5. No solver-name branch in ``cli/``: a comparison (``==``, ``in``, ...) or ``case`` against a string
+5. No solver-name branch in ``moe_placement/cli/``: a comparison (``==``, ``in``, ...) or ``case`` against a string
    that is a key of the ``SOLVERS`` dict literal in ``solver/api.py``.
 6. The counts of issue 35's table (``tools/structure_counts.py``): the enforced rows (exception roots,
    own-module ImportError fallbacks, references outside the repository, README size and deprecated
@@ -37,7 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import structure_counts  # noqa: E402  (a sibling file of this script, not a package)
 
-FLOORS = ("profiling", "placement", "solver", "runtime_hooks", "apps", "cli")
+FLOORS = structure_counts.FLOORS  # folders, bottom first
+CLI_PACKAGE = structure_counts.CLI_PACKAGE
 DISPATCH_PACKAGE = "placement/dispatch"  # the one place dispatch-model names are spelled
 SOLVER_REGISTRY = "solver/api.py"  # holds the SOLVERS dict literal
 
@@ -85,9 +88,8 @@ def module_name(root: Path, path: Path) -> str:
 def package_modules(root: Path) -> dict[str, Path]:
     """Every module of the floor packages, by dotted name."""
     found = {}
-    for pkg in FLOORS:
-        for path in sorted((root / pkg).rglob("*.py")):
-            found[module_name(root, path)] = path
+    for path in structure_counts.floor_files(root):
+        found[module_name(root, path)] = path
     return found
 
 
@@ -137,7 +139,13 @@ def import_graph(root: Path, modules: dict[str, Path]) -> dict[str, set[str]]:
 
 
 def floor_of(module: str) -> int:
-    return FLOORS.index(module.split(".")[0])
+    """Index in :data:`FLOORS` of the floor holding ``module``; the distribution package's own
+    ``__init__``/``__main__`` count as the top floor."""
+    for i, floor in enumerate(FLOORS):
+        dotted = floor.replace("/", ".")
+        if module == dotted or module.startswith(dotted + "."):
+            return i
+    return len(FLOORS) - 1
 
 
 def upward_imports(graph: dict[str, set[str]]) -> list[str]:
@@ -301,9 +309,9 @@ def _compared_strings(node: ast.AST) -> list[str]:
 
 
 def solver_branches(root: Path, names: set[str]) -> list[str]:
-    """``path:line 'name'`` for each comparison or ``case`` in ``cli/`` against a solver name."""
+    """``path:line 'name'`` for each comparison or ``case`` in ``moe_placement/cli/`` against a solver name."""
     found = []
-    for path in sorted((root / "cli").rglob("*.py")):
+    for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         hits = []
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -366,7 +374,7 @@ def render(report: Report, max_function: int, max_module: int) -> str:
         *(f"  {n:4d}  {where}" for n, where in report.long_modules),
         f"dispatch-name literals outside {DISPATCH_PACKAGE}/: {len(report.dispatch_literals)}",
         *(f"  {row}" for row in report.dispatch_literals),
-        f"solver-name branches in cli/: {len(report.solver_branches)}",
+        f"solver-name branches in moe_placement/cli/: {len(report.solver_branches)}",
         *(f"  {row}" for row in report.solver_branches),
         *(
             [f"warning: {len(report.pending)} registry names still spelled in _LITERAL_PENDING files"]

@@ -14,8 +14,8 @@ traces=${MOE_TRACES_DIR:-../shared/traces}
 T=$traces/deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz
 topo=(--ep-size 32 --num-nodes 4 --num-redundant 32)
 run() { local name=$1; shift; echo "== $name: $*" >&2; "$@" >"$out/$name.txt" 2>&1; echo "rc=$?" >>"$out/$name.txt"; }
-mp() { python -m cli "$@"; }
-[ -f cli/__main__.py ] || mp() { python -m placement "$@"; }
+mp() { python -m moe_placement "$@"; }
+[ -f moe_placement/cli/__main__.py ] || mp() { python -m placement "$@"; }
 
 run inspect mp inspect "$T" --json
 run solve-greedy mp solve --trace "$T" "${topo[@]}" --solver greedy --fit-fraction 0.5 --dispatch local -o "$out/p.json"

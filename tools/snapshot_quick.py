@@ -60,7 +60,9 @@ def _inputs(out: Path) -> dict[str, Path]:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "moe_placement", *args], capture_output=True, text=True, check=False
+    )
 
 
 def _stable(obj):

@@ -46,7 +46,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-FLOORS = ("profiling", "placement", "solver", "runtime_hooks", "apps", "cli")
+# The floors as folders, bottom first; the distribution's own package holds the bottom and the two top ones.
+FLOORS = (
+    "moe_placement/base",
+    "profiling",
+    "placement",
+    "solver",
+    "runtime_hooks",
+    "moe_placement/apps",
+    "moe_placement/cli",
+)
+PACKAGES = ("moe_placement", "profiling", "placement", "solver", "runtime_hooks")  # installed top-level
+CLI_PACKAGE = "moe_placement/cli"
 DISPATCH_PACKAGE = "placement/dispatch"
 PLUGINS_PACKAGE = "runtime_hooks/engine_plugins"
 MAX_PARAMETERS = 8
@@ -74,7 +85,9 @@ PUBLIC_KEYS = frozenset(
         "max_batch_per_rank",  # layout --json, per result: docs/cli.md (layout)
     }
 )
-DEPRECATED_ACTION = "DeprecatedAlias"  # cli.common's action for an old spelling of an option (it warns)
+DEPRECATED_ACTION = (
+    "DeprecatedAlias"  # moe_placement.cli.common's action for an old spelling of an option (it warns)
+)
 _OUTSIDE = re.compile(
     r"\.\./[\w.-]+/|\bshared[ /]docs?\b|\bshared/traces/\S+\.md|(?<![\w.])/(?:work|tmp|home|root)/"
     r"|\b[Ss]ee (?:the )?[\w-]+'s (?:own )?(?:code|source|implementation)",
@@ -98,8 +111,13 @@ class Row:
     count: Callable[[Path], list[str]]
 
 
+def top_files(root: Path) -> list[Path]:
+    """The distribution package's own ``__init__`` and ``__main__`` (they sit with the top floor)."""
+    return [p for p in (root / "moe_placement" / n for n in ("__init__.py", "__main__.py")) if p.exists()]
+
+
 def floor_files(root: Path) -> list[Path]:
-    return [p for pkg in FLOORS for p in sorted((root / pkg).rglob("*.py"))]
+    return [p for pkg in FLOORS for p in sorted((root / pkg).rglob("*.py"))] + top_files(root)
 
 
 def _rel(root: Path, path: Path) -> str:
@@ -291,7 +309,7 @@ def _base_name(node: ast.AST) -> str:
 
 def exception_roots(root: Path) -> list[str]:
     """Public exception classes none of whose bases is a project exception. A class deriving only from
-    ``BaseException``, ``KeyboardInterrupt`` or ``SystemExit`` is a control-flow signal (``cli.main``'s
+    ``BaseException``, ``KeyboardInterrupt`` or ``SystemExit`` is a control-flow signal (``moe_placement.cli.main``'s
     ``Terminated`` for SIGTERM must not be caught by ``except Exception``), not an error family."""
     classes: dict[str, tuple[str, list[str]]] = {}
     for path in floor_files(root):
@@ -323,10 +341,10 @@ def _catches_import_error(handler: ast.ExceptHandler) -> bool:
 def _imports_project(body: list[ast.stmt]) -> bool:
     for stmt in body:
         for node in ast.walk(stmt):
-            if isinstance(node, ast.Import) and any(a.name.split(".")[0] in FLOORS for a in node.names):
+            if isinstance(node, ast.Import) and any(a.name.split(".")[0] in PACKAGES for a in node.names):
                 return True
             if isinstance(node, ast.ImportFrom) and (
-                node.level or (node.module or "").split(".")[0] in FLOORS
+                node.level or (node.module or "").split(".")[0] in PACKAGES
             ):
                 return True
     return False
@@ -393,7 +411,7 @@ def deprecated_flags(root: Path) -> set[str]:
     """Flags of ``cli/`` whose ``add_argument(..., help=...)`` calls them deprecated, or which are hidden
     deprecated aliases (``help=argparse.SUPPRESS, action=DeprecatedAlias``)."""
     flags = set()
-    for path in sorted((root / "cli").rglob("*.py")):
+    for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
         for node in ast.walk(_parse(path)):
             if not (isinstance(node, ast.Call) and _base_name(node.func) == "add_argument"):
                 continue

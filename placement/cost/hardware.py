@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from moe_placement.base.limits import MAX_RANKS
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.fields import Range, check_fields, show
-from profiling.limits import MAX_RANKS
-from profiling.options import refuse_unknown_keywords
 
 __all__ = [
     "LinkSpec",
@@ -338,7 +338,7 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
     (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance`` (the fit's measured
     ``times_s`` there make the preset :attr:`GpuSpec.calibrated`).
     """
-    from profiling.fileio import load_json
+    from moe_placement.base.fileio import load_json
 
     d = load_json(path)
     if not isinstance(d, dict) or "base" not in d:

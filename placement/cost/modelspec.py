@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moe_placement.base.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.fields import Range, check_fields, check_value, show
-from profiling.limits import MAX_EXPERTS, MAX_HIDDEN_SIZE, MAX_INTERMEDIATE_SIZE, MAX_LAYERS
-from profiling.options import refuse_unknown_keywords
 
 __all__ = ["BUILTIN_MODELS", "ModelSpec", "check_hf_config_fits", "load_model", "model_from_hf_config"]
 
@@ -408,7 +408,7 @@ def check_hf_config_fits(cfg: Mapping[str, Any], where: str, bytes_per_weight: f
     or whose weights (``bytes_per_weight`` each: 4 for float32, what random and default-loaded weights
     take) need more than 80% of the memory available now. Layouts the cost model does not map (no
     routed-expert count) are bounded by their sizes only."""
-    from profiling.limits import check_memory
+    from moe_placement.base.limits import check_memory
 
     for key, hi in _HF_SIZES.items():
         if cfg.get(key) is not None:
@@ -430,7 +430,7 @@ def load_model(name_or_path: str | Path) -> ModelSpec:
     """A built-in model (``deepseek-v3``, ``deepseek-r1``, ``deepseek-v2-lite``, ``mixtral-8x7b``,
     ``qwen3-30b-a3b``, ``olmoe-1b-7b``, ``qwen1.5-moe-a2.7b``), a model-description JSON, or a HF
     ``config.json`` (or a folder holding one)."""
-    from profiling.fileio import load_json
+    from moe_placement.base.fileio import load_json
 
     if not isinstance(name_or_path, (str, Path)):
         raise ValueError(

@@ -168,7 +168,7 @@ def _candidates(call, topo, load, engine, bad, groups, exact):
     """Maps ``[K, P]`` without co-located replicas for the ``bad`` layers: the engine's rows repaired
     (one moved slot per extra copy, inside each group's node on a hierarchical call), then exact's."""
     from placement.model import Placement
-    from solver.migration_slots import repair_colocated
+    from solver.migration.slots import repair_colocated
 
     try:
         pl = Placement(engine[bad], load.shape[1], topo, allow_colocated_replicas=True)

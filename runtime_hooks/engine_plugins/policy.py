@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from placement.dispatch import SGLANG_STATIC, VLLM_HASH
-from profiling.errors import (
+from moe_placement.base.errors import (
     EngineCallError as PolicyError,
-)  # re-exported: the family lives in profiling.errors
+)  # re-exported: the family lives in moe_placement.base.errors
+from placement.dispatch import SGLANG_STATIC, VLLM_HASH
 from runtime_hooks.engine_plugins.spec import MAX_FILE_BYTES, PolicySpec
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 
@@ -259,7 +259,7 @@ def _kept(
     some) repaired with one moved slot each, the fewest any repair moves (inside each group's node on
     a hierarchical call); None when it splits an expert group over nodes on a hierarchical call
     (the new map is then served)."""
-    from solver.migration_slots import repair_colocated
+    from solver.migration.slots import repair_colocated
 
     p2l = in_service.physical_to_logical_map
     topo = in_service.topology
@@ -391,7 +391,7 @@ def _unsplit(spec: PolicySpec, problem: Problem, phy2log: np.ndarray, split: np.
     hierarchical layer, with one by the map in service (repaired of co-located replicas inside each
     group's node; greedy's layer where that map splits groups too); :class:`PolicyError` when the
     result moves more than ``max_moves`` slots."""
-    from solver.migration_slots import repair_colocated
+    from solver.migration.slots import repair_colocated
 
     previous = problem.previous
     E, topo = w.shape[1], problem.topology
@@ -455,7 +455,7 @@ def _run(spec: PolicySpec, problem: Problem, name: str, values: dict, w: np.ndar
     experts that stay on a GPU kept; int64 ``[L, P]``."""
     from placement.dispatch import get_dispatch
     from solver.api import make_options, run
-    from solver.migration_slots import keep_slots_batched, repair_colocated
+    from solver.migration.slots import keep_slots_batched, repair_colocated
 
     topo, previous = problem.topology, problem.previous
     fit = fit_options(spec.time_limit, w.shape[0], w.shape[1], topo.ep_size)

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from profiling.errors import SpecError  # re-exported: the family lives in profiling.errors
+from moe_placement.base.errors import SpecError  # re-exported: the family lives in moe_placement.base.errors
 
 __all__ = [
     "ACCEPTED",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.model import Placement
-from profiling.options import refuse_unknown_keywords
 
 __all__ = ["ExactOptions"]
 

@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_SEARCH_SAMPLES, check_memory
+from moe_placement.base.options import options_or_fields
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.limits import MAX_SEARCH_SAMPLES, check_memory
-from profiling.options import options_or_fields
 from profiling.trace import RoutingTrace
 from solver.budget import check_time_limit
 from solver.exact.common import LoadOrTrace, _as_windows, _parse_robust

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.dispatch import LOCAL
-from profiling.options import refuse_unknown_keywords
 
 __all__ = ["LocalityOptions"]
 

@@ -1,0 +1,134 @@
+"""Periodic rebalancing judged out of sample: does re-placing every window beat the static placement on
+the window that follows, by more than a margin, after the engine's stall?
+
+Protocol: the held-out half is cut into ``W`` windows. For ``i = 0 .. W-2`` the engine's rebalance
+(DeepSeek's greedy, what both engines run) is fitted on window ``i`` and scored on window ``i + 1``;
+the static placement (fitted once on the fit half) is scored on the same window. Both are out of
+sample. ``gain_i = static_ms / rebalanced_ms - 1`` of the whole step (decode, or the one phase asked for). A periodic rebalance is
+advised only when half of the sure gain (mean less twice its standard error) clears ``margin``; its
+interval is then the longer of one window and the steps over which one stall (0 for vLLM's async
+EPLB) takes at most half of the sure gain. Otherwise ``interval_steps`` is None: a stationary trace
+(nothing to gain out of sample) gets none.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from moe_placement.apps.advise.engines import ENGINES
+from placement.cost.hardware import REBALANCE_STALL_S
+from placement.model import Placement
+from placement.topology import Topology
+from profiling.trace import RoutingTrace
+from solver.api import solve
+
+__all__ = ["STALL_SOURCE", "Rebalance", "judge", "stall"]
+
+# Where the stall figures (placement.cost.hardware.REBALANCE_STALL_S, seconds low-high) come from.
+STALL_SOURCE = {
+    "vllm": "vLLM sync EPLB rearrangement stall 0.65-1.70 s (mean 0.91 s over 22 rearrangements, DeepSeek-R1 "
+    "NVFP4 on 32 GB200, vllm-project/vllm PR #43219); vLLM's async EPLB (use_async, default) keeps serving",
+    "sglang": "SGLang EPLB rearrangement about 1.8 s (docs/costmodel.md, measured elsewhere); SGLang stops serving",
+}
+
+
+def stall(engine: str) -> tuple[float, str]:
+    """``(stall seconds on the serving path, source)``: the high end of the engine's measured range for a
+    synchronous rearrangement, 0 where the engine rebalances asynchronously."""
+    if ENGINES[engine].async_rebalance:
+        return 0.0, STALL_SOURCE[engine]
+    return REBALANCE_STALL_S[engine][1], STALL_SOURCE[engine]
+
+
+@dataclass(frozen=True)
+class Rebalance:
+    """The verdict: ``interval_steps`` None means no periodic rebalance."""
+
+    interval_steps: int | None
+    out_of_sample_gain: float | None
+    band: float | None
+    stall_ms: float
+    async_: bool
+    window_steps: float
+    margin: float
+    windows: int
+    reason: str
+    source: str
+
+    def to_dict(self) -> dict:
+        return {
+            "interval_steps": self.interval_steps,
+            "out_of_sample_gain": self.out_of_sample_gain,
+            "band": self.band,
+            "stall_ms": self.stall_ms,
+            "async": self.async_,
+            "window_steps": self.window_steps,
+            "margin": self.margin,
+            "windows": self.windows,
+            "reason": self.reason,
+            "stall_source": self.source,
+        }
+
+
+# (placement, window trace) -> whole-step ms on that window (decode; prefill with --phase prefill)
+PriceFn = Callable[[Placement, RoutingTrace], float]
+
+
+def judge(
+    held: RoutingTrace,
+    static: Placement | None,
+    topology: Topology,
+    price: PriceFn,
+    engine: str,
+    step_tokens: int,
+    num_windows: int,
+    margin: float,
+) -> Rebalance:
+    """The out-of-sample verdict (module docstring); ``static`` None: no balancing chosen, none to renew."""
+    stall_s, source = stall(engine)
+    is_async = ENGINES[engine].async_rebalance
+    stall_ms = stall_s * 1e3
+    wins = held.windows(num_windows)
+    window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * step_tokens)
+
+    def verdict(interval, g, band, reason):
+        return Rebalance(
+            interval, g, band, stall_ms, is_async, window_steps, margin, len(wins), reason, source
+        )
+
+    if static is None:
+        return verdict(None, None, None, "no balancing chosen: nothing to rebalance")
+    if len(wins) < 3 or window_steps < 1:
+        return verdict(
+            None,
+            None,
+            None,
+            f"held-out windows of {window_steps:.1f} steps or fewer: too short to judge a rebalance",
+        )
+    gains, static_ms = [], []
+    for i in range(len(wins) - 1):
+        fresh = solve("greedy", topology=topology, trace=wins[i]).placement
+        s_ms, f_ms = price(static, wins[i + 1]), price(fresh, wins[i + 1])
+        gains.append(s_ms / f_ms - 1.0)
+        static_ms.append(s_ms)
+    g = float(np.mean(gains))
+    band = float(2.0 * np.std(gains, ddof=1) / math.sqrt(len(gains)))
+    sure = g - band  # the gain a rebalance makes out of sample, less its band
+    if sure / 2 <= margin:
+        why = (
+            f"re-placing every window ({window_steps:,.0f} steps) gains {g * 100:+.2f}% out of sample "
+            f"(band {band * 100:.2f}%): half of it clears no {margin * 100:.1f}% margin, no periodic rebalance"
+        )
+        return verdict(None, g, band, why)
+    # the stall may take at most half of the sure gain: interval >= 2 stall / (step x sure gain)
+    step_ms = float(np.mean(static_ms))
+    interval = max(window_steps, 2.0 * stall_ms / (step_ms * sure))
+    why = (
+        f"gains {g * 100:+.2f}% out of sample (band {band * 100:.2f}%); every {interval:,.0f} steps a "
+        f"{stall_ms:.0f} ms stall takes at most half of it"
+    )
+    return verdict(int(math.ceil(interval)), g, band, why)

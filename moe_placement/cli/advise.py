@@ -1,0 +1,208 @@
+"""``moe-placement advise``: which EPLB option to run on SGLang or vLLM, from the user's own routing.
+
+Parse -> :func:`moe_placement.apps.advise.advise` -> print the table and the recommendation, write ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from moe_placement.cli.common import (
+    CliError,
+    bounded_int,
+    check_folder_outputs,
+    echo,
+    format_table,
+    open_trace,
+    progress,
+)
+
+__all__ = ["add_parser", "run"]
+
+REPORT = "advise.html"
+JSON = "advise.json"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from moe_placement.apps.advise import AUTO_MODEL, engine_names
+    from placement.steps import DEFAULT_STEP_TOKENS
+    from placement.steps import PHASES as STEP_PHASES
+
+    p = subparsers.add_parser(
+        "advise",
+        help="recommend an engine's EPLB settings (redundant slots, dispatch, rebalancing) from a trace",
+        description="Fit on the first half of the trace, score on the held-out second half: every EPLB option "
+        "of the engine at several redundant slots per GPU, modelled step time and KV-cache cost, drift and "
+        "rebalance break-even; prints a table and a recommendation with launch flags.",
+    )
+    p.add_argument("--trace", required=True, help="per-token routing trace (any format `inspect` reads)")
+    p.add_argument(
+        "--model",
+        default=AUTO_MODEL,
+        help=f"cost-side model: a built-in name, a model JSON, or {AUTO_MODEL} (the built-in with the trace's experts)",
+    )
+    p.add_argument("--hardware", default="h200", help="GPU preset (h100, h800, h200, b200) or a preset .json")
+    p.add_argument("--nodes", type=bounded_int(1, 4096), required=True)
+    p.add_argument("--gpus-per-node", type=bounded_int(1, 64), default=8)
+    p.add_argument("--engine", choices=engine_names(), required=True)
+    p.add_argument(
+        "--decode-batch",
+        type=bounded_int(1, 1 << 20),
+        default=None,
+        help="decode step_tokens: sequences in flight per rank, one token each per step "
+        f"(default {DEFAULT_STEP_TOKENS['decode']})",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=bounded_int(1, 1 << 24),
+        default=None,
+        help=f"prefill step_tokens: tokens per rank per prefill chunk (default {DEFAULT_STEP_TOKENS['prefill']})",
+    )
+    p.add_argument(
+        "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"
+    )
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"folder for {REPORT} (self-contained), {JSON} and every file the launch command names",
+    )
+    p.add_argument(
+        "--phase",
+        choices=STEP_PHASES,
+        default=None,
+        help="price and recommend on this phase's steps only (default: decode and prefill)",
+    )
+    p.add_argument("--json", action="store_true", help="print the advice as JSON")
+    p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse (exit 2) instead of warning when a phase has < 20 held-out steps",
+    )
+    p.set_defaults(func=run)
+
+
+def _bar(items, total, desc):
+    """A progress bar on a terminal; elsewhere one line per stage on stderr."""
+    if sys.stderr.isatty():
+        return progress(items, total=total, desc=f"advise: {desc}", min_seconds=0.0)
+    print(f"advise: {desc} ({total} step{'s' if total != 1 else ''})", file=sys.stderr, flush=True)
+    return items
+
+
+def _options(args):
+    from moe_placement.apps.advise import AdviseOptions
+    from placement.steps import DEFAULT_STEP_TOKENS
+
+    if args.prefill_chunk is not None and args.phase == "decode":  # decode-batch also sizes the KV memory
+        raise CliError(
+            f"--prefill-chunk {args.prefill_chunk} sizes prefill steps, but --phase decode prices no prefill step; "
+            "drop it"
+        )
+    kw = dict(
+        gpus_per_node=args.gpus_per_node,
+        decode_step_tokens=args.decode_batch or DEFAULT_STEP_TOKENS["decode"],
+        prefill_step_tokens=args.prefill_chunk or DEFAULT_STEP_TOKENS["prefill"],
+        context_len=args.context_len,
+        hardware_calibrated=str(args.hardware).endswith(".json"),
+        strict=args.strict,
+        phase=args.phase,
+    )
+    try:
+        if args.quick:
+            return AdviseOptions.quick_form(args.engine, args.nodes, **kw)
+        return AdviseOptions(engine=args.engine, nodes=args.nodes, **kw)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+_COLS = [
+    ("key", "option | dispatch | r/GPU", -1),
+    ("window_par", "win PAR", 3),
+    ("decode", "decode gain", -1),
+    ("prefill", "prefill gain", -1),
+    ("memory_gb", "rep GB", 2),
+    ("runs", "runs", -1),
+]
+
+
+def _gain(ph: dict | None) -> str:
+    if ph is None:
+        return "not priced"
+    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{ph['band'] * 100:.2f}"
+
+
+def _print(d: dict) -> None:
+    c, rec = d["context"], d["recommendation"]
+    echo(
+        f"{c['engine']} {c['engine_version']}: {c['model']} on {c['nodes']} x {c['gpus_per_node']} {c['hardware']} "
+        f"(modelled); trace {c['trace']['name']}, held-out steps "
+        + ", ".join(f"{ph} {n}" for ph, n in d["held_out_steps"].items())
+    )
+    chosen = rec["option"]
+    rows = []
+    for o in d["options"]:
+        mark = "* " if o["key"] == chosen else "  "
+        rows.append(
+            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"].get("decode")),
+             "prefill": _gain(o["phases"].get("prefill")),
+             "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
+             "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}"}
+        )  # fmt: skip
+    echo(format_table(rows, _COLS))
+    echo(f"recommendation: {d['summary']}")
+    for w in d["warnings"]:
+        echo(f"warning: {w}")
+    for a in d["assumptions"]:
+        echo(f"* {a}")
+
+
+def _write(out: Path, advice, d: dict) -> list[Path]:
+    from moe_placement.apps.advise import render_html
+    from moe_placement.base.fileio import atomic_write_files, json_bytes
+    from placement.formats import placement_files
+
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[Path, bytes]] = []
+    for name, (placement, hidden) in advice.files.items():
+        fmt = "sglang" if advice.context["engine"] == "sglang" else "native"
+        extra = {"num_hidden_layers": hidden} if fmt == "sglang" else {}
+        files += placement_files(placement, name, fmt, **extra)
+    report = [(out / REPORT, render_html(advice).encode()), (out / JSON, json_bytes(out / JSON, d))]
+    # every file of the folder as one: an interrupt leaves the old set or the new set, never a mix
+    atomic_write_files([*report, *files])
+    return [out / REPORT, out / JSON, *(f for f, _ in files)]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Steps: check outputs -> read the trace -> advise -> write -> print."""
+    from moe_placement.apps.advise import advise
+    from moe_placement.apps.advise.recommend import SGLANG_FILE, VLLM_FILE
+    from profiling.readers import require_data
+
+    names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
+    inputs = [args.trace, args.model, args.hardware]  # a model or GPU preset JSON is an input too
+    if args.model:
+        inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
+    out = check_folder_outputs(args.output, names, inputs) if args.output else None
+    options = _options(args)
+    trace = open_trace(args.trace)
+    require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)
+    try:
+        advice = advise(
+            trace, args.model, args.hardware, options, progress=_bar, **({"output": str(out)} if out else {})
+        )
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    d = advice.to_dict()
+    files = _write(out, advice, d) if out is not None else []
+    if args.json:
+        echo(json.dumps({**d, "files": [str(f) for f in files]}, indent=1))
+        return 0
+    _print(d)
+    if files:
+        echo(f"wrote {', '.join(str(f) for f in files)}")
+    return 0

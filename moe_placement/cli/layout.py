@@ -1,0 +1,319 @@
+"""``moe-placement layout``: rank attention-DP x EP x redundant-slot layouts with the cost model,
+write the best placement and the engines' launch flags."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from moe_placement.base.limits import MAX_RANKS, MAX_STEP_TOKENS
+from moe_placement.cli.common import (
+    CliError,
+    check_folder_outputs,
+    echo,
+    ep_size_int,
+    expert_count_int,
+    non_negative_int,
+    open_trace,
+    positive_int,
+    seconds,
+    seed_int,
+    warn,
+)
+
+# GPUs one plan may span: every EP size and instance split of the cluster is placed and costed, which
+# grows faster than the GPU count (2,048 GPUs: about 80 s on one core); a larger cluster is instances
+# of at most this size, which the plan already compares
+MAX_LAYOUT_GPUS = 2048
+
+# The files --output gets (_write_outputs), checked against the inputs before anything is computed.
+_OUTPUT_FILES = (
+    "placement.json",
+    "sglang_expert_location.json",
+    "sglang_expert_location.json.meta.json",
+    "moe_load_balancer.yaml",
+    "moe_load_balancer.yaml.meta.json",
+    "trtllm_extra_llm_api_options.yaml",
+    "launch_flags.sh",
+    "layout.json",
+)
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.steps import SIZING_STEP_TOKENS
+
+    p = subparsers.add_parser(
+        "layout",
+        help="choose attention-DP / EP size / redundant slots with a step-time and memory model",
+        description="Enumerate layouts that fit in memory, place experts for each, estimate step time, "
+        "throughput per GPU and KV-cache room; print a ranked table and write the best placement and launch flags.",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
+        "qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b), a model JSON, or a HF config.json / folder",
+    )
+    p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
+    p.add_argument(
+        "--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)"
+    )
+    p.add_argument(
+        "--intra-link",
+        default=None,
+        help="intra-node link preset (default: the GPU's NVLink; or pcie5, pcie4)",
+    )
+    p.add_argument(
+        "--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)"
+    )
+    p.add_argument(
+        "--phase",
+        choices=("decode", "prefill"),
+        default="decode",
+        help="the phase planned for (default decode)",
+    )
+    p.add_argument(
+        "--step-tokens",
+        "--batch-per-rank",
+        dest="step_tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per rank per step (default: the size a deployment is sized at, "
+        + ", ".join(f"{k} {v}" for k, v in SIZING_STEP_TOKENS.items())
+        + "; --batch-per-rank is its older name)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=positive_int,
+        default=4096,
+        help="decode: cached tokens per sequence; prefill: prompt length",
+    )
+    p.add_argument(
+        "--trace", default=None, help="routing trace whose skew to use (default: synthetic Zipf skew)"
+    )
+    p.add_argument("--solver", choices=("greedy", "cpsat"), default="greedy")
+    p.add_argument(
+        "--max-redundant", type=expert_count_int, default=None, help="cap on redundant experts per layer"
+    )
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
+    p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
+    p.add_argument("--time-limit", type=seconds, help="seconds per exact solve (cpsat; default 10)")
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument(
+        "--top", type=non_negative_int, default=12, help="rows of the table to print (rejected ones follow)"
+    )
+    p.add_argument("--output", default=None, help="folder for the best placement and launch flags")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=run)
+
+
+def _options(args, phase: str):
+    from moe_placement.apps.planner.costmodel import CostOptions
+    from placement.steps import SIZING_STEP_TOKENS
+
+    b = args.step_tokens if (args.step_tokens and phase == args.phase) else SIZING_STEP_TOKENS[phase]
+    return CostOptions(phase=phase, step_tokens=b, context_len=args.context_len, overlap=args.overlap)
+
+
+def _table(plan, top: int) -> list[str]:
+    E = plan.model.num_logical_experts
+    head = (
+        f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'PAR':>5} {'attn':>6} {'disp':>6} {'moe':>6} "
+        f"{'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck"
+    )
+    lines = [head, "-" * len(head)]
+    ok = plan.feasible
+    for i, r in enumerate(ok[:top]):
+        c, lc, m = r.cost, r.cost.layer, r.memory
+        lines.append(
+            f"{i + 1:>3} {r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} {r.par:>5.2f} "
+            f"{lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} {lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} "
+            f"{'on' if lc.overlap_used else 'off':>3} {(m.non_expert + m.expert) / 1e9:>7.1f} {m.kv_free / 1e9:>6.1f} "
+            f"{m.max_step_tokens:>5}  {c.bottleneck}"
+        )
+    if len(ok) > top:
+        lines.append(f"    ... {len(ok) - top} more feasible layouts (--top)")
+    bad = [r for r in plan.results if not r.feasible]
+    if bad:
+        lines.append(f"rejected ({len(bad)}):")
+        for r in bad[:top]:
+            lines.append(f"    {r.candidate.label(E):<34} {r.reason}")
+    return lines
+
+
+def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
+    from moe_placement.apps.planner.layout import launch_flags
+    from moe_placement.base.fileio import atomic_write_files, json_bytes
+    from placement.formats import placement_files
+
+    best = plan.best
+    out.mkdir(parents=True, exist_ok=True)
+    files: list[tuple[Path, bytes]] = []  # published together at the end: the old set or the new, never a mix
+    pl = best.placement.with_provenance(
+        solver=best.solver_status or "greedy",
+        layout=best.candidate.label(model.num_logical_experts),
+        model=model.name,
+        hardware=plan.cluster.name,
+        phase=plan.options.phase,
+        workload=plan.workload,
+    )
+    files += placement_files(pl, out / "placement.json", "native")
+    sg = out / "sglang_expert_location.json"
+    files += placement_files(pl, sg, "sglang", num_hidden_layers=model.num_layers)
+    trt = out / "moe_load_balancer.yaml"
+    files += placement_files(pl, trt, "trtllm")
+    flags = launch_flags(
+        best, model, {"sglang": str(sg.name), "trtllm": str(trt.name)}, plan.cluster.gpus_per_node
+    )
+    import yaml
+
+    trt_opts = out / "trtllm_extra_llm_api_options.yaml"
+    files.append((trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False).encode()))
+    text = [
+        f"# {model.name} on {plan.cluster.name}, {plan.options.phase}: {best.candidate.label(model.num_logical_experts)}",
+        f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU, step {best.cost.step_time * 1e3:.2f} ms (cost model, not measured)",
+        "",
+        "# SGLang",
+        "python -m sglang.launch_server --model-path <MODEL> " + " ".join(_q(a) for a in flags["sglang"]),
+        "",
+        "# vLLM",
+        "vllm serve <MODEL> " + " ".join(_q(a) for a in flags["vllm"]),
+        "",
+        f"# TensorRT-LLM: trtllm-serve <MODEL> --tp_size {best.candidate.ep_size} --ep_size {best.candidate.ep_size} --extra_llm_api_options {trt_opts.name}",
+    ] + [f"# note: {n}" for n in flags["notes"]]
+    lf = out / "launch_flags.sh"
+    files.append((lf, ("\n".join(text) + "\n").encode()))
+    summary = plan.to_dict()
+    if compare is not None:
+        summary["phase_comparison"] = compare["message"]
+        summary["separate_prefill_decode"] = compare["separate_wins"]
+    summary["launch_flags"] = flags
+    js = out / "layout.json"
+    files.append((js, json_bytes(js, summary)))
+    return atomic_write_files(files)
+
+
+def _q(a: str) -> str:
+    return f"'{a}'" if any(ch in a for ch in ' {}"') else a
+
+
+def _read_inputs(args):
+    """Check the cluster flags -> (model, cluster, trace or None); a trace's expert count may differ."""
+    from placement.cost.hardware import cluster_preset
+    from placement.cost.modelspec import load_model
+    from profiling.readers import require_data
+    from solver.api import SOLVERS
+
+    if args.nodes * args.gpus_per_node > MAX_RANKS:
+        raise CliError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
+            f"GPUs, over the accepted {MAX_RANKS} (MAX_RANKS)"
+        )
+    if args.nodes * args.gpus_per_node > MAX_LAYOUT_GPUS:
+        raise CliError(
+            f"--nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} = {args.nodes * args.gpus_per_node} "
+            f"GPUs, over the {MAX_LAYOUT_GPUS} one plan may span (MAX_LAYOUT_GPUS: every EP size is placed "
+            f"and costed); plan one instance of at most {MAX_LAYOUT_GPUS} GPUs, e.g. --nodes "
+            f"{MAX_LAYOUT_GPUS // args.gpus_per_node}"
+        )
+    if args.time_limit is not None and "time_limit" not in SOLVERS[args.solver].option_names:
+        raise CliError(f"--time-limit bounds the exact solves (--solver cpsat), not {args.solver}; drop it")
+    for flag, value in (
+        ("--step-tokens/--batch-per-rank", args.step_tokens),
+        ("--context-len", args.context_len),
+    ):
+        if value is not None and value > MAX_STEP_TOKENS:
+            raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
+    if args.output:
+        model_files = [args.model, str(Path(args.model) / "config.json")]
+        check_folder_outputs(args.output, _OUTPUT_FILES, inputs=[*model_files, args.trace, args.hardware])
+    try:
+        model = load_model(args.model)
+        cluster = cluster_preset(args.hardware, args.intra_link, args.inter_link, args.gpus_per_node)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    trace = None
+    if args.trace:
+        trace = open_trace(args.trace)
+        require_data(trace, args.trace)
+        if trace.num_logical_experts != model.num_logical_experts:
+            warn(
+                f"trace has {trace.num_logical_experts} experts, {model.name} has {model.num_logical_experts}: "
+                f"only the trace's skew is used (expert identities are synthetic)"
+            )
+    return model, cluster, trace
+
+
+def _plan(args, model, cluster, trace):
+    """The ranked layouts for ``--phase`` and, unless ``--no-phase-compare``, the other phase's verdict."""
+    from moe_placement.apps.planner.layout import PlanOptions, compare_phases, plan_layout
+
+    opts = _options(args, args.phase)
+    search = PlanOptions(
+        solver=args.solver,
+        max_redundant=args.max_redundant,
+        seed=args.seed,
+        time_limit=PlanOptions.time_limit if args.time_limit is None else args.time_limit,
+    )
+    plan = plan_layout(model, cluster, args.nodes, opts, trace=trace, plan=search)
+    compare = None
+    if not args.no_phase_compare and plan.best is not None:
+        other = "prefill" if args.phase == "decode" else "decode"
+        o = _options(args, other)
+        compare = compare_phases(
+            model,
+            cluster,
+            args.nodes,
+            opts if args.phase == "decode" else o,
+            o if args.phase == "decode" else opts,
+            trace=trace,
+            plan=search,
+            plans={args.phase: plan},
+        )
+    return plan, compare
+
+
+def _print_plan(args, plan, model, cluster, compare, files) -> None:
+    """The ranked table with its header, the plan's notes, the phase verdict and the files written."""
+    o = plan.options
+    echo(
+        f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}, {o.phase}, {o.step_tokens} tokens/GPU/step, "
+        f"context {o.context_len}"
+    )
+    echo(f"workload: {plan.workload}")
+    echo(
+        "times per MoE layer in us; throughput = batch / step time per GPU (cost model estimates, not measurements)"
+    )
+    for line in _table(plan, args.top):
+        echo(line)
+    for n in plan.notes:
+        echo(f"* {n}")
+    if compare is not None:
+        echo(f"* {compare['message']}")
+    if files:
+        echo(f"wrote {', '.join(str(f) for f in files)}")
+    elif args.output:
+        warn("no layout fits: nothing written")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Steps: model, cluster and trace -> plan (and phase comparison) -> write the best -> print."""
+    model, cluster, trace = _read_inputs(args)
+    plan, compare = _plan(args, model, cluster, trace)
+    files = []
+    if args.output and plan.best is not None:
+        files = _write_outputs(Path(args.output), plan, model, compare)
+    if args.json:
+        d = plan.to_dict()
+        if compare is not None:
+            d["phase_comparison"] = compare["message"]
+            d["separate_prefill_decode"] = compare["separate_wins"]
+        d["files"] = [str(f) for f in files]
+        echo(json.dumps(d, indent=1))
+        return 0 if plan.best is not None else 1
+    _print_plan(args, plan, model, cluster, compare, files)
+    return 0 if plan.best is not None else 1
