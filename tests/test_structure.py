@@ -517,9 +517,9 @@ def test_every_row_of_issue_35_is_enforced():
 
 
 def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
+    from moe_placement.base import errors
     from moe_placement.base.fileio import InputFileError
     from moe_placement.cli.common import CliError
-    from moe_placement.base import errors
     from runtime_hooks.engine_plugins.policy import PolicyError
     from runtime_hooks.engine_plugins.spec import SpecError
     from runtime_hooks.launcher import WorkerError, WorkerTimeout
