@@ -42,10 +42,11 @@ __all__ = [
     "SIZING_STEP_TOKENS",
     "Steps",
     "make_steps",
+    "priced_phase",
     "step_counts",
 ]
 
-PHASES = ("decode", "prefill")
+PHASES = ("decode", "prefill")  # the one definition: every other module imports it
 DEFAULT_STEP_TOKENS = {"decode": 64, "prefill": 256}  # the ONE place per-phase defaults live
 # The load a deployment is SIZED at, not a step shape step PAR is measured on: tokens per GPU per
 # step of a full serving batch, per phase (decode: DeepEP's low-latency benchmark size, 128 tokens per
@@ -54,6 +55,14 @@ DEFAULT_STEP_TOKENS = {"decode": 64, "prefill": 256}  # the ONE place per-phase 
 SIZING_STEP_TOKENS = {"decode": 128, "prefill": 8192}
 ENGINE = "engine"
 MAX_STEP_CELLS = 1 << 28  # largest [S, L, G, E] count array step_counts allocates (2 GiB of int64)
+
+
+def priced_phase(phase: str) -> str:
+    """The phase whose kernels price a step of ``phase``: recorded engine batches are priced as decode
+    (the one place this is decided)."""
+    if phase not in PHASES + (ENGINE,):
+        raise ValueError(f"unknown phase {phase!r}; use one of {', '.join(PHASES + (ENGINE,))}")
+    return "decode" if phase == ENGINE else phase
 
 
 @dataclass(frozen=True, eq=False)

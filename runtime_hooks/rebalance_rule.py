@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.cost.hardware import GPUS, LINKS
+from placement.cost.hardware import DEFAULT_HARDWARE, GPUS, LINKS
 from placement.cost.modelspec import load_model
 from placement.cost.primitives import assignment_seconds, move_time
 
@@ -53,11 +53,12 @@ __all__ = [
     "transfer_seconds",
 ]
 
-# Defaults from the one cost model (placement.cost): DeepSeek-V3 on H100 FP8, weights over NVLink 4.
+# Defaults from the one cost model (placement.cost): DeepSeek-V3 FP8 on the default GPU preset (a Hopper),
+# weights over NVLink 4.
 _DSV3 = load_model("deepseek-v3")
 DEEPSEEK_V3_EXPERT_BYTES = _DSV3.expert_bytes  # one FP8 expert of one layer: 44,040,192 B
 NVLINK_BANDWIDTH, NVLINK_LATENCY = LINKS["nvlink4"].kernel("normal")  # bulk copy: 270 GB/s, 40 us
-HOPPER_FP8_ASSIGNMENT_S = assignment_seconds(GPUS["h100"], _DSV3)  # DeepSeek-V3 expert GEMM: 82 ns
+HOPPER_FP8_ASSIGNMENT_S = assignment_seconds(GPUS[DEFAULT_HARDWARE], _DSV3)  # DeepSeek-V3 expert GEMM: 82 ns
 
 
 @dataclass(frozen=True)

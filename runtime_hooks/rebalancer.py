@@ -61,7 +61,7 @@ import numpy as np
 
 from moe_placement.base.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, check_whole
 from moe_placement.base.options import refuse_unknown_keywords
-from placement.cost.hardware import GPUS
+from placement.cost.hardware import DEFAULT_HARDWARE, GPUS
 from placement.cost.hardware import LINKS as _HW_LINKS
 from placement.cost.primitives import move_time
 from placement.dispatch import EVEN, check_dispatch
@@ -140,8 +140,8 @@ class RebalancerConfig:
     link_latency: float | None = None
     hidden_size: int = 7168
     expert_intermediate_size: int = 2048
-    peak_flops: float = GPUS["h100"].flops_fp8
-    compute_efficiency: float = GPUS["h100"].eta_compute
+    peak_flops: float = GPUS[DEFAULT_HARDWARE].flops_fp8
+    compute_efficiency: float = GPUS[DEFAULT_HARDWARE].eta_compute
     move_cost_scale: float = 1.0
     max_moves: int | None = None
     method: str = "incremental"

@@ -435,6 +435,150 @@ def readme_deprecated(root: Path) -> list[str]:
     return found
 
 
+SPECIFIED_PACKAGES = (
+    "placement",
+    "profiling",
+    "solver",
+    "runtime_hooks",
+)  # the four the project was specified with
+DISTRIBUTION_PACKAGE = "moe_placement"  # the one package named for the distribution
+BASE_MODULES = ("errors", "options", "fileio", "limits", "textparse")  # the shared floor's modules
+FAMILY_ROOTS = ("solver", "placement")  # where a family of modules must be a package, not a file prefix
+GPU_NAMES_SOURCE = "placement/cost/hardware.py"  # the one place GPU preset names are spelled
+_PATH_IN_DOCS = re.compile(
+    r"(?<![\w./:-])((?:moe_placement|placement|profiling|solver|runtime_hooks|benchmarks|tests|tools|notebooks"
+    r"|docs|\.ci)/[\w./*-]*[\w/*])"
+)
+
+
+def installed_packages(root: Path) -> list[str]:
+    """Top-level packages ``pyproject.toml`` installs beyond the four specified and the distribution's own."""
+    import fnmatch
+
+    import tomllib
+
+    path = root / "pyproject.toml"
+    if not path.exists():
+        return []
+    find = tomllib.loads(path.read_text()).get("tool", {}).get("setuptools", {}).get("packages", {})
+    include = find.get("find", {}).get("include", ["*"]) if isinstance(find, dict) else list(find)
+    tops = sorted(d.name for d in root.iterdir() if (d / "__init__.py").exists())
+    installed = [d for d in tops if any(fnmatch.fnmatch(d, pat) for pat in include)]
+    allowed = set(SPECIFIED_PACKAGES) | {DISTRIBUTION_PACKAGE}
+    return [f"{d}/ is installed as a top-level package" for d in installed if d not in allowed]
+
+
+def shared_outside_base(root: Path) -> list[str]:
+    """Modules named like the shared floor's (errors, options, fileio, ...) at the top of another floor."""
+    base = root / FLOORS[0]
+    return [
+        _rel(root, p)
+        for p in floor_files(root)
+        if p.stem in BASE_MODULES and _rel(root, p.parent) in FLOORS and p.parent != base
+    ]
+
+
+def family_prefixes(root: Path) -> list[str]:
+    """Module name prefixes (``migration_`` in ``migration_slots.py``) shared by two or more modules of one
+    folder of solver/ or placement/: a family that should be a package."""
+    found = []
+    for top in FAMILY_ROOTS:
+        for folder in sorted({p.parent for p in (root / top).rglob("*.py")}):
+            stems = [p.stem for p in folder.glob("*.py") if "_" in p.stem and not p.stem.startswith("_")]
+            prefixes: dict[str, list[str]] = {}
+            for s in stems:
+                prefixes.setdefault(s.split("_")[0], []).append(s)
+            found += [
+                f"{_rel(root, folder)}/{pre}_*.py ({len(v)} modules)"
+                for pre, v in sorted(prefixes.items())
+                if len(v) >= 2
+            ]
+    return found
+
+
+def _tuple_of_strings(node: ast.AST) -> tuple[str, ...] | None:
+    if isinstance(node, ast.Tuple) and all(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+    ):
+        return tuple(e.value for e in node.elts)
+    return None
+
+
+def phase_definitions(root: Path) -> list[str]:
+    """Assignments of the phase list ``("decode", "prefill")`` (in any order) in the packages."""
+    found = []
+    for path in floor_files(root):
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None:
+                value = _tuple_of_strings(node.value)
+                if value is not None and sorted(value) == ["decode", "prefill"]:
+                    found.append(f"{_rel(root, path)}:{node.lineno}")
+    return found
+
+
+def _gpu_names(root: Path) -> set[str]:
+    """GPU preset names: the string keys of the ``GPUS`` dict literal in :data:`GPU_NAMES_SOURCE`."""
+    path = root / GPU_NAMES_SOURCE
+    names: set[str] = set()
+    if not path.exists():
+        return names
+    for node in ast.walk(_parse(path)):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == "GPUS":
+            value = node.value
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "GPUS" for t in node.targets
+        ):
+            value = node.value
+        else:
+            continue
+        if isinstance(value, ast.Dict):
+            names |= {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return names
+
+
+def hardware_literals(root: Path) -> list[str]:
+    """GPU preset names spelled as strings (docstrings excepted) outside :data:`GPU_NAMES_SOURCE`: a
+    second default, or a list of names typed by hand (read them from ``placement.cost.hardware``)."""
+    names = _gpu_names(root)
+    found = []
+    for path in floor_files(root):
+        rel = _rel(root, path)
+        if rel == GPU_NAMES_SOURCE:
+            continue
+        tree = _parse(path)
+        skip = _docstring_ids(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in skip:
+                found.append(f"{rel}:{node.lineno} {node.value!r}")
+    return found
+
+
+def fmt_skips(root: Path) -> list[str]:
+    """``# fmt: skip`` / ``# fmt: off`` comments in the repository's Python files (code packed to fit a limit)."""
+    found = []
+    for top in (*FLOORS, "benchmarks", "tests", "tools", "notebooks"):
+        for path in sorted((root / top).rglob("*.py")):
+            for i, line in enumerate(path.read_text().splitlines(), 1):
+                if re.search(r"#\s*fmt:\s*(skip|off)\b", line):
+                    found.append(f"{_rel(root, path)}:{i}")
+    return found
+
+
+def missing_doc_paths(root: Path) -> list[str]:
+    """Repository paths named in README.md and docs/*.md that do not exist (globs must match something)."""
+    found = []
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        if not doc.exists():
+            continue
+        for i, line in enumerate(doc.read_text().splitlines(), 1):
+            for m in _PATH_IN_DOCS.finditer(line):
+                p = m.group(1)
+                ok = any(root.glob(p)) if "*" in p else (root / p).exists()
+                if not ok:
+                    found.append(f"{_rel(root, doc)}:{i} {p}")
+    return found
+
+
 ROWS: tuple[Row, ...] = (
     Row(
         "dispatch_branches",
@@ -452,6 +596,31 @@ ROWS: tuple[Row, ...] = (
     Row("solver_share", "solver/ share of the package lines (%)", 35, True, solver_share),
     Row("readme_lines", "README.md lines", 150, True, readme_lines),
     Row("readme_deprecated", "deprecated flags shown in README.md", 0, True, readme_deprecated),
+    Row(
+        "installed_packages",
+        "top-level packages beyond the specified four and moe_placement",
+        0,
+        True,
+        installed_packages,
+    ),
+    Row(
+        "shared_outside_base",
+        "shared-utility modules outside moe_placement/base/",
+        0,
+        True,
+        shared_outside_base,
+    ),
+    Row("family_prefixes", "solver/placement families spelled as a file prefix", 0, True, family_prefixes),
+    Row("phase_definitions", "definitions of the phase list", 1, True, phase_definitions),
+    Row(
+        "hardware_literals",
+        "GPU preset names spelled outside placement/cost/hardware.py",
+        0,
+        True,
+        hardware_literals,
+    ),
+    Row("fmt_skips", "# fmt: skip / off used to fit a limit", 0, False, fmt_skips),
+    Row("missing_doc_paths", "repository paths named in docs that do not exist", 0, True, missing_doc_paths),
 )
 _SCALAR = ("solver_share", "readme_lines")  # rows whose one finding is the number itself
 

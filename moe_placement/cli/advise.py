@@ -16,6 +16,7 @@ from moe_placement.cli.common import (
     check_folder_outputs,
     echo,
     format_table,
+    hardware_help,
     open_trace,
     progress,
 )
@@ -28,6 +29,7 @@ JSON = "advise.json"
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from moe_placement.apps.advise import AUTO_MODEL, engine_names
+    from placement.cost.hardware import DEFAULT_HARDWARE
     from placement.steps import DEFAULT_STEP_TOKENS
     from placement.steps import PHASES as STEP_PHASES
 
@@ -44,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=AUTO_MODEL,
         help=f"cost-side model: a built-in name, a model JSON, or {AUTO_MODEL} (the built-in with the trace's experts)",
     )
-    p.add_argument("--hardware", default="h200", help="GPU preset (h100, h800, h200, b200) or a preset .json")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=f"GPU preset: {hardware_help()}")
     p.add_argument("--nodes", type=bounded_int(1, 4096), required=True)
     p.add_argument("--gpus-per-node", type=bounded_int(1, 64), default=8)
     p.add_argument("--engine", choices=engine_names(), required=True)

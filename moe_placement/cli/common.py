@@ -389,6 +389,35 @@ class DeprecatedAlias(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def hardware_help() -> str:
+    """The GPU presets a ``--hardware`` flag takes, read from the registry (the default marked)."""
+    from placement.cost.hardware import DEFAULT_HARDWARE, HARDWARE_NAMES
+
+    names = ", ".join(f"{n} (default)" if n == DEFAULT_HARDWARE else n for n in HARDWARE_NAMES)
+    return f"{names}, or a preset .json"
+
+
+def link_help(default: str) -> str:
+    """The link presets a ``--intra-link``/``--inter-link`` flag takes, read from the registry."""
+    from placement.cost.hardware import LINKS
+
+    return f"(default: {default}; one of {', '.join(LINKS)})"
+
+
+def model_help() -> str:
+    """The built-in model names a ``--model`` flag takes, read from the registry."""
+    from placement.cost.modelspec import BUILTIN_MODELS
+
+    return f"a built-in name ({', '.join(BUILTIN_MODELS)}), a model JSON, or a HF config.json / folder"
+
+
+def per_step_dispatch_names() -> str:
+    """The per-step dispatch models (those that split each step's counts), from the registry."""
+    from placement.dispatch import dispatch_names
+
+    return ", ".join(dispatch_names(needs_step_counts=True))
+
+
 def add_phase_args(p: argparse.ArgumentParser, what: str) -> None:
     """``--phase`` (default decode) and ``--step-tokens`` (default per phase, stated in the help);
     ``what``: what the steps are for, for the help text."""

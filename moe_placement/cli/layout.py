@@ -14,6 +14,9 @@ from moe_placement.cli.common import (
     echo,
     ep_size_int,
     expert_count_int,
+    hardware_help,
+    link_help,
+    model_help,
     non_negative_int,
     open_trace,
     positive_int,
@@ -43,6 +46,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    from placement.cost.hardware import DEFAULT_HARDWARE
     from placement.steps import SIZING_STEP_TOKENS
 
     p = subparsers.add_parser(
@@ -54,22 +58,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="built-in name (deepseek-v3, deepseek-r1, deepseek-v2-lite, mixtral-8x7b, "
-        "qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b), a model JSON, or a HF config.json / folder",
+        help=model_help(),
     )
     p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
     p.add_argument(
-        "--hardware", default="h200", help="h100, h800, h200, b200, or a GPU preset .json (gpu_gemm_fit.py)"
+        "--hardware", default=DEFAULT_HARDWARE, help=f"GPU preset: {hardware_help()} (gpu_gemm_fit.py)"
     )
     p.add_argument(
         "--intra-link",
         default=None,
-        help="intra-node link preset (default: the GPU's NVLink; or pcie5, pcie4)",
+        help=f"intra-node link preset {link_help('the GPU NVLink')}",
     )
-    p.add_argument(
-        "--inter-link", default=None, help="inter-node link preset (default rdma; or ethernet, ethernet-25g)"
-    )
+    p.add_argument("--inter-link", default=None, help=f"inter-node link preset {link_help('rdma')}")
     p.add_argument(
         "--phase",
         choices=("decode", "prefill"),

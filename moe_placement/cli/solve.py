@@ -31,6 +31,7 @@ from moe_placement.cli.common import (
     expert_count_int,
     format_table,
     fraction,
+    hardware_help,
     hidden_size_int,
     input_sidecars,
     non_negative_float,
@@ -40,6 +41,7 @@ from moe_placement.cli.common import (
     open_placement,
     open_trace,
     output_files,
+    per_step_dispatch_names,
     positive_int,
     seconds,
     seed_int,
@@ -202,7 +204,9 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
         extra="; scores fitted and held-out PAR, and sglang-static/sglang-dynamic also place replicas for "
         "SGLang's table (greedy, cpsat, milp)",
     )
-    add_phase_args(p, "the placement is fitted for under a per-step dispatch model (balanced, sglang-lp)")
+    add_phase_args(
+        p, f"the placement is fitted for under a per-step dispatch model ({per_step_dispatch_names()})"
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -213,7 +217,7 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware",
         default=None,
-        help="GPU preset that prices the fitted steps: h100, h800, h200, b200 or a preset .json (default h200)",
+        help=f"GPU preset that prices the fitted steps: {hardware_help()}",
     )
     p.add_argument("-o", "--output", help="placement file to write")
     p.add_argument("--format", choices=FORMATS, default="native")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from moe_placement.cli.common import CliError
+from moe_placement.cli.common import CliError, per_step_dispatch_names
 
 if TYPE_CHECKING:
     from solver.api import SolverSpec
@@ -70,7 +70,8 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
         }
         for flag in (f for f, on in given.items() if on):
             raise CliError(
-                f"{flag} applies to a per-step dispatch model (balanced, sglang-lp), not {model.name}; drop it"
+                f"{flag} applies to a per-step dispatch model ({per_step_dispatch_names()}), not {model.name}; "
+                "drop it"
             )
     args.step_tokens = args.step_tokens or DEFAULT_STEP_TOKENS[args.phase]  # as --help says: by phase
     fit = prob.fit

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from moe_placement.base.limits import MAX_STEP_TOKENS
-from moe_placement.cli.common import CliError, bounded_int
+from moe_placement.cli.common import CliError, bounded_int, hardware_help, model_help
 
 __all__ = ["add_step_time_args", "step_time_dict"]
 
@@ -15,12 +15,11 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     """The cost-model flags (all optional; ``--model`` turns the step time on)."""
     p.add_argument(
         "--model",
-        help="price whole steps with this model: a built-in name (deepseek-v3, deepseek-v2-lite, mixtral-8x7b, "
-        "qwen3-30b-a3b, olmoe-1b-7b, qwen1.5-moe-a2.7b), a model JSON, or a HF config.json / folder; adds step_time to the report",
+        help=f"price whole steps with this model: {model_help()}; adds step_time to the report",
     )
     p.add_argument(
         "--hardware",
-        help="GPU preset for step_time: h100, h800, h200 (default), b200, or a preset .json "
+        help=f"GPU preset for step_time: {hardware_help()} "
         "(benchmarks/gpu_gemm_fit.py; then step_time says calibrated: true)",
     )
     p.add_argument(
@@ -33,7 +32,7 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
 def step_time_dict(args: argparse.Namespace, placement, trace, dispatch: str, steps) -> dict | None:
     """``StepTime.to_dict()`` of ``steps`` (a :class:`placement.steps.Steps`) under ``dispatch``, or
     None when ``--model`` is not given (CliError when ``--hardware``/``--context-len`` come without it)."""
-    from placement.cost.hardware import cluster_preset
+    from placement.cost.hardware import DEFAULT_HARDWARE, cluster_preset
     from placement.cost.modelspec import load_model
     from placement.cost.step_time import step_time
 
@@ -49,7 +48,9 @@ def step_time_dict(args: argparse.Namespace, placement, trace, dispatch: str, st
         )
     try:
         model = load_model(args.model)
-        cluster = cluster_preset(args.hardware or "h200", gpus_per_node=placement.topology.gpus_per_node)
+        cluster = cluster_preset(
+            args.hardware or DEFAULT_HARDWARE, gpus_per_node=placement.topology.gpus_per_node
+        )
     except ValueError as exc:
         raise CliError(str(exc)) from None
     return step_time(

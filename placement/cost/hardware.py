@@ -28,6 +28,7 @@ __all__ = [
     "cluster_preset",
     "load_gpu_preset",
     "HARDWARE_NAMES",
+    "DEFAULT_HARDWARE",
     "REBALANCE_STALL_S",
 ]
 
@@ -317,6 +318,7 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 HARDWARE_NAMES = tuple(GPUS)
+DEFAULT_HARDWARE = "h200"  # the one default GPU preset: every command and solver prices with it unless told
 
 # Serving time lost to one online rearrangement of the experts (weights moved while serving waits),
 # seconds, (low, high): vLLM's EPLB 0.65-1.7 s per rearrangement measured on large models; SGLang's
@@ -365,7 +367,10 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
 
 
 def cluster_preset(
-    hardware: str = "h200", intra: str | None = None, inter: str | None = None, gpus_per_node: int = 8
+    hardware: str = DEFAULT_HARDWARE,
+    intra: str | None = None,
+    inter: str | None = None,
+    gpus_per_node: int = 8,
 ) -> ClusterSpec:
     """A cluster from preset names: ``hardware`` a GPU name or a preset JSON path; ``intra`` a link
     name (default: the GPU's NVLink), ``inter`` a link name (default ``rdma``)."""

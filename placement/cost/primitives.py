@@ -22,10 +22,10 @@ from numpy.typing import ArrayLike
 
 from placement.cost.hardware import ClusterSpec, GpuSpec, LinkSpec
 from placement.cost.modelspec import ModelSpec
+from placement.steps import PHASES
 
 __all__ = [
     "KERNELS",
-    "PHASES",
     "a2a_time",
     "allreduce_time",
     "assignment_seconds",
@@ -38,7 +38,6 @@ __all__ = [
     "move_time",
 ]
 
-PHASES = ("decode", "prefill")
 KERNELS = ("low_latency", "normal")
 
 

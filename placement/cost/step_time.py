@@ -39,7 +39,6 @@ import numpy as np
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import (
-    PHASES,
     a2a_time,
     allreduce_time,
     attention_time,
@@ -48,6 +47,7 @@ from placement.cost.primitives import (
     lm_head_time,
     mlp_time,
 )
+from placement.steps import priced_phase
 
 if TYPE_CHECKING:
     from placement.dispatch import DispatchModel
@@ -337,7 +337,7 @@ def step_time_from_arrays(
     topk_ids, step, src, rows = arrays.topk_ids, arrays.step, arrays.src, arrays.rows
     num_steps, step_tokens, phase = arrays.num_steps, arrays.step_tokens, arrays.phase
     disp = get_dispatch(dispatch)
-    priced = phase if phase in PHASES else "decode"  # engine batches: the decode kernels
+    priced = priced_phase(phase)
     kernel = kernel_of_phase(priced)
     c = float(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
     if not c > 0 or num_steps < 1:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from placement.cost.hardware import GPUS, GpuSpec
+from placement.cost.hardware import DEFAULT_HARDWARE, GPUS, GpuSpec
 from placement.cost.modelspec import load_model
 from placement.cost.primitives import assignment_seconds
 from placement.metrics import peak_lower_bound
@@ -38,7 +38,7 @@ def _hbm_effective(gpu: GpuSpec) -> float:
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """Per-step decode cost of one replica (defaults: DeepSeek-V3 FP8 on H100, costmodel.md).
+    """Per-step decode cost of one replica (defaults: DeepSeek-V3 FP8 on the default GPU preset, costmodel.md).
 
     Attributes:
         step_tokens: decode tokens per attention-DP rank in one step (default: the decode size a
@@ -51,9 +51,9 @@ class DecodeCost:
 
     step_tokens: float = float(SIZING_STEP_TOKENS["decode"])
     top_k: int = 8
-    token_time_us: float = _token_time_us(GPUS["h100"])
+    token_time_us: float = _token_time_us(GPUS[DEFAULT_HARDWARE])
     expert_bytes: float = float(_DSV3.expert_bytes)
-    hbm_bytes_per_s: float = _hbm_effective(GPUS["h100"])
+    hbm_bytes_per_s: float = _hbm_effective(GPUS[DEFAULT_HARDWARE])
 
     def to_params(self) -> dict:
         """The fields as a placement file's ``params.decode_cost`` records them: ``step_tokens`` under

@@ -20,15 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from placement.cost.hardware import ClusterSpec, cluster_preset
+from placement.cost.hardware import DEFAULT_HARDWARE, ClusterSpec, cluster_preset
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
 from placement.cost.primitives import kernel_of_phase
 from placement.cost.step_time import moe_layer_seconds, traffic_bytes
+from placement.steps import priced_phase
 from profiling.trace import RoutingTrace
 
 __all__ = ["DEFAULT_HARDWARE", "StepCost", "layer_seconds", "model_for_trace", "slot_loads", "step_cost_for"]
-
-DEFAULT_HARDWARE = "h200"  # the GPU preset solve prices with when --hardware is not given
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class StepCost:
 
     @property
     def kernel(self) -> str:
-        return kernel_of_phase(self.phase if self.phase == "prefill" else "decode")
+        return kernel_of_phase(priced_phase(self.phase))
 
     def describe(self) -> str:
         return f"modelled {self.phase} step time ({self.model.name} on {self.cluster.name})"

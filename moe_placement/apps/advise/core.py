@@ -22,7 +22,7 @@ import moe_placement.apps.advise.rebalance as rebalance
 import moe_placement.apps.advise.recommend as recommend
 from moe_placement.apps.advise.engines import ENGINES, min_redundant
 from moe_placement.apps.advise.options import AdviseOptions, resolve_model
-from placement.cost.hardware import ClusterSpec, cluster_preset
+from placement.cost.hardware import DEFAULT_HARDWARE, ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
@@ -335,7 +335,7 @@ def _summary(
 def advise(
     trace: RoutingTrace,
     model: str = "auto",
-    hardware: str = "h200",
+    hardware: str = DEFAULT_HARDWARE,
     options: AdviseOptions | None = None,
     progress: Progress | None = None,
     output: str = UNSET_OUTPUT,

@@ -18,7 +18,7 @@ from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.step_time import StepArrays, step_time_from_arrays
 from placement.model import Placement
-from placement.steps import Steps, make_steps
+from placement.steps import PHASES, Steps, make_steps
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
     "published_band",
 ]
 
-PHASES = ("decode", "prefill")
 BLOCKS = 8  # blocks of held-out steps the band is measured over
 
 # Published whole-step throughput gains of expert balancing over none, percent: (low, high, source).

@@ -12,6 +12,8 @@ import html
 import io
 from typing import Any
 
+from placement.steps import PHASES
+
 __all__ = ["PLOT_COUNT", "render_html"]
 
 PLOT_COUNT = 2
@@ -25,7 +27,6 @@ _CSS = (
     "pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all;user-select:all}"
     ".warn{color:#a40}"
 )
-_PHASES = ("decode", "prefill")
 
 
 def _svg(fig) -> str:
@@ -46,7 +47,7 @@ def _gain_plot(plt, d: dict) -> str:
     """Whole-step gain vs replica GB per GPU, one panel per phase, error bars = the band; the GB the
     user's batch x context leaves for replicas marked; unrunnable options hollow; series at the same GB
     nudged apart by a hair so their bars do not hide each other."""
-    priced = [ph for ph in _PHASES if ph in d["held_out_steps"]]
+    priced = [ph for ph in PHASES if ph in d["held_out_steps"]]
     fig, axes = plt.subplots(1, len(priced), figsize=(5 * len(priced), 3.6), sharex=True, squeeze=False)
     axes = axes[0]
     limit = d["context"]["replica_gb_limit"]
