@@ -124,58 +124,22 @@ class RoutingTrace:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Check every field and freeze the arrays (read-only, canonical dtypes); named steps below."""
         E = _check_num_experts(self.num_logical_experts)
         object.__setattr__(self, "num_logical_experts", E)
         if self.topk_ids is None and self.window_counts is None:
             raise ValueError("a RoutingTrace needs topk_ids [T, L, k] or window_counts [W, L, E]")
         L = None
         if self.topk_ids is not None:
-            ids = np.asarray(self.topk_ids)
-            if ids.dtype.kind not in "iu":
-                raise ValueError(f"topk_ids must be integers, got dtype {ids.dtype}")
-            if ids.ndim == 2:  # [T, k] for one layer
-                ids = ids[:, None, :]
-            if ids.ndim != 3:
-                raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
-            if ids.shape[1] == 0 or ids.shape[2] == 0:
-                raise ValueError(f"topk_ids has an empty layer or top-k axis: shape {ids.shape}")
-            if ids.size:
-                lo, hi = int(ids.min()), int(ids.max())
-                if lo < -1 or hi >= E:
-                    raise ValueError(
-                        f"topk_ids hold ids in [{lo}, {hi}] but must be in [-1, {E - 1}] for "
-                        f"num_logical_experts={E} (-1 = no expert); pass the model's real expert count"
-                    )
-            ids = np.ascontiguousarray(ids, dtype=_id_dtype(E))
-            ids.setflags(write=False)
+            ids = _frozen(_checked_topk_ids(self.topk_ids, E))
             object.__setattr__(self, "topk_ids", ids)
             L = ids.shape[1]
         if self.window_counts is not None:
-            wc = np.asarray(self.window_counts)
-            if wc.dtype.kind not in "iuf":
-                raise ValueError(f"window_counts must be numeric, got dtype {wc.dtype}")
-            if wc.ndim == 2:
-                wc = wc[None]
-            if wc.ndim != 3 or wc.shape[2] != E:
-                raise ValueError(
-                    f"window_counts must be [windows, layers, {E}], got shape {tuple(np.shape(self.window_counts))}"
-                )
-            if wc.dtype.kind == "f" and not np.all(np.isfinite(wc)):
-                raise ValueError("window_counts contain NaN or inf; counts must be finite")
-            if wc.size and wc.min() < 0:
-                raise ValueError(f"window_counts must be >= 0, found {wc.min()}")
-            _check_total_load(wc)
-            if L is not None and wc.shape[1] != L:
-                raise ValueError(f"window_counts has {wc.shape[1]} layers but topk_ids has {L}")
-            wc = np.ascontiguousarray(wc if wc.dtype.kind == "f" else wc.astype(np.int64))
-            wc.setflags(write=False)
+            wc = _frozen(_checked_window_counts(self.window_counts, E, L))
             object.__setattr__(self, "window_counts", wc)
             L = wc.shape[1]
-            labels = _labels(self.window_labels)
-            if labels and len(labels) != wc.shape[0]:
-                raise ValueError(f"window_labels has {len(labels)} names for {wc.shape[0]} windows")
-            object.__setattr__(self, "window_labels", labels)
-        if self.window_counts is None and len(self.window_labels):
+            object.__setattr__(self, "window_labels", _checked_labels(self.window_labels, wc.shape[0]))
+        elif len(self.window_labels):
             raise ValueError(
                 f"window_labels names {len(self.window_labels)} windows but the trace has no window_counts; drop them"
             )
@@ -186,20 +150,10 @@ class RoutingTrace:
         object.__setattr__(self, "layer_ids", ids_)
         T = self.num_tokens
         if self.source_rank is not None:
-            sr = np.asarray(self.source_rank)
-            if sr.dtype.kind not in "iu" or sr.shape != (T,):
-                raise ValueError(
-                    f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}"
-                )
-            _check_source_rank(sr)
-            sr = sr.astype(np.int32)
-            sr.setflags(write=False)
-            object.__setattr__(self, "source_rank", sr)
+            object.__setattr__(self, "source_rank", _frozen(_checked_source_rank(self.source_rank, T)))
         for name in ("seq_offsets", "step_offsets"):
             off = _check_offsets(name, getattr(self, name), T)
-            if off is not None:
-                off.setflags(write=False)
-            object.__setattr__(self, name, off)
+            object.__setattr__(self, name, None if off is None else _frozen(off))
         if not isinstance(self.metadata, Mapping):
             raise ValueError(f"metadata must be a mapping (a dict), got {type(self.metadata).__name__}")
         object.__setattr__(self, "metadata", dict(self.metadata))
@@ -421,3 +375,68 @@ def token_counts(topk_ids: np.ndarray, num_logical_experts: int) -> np.ndarray:
     flat = ids + (np.arange(L, dtype=np.int64) * (E + 1))[:, None] + 1  # -1 -> slot 0 of each layer
     c = np.bincount(flat.ravel(), minlength=L * (E + 1)).reshape(L, E + 1)
     return c[:, 1:].astype(np.int64)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only (the trace's arrays never change after the checks)."""
+    a.setflags(write=False)
+    return a
+
+
+def _checked_topk_ids(topk_ids, E: int) -> np.ndarray:
+    """``topk_ids`` as ``[T, L, k]`` of the smallest id dtype for ``E``; ``[T, k]`` is one layer."""
+    ids = np.asarray(topk_ids)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"topk_ids must be integers, got dtype {ids.dtype}")
+    if ids.ndim == 2:  # [T, k] for one layer
+        ids = ids[:, None, :]
+    if ids.ndim != 3:
+        raise ValueError(f"topk_ids must be [tokens, layers, top_k], got shape {ids.shape}")
+    if ids.shape[1] == 0 or ids.shape[2] == 0:
+        raise ValueError(f"topk_ids has an empty layer or top-k axis: shape {ids.shape}")
+    if ids.size:
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < -1 or hi >= E:
+            raise ValueError(
+                f"topk_ids hold ids in [{lo}, {hi}] but must be in [-1, {E - 1}] for "
+                f"num_logical_experts={E} (-1 = no expert); pass the model's real expert count"
+            )
+    return np.ascontiguousarray(ids, dtype=_id_dtype(E))
+
+
+def _checked_window_counts(window_counts, E: int, L: int | None) -> np.ndarray:
+    """``window_counts`` as ``[W, L, E]`` (float kept, integers as int64); ``[L, E]`` is one window."""
+    wc = np.asarray(window_counts)
+    if wc.dtype.kind not in "iuf":
+        raise ValueError(f"window_counts must be numeric, got dtype {wc.dtype}")
+    if wc.ndim == 2:
+        wc = wc[None]
+    if wc.ndim != 3 or wc.shape[2] != E:
+        raise ValueError(
+            f"window_counts must be [windows, layers, {E}], got shape {tuple(np.shape(window_counts))}"
+        )
+    if wc.dtype.kind == "f" and not np.all(np.isfinite(wc)):
+        raise ValueError("window_counts contain NaN or inf; counts must be finite")
+    if wc.size and wc.min() < 0:
+        raise ValueError(f"window_counts must be >= 0, found {wc.min()}")
+    _check_total_load(wc)
+    if L is not None and wc.shape[1] != L:
+        raise ValueError(f"window_counts has {wc.shape[1]} layers but topk_ids has {L}")
+    return np.ascontiguousarray(wc if wc.dtype.kind == "f" else wc.astype(np.int64))
+
+
+def _checked_labels(window_labels, num_windows: int) -> tuple[str, ...]:
+    """The window names, one per window (or none)."""
+    labels = _labels(window_labels)
+    if labels and len(labels) != num_windows:
+        raise ValueError(f"window_labels has {len(labels)} names for {num_windows} windows")
+    return labels
+
+
+def _checked_source_rank(source_rank, T: int) -> np.ndarray:
+    """``source_rank`` int32 ``[T]``: the attention-DP rank each token came from."""
+    sr = np.asarray(source_rank)
+    if sr.dtype.kind not in "iu" or sr.shape != (T,):
+        raise ValueError(f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}")
+    _check_source_rank(sr)
+    return sr.astype(np.int32)
