@@ -46,14 +46,37 @@ from solver.migration import MigrationOptions, align_to_previous, run_migration
 from solver.migration.slots import colocated_extra_copies
 from solver.problem import Problem
 
-STEM = ("abstract_algebra", "astronomy", "college_", "computer_security", "conceptual_physics",
-        "electrical_engineering", "elementary_mathematics", "high_school_biology", "high_school_chemistry",
-        "high_school_computer_science", "high_school_mathematics", "high_school_physics",
-        "high_school_statistics", "machine_learning")  # fmt: skip
-HUMANITIES = ("formal_logic", "high_school_european_history", "high_school_us_history",
-              "high_school_world_history", "international_law", "jurisprudence", "logical_fallacies",
-              "moral_disputes", "moral_scenarios", "philosophy", "prehistory", "professional_law",
-              "world_religions")  # fmt: skip
+STEM = (
+    "abstract_algebra",
+    "astronomy",
+    "college_",
+    "computer_security",
+    "conceptual_physics",
+    "electrical_engineering",
+    "elementary_mathematics",
+    "high_school_biology",
+    "high_school_chemistry",
+    "high_school_computer_science",
+    "high_school_mathematics",
+    "high_school_physics",
+    "high_school_statistics",
+    "machine_learning",
+)
+HUMANITIES = (
+    "formal_logic",
+    "high_school_european_history",
+    "high_school_us_history",
+    "high_school_world_history",
+    "international_law",
+    "jurisprudence",
+    "logical_fallacies",
+    "moral_disputes",
+    "moral_scenarios",
+    "philosophy",
+    "prehistory",
+    "professional_law",
+    "world_religions",
+)
 
 
 def _deepseek(root: Path):
@@ -208,8 +231,10 @@ def _valid(start: Placement, w: np.ndarray) -> Placement:
 
 
 def _print(rows: list[dict]) -> None:
-    head = f"{'start':>6} {'dispatch':>13} {'method':>12} {'budget':>6} {'moved':>6} {'arrived':>7} " \
-           f"{'start PAR':>9} {'held-out PAR':>12} {'/greedy':>8} {'closed':>7}"  # fmt: skip
+    head = (
+        f"{'start':>6} {'dispatch':>13} {'method':>12} {'budget':>6} {'moved':>6} {'arrived':>7} "
+        f"{'start PAR':>9} {'held-out PAR':>12} {'/greedy':>8} {'closed':>7}"
+    )
     case = None
     for r in rows:
         if r["case"] != case:

@@ -63,9 +63,25 @@ STARTED = "greedy: mode="  # the debug line greedy logs; the second one (the sta
 
 def solve_command(folder: Path, solver: str, time_limit: float) -> list[str]:
     """``moe-placement --debug solve`` on ``folder/load.npy`` writing ``folder/out.json``."""
-    return [sys.executable, "-m", "moe_placement", "--debug", "solve", "--load", str(folder / "load.npy"),
-            "--ep-size", "32", "--num-redundant", "32", "--solver", solver,
-            "--time-limit", f"{time_limit:g}", "-o", str(folder / "out.json")]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "moe_placement",
+        "--debug",
+        "solve",
+        "--load",
+        str(folder / "load.npy"),
+        "--ep-size",
+        "32",
+        "--num-redundant",
+        "32",
+        "--solver",
+        solver,
+        "--time-limit",
+        f"{time_limit:g}",
+        "-o",
+        str(folder / "out.json"),
+    ]
 
 
 def write_load(folder: Path) -> None:
@@ -97,9 +113,14 @@ def signal_row(name: str, signal_after: float, time_limit: float, greedy_s: floa
         folder = Path(tmp)
         write_load(folder)
         proc = subprocess.Popen(
-            solve_command(folder, "cpsat", time_limit), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
-            text=True, cwd=folder, env=_child_env(), preexec_fn=_default_sigint,
-        )  # fmt: skip
+            solve_command(folder, "cpsat", time_limit),
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            cwd=folder,
+            env=_child_env(),
+            preexec_fn=_default_sigint,
+        )
         lines: list[str] = []
         started = threading.Event()
         reader = threading.Thread(target=_watch, args=(proc, lines, started), daemon=True)
@@ -121,9 +142,13 @@ def signal_row(name: str, signal_after: float, time_limit: float, greedy_s: floa
         left = sorted(p.name for p in folder.iterdir() if p.name != "load.npy")
     row = _row(name, measured, time_limit, greedy_s)
     row.update(
-        exit_code=rc, expected_exit_code=EXPECTED_EXIT[name], left_files=left,
-        running_at_signal=running, signal_after_s=signal_after, last_line=lines[-1] if lines else "",
-    )  # fmt: skip
+        exit_code=rc,
+        expected_exit_code=EXPECTED_EXIT[name],
+        left_files=left,
+        running_at_signal=running,
+        signal_after_s=signal_after,
+        last_line=lines[-1] if lines else "",
+    )
     return row
 
 
@@ -134,9 +159,13 @@ def greedy_cli_seconds(time_limit: float) -> float:
         write_load(folder)
         t0 = time.perf_counter()
         subprocess.run(
-            solve_command(folder, "greedy", time_limit), check=True, cwd=folder, env=_child_env(),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            solve_command(folder, "greedy", time_limit),
+            check=True,
+            cwd=folder,
+            env=_child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return time.perf_counter() - t0
 
 
@@ -213,8 +242,12 @@ def print_table(rows: list[dict]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", nargs="*", default=["sigterm", "sigint", "migration-wall", "locality-budget"],
-                    choices=["sigterm", "sigint", "migration-wall", "locality-budget"])  # fmt: skip
+    ap.add_argument(
+        "--rows",
+        nargs="*",
+        default=["sigterm", "sigint", "migration-wall", "locality-budget"],
+        choices=["sigterm", "sigint", "migration-wall", "locality-budget"],
+    )
     ap.add_argument("--signal-after", type=float, default=2.0, help="seconds into the search (default 2)")
     ap.add_argument("--solve-limit", type=float, default=60.0, help="the CP-SAT solve's --time-limit (60)")
     ap.add_argument("--migration-layers", type=int, default=2000, help="layers re-placed (2000)")

@@ -11,8 +11,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = {"row", "measured_s", "limit_s", "ratio", "greedy_s", "measured_over_greedy"}
-TINY = ["--signal-after", "1", "--migration-layers", "1000", "--migration-limit", "0.5",
-        "--locality-layers", "16", "--locality-limit", "0.5"]  # fmt: skip
+TINY = [
+    "--signal-after",
+    "1",
+    "--migration-layers",
+    "1000",
+    "--migration-limit",
+    "0.5",
+    "--locality-layers",
+    "16",
+    "--locality-limit",
+    "0.5",
+]
 
 
 def test_reliability_timings_rows_hold_their_bounds(tmp_path):

@@ -21,8 +21,25 @@ def test_sigterm_during_cpsat_solve_exits_143_promptly(tmp_path):
     rng = np.random.default_rng(0)
     np.save(tmp_path / "load.npy", np.round(rng.pareto(1.5, (8, 64)) * 1000 + 10))  # [8, 64]: slow to prove
     out = tmp_path / "out.json"
-    cmd = [sys.executable, "-m", "moe_placement", "--debug", "solve", "--load", str(tmp_path / "load.npy"),
-           "--ep-size", "32", "--num-redundant", "32", "--solver", "cpsat", "--time-limit", "60", "-o", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "moe_placement",
+        "--debug",
+        "solve",
+        "--load",
+        str(tmp_path / "load.npy"),
+        "--ep-size",
+        "32",
+        "--num-redundant",
+        "32",
+        "--solver",
+        "cpsat",
+        "--time-limit",
+        "60",
+        "-o",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, cwd=tmp_path, env=env

@@ -165,8 +165,11 @@ def test_step_fit_is_never_worse_than_its_start_and_is_deterministic():
     assert (
         fit.fit_peak_after <= fit.fit_peak_before and fit.validation_peak_after <= fit.validation_peak_before
     )
-    assert set(fit.changed_layers) == {l for l in range(2) if not np.array_equal(
-        out.physical_to_logical_map[l], pl.physical_to_logical_map[l])}  # fmt: skip
+    assert set(fit.changed_layers) == {
+        l
+        for l in range(2)
+        if not np.array_equal(out.physical_to_logical_map[l], pl.physical_to_logical_map[l])
+    }
     assert np.all(out.logical_replica_count >= 1) and fit.dispatch == BALANCED.name
 
 

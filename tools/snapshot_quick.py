@@ -84,11 +84,35 @@ def _solve_all(out: Path, name: str, trace: Path) -> None:
             f"{done.returncode}\n{done.stderr if done.returncode else ''}"
         )
     greedy = out / f"{name}-greedy.json"
-    moved = _cli("solve", "--trace", str(trace), *topo, "--previous", str(greedy), "--max-moves", "6",
-                 "--fit-fraction", "0.5", "-o", str(out / f"{name}-migration.json"))  # fmt: skip
+    moved = _cli(
+        "solve",
+        "--trace",
+        str(trace),
+        *topo,
+        "--previous",
+        str(greedy),
+        "--max-moves",
+        "6",
+        "--fit-fraction",
+        "0.5",
+        "-o",
+        str(out / f"{name}-migration.json"),
+    )
     (out / f"{name}-migration.rc").write_text(f"{moved.returncode}\n")
-    sg = _cli("solve", "--trace", str(trace), *topo, "--dispatch", "sglang-static", "--fit-fraction", "0.5",
-              "-o", str(out / f"{name}-sglang.pt"), "--format", "sglang")  # fmt: skip
+    sg = _cli(
+        "solve",
+        "--trace",
+        str(trace),
+        *topo,
+        "--dispatch",
+        "sglang-static",
+        "--fit-fraction",
+        "0.5",
+        "-o",
+        str(out / f"{name}-sglang.pt"),
+        "--format",
+        "sglang",
+    )
     (out / f"{name}-sglang.rc").write_text(f"{sg.returncode}\n")
     ev = _cli("evaluate", str(greedy), str(trace), "--dispatch", "all", "--step-tokens", "32", "--json")
     figures = (

@@ -489,9 +489,16 @@ def _exact_refinement(
         tl = 0.4 * options.time_limit / L if deterministic else remaining / (L - l)
         ts = time.perf_counter()
         layer = ExactLayer(
-            w[l], states[l].prev, x_final[l], states[l].S, mc, per_layer_budget, tl, options.seed + l,
+            w[l],
+            states[l].prev,
+            x_final[l],
+            states[l].S,
+            mc,
+            per_layer_budget,
+            tl,
+            options.seed + l,
             deterministic=deterministic,
-        )  # fmt: skip
+        )
         xe, status, bnd, note = _exact_layer(layer)
         remaining = max(0.05, remaining - (time.perf_counter() - ts))
         if note and note not in notes:
