@@ -8,7 +8,7 @@ import argparse
 from moe_placement.base.limits import MAX_STEP_TOKENS
 from moe_placement.cli.common import CliError, bounded_int
 
-__all__ = ["add_step_time_args", "step_time_dict"]
+__all__ = ["add_step_time_args", "hardware_dict", "step_time_dict"]
 
 
 def add_step_time_args(p: argparse.ArgumentParser) -> None:
@@ -21,7 +21,8 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware",
         help="GPU preset for step_time: h100, h800, h200 (default), b200, or a preset .json "
-        "(benchmarks/gpu_gemm_fit.py; then step_time says calibrated: true)",
+        "(moe-placement calibrate: its measured links are priced, and the report's hardware says measured; "
+        "a GEMM refitted on a GPU also makes step_time say calibrated: true)",
     )
     p.add_argument(
         "--context-len",
@@ -55,3 +56,12 @@ def step_time_dict(args: argparse.Namespace, placement, trace, dispatch: str, st
     return step_time(
         placement, trace, steps, dispatch, model, cluster, context_len=args.context_len
     ).to_dict()
+
+
+def hardware_dict(args: argparse.Namespace, placement) -> dict:
+    """``{preset, measured, measured_parts}`` of the ``--hardware`` that priced ``step_time``
+    (:func:`placement.cost.hardware.hardware_summary`)."""
+    from placement.cost.hardware import cluster_preset, hardware_summary
+
+    cluster = cluster_preset(args.hardware or "h200", gpus_per_node=placement.topology.gpus_per_node)
+    return hardware_summary(cluster)
