@@ -20,6 +20,7 @@ import numpy as np
 
 __all__ = [
     "CPU_GEMM_FLOPS",
+    "MAX_GEMM_WEIGHT_BYTES",
     "GemmShape",
     "cuda_graph_launch",
     "gemm_dtype",

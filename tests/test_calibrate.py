@@ -405,3 +405,21 @@ def test_sigterm_stops_every_rank_and_writes_nothing(tmp_path):
         time.sleep(0.2)
     assert rc == 143 and not [p for p in ranks if _alive(p)], lines[-3:]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no preset, no temporary file
+
+
+def test_device_paths_say_why_they_are_skipped_on_a_cpu():
+    import torch
+
+    from runtime_hooks.calibrate_deepep import skip_reason
+    from runtime_hooks.calibrate_kernels import cuda_graph_launch, gemm_dtype, versions
+
+    assert skip_reason("gloo", {}) and "gloo" in skip_reason("gloo", {})
+    if not torch.cuda.is_available():
+        assert skip_reason("nccl", {}) == "no CUDA device"
+    assert skip_reason("nccl", None) == "not requested"
+    assert "no CUDA device" in cuda_graph_launch(torch.device("cpu"))["skipped"]
+    assert gemm_dtype(torch.device("cpu")) == ("fp32", 4.0)  # a CPU's GEMM is never passed off as FP8
+    v = versions("gloo")
+    assert (
+        v["torch"] == torch.__version__ and v["backend"] == "gloo" and set(v) >= {"deep_ep", "sglang", "vllm"}
+    )

@@ -119,12 +119,13 @@ def _task(model, backend: str, ranks: int, gpn: int, quick: bool):
             f"every all-to-all of {model.name} is over the {MAX_RANK_BYTES[backend] / 1e6:.0f} MB buffer limit"
         )
     s = sweep(quick)
+    _check_gemm_size(model)
     gemm = {
         "hidden": model.hidden_size,
         "inter": model.moe_intermediate_size,
         "tokens": gemm_shapes(quick),
         "cpu_tokens": gemm_shapes(quick, cpu=True),
-        "experts": min(8, model.num_logical_experts) if backend == "nccl" else 1,
+        "experts": min(8, model.num_logical_experts) if _gemm_on_gpu() else 1,
     }
     E = ranks * max(1, round(model.num_logical_experts / ranks))  # DeepEP: experts a multiple of ranks
     deep_ep = {
@@ -145,6 +146,26 @@ def _task(model, backend: str, ranks: int, gpn: int, quick: bool):
         deep_ep=deep_ep,
     )
     return task, notes
+
+
+def _gemm_on_gpu() -> bool:
+    """Rank 0 times the GEMM on its GPU whenever CUDA is here (whatever the backend), else on a CPU core."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_gemm_size(model) -> None:
+    """The grouped GEMM's weights (8 experts in BF16 on a GPU, one in FP32 on a CPU) fit the limit."""
+    from runtime_hooks.calibrate_kernels import MAX_GEMM_WEIGHT_BYTES
+
+    experts, wb = (min(8, model.num_logical_experts), 2) if _gemm_on_gpu() else (1, 4)
+    need = 3.0 * model.hidden_size * model.moe_intermediate_size * experts * wb
+    if need > MAX_GEMM_WEIGHT_BYTES:
+        raise CliError(
+            f"{model.name}: {experts} expert(s) of {model.hidden_size} x {model.moe_intermediate_size} are "
+            f"{need / 1e9:.1f} GB, over the {MAX_GEMM_WEIGHT_BYTES / 1e9:.1f} GB a calibration GEMM may allocate"
+        )
 
 
 def _progress(text: str) -> None:
