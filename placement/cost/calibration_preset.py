@@ -210,7 +210,6 @@ def _gemm(raw: Mapping, base: str) -> tuple[dict, dict]:
         "gemm_overhead": float(min(fit.overhead_s, 1.0)),
     }
     entry["applied"] = True
-    entry["times_s"] = times  # keeps benchmarks/gpu_gemm_fit.py's key
     return over, entry
 
 
