@@ -4,17 +4,17 @@ constants (``P*eta_c``, ``BW*eta_m``, ``t0``); write a GPU preset JSON with prov
 Run (only where CUDA exists):
     PYTHONPATH=. python benchmarks/gpu_gemm_fit.py --base h200 --out gpu_preset_h200.json
 
-The expert is a GLU MLP (gate+up ``[2f, d]``, down ``[d, f]``) of ``--experts`` experts, each given
-``n`` tokens; one "grouped GEMM" is the loop of per-expert matmuls in one CUDA graph-free stream
-(torch has no portable grouped FP8 GEMM, so this is an upper bound on DeepGEMM's time). FP8 is used
-with ``torch._scaled_mm`` where the GPU and torch support it, else BF16.
-
-Fit: ``t(n) = max(F(n) / C, M(n) / B) + t0`` by least squares on log-time over a grid of
-``(C, B)`` starts (scipy.optimize.least_squares), where ``F = 6 d f n E`` and
-``M = E (3 d f b_w) + activations``. The preset stores ``eta_compute = C / peak``,
-``eta_memory = B / HBM`` and ``gemm_overhead = t0`` for ``placement.cost.hardware.load_gpu_preset``,
-whose measured times (``provenance.times_s``) make it calibrated: a ``StepTime`` priced with the preset says
-``calibrated: true`` (``evaluate --model M --hardware FILE``).
+The timing and the fit are the library's, the same ``moe-placement calibrate`` uses:
+:func:`runtime_hooks.calibrate_kernels.time_grouped_gemm` (the expert is a GLU MLP, gate+up ``[2f, d]``
+and down ``[d, f]``, of ``--experts`` experts each given ``n`` tokens; one "grouped GEMM" is the loop of
+per-expert matmuls, FP8 through ``torch._scaled_mm`` where the GPU and torch support it, else BF16:
+an upper bound on DeepGEMM's time) and :func:`placement.cost.calibration.fit_gemm` (``t(n) = max(F(n) / C,
+M(n) / B) + t0``, numpy: every split of the points into a memory-bound head and a compute-bound tail,
+least squares on relative error, the best log-time fit kept; ``F = 6 d f n E``,
+``M = E (3 d f b_w) + activations``). The preset stores ``eta_compute = C / peak``, ``eta_memory = B /
+HBM`` and ``gemm_overhead = t0``; its ``provenance.measured`` names ``gemm`` (and keeps the measured
+``times_s``), so ``--hardware FILE`` reports it measured and ``step_time`` says ``calibrated: true``.
+``moe-placement calibrate`` writes the same figures together with the measured links.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ import datetime
 import json
 import platform
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def main() -> int:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="h200", help="preset whose peaks are used (h100, h800, h200, b200)")
     ap.add_argument("--hidden", type=int, default=7168)
@@ -36,8 +39,48 @@ def main() -> int:
     ap.add_argument("--dtype", choices=("auto", "fp8", "bf16"), default="auto")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default="gpu_preset.json")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
 
+
+def _preset(args, fit, dtype: str, wb: float, ns: list[int], times: list[float], device: str) -> dict:
+    import numpy as np
+    import torch
+
+    from placement.cost.hardware import GPUS
+
+    base = GPUS[args.base]
+    eta_c = fit.flops_per_s / base.peak_flops(wb) if fit.flops_per_s else base.eta_compute
+    eta_m = fit.bytes_per_s / base.hbm_bandwidth if fit.bytes_per_s else base.eta_memory
+    return {
+        "base": args.base,
+        "name": f"{args.base}-fitted",
+        "eta_compute": float(np.clip(eta_c, 0.01, 1.0)),
+        "eta_memory": float(np.clip(eta_m, 0.01, 1.0)),
+        "gemm_overhead": float(fit.overhead_s),
+        "source": "benchmarks/gpu_gemm_fit.py",
+        "provenance": {
+            "measured": ["gemm"],
+            "device": device,
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "dtype": dtype,
+            "hidden": args.hidden,
+            "inter": args.inter,
+            "experts": args.experts,
+            "tokens": ns,
+            "times_s": times,
+            "fit_rms_log_error": fit.rms_log_error,
+            "compute_identified": fit.flops_per_s is not None,
+            "memory_identified": fit.bytes_per_s is not None,
+            "host": platform.node(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "note": "per-expert torch matmuls, not DeepGEMM: eta_c is a lower bound for a fused grouped kernel",
+        },
+    }
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
     try:
         import torch
     except ImportError:
@@ -50,105 +93,29 @@ def main() -> int:
         )
         return 2
     import numpy as np
-    from scipy.optimize import least_squares
 
     from moe_placement.base.fileio import atomic_write_json
-    from placement.cost.hardware import GPUS
+    from placement.cost.calibration import fit_gemm, gemm_work
+    from runtime_hooks.calibrate_kernels import GemmShape, gemm_dtype, time_grouped_gemm
 
-    base = GPUS[args.base]
     dev = torch.device("cuda")
-    d, f, E = args.hidden, args.inter, args.experts
-    use_fp8 = args.dtype == "fp8" or (
-        args.dtype == "auto"
-        and hasattr(torch, "float8_e4m3fn")
-        and torch.cuda.get_device_capability() >= (8, 9)
-        and hasattr(torch, "_scaled_mm")
-    )
-    wb = 1.0 if use_fp8 else 2.0
-    w_up = [torch.randn(2 * f, d, device=dev, dtype=torch.bfloat16) / d**0.5 for _ in range(E)]
-    w_dn = [torch.randn(d, f, device=dev, dtype=torch.bfloat16) / f**0.5 for _ in range(E)]
-    one = torch.ones((), device=dev, dtype=torch.float32)
-    if use_fp8:
-        w_up = [w.to(torch.float8_e4m3fn) for w in w_up]
-        w_dn = [w.to(torch.float8_e4m3fn) for w in w_dn]
-
-    def mm(x, w):
-        if use_fp8:
-            n = x.shape[0]
-            pad = (-n) % 16  # _scaled_mm wants multiples of 16
-            xx = torch.nn.functional.pad(x, (0, 0, 0, pad)).to(torch.float8_e4m3fn)
-            return torch._scaled_mm(xx, w.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)[:n]
-        return x @ w.t()
-
-    def expert_pass(xs):
-        for x, wu, wd in zip(xs, w_up, w_dn):
-            h = mm(x, wu)
-            g, u = h.chunk(2, dim=-1)
-            mm((torch.nn.functional.silu(g) * u).contiguous(), wd)
-
+    dtype, wb = gemm_dtype(dev, args.dtype)
+    shape = GemmShape(args.hidden, args.inter, args.experts)
     ns = [int(t) for t in args.tokens.split(",")]
-    times = []
-    for n in ns:
-        xs = [torch.randn(n, d, device=dev, dtype=torch.bfloat16) for _ in range(E)]
-        for _ in range(3):
-            expert_pass(xs)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.repeats):
-            expert_pass(xs)
-        end.record()
-        torch.cuda.synchronize()
-        t = start.elapsed_time(end) / 1e3 / args.repeats
-        times.append(t)
+    got = time_grouped_gemm(shape, ns, dev, dtype, args.repeats)
+    d, f, E = args.hidden, args.inter, args.experts
+    for n, t in zip(got["tokens"], got["seconds"]):
         print(
             f"tokens/expert {n:>5}: {t * 1e6:9.1f} us  ({6 * d * f * n * E / t / 1e12:7.1f} TFLOP/s, "
             f"{E * 3 * d * f * wb / t / 1e9:7.0f} GB/s weights)"
         )
-    n = np.array(ns, float)
-    t = np.array(times)
-    F = 6.0 * d * f * n * E
-    M = E * 3.0 * d * f * wb + n * E * (d * wb + 2 * d + 4 * f)
-    peak = base.peak_flops(wb)
-
-    def resid(p):
-        C, B, t0 = np.exp(p)
-        return np.log(np.maximum(F / C, M / B) + t0) - np.log(t)
-
-    best = None
-    for c0 in (0.3, 0.5, 0.7):
-        for b0 in (0.6, 0.8, 0.9):
-            r = least_squares(resid, np.log([c0 * peak, b0 * base.hbm_bandwidth, 3e-6]))
-            if best is None or r.cost < best.cost:
-                best = r
-    C, B, t0 = np.exp(best.x)
-    preset = {
-        "base": args.base,
-        "name": f"{args.base}-fitted",
-        "eta_compute": float(min(C / peak, 1.0)),
-        "eta_memory": float(min(B / base.hbm_bandwidth, 1.0)),
-        "gemm_overhead": float(t0),
-        "source": "benchmarks/gpu_gemm_fit.py",
-        "provenance": {
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "cuda": torch.version.cuda,
-            "dtype": "fp8" if use_fp8 else "bf16",
-            "hidden": d,
-            "inter": f,
-            "experts": E,
-            "tokens": ns,
-            "times_s": times,
-            "fit_rms_log_error": float(np.sqrt(np.mean(best.fun**2))),
-            "host": platform.node(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "note": "per-expert torch matmuls, not DeepGEMM: eta_c is a lower bound for a fused grouped kernel",
-        },
-    }
+    F, M = gemm_work(d, f, E, np.array(got["tokens"]), wb)
+    fit = fit_gemm(F, M, np.array(got["seconds"]))
+    preset = _preset(args, fit, dtype, wb, got["tokens"], got["seconds"], torch.cuda.get_device_name())
     atomic_write_json(args.out, preset)
     print(json.dumps({k: preset[k] for k in ("eta_compute", "eta_memory", "gemm_overhead")}, indent=1))
     print(
-        f"wrote {args.out} (calibrated: measured times in provenance); use it with: moe-placement layout --hardware {args.out} ... "
+        f"wrote {args.out} (measured: gemm); use it with: moe-placement layout --hardware {args.out} ... "
         f"or evaluate --hardware {args.out}, whose step_time then says calibrated: true"
     )
     return 0

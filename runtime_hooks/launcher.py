@@ -15,6 +15,9 @@ Public API::
   (port 0, no race). The same store is a side channel for workers (:func:`current_store`): the
   migration protocol in :mod:`runtime_hooks.migration_core` decides commit/abort through it, because a
   collective cannot decide anything once a rank is stuck.
+- A worker may send one-line progress reports to the launching process with :func:`report` (the
+  launcher hands each to ``launch(..., on_report=)`` as ``(rank, text)``, from the parent's main
+  thread, while it waits); outside a launch, :func:`reporting_to` sets where reports go.
 - Results come back per rank (``results[r]`` is rank r's return value; it must pickle). When a rank
   raises, :class:`WorkerError` carries its rank and formatted traceback; when ranks do not finish within
   ``timeout`` seconds, :class:`WorkerTimeout` names them. Either way every child is terminated and
@@ -24,12 +27,13 @@ Public API::
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as _queue
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +42,33 @@ from moe_placement.base.errors import (  # re-exported: the family lives in moe_
     WorkerTimeout,
 )
 
-__all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
+__all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch", "report", "reporting_to"]
 
 _CURRENT_STORE = None  # set inside workers
+_REPORT: Callable[[str], None] | None = None  # set inside workers (or by reporting_to)
+_PROGRESS = "progress"  # the queue tag of a report (results are tagged True / False)
 
 
 def current_store():
     """The launcher's TCPStore inside a worker (None outside :func:`launch`)."""
     return _CURRENT_STORE
+
+
+def report(text: str) -> None:
+    """Send one progress line to whoever launched this worker (nothing when no one listens)."""
+    if _REPORT is not None:
+        _REPORT(str(text))
+
+
+@contextlib.contextmanager
+def reporting_to(handler: Callable[[str], None] | None) -> Iterator[None]:
+    """Within the block, :func:`report` calls ``handler`` (a run in this process, e.g. under torchrun)."""
+    global _REPORT
+    before, _REPORT = _REPORT, handler
+    try:
+        yield
+    finally:
+        _REPORT = before
 
 
 def device_for(backend: str, rank: int):
@@ -85,7 +108,8 @@ class _Rendezvous:
 
 
 def _worker(rank: int, rdv: _Rendezvous, fn, args, results):
-    global _CURRENT_STORE
+    global _CURRENT_STORE, _REPORT
+    _REPORT = lambda text: results.put((rank, _PROGRESS, text))  # noqa: E731
     world_size, backend = rdv.world_size, rdv.backend
     import torch
     import torch.distributed as dist
@@ -110,6 +134,7 @@ def _worker(rank: int, rdv: _Rendezvous, fn, args, results):
         except Exception:  # noqa: BLE001, S110 - best effort while shutting down after a failure
             pass
         _CURRENT_STORE = None
+        _REPORT = None
 
 
 def _check_launch(world_size: int, backend: str) -> None:
@@ -150,9 +175,12 @@ def _start_workers(ctx, rdv: _Rendezvous, fn, args, results):
     return procs
 
 
-def _collect(procs, results, out: dict[int, Any], timeout: float, grace: float) -> tuple[int, str] | None:
+def _collect(
+    procs, results, out: dict[int, Any], timeout: float, grace: float, on_report=None
+) -> tuple[int, str] | None:
     """Fill ``out`` (rank -> result; None for a failed rank) from the queue until every rank reported,
-    ``timeout`` passed, or ``grace`` seconds after the first failure. Returns that failure (rank, text)."""
+    ``timeout`` passed, or ``grace`` seconds after the first failure (progress reports go to
+    ``on_report(rank, text)`` meanwhile). Returns that failure (rank, text)."""
     world_size = len(procs)
     failure: tuple[int, str] | None = None
     deadline = time.monotonic() + timeout
@@ -174,6 +202,10 @@ def _collect(procs, results, out: dict[int, Any], timeout: float, grace: float) 
                 if failure is None and now - first > 1.0:
                     failure = (r, f"process exited with code {p.exitcode} without reporting a result")
                     fail_deadline = now + grace
+            continue
+        if ok == _PROGRESS:
+            if on_report is not None:
+                on_report(rank, payload)
             continue
         out[rank] = payload if ok else None
         if not ok and failure is None:
@@ -207,6 +239,7 @@ def launch(
     pg_timeout: float | None = None,
     grace: float = 3.0,
     start_method: str | None = None,
+    on_report: Callable[[int, str], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return ``[result of rank r]``.
 
@@ -220,6 +253,8 @@ def launch(
         grace: seconds the other ranks get to report after one rank failed, before being terminated.
         start_method: ``forkserver`` (default where available: one server process imports torch once,
             later launches fork from it in well under a second) or ``spawn``.
+        on_report: called as ``on_report(rank, text)`` for each :func:`report` of a worker, in this
+            process's main thread while it waits (None: reports are dropped).
 
     Raises:
         ValueError: bad world_size, backend or timeouts (each must be > 0 seconds).
@@ -244,7 +279,7 @@ def launch(
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     try:
-        failure = _collect(procs, results, out, timeout, grace)
+        failure = _collect(procs, results, out, timeout, grace, on_report)
     finally:
         # a failure (or an interrupted wait) leaves ranks unfinished: do not wait for them
         _reap(procs, results, wait=not (failure or len(out) < world_size))

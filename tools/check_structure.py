@@ -128,7 +128,7 @@ def import_graph(root: Path, modules: dict[str, Path]) -> dict[str, set[str]]:
     known = set(modules)
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = structure_counts._parse(path)
         is_package = path.name == "__init__.py"
         edges: set[str] = set()
         for node in ast.walk(tree):
@@ -210,7 +210,7 @@ def lengths(root: Path, modules: dict[str, Path], report: Report, max_function: 
         n_lines = len(text.splitlines())
         if n_lines > max_module:
             report.long_modules.append((n_lines, str(path.relative_to(root))))
-        for node in ast.walk(ast.parse(text)):
+        for node in ast.walk(structure_counts._parse_text(text, str(path))):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 report.functions += 1
                 span = node.end_lineno - node.lineno + 1
@@ -241,7 +241,7 @@ def registered_dispatch_names(root: Path) -> set[str]:
     """Names in the ``register(DispatchModel("name", ...))`` calls of ``placement/dispatch/*.py``."""
     names = set()
     for path in sorted((root / DISPATCH_PACKAGE).glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(structure_counts._parse(path)):
             if _call_name(node) != "register" or not node.args or _call_name(node.args[0]) != "DispatchModel":
                 continue
             model = node.args[0]
@@ -259,7 +259,7 @@ def solver_names(root: Path) -> set[str]:
     if not path.exists():
         return set()
     names = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    for node in ast.walk(structure_counts._parse(path)):
         if isinstance(node, ast.Assign):
             targets, value = node.targets, node.value
         elif isinstance(node, ast.AnnAssign):
@@ -291,7 +291,7 @@ def dispatch_literals(root: Path, modules: dict[str, Path], names: set[str]) -> 
         rel = path.relative_to(root).as_posix()
         if rel.startswith(DISPATCH_PACKAGE + "/"):
             continue
-        tree = ast.parse(path.read_text(), filename=str(path))
+        tree = structure_counts._parse(path)
         skip = _docstrings(tree)
         hits = sorted(
             (n.lineno, n.value) for n in ast.walk(tree) if _string(n) in names and id(n) not in skip
@@ -314,7 +314,7 @@ def solver_branches(root: Path, names: set[str]) -> list[str]:
     for path in sorted((root / CLI_PACKAGE).rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         hits = []
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        for node in ast.walk(structure_counts._parse(path)):
             if isinstance(node, ast.Compare):
                 spelled = [
                     s for operand in (node.left, *node.comparators) for s in _compared_strings(operand)

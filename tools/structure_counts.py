@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import io
 import re
 import tokenize
@@ -125,7 +126,15 @@ def _rel(root: Path, path: Path) -> str:
 
 
 def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(), filename=str(path))
+    """The file's syntax tree, parsed once per content (every row and check walks the same trees; none
+    changes them)."""
+    text = path.read_text()
+    return _parse_text(text, str(path))
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_text(text: str, filename: str) -> ast.Module:
+    return ast.parse(text, filename=filename)
 
 
 def _docstring_ids(tree: ast.AST) -> set[int]:

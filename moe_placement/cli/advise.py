@@ -46,7 +46,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=AUTO_MODEL,
         help=f"cost-side model: a built-in name, a model JSON, or {AUTO_MODEL} (the built-in with the trace's experts)",
     )
-    p.add_argument("--hardware", default=DEFAULT_HARDWARE, help=f"GPU preset: {hardware_help()}")
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help=f"GPU preset: {hardware_help()} (moe-placement calibrate; the advice says measured only when the "
+        "preset carries measured figures)",
+    )
     p.add_argument("--nodes", type=bounded_int(1, 4096), required=True)
     p.add_argument("--gpus-per-node", type=bounded_int(1, 64), default=8)
     p.add_argument("--engine", choices=engine_names(), required=True)
@@ -109,7 +114,6 @@ def _options(args):
         decode_step_tokens=args.decode_batch or DEFAULT_STEP_TOKENS["decode"],
         prefill_step_tokens=args.prefill_chunk or DEFAULT_STEP_TOKENS["prefill"],
         context_len=args.context_len,
-        hardware_calibrated=str(args.hardware).endswith(".json"),
         strict=args.strict,
         phase=args.phase,
     )

@@ -397,11 +397,11 @@ def hardware_help() -> str:
     return f"{names}, or a preset .json"
 
 
-def link_help(default: str) -> str:
-    """The link presets a ``--intra-link``/``--inter-link`` flag takes, read from the registry."""
+def link_names() -> str:
+    """The link presets an ``--intra-link``/``--inter-link`` flag takes, read from the registry."""
     from placement.cost.hardware import LINKS
 
-    return f"(default: {default}; one of {', '.join(LINKS)})"
+    return ", ".join(LINKS)
 
 
 def model_help() -> str:

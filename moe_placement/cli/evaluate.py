@@ -19,7 +19,7 @@ from moe_placement.cli.common import (
     open_trace,
     source_ranks_file,
 )
-from moe_placement.cli.step_cost import add_step_time_args, step_time_dict
+from moe_placement.cli.step_cost import add_step_time_args, hardware_dict, step_time_dict
 
 __all__ = ["add_parser", "cmd_evaluate"]
 
@@ -66,7 +66,8 @@ def _print_evaluation(placement, trace, dispatch: str, d: dict) -> None:
         st = d["step_time"]
         echo(
             f"step_time {st['whole_ms']:.3f} ms per {st['phase']} step ({st['model']} on {st['hardware']}"
-            f"{', calibrated' if st['calibrated'] else ''}): MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
+            f"{', measured: ' + ', '.join(d['hardware']['measured_parts']) if d['hardware']['measured'] else ''})"
+            f": MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
             f"all-to-all {st['a2a_ms']:.3f}), dispatch overhead {st['dispatch_overhead_ms']:.3f}, "
             f"rest {st['rest_ms']:.3f}"
         )
@@ -131,6 +132,7 @@ def _evaluate(args, placement, trace, dispatch: str, src, how) -> dict:
     st = step_time_dict(args, placement, trace, dispatch, _steps(args, placement, trace))
     if st is not None:
         d["step_time"] = st
+        d["hardware"] = hardware_dict(args, placement)
     return d
 
 

@@ -15,7 +15,7 @@ from moe_placement.cli.common import (
     ep_size_int,
     expert_count_int,
     hardware_help,
-    link_help,
+    link_names,
     model_help,
     non_negative_int,
     open_trace,
@@ -63,14 +63,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
     p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
     p.add_argument(
-        "--hardware", default=DEFAULT_HARDWARE, help=f"GPU preset: {hardware_help()} (gpu_gemm_fit.py)"
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help=f"GPU preset: {hardware_help()} (moe-placement calibrate: its measured links are priced unless "
+        "--intra-link/--inter-link name others)",
     )
     p.add_argument(
         "--intra-link",
         default=None,
-        help=f"intra-node link preset {link_help('the GPU NVLink')}",
+        help="intra-node link preset (default: the --hardware preset's measured intra link, else the GPU's "
+        f"NVLink; one of {link_names()}); given, it wins over a measured one",
     )
-    p.add_argument("--inter-link", default=None, help=f"inter-node link preset {link_help('rdma')}")
+    p.add_argument(
+        "--inter-link",
+        default=None,
+        help="inter-node link preset (default: the --hardware preset's measured inter link, else rdma; one of "
+        f"{link_names()}); given, it wins over a measured one",
+    )
     p.add_argument(
         "--phase",
         choices=("decode", "prefill"),
@@ -188,7 +197,7 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     ] + [f"# note: {n}" for n in flags["notes"]]
     lf = out / "launch_flags.sh"
     files.append((lf, ("\n".join(text) + "\n").encode()))
-    summary = plan.to_dict()
+    summary = _plan_dict(plan)
     if compare is not None:
         summary["phase_comparison"] = compare["message"]
         summary["separate_prefill_decode"] = compare["separate_wins"]
@@ -196,6 +205,16 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     js = out / "layout.json"
     files.append((js, json_bytes(js, summary)))
     return atomic_write_files(files)
+
+
+def _plan_dict(plan) -> dict:
+    """The plan's JSON, its ``hardware`` as ``{preset, measured, measured_parts, name}`` (``name``: the
+    cluster's GPU/intra/inter names, the string this key held before)."""
+    from placement.cost.hardware import hardware_summary
+
+    d = plan.to_dict()
+    d["hardware"] = {**hardware_summary(plan.cluster), "name": plan.cluster.name}
+    return d
 
 
 def _q(a: str) -> str:
@@ -309,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
     if args.output and plan.best is not None:
         files = _write_outputs(Path(args.output), plan, model, compare)
     if args.json:
-        d = plan.to_dict()
+        d = _plan_dict(plan)
         if compare is not None:
             d["phase_comparison"] = compare["message"]
             d["separate_prefill_decode"] = compare["separate_wins"]

@@ -8,7 +8,7 @@ import argparse
 from moe_placement.base.limits import MAX_STEP_TOKENS
 from moe_placement.cli.common import CliError, bounded_int, hardware_help, model_help
 
-__all__ = ["add_step_time_args", "step_time_dict"]
+__all__ = ["add_step_time_args", "hardware_dict", "step_time_dict"]
 
 
 def add_step_time_args(p: argparse.ArgumentParser) -> None:
@@ -20,7 +20,8 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hardware",
         help=f"GPU preset for step_time: {hardware_help()} "
-        "(benchmarks/gpu_gemm_fit.py; then step_time says calibrated: true)",
+        "(moe-placement calibrate: its measured links are priced, and the report's hardware says measured; "
+        "a GEMM refitted on a GPU also makes step_time say calibrated: true)",
     )
     p.add_argument(
         "--context-len",
@@ -56,3 +57,14 @@ def step_time_dict(args: argparse.Namespace, placement, trace, dispatch: str, st
     return step_time(
         placement, trace, steps, dispatch, model, cluster, context_len=args.context_len
     ).to_dict()
+
+
+def hardware_dict(args: argparse.Namespace, placement) -> dict:
+    """``{preset, measured, measured_parts}`` of the ``--hardware`` that priced ``step_time``
+    (:func:`placement.cost.hardware.hardware_summary`)."""
+    from placement.cost.hardware import DEFAULT_HARDWARE, cluster_preset, hardware_summary
+
+    cluster = cluster_preset(
+        args.hardware or DEFAULT_HARDWARE, gpus_per_node=placement.topology.gpus_per_node
+    )
+    return hardware_summary(cluster)

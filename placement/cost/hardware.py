@@ -2,8 +2,10 @@
 
 Every constant is a public figure or a fit to one; the source and a sensitivity band sit next to it.
 All values are overridable: build a :class:`GpuSpec` / :class:`LinkSpec` yourself, use
-``dataclasses.replace(preset, field=value)``, or load a JSON preset written by
-``benchmarks/gpu_gemm_fit.py`` with :func:`load_gpu_preset`.
+``dataclasses.replace(preset, field=value)``, or load a JSON preset written by ``moe-placement
+calibrate`` (or ``benchmarks/gpu_gemm_fit.py``) with :func:`load_hardware_preset` / :func:`cluster_preset`.
+A preset is *measured* only where it carries measured figures (``provenance.measured``; the preset
+format is described in docs/formats.md); :func:`hardware_summary` says so in every JSON report.
 
 Units: bytes, bytes/s, FLOP/s, seconds.
 """
@@ -25,8 +27,13 @@ __all__ = [
     "ClusterSpec",
     "GPUS",
     "LINKS",
+    "HardwarePreset",
+    "MEASURED_PARTS",
     "cluster_preset",
+    "hardware_summary",
     "load_gpu_preset",
+    "load_hardware_preset",
+    "parse_hardware_preset",
     "HARDWARE_NAMES",
     "DEFAULT_HARDWARE",
     "REBALANCE_STALL_S",
@@ -146,10 +153,13 @@ class GpuSpec:
 
     @property
     def calibrated(self) -> bool:
-        """True when the GEMM constants were refitted on this GPU: the preset carries the fit's measured
-        times (``provenance["times_s"]``, written by ``benchmarks/gpu_gemm_fit.py``); False for
-        datasheet figures and published fits."""
-        return bool(self.provenance.get("times_s")) if isinstance(self.provenance, Mapping) else False
+        """True when the GEMM constants were refitted on a GPU: the preset names ``gemm`` in
+        ``provenance["measured"]`` (``moe-placement calibrate`` on CUDA) or carries the fit's measured
+        times (``provenance["times_s"]``, ``benchmarks/gpu_gemm_fit.py``); False for datasheet figures,
+        published fits and a GEMM timed on a CPU (kept aside in ``provenance["gemm"]``, never applied)."""
+        if not isinstance(self.provenance, Mapping):
+            return False
+        return "gemm" in _measured_list(self.provenance) or bool(self.provenance.get("times_s"))
 
     def peak_flops(self, weight_bytes: float) -> float:
         """Dense peak for weights of ``weight_bytes`` per element (1 = FP8, else BF16)."""
@@ -177,13 +187,25 @@ class ClusterSpec:
     intra: LinkSpec
     inter: LinkSpec
     gpus_per_node: int = 8
+    measured_parts: tuple[str, ...] = ()
+    preset: str = ""
 
     def __post_init__(self) -> None:
         check_fields(self, _RANGES, "cluster")
+        unknown = sorted(set(self.measured_parts) - set(MEASURED_PARTS))
+        if unknown:
+            raise ValueError(f"cluster: measured_parts {unknown} unknown; accepted: {list(MEASURED_PARTS)}")
 
     @property
     def name(self) -> str:
         return f"{self.gpu.name}/{self.intra.name}/{self.inter.name}"
+
+    @property
+    def measured(self) -> bool:
+        """True when some figure this cluster is priced with was measured (``measured_parts``: the
+        preset's measured links that no ``--intra-link``/``--inter-link`` replaced, its GEMM fit, its
+        launch cost) or its GPU's GEMM constants were refitted (:attr:`GpuSpec.calibrated`)."""
+        return bool(self.measured_parts) or self.gpu.calibrated
 
     def to_dict(self) -> dict:
         return {
@@ -191,6 +213,7 @@ class ClusterSpec:
             "intra": asdict(self.intra),
             "inter": asdict(self.inter),
             "gpus_per_node": self.gpus_per_node,
+            **hardware_summary(self),
         }
 
 
@@ -326,23 +349,114 @@ DEFAULT_HARDWARE = "h200"  # the one default GPU preset: every command and solve
 REBALANCE_STALL_S: dict[str, tuple[float, float]] = {"vllm": (0.65, 1.7), "sglang": (1.8, 1.8)}
 
 
+# ---------------------------------------------------------------------------------------------
+# Preset files (docs/formats.md, "Hardware presets"): a base GPU, overrides of its numbers, measured
+# links, and a provenance that names what was measured.
+# ---------------------------------------------------------------------------------------------
+# What a preset may say it measured (``provenance.measured``): the all-to-all over each link, the
+# grouped-GEMM constants on a GPU, a small kernel's launch cost inside a CUDA graph.
+MEASURED_PARTS: tuple[str, ...] = ("a2a_intra", "a2a_inter", "gemm", "launch")
+LINK_SECTIONS: tuple[str, ...] = ("intra", "inter")
 # The keys a GPU preset file may override: every number of :class:`GpuSpec` (the link is per cluster,
 # ``source`` and ``provenance`` are the file's own keys), and its ``name``.
 GPU_PRESET_KEYS: tuple[str, ...] = tuple(f.name for f in fields(GpuSpec) if f.type in ("float", float)) + (
     "name",
 )
+# The keys of a link section (``intra``, ``inter``): LinkSpec's fields; bandwidth and latency required.
+LINK_PRESET_KEYS: tuple[str, ...] = tuple(f.name for f in fields(LinkSpec))
+_GEMM_KEYS = ("eta_compute", "eta_memory", "gemm_overhead")
 
 
-def load_gpu_preset(path: str | Path) -> GpuSpec:
-    """Read a GPU preset JSON (as written by ``benchmarks/gpu_gemm_fit.py``).
+@dataclass(frozen=True)
+class HardwarePreset:
+    """One preset file, read and checked.
 
-    Keys: ``base`` (a preset name to start from) and any :class:`GpuSpec` field to override
-    (``eta_compute``, ``eta_memory``, ``gemm_overhead``, ...), plus ``provenance`` (the fit's measured
-    ``times_s`` there make the preset :attr:`GpuSpec.calibrated`).
+    Attributes:
+        path: the file.
+        gpu: the base GPU with the file's overrides (its ``nvlink`` is the measured intra link when the
+            file has one).
+        intra / inter: the file's link sections as :class:`LinkSpec` (None: not in the file).
+        measured: what the file measured, a subset of :data:`MEASURED_PARTS` in that order (a
+            ``benchmarks/gpu_gemm_fit.py`` file, whose provenance has ``times_s``: ``("gemm",)``).
     """
+
+    path: str
+    gpu: GpuSpec
+    intra: LinkSpec | None
+    inter: LinkSpec | None
+    measured: tuple[str, ...]
+
+
+def _measured_list(provenance: Mapping) -> tuple[str, ...]:
+    """``provenance["measured"]`` as a tuple of names (anything else: empty)."""
+    m = provenance.get("measured", ())
+    return tuple(x for x in m if isinstance(x, str)) if isinstance(m, (list, tuple)) else ()
+
+
+def _check_measured(path, d: dict) -> tuple[str, ...]:
+    """The file's ``provenance.measured`` checked: known names, each backed by the figures it names."""
+    prov = d.get("provenance", {})
+    if not isinstance(prov, dict):
+        raise ValueError(f"{path}: provenance must be a JSON object, got {show(prov)}")
+    m = prov.get("measured", [])
+    if not isinstance(m, list) or not all(isinstance(x, str) for x in m):
+        raise ValueError(f"{path}: provenance.measured must be a list of names from {list(MEASURED_PARTS)}")
+    unknown = sorted(set(m) - set(MEASURED_PARTS))
+    if unknown:
+        raise ValueError(f"{path}: provenance.measured names {unknown}; accepted: {list(MEASURED_PARTS)}")
+    for link in LINK_SECTIONS:
+        if f"a2a_{link}" in m and link not in d:
+            raise ValueError(
+                f"{path}: provenance.measured names a2a_{link} but the file has no {link!r} section"
+            )
+    if "gemm" in m and not all(k in d for k in _GEMM_KEYS):
+        raise ValueError(
+            f"{path}: provenance.measured names gemm but the file lacks one of {list(_GEMM_KEYS)}"
+        )
+    if not m and prov.get("times_s"):  # benchmarks/gpu_gemm_fit.py: the GEMM fit's measured times
+        return ("gemm",)
+    return tuple(p for p in MEASURED_PARTS if p in m)
+
+
+def _link_section(path, key: str, section: Any, default: LinkSpec, preset_name: str) -> LinkSpec:
+    """A link section -> LinkSpec: ``bandwidth`` and ``latency`` required; ``normal_*`` absent: as the
+    low-latency figures; ``nominal_bandwidth`` and ``allreduce_latency`` absent: the default link's."""
+    if not isinstance(section, dict):
+        raise ValueError(f"{path}: {key!r} must be a JSON object of LinkSpec fields, got {show(section)}")
+    extra = sorted(set(section) - set(LINK_PRESET_KEYS))
+    if extra:
+        raise ValueError(f"{path}: unknown {key!r} keys {extra}; allowed: {list(LINK_PRESET_KEYS)}")
+    missing = [k for k in ("bandwidth", "latency") if k not in section]
+    if missing:
+        raise ValueError(f"{path}: the {key!r} section needs {missing} (bytes/s and seconds)")
+    kw = {
+        "name": f"{preset_name}-{key}",
+        "nominal_bandwidth": default.nominal_bandwidth,
+        "source": f"measured, preset {path}",
+        "allreduce_latency": default.allreduce_latency,
+        **section,
+    }
+    if isinstance(kw.get("band"), list):
+        kw["band"] = tuple(kw["band"])
+    try:
+        return LinkSpec(**kw)
+    except (ValueError, TypeError) as exc:  # the field checks of LinkSpec, named with the file
+        raise ValueError(f"{path}: {key}: {exc}") from None
+
+
+def load_hardware_preset(path: str | Path) -> HardwarePreset:
+    """Read a hardware preset JSON (``moe-placement calibrate``, ``benchmarks/gpu_gemm_fit.py``, or
+    written by hand): ``base`` (a GPU name to start from), any :class:`GpuSpec` number to override,
+    ``intra`` / ``inter`` link sections (:class:`LinkSpec` fields), ``source`` and ``provenance``
+    (``measured``: what was measured; see docs/formats.md). Every value is checked; a bad one is a
+    one-line ValueError naming the file and the key."""
     from moe_placement.base.fileio import load_json
 
-    d = load_json(path)
+    return parse_hardware_preset(load_json(path), path)
+
+
+def parse_hardware_preset(d: Any, path: str | Path = "preset") -> HardwarePreset:
+    """:func:`load_hardware_preset` on a preset already read (``path`` names it in messages)."""
     if not isinstance(d, dict) or "base" not in d:
         raise ValueError(
             f"{path}: a GPU preset must be a JSON object with a 'base' GPU name (one of {HARDWARE_NAMES})"
@@ -351,19 +465,34 @@ def load_gpu_preset(path: str | Path) -> GpuSpec:
     if not isinstance(base, str) or base not in GPUS:
         raise ValueError(f"{path}: unknown base GPU {show(base)}; use one of {HARDWARE_NAMES}")
     allowed = set(GPU_PRESET_KEYS)
-    over = {k: d[k] for k in allowed if k in d}
-    extra = set(d) - allowed - {"base", "provenance", "source"}
+    extra = set(d) - allowed - {"base", "provenance", "source", *LINK_SECTIONS}
     if extra:
-        raise ValueError(f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: {sorted(allowed)}")
+        raise ValueError(
+            f"{path}: unknown GPU preset keys {sorted(extra)}; allowed: base, source, provenance, "
+            f"{', '.join(LINK_SECTIONS)} and {sorted(allowed)}"
+        )
+    measured = _check_measured(path, d)
+    name = d["name"] if isinstance(d.get("name"), str) else f"{base}-preset"
+    intra = _link_section(path, "intra", d["intra"], GPUS[base].nvlink, name) if "intra" in d else None
+    inter = _link_section(path, "inter", d["inter"], LINKS["rdma"], name) if "inter" in d else None
+    over = {k: d[k] for k in allowed if k in d}
     try:
-        return replace(
+        gpu = replace(
             GPUS[base],
             **over,
+            nvlink=intra or GPUS[base].nvlink,
             source=d.get("source", f"fitted preset {path}"),
             provenance=d.get("provenance", {}),
         )
     except ValueError as exc:  # the field checks of GpuSpec, named with the file
         raise ValueError(f"{path}: {exc}") from None
+    return HardwarePreset(str(path), gpu, intra, inter, measured)
+
+
+def load_gpu_preset(path: str | Path) -> GpuSpec:
+    """The GPU of a preset file (:func:`load_hardware_preset`; its ``nvlink`` is the file's measured
+    intra link when it has one)."""
+    return load_hardware_preset(path).gpu
 
 
 def cluster_preset(
@@ -373,12 +502,16 @@ def cluster_preset(
     gpus_per_node: int = 8,
 ) -> ClusterSpec:
     """A cluster from preset names: ``hardware`` a GPU name or a preset JSON path; ``intra`` a link
-    name (default: the GPU's NVLink), ``inter`` a link name (default ``rdma``)."""
+    name (default: the preset's measured intra link, else the GPU's NVLink), ``inter`` a link name
+    (default: the preset's measured inter link, else ``rdma``). A link given by name replaces the
+    preset's: the cluster's ``measured_parts`` then no longer name it."""
     hw = str(hardware)
+    preset = None
     if hw.lower() in GPUS:
         gpu = GPUS[hw.lower()]
     elif hw.endswith(".json") or Path(hw).is_file():
-        gpu = load_gpu_preset(hw)
+        preset = load_hardware_preset(hw)
+        gpu = preset.gpu
     else:
         raise ValueError(f"unknown hardware {hardware!r}; use one of {HARDWARE_NAMES} or a preset .json file")
 
@@ -389,4 +522,29 @@ def cluster_preset(
             raise ValueError(f"unknown link {name!r}; use one of {tuple(LINKS)}")
         return LINKS[name.lower()]
 
-    return ClusterSpec(gpu, link(intra, gpu.nvlink), link(inter, LINKS["rdma"]), gpus_per_node)
+    parts = preset.measured if preset is not None else ()
+    replaced = {f"a2a_{k}" for k, v in (("intra", intra), ("inter", inter)) if v is not None}
+    inter_default = preset.inter if preset is not None and preset.inter is not None else LINKS["rdma"]
+    return ClusterSpec(
+        gpu,
+        link(intra, gpu.nvlink),
+        link(inter, inter_default),
+        gpus_per_node,
+        tuple(p for p in parts if p not in replaced),
+        preset=hw if preset is not None else hw.lower(),
+    )
+
+
+def hardware_summary(cluster: ClusterSpec) -> dict:
+    """What every JSON report that carries a modelled time says of its hardware:
+    ``{"preset": name or preset path, "measured": bool, "measured_parts": [...]}`` (``measured``:
+    :attr:`ClusterSpec.measured`; ``measured_parts``: the measured figures priced, from
+    :data:`MEASURED_PARTS`)."""
+    parts = list(cluster.measured_parts)
+    if cluster.gpu.calibrated and "gemm" not in parts:
+        parts.append("gemm")
+    return {
+        "preset": cluster.preset or cluster.gpu.name,
+        "measured": cluster.measured,
+        "measured_parts": parts,
+    }

@@ -22,7 +22,7 @@ import moe_placement.apps.advise.rebalance as rebalance
 import moe_placement.apps.advise.recommend as recommend
 from moe_placement.apps.advise.engines import ENGINES, min_redundant
 from moe_placement.apps.advise.options import AdviseOptions, resolve_model
-from placement.cost.hardware import DEFAULT_HARDWARE, ClusterSpec, cluster_preset
+from placement.cost.hardware import DEFAULT_HARDWARE, ClusterSpec, cluster_preset, hardware_summary
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
@@ -256,8 +256,9 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
 def _assumptions(
     model: ModelSpec, cluster: ClusterSpec, options, steps: dict, source: str
 ) -> tuple[str, ...]:
-    calibrated = options.hardware_calibrated or cluster.gpu.calibrated
-    cal = "calibrated (benchmarks/gpu_gemm_fit.py data)" if calibrated else "analytic, not calibrated"
+    calibrated = options.hardware_calibrated or cluster.measured
+    parts = ", ".join(hardware_summary(cluster)["measured_parts"]) or "asserted by the caller"
+    cal = f"measured ({parts}; preset {cluster.preset})" if calibrated else "analytic, not calibrated"
     caps = ENGINES[options.engine]
     out = [
         f"cost model: {cal}; hardware preset {cluster.name} ({cluster.gpu.source})",
@@ -393,7 +394,7 @@ def advise(
         "gpus_per_node": options.gpus_per_node, "decode_step_tokens": options.decode_step_tokens,
         "prefill_tokens_per_rank": balance.prefill_tokens(held, options), "context_len": options.context_len,
         "phases": list(options.priced_phases),
-        "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
+        "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.measured,
         "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
     }  # fmt: skip
     return Advice(

@@ -75,7 +75,8 @@ class AdviseOptions:
             table dispatch models).
         fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
         quick: fewer prompts (``quick_prompts``), fewer options and fit budget; for notebooks and tests.
-        hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
+        hardware_calibrated: the caller vouches the hardware figures were measured (the advice also says
+            so whenever the preset itself carries measured figures, :attr:`ClusterSpec.measured`).
         strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
         min_held_out_steps: held-out steps per phase below which the figures are warned about.
         rebalance_margin: out-of-sample whole-step gain a periodic rebalance must clear (fraction).
