@@ -33,7 +33,8 @@ from moe_placement.apps.advise.phases import published_band  # noqa: E402
 from placement.cost.hardware import cluster_preset  # noqa: E402
 from placement.cost.modelspec import load_model  # noqa: E402
 from placement.cost.primitives import attention_time, lm_head_time, mlp_time  # noqa: E402
-from placement.cost.step_time import layer_flows, step_time, traffic_bytes  # noqa: E402
+from placement.cost.step_time import step_time  # noqa: E402
+from placement.cost.traffic import layer_flows, traffic_bytes  # noqa: E402
 from placement.dispatch import get_dispatch  # noqa: E402
 from placement.steps import make_steps  # noqa: E402
 from profiling.readers import read_trace  # noqa: E402

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from placement.cost.hardware import GPUS, LINKS, cluster_preset
+from placement.cost.migration import move_time
 from placement.cost.modelspec import load_model
-from placement.cost.primitives import expert_gemm_time, move_time
-from placement.cost.step_time import moe_layer_seconds, step_time, traffic_bytes
+from placement.cost.primitives import expert_gemm_time
+from placement.cost.step_time import moe_layer_seconds, step_time
+from placement.cost.traffic import traffic_bytes
 from placement.model import Placement
 from placement.steps import make_steps
 from placement.topology import Topology
@@ -271,19 +273,28 @@ def test_evaluate_reports_step_time(deepseek_slice_files, capsys):
     assert main([*args, "--phase", "decode", "--dispatch", "balanced", "--json"]) == 0
     st = json.loads(capsys.readouterr().out)["step_time"]
     assert st["whole_ms"] > st["moe_ms"] > 0
-    assert (st["phase"], st["dispatch"], st["hardware"], st["calibrated"]) == (
+    assert (st["phase"], st["dispatch"], st["gpu"], st["calibrated"], st["kernel"]) == (
         "decode",
         "balanced",
         "h200",
         False,
+        "low_latency",
     )
+    assert st["hardware"] == {"preset": "h200/nvlink4/rdma", "measured": False}
     assert st["dispatch_overhead_ms"] > 0 and st["num_steps"] >= 1
     assert st["whole_ms"] == pytest.approx(st["moe_ms"] + st["dispatch_overhead_ms"] + st["rest_ms"])
+    # published constants: every modelled time carries its range over the constant sets, around it
+    for key in ("whole_ms", "moe_ms", "a2a_ms", "tokens_per_s_per_gpu"):
+        lo, hi = st[f"{key}_range"]
+        assert lo <= st[key] <= hi, key
+    assert st["a2a_ms_range"][0] < st["a2a_ms_range"][1]
     # without --model there is no step_time; --hardware alone is refused with a one-line reason
     assert main(["evaluate", str(pl), str(trace), "--phase", "decode", "--json"]) == 0
     assert "step_time" not in json.loads(capsys.readouterr().out)
     assert main(["evaluate", str(pl), str(trace), "--hardware", "h100"]) == 2
     assert "needs --model" in capsys.readouterr().err
+    assert main(["evaluate", str(pl), str(trace), "--overlap", "on"]) == 2
+    assert "--overlap price step_time, which needs --model" in capsys.readouterr().err
     # a model whose experts do not match the trace's is refused, naming both
     assert main(["evaluate", str(pl), str(trace), "--model", "mixtral-8x7b", "--json"]) == 2
     err = capsys.readouterr().err

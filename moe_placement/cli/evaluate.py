@@ -64,11 +64,15 @@ def _print_evaluation(placement, trace, dispatch: str, d: dict) -> None:
         echo(f"bytes_per_token {d['bytes_per_token']:.0f}")
     if "step_time" in d:
         st = d["step_time"]
+        lo, hi = st["whole_ms_range"]
+        hw = st["hardware"]
         echo(
-            f"step_time {st['whole_ms']:.3f} ms per {st['phase']} step ({st['model']} on {st['hardware']}"
-            f"{', calibrated' if st['calibrated'] else ''}): MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
+            f"step_time {st['whole_ms']:.3f} ms (range {lo:.3f}-{hi:.3f}) per {st['phase']} step ({st['model']} on "
+            f"{hw['preset']}, {'measured' if hw['measured'] else 'published figures, not measured'}"
+            f"{', GEMM calibrated' if st['calibrated'] else ''}; {st['kernel']} kernels, two-batch overlap "
+            f"{'on' if st['two_batch_overlap'] else 'off'}): MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
             f"all-to-all {st['a2a_ms']:.3f}), dispatch overhead {st['dispatch_overhead_ms']:.3f}, "
-            f"rest {st['rest_ms']:.3f}"
+            f"rest {st['rest_ms']:.3f}, overlap saving {st['overlap_saving_ms']:.3f}"
         )
 
 
