@@ -406,8 +406,10 @@ def gain_settings(args) -> dict:
 
 
 def _priced(trace, settings: dict) -> dict:
-    """Whole-step StepTime dicts per phase and setting (none / static / balanced)."""
-    from placement.cost.step_time import step_time
+    """Whole-step StepTime dicts per phase and setting (none / static / balanced), each with
+    ``whole_ms_sets``: the whole step on every all-to-all constant set (the same counted loads)."""
+    from placement.cost.ranges import cluster_sets
+    from placement.cost.step_time import price_loads, step_loads
     from placement.dispatch import BALANCED, EVEN
     from placement.model import Placement
     from placement.steps import make_steps
@@ -423,22 +425,46 @@ def _priced(trace, settings: dict) -> dict:
     for phase in ("decode", "prefill"):
         steps = make_steps(trace, G, phase, settings[f"{phase}_step_tokens"], max_steps=settings["max_steps"])
         runs = {"none": (none, EVEN), "static": (static, EVEN), "balanced": (static, BALANCED)}
-        out[phase] = {
-            k: step_time(pl, trace, steps, d, model, cl, context_len=settings["context_len"]).to_dict()
-            for k, (pl, d) in runs.items()
-        }
+        out[phase] = {}
+        for k, (pl, d) in runs.items():
+            loads = step_loads(pl, trace, steps, d, model, cl)
+            kw = {
+                "phase": phase,
+                "dispatch": d,
+                "context_len": settings["context_len"],
+                "step_tokens": steps.step_tokens,
+            }
+            sets = {name: price_loads(loads, model, c, **kw) for name, c in cluster_sets(cl).items()}
+            out[phase][k] = {
+                **sets["central"].to_dict(),
+                "whole_ms_sets": {n: st.whole_ms for n, st in sets.items()},
+            }
     return out
 
 
 def gain_rows(priced: dict) -> list[dict]:
     """Modelled whole-step gains (percent) next to the published ranges, and the split's overhead."""
     rows = []
+    from placement.cost.ranges import gain_range
+
     for name, (phase, (base, new), lo, hi, source) in PUBLISHED_GAINS.items():
         t = priced[phase]
         gain = (t[base]["whole_ms"] / t[new]["whole_ms"] - 1.0) * 100.0
+        g = gain_range(t[base]["whole_ms_sets"], t[new]["whole_ms_sets"])
         mid = (lo + hi) / 2
         rows.append(
-            _row("gain", name, gain, mid, "%", source, low=lo, high=hi, within=bool(lo <= gain <= hi))
+            _row(
+                "gain",
+                name,
+                gain,
+                mid,
+                "%",
+                source,
+                low=lo,
+                high=hi,
+                within=bool(lo <= gain <= hi),
+                modelled_range=[g.low * 100.0, g.high * 100.0],
+            )
         )
     bal = priced["decode"]["balanced"]
     share = bal["dispatch_overhead_ms"] / bal["whole_ms"] * 100.0
@@ -465,6 +491,8 @@ def _print_table(rows: list[dict], priced: dict | None, settings: dict | None) -
     )
     for r in rows:
         rng = f" [{r['low']:g}, {r['high']:g}]{' ok' if r['within'] else ' OUT'}" if "within" in r else ""
+        if "modelled_range" in r:
+            rng += f"; modelled range {r['modelled_range'][0]:+.2f}..{r['modelled_range'][1]:+.2f}"
         print(
             f"{r['check']:<14} {r['config']:<42} {r['modelled']:>10.2f} {r['published']:>10.2f} "
             f"{r['ratio']:>7.3f}  {r['unit']:<4}  {r['source']}{rng}"

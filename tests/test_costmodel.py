@@ -125,11 +125,31 @@ def test_expected_loads_are_the_counted_traffic_of_the_expected_picks():
     for kernel in ("low_latency", "normal"):
         counted = counted_loads(pl, arrays, "even", k, kernel)
         expected = expected_loads(pl, np.ones((1, 16)), k, b, kernel)
+        general = expected_loads(pl, np.ones((1, 16)), k, b, kernel, "local")  # every pair counted
         np.testing.assert_allclose(expected.slot_tokens, counted.slot_tokens)
+        np.testing.assert_allclose(general.send, expected.send)  # one replica each: local == even
+        np.testing.assert_allclose(general.recv, expected.recv)
         if kernel == "low_latency":  # per pick: counts and expectation agree exactly
             np.testing.assert_allclose(expected.send, counted.send)
             np.testing.assert_allclose(expected.recv, counted.recv)
     assert expected.expected and not counted.expected
+
+
+@pytest.mark.parametrize("G,m", [(16, 8), (32, 8), (8, 8), (6, 2)])
+def test_uniform_source_traffic_is_traffic_bytes_in_closed_form(G, m):
+    """The planner's closed form (every source sends each GPU the same picks) is the traffic model's
+    accounting: equal to traffic_bytes on the broadcast pairs, both kernels."""
+    from placement.cost.traffic import traffic_bytes, uniform_source_traffic
+
+    rng = np.random.default_rng(G)
+    q = rng.gamma(1.0, 3.0, size=(3, G))  # [S, G] picks one source sends each GPU
+    b, k = float(q.sum(axis=1).max() / 4 + 1), 4
+    pair = np.broadcast_to(q[:, None, :], (3, G, G)).copy()
+    for kernel in ("low_latency", "normal"):
+        want = traffic_bytes(pair, np.full((3, G), b), m, k, kernel, 1.0)
+        got = uniform_source_traffic(q, b, m, k, kernel)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-9)
 
 
 def test_overlap_never_slower_and_pays_when_comm_and_compute_balance():

@@ -40,6 +40,7 @@ __all__ = [
     "payload_bytes",
     "pick_probabilities",
     "traffic_bytes",
+    "uniform_source_traffic",
 ]
 
 # Largest [S, G, G] block of picks traffic_bytes is handed at once by expected_loads (64 MiB of float64).
@@ -202,6 +203,44 @@ def traffic_bytes(
     return send * payload, recv * payload
 
 
+def uniform_source_traffic(
+    picks: np.ndarray, src_tokens: float, gpus_per_node: int, top_k: int, kernel: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`traffic_bytes` (in tokens) when every GPU holds ``src_tokens`` tokens and sends each GPU
+    the same picks, ``pair[:, g, h] = picks[:, h]`` for every source ``g`` (an even split whatever the
+    source): the same accounting in closed form, ``O(G)`` instead of ``O(G^2)`` per layer.
+
+    Args:
+        picks: float ``[S, G]`` picks one source sends each GPU.
+
+    Returns:
+        ``(send, recv)`` float ``[S, G, 2]`` over (NVLink, RDMA).
+    """
+    _check_kernel(kernel)
+    q = np.asarray(picks, dtype=np.float64)
+    S, G = q.shape
+    m = gpus_per_node
+    N = G // m
+    node = np.arange(G) // m
+    per_node = q.reshape(S, N, m).sum(axis=2)  # [S, N] picks one source sends each node
+    send, recv = np.zeros((S, G, 2)), np.zeros((S, G, 2))
+    if kernel == "low_latency":
+        send[..., 0] = per_node[:, node] - q  # the own node's other GPUs
+        send[..., 1] = per_node.sum(axis=1, keepdims=True) - per_node[:, node]
+        recv[..., 0] = (m - 1) * q
+        recv[..., 1] = (G - m) * q
+        return send, recv
+    b = np.full((S, 1), float(src_tokens))
+    need_node = _distinct(b, per_node, top_k)  # [S, N] tokens of one source crossing to each node
+    need_gpu = _distinct(b, q, top_k)  # [S, G] tokens of one source each GPU needs
+    send[..., 1] = need_node.sum(axis=1, keepdims=True) - need_node[:, node]
+    recv[..., 1] = (N - 1) * need_node[:, node]  # one source of each remote node lands here
+    recv[..., 0] = (G - N) * need_gpu  # every source but the N with this GPU's index forwards
+    per_node_gpu = need_gpu.reshape(S, N, m).sum(axis=2)  # [S, N]
+    send[..., 0] = N * (per_node_gpu[:, node] - need_gpu)  # forwarded for the N same-index sources
+    return send, recv
+
+
 # ---------------------------------------------------------------------------------------------
 # Flows: picks from each source rank to each slot
 # ---------------------------------------------------------------------------------------------
@@ -322,6 +361,27 @@ def pick_probabilities(load: np.ndarray, top_k: int) -> np.ndarray:
     return p
 
 
+def _expected_pairs(placement: Placement, p: np.ndarray, b: float, k: int, kernel: str, disp: DispatchModel):
+    """``(slot [1, L, P], send [L, G, 2], recv [L, G, 2])``: every source's expected picks through
+    ``disp`` and :func:`traffic_bytes`, layers in blocks of bounded size."""
+    t = placement.topology
+    L, G, P = placement.num_layers, t.ep_size, t.num_physical_experts
+    slot = np.zeros((1, L, P))
+    send, recv = np.zeros((L, G, 2)), np.zeros((L, G, 2))
+    block = max(1, _BLOCK_CELLS // (G * G))
+    for lo in range(0, L, block):  # layers as traffic_bytes' step axis, in bounded blocks
+        hi = min(L, lo + block)
+        pair = np.zeros((hi - lo, G, G))
+        for l in range(lo, hi):
+            counts = np.ascontiguousarray(np.broadcast_to(b * k * p[l], (1, G, p.shape[1])))  # [1, G, E]
+            flows = flows_from_counts(placement, l, counts, disp)  # [1, G, P]
+            slot[0, l] = flows[0].sum(axis=0)
+            pair[l - lo] = _pairs(flows, t.slots_per_gpu)[0]
+        held = np.full((hi - lo, G), b)
+        send[lo:hi], recv[lo:hi] = traffic_bytes(pair, held, t.gpus_per_node, k, kernel, 1.0)
+    return slot, send, recv
+
+
 def expected_loads(
     placement: Placement,
     load: np.ndarray,
@@ -343,23 +403,18 @@ def expected_loads(
     _check_kernel(kernel)
     disp = get_dispatch(EVEN if dispatch is None else dispatch)
     t = placement.topology
-    L, G, P, k, b = placement.num_layers, t.ep_size, t.num_physical_experts, int(top_k), float(step_tokens)
+    L, G, k, b = placement.num_layers, t.ep_size, int(top_k), float(step_tokens)
     p = pick_probabilities(load, k)  # [L, E]
     if p.shape != (L, placement.num_logical_experts):
         raise ValueError(f"load must be [{L}, {placement.num_logical_experts}], got {np.shape(load)}")
-    slot = np.zeros((1, L, P))
-    send, recv = np.zeros((L, G, 2)), np.zeros((L, G, 2))
-    block = max(1, _BLOCK_CELLS // (G * G))
-    for lo in range(0, L, block):  # layers as traffic_bytes' step axis, in bounded blocks
-        hi = min(L, lo + block)
-        pair = np.zeros((hi - lo, G, G))
-        for l in range(lo, hi):
-            counts = np.ascontiguousarray(np.broadcast_to(b * k * p[l], (1, G, p.shape[1])))  # [1, G, E]
-            flows = flows_from_counts(placement, l, counts, disp)  # [1, G, P]
-            slot[0, l] = flows[0].sum(axis=0)
-            pair[l - lo] = _pairs(flows, t.slots_per_gpu)[0]
-        held = np.full((hi - lo, G), b)
-        send[lo:hi], recv[lo:hi] = traffic_bytes(pair, held, t.gpus_per_node, k, kernel, 1.0)
+    if disp.counts_only and G % t.gpus_per_node == 0:  # every source alike: the closed form
+        p2l, cnt = placement.physical_to_logical_map, placement.logical_replica_count  # [L, P], [L, E]
+        one = np.take_along_axis(b * k * p / cnt, p2l, axis=1)  # [L, P] one source's picks per slot
+        q = one.reshape(L, G, t.slots_per_gpu).sum(axis=2)  # [L, G]
+        send, recv = uniform_source_traffic(q, b, t.gpus_per_node, k, kernel)
+        slot = (G * one)[None]
+    else:
+        slot, send, recv = _expected_pairs(placement, p, b, k, kernel, disp)
     how = f"expectation from per-expert loads (independent picks, dispatch {disp.name}, {kernel} kernels)"
     return StepLoads(
         slot, send[None], recv[None], np.full((1, G), b), t.slots_per_gpu, t.gpus_per_node, kernel, True, how
