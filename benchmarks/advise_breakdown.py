@@ -11,7 +11,8 @@ the option: whole step = attention + shared experts + dense layers + LM head (th
 dispatch/combine + the dispatch's own per-step cost, in ms, and each term's share of the whole-step
 gain. Also: the MoE layers' balance (busiest GPU and the mean per step and layer: token-expert pairs,
 and the dispatch's received RDMA picks), and the published band (moe_placement.apps.advise.phases.PUBLISHED_GAIN)
-next to the modelled gain. ``--v3-sized`` prices the same routing with DeepSeek-V3's layer sizes (as
+next to the modelled gain, with the gain's range over the all-to-all constant sets
+(placement.cost.ranges, each set priced on the same counted loads). ``--v3-sized`` prices the same routing with DeepSeek-V3's layer sizes (as
 benchmarks/step_model_check.py does), to separate the model's size from the experts per GPU.
 """
 
@@ -33,7 +34,9 @@ from moe_placement.apps.advise.phases import published_band  # noqa: E402
 from placement.cost.hardware import cluster_preset  # noqa: E402
 from placement.cost.modelspec import load_model  # noqa: E402
 from placement.cost.primitives import attention_time, lm_head_time, mlp_time  # noqa: E402
-from placement.cost.step_time import layer_flows, step_time, traffic_bytes  # noqa: E402
+from placement.cost.ranges import cluster_sets, gain_range  # noqa: E402
+from placement.cost.step_time import price_loads, step_loads  # noqa: E402
+from placement.cost.traffic import layer_flows, traffic_bytes  # noqa: E402
 from placement.dispatch import get_dispatch  # noqa: E402
 from placement.steps import make_steps  # noqa: E402
 from profiling.readers import read_trace  # noqa: E402
@@ -133,18 +136,29 @@ def main(argv=None) -> int:
         b = args.decode_batch if phase == "decode" else balance.prefill_tokens(held, options)
         steps = make_steps(held, G, phase, b, seed=options.seed, max_steps=args.max_steps)
         print(f"{phase}: {steps.describe()}")
-        out = {}
+        out, sets = {}, {}
         for label, pl, d in (("baseline", base_pl, base_d), ("option", opt_pl, opt_d)):
-            st = step_time(pl, held, steps, d, model, cluster, context_len=args.context_len)
+            loads = step_loads(pl, held, steps, d, model, cluster)
+            priced = {
+                k: price_loads(loads, model, c, phase=phase, dispatch=d, context_len=args.context_len)
+                for k, c in cluster_sets(cluster).items()
+            }
+            st = priced["central"]
             held_tokens = len(steps.token) / (steps.num_steps * G)
             _print(f"{label}", st, _rest_parts(model, cluster, held_tokens, phase, args.context_len))
             print(f"            {_balance(pl, held, steps, d, model)}")
-            out[label] = st
+            out[label], sets[label] = st, {k: v.whole_ms for k, v in priced.items()}
         bs, op = out["baseline"], out["option"]
         whole = bs.whole_ms / op.whole_ms - 1.0
+        g = gain_range(sets["baseline"], sets["option"])
+        per_set = ", ".join(
+            f"{k} {(sets['baseline'][k] / v - 1) * 100:+.2f}%" for k, v in sets["option"].items()
+        )
         lo, hi, src = published_band(phase)
         print(
-            f"  gain: whole step {whole * 100:+.2f}% (published {lo:.1f}-{hi:.1f}%, {src}); MoE part "
+            f"  gain: whole step {whole * 100:+.2f}% (range {g.low * 100:+.2f}% to {g.high * 100:+.2f}% over the "
+            f"all-to-all constant sets: {per_set}; "
+            f"published {lo:.1f}-{hi:.1f}%, {src}); MoE part "
             f"{(bs.moe_ms / op.moe_ms - 1) * 100:+.2f}%; saved ms: gemm {bs.gemm_ms - op.gemm_ms:+.3f}, a2a "
             f"{bs.a2a_ms - op.a2a_ms:+.3f}, overhead {bs.dispatch_overhead_ms - op.dispatch_overhead_ms:+.3f}; "
             f"MoE share of the baseline step {bs.moe_ms / bs.whole_ms * 100:.1f}%"

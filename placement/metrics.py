@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.churn import arrived_experts, moved_bytes  # noqa: F401 (re-exported)
+from placement.cost.traffic import payload_bytes
 from placement.dispatch import (
     DISPATCH,
     EVEN,
@@ -544,8 +545,9 @@ def communication(
     """Remote nodes/GPUs each token must reach (node-deduplicated dispatch), mean per token and layer.
 
     ``bytes_per_token`` (dispatch + combine crossing GPU boundaries, per layer) is added when
-    ``hidden_size`` is given: dispatch ``d * dispatch_bytes_per_elem + d/128*4`` (FP8 with scales by
-    default), combine ``d * combine_bytes_per_elem`` (BF16), per remote GPU reached.
+    ``hidden_size`` is given: one token's payload (:func:`placement.cost.traffic.payload_bytes`: dispatch
+    ``d * dispatch_bytes_per_elem + d/128*4``, FP8 with scales by default, combine
+    ``d * combine_bytes_per_elem``, BF16) per remote GPU reached.
     """
     _check_types(placement, trace)
     model = get_dispatch(dispatch)
@@ -585,9 +587,8 @@ def communication(
         "policy": model.name,
     }
     if hidden_size is not None:
-        d = float(hidden_size)
-        per_gpu = d * dispatch_bytes_per_elem + d / 128 * 4 + d * combine_bytes_per_elem
-        out["bytes_per_token"] = float(out["remote_gpus_per_token"] * per_gpu)
+        disp, comb = payload_bytes(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
+        out["bytes_per_token"] = float(out["remote_gpus_per_token"] * (disp + comb))
     return out
 
 

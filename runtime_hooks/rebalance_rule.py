@@ -40,8 +40,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.cost.hardware import DEFAULT_HARDWARE, GPUS, LINKS
+from placement.cost.migration import move_time
 from placement.cost.modelspec import load_model
-from placement.cost.primitives import assignment_seconds, move_time
+from placement.cost.primitives import assignment_seconds
 
 __all__ = [
     "Decision",

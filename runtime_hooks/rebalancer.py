@@ -63,7 +63,7 @@ from moe_placement.base.limits import MAX_INTERMEDIATE_SIZE, MAX_TIME_LIMIT_S, c
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import DEFAULT_HARDWARE, GPUS
 from placement.cost.hardware import LINKS as _HW_LINKS
-from placement.cost.primitives import move_time
+from placement.cost.migration import move_time, slot_copy_seconds
 from placement.dispatch import EVEN, check_dispatch
 from placement.model import Placement
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide
@@ -420,7 +420,7 @@ class Rebalancer:
     def move_cost(self) -> float:
         """The solver's cost of one moved slot, in window-load units (see the module docstring)."""
         cfg = self.config
-        per_slot_s = self.expert_bytes / cfg.bandwidth
+        per_slot_s = slot_copy_seconds(self.expert_bytes, (cfg.bandwidth, cfg.latency), latency=False)
         seconds_per_load = cfg.seconds_per_assignment * cfg.effective_horizon / max(self._filled, 1)
         return cfg.move_cost_scale * per_slot_s / seconds_per_load
 
@@ -518,7 +518,7 @@ class Rebalancer:
             return False
         if self._reachable_par is None:
             return True  # calibration solve on the first full window
-        one_slot_s = self.expert_bytes / cfg.bandwidth + cfg.latency
+        one_slot_s = slot_copy_seconds(self.expert_bytes, (cfg.bandwidth, cfg.latency))
         return self.predicted_gain_s() > cfg.move_cost_scale * one_slot_s
 
     def _submit(self) -> None:

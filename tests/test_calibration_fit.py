@@ -23,7 +23,7 @@ from placement.cost.calibration import (
 from placement.cost.hardware import GPUS, LINKS, cluster_preset, hardware_summary, load_hardware_preset
 from placement.cost.modelspec import load_model
 from placement.cost.primitives import a2a_time
-from placement.cost.step_time import traffic_bytes
+from placement.cost.traffic import traffic_bytes
 
 V3 = load_model("deepseek-v3")
 

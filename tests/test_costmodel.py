@@ -9,13 +9,13 @@ import json
 import numpy as np
 import pytest
 
-from moe_placement.apps.planner.costmodel import CostOptions, a2a_time, gemm_time, memory_per_gpu, step_cost
-from moe_placement.apps.planner.workload import analytic_workload, trace_workload
+from moe_placement.apps.planner.costmodel import CostOptions, memory_per_gpu, step_cost
 from placement.cost.hardware import GPUS, LINKS, cluster_preset
 from placement.cost.modelspec import load_model, model_from_hf_config
+from placement.cost.primitives import a2a_time, gemm_time
+from placement.cost.traffic import StepArrays, counted_loads, expected_loads, payload_bytes
 from placement.model import Placement
 from placement.topology import Topology
-from profiling.trace import RoutingTrace
 
 
 def _published_tables():
@@ -35,14 +35,19 @@ _PUBLISHED = _published_tables()
 DSV3 = load_model("deepseek-v3")
 
 
+DISPATCH_BYTES, COMBINE_BYTES = payload_bytes(DSV3.hidden_size)
+
+
 def _uniform_workload(ep, mode, tokens, E=256, k=8, m=8):
     nodes = max(ep // m, 1)
     pl = Placement.trivial(1, E, Topology(ep, E, nodes))
-    return pl, analytic_workload(pl, np.ones((1, E)), k, tokens, mode), nodes
+    return pl, expected_loads(pl, np.ones((1, E)), k, tokens, mode), nodes
 
 
-def _a2a_us(cluster, wl, nodes, ep, payload):
-    return float(a2a_time(cluster, wl.nvl_units * payload, wl.rdma_units * payload, nodes, ep).max()) * 1e6
+def _a2a_us(cluster, loads, nodes, ep, payload):
+    busiest = np.maximum(loads.send, loads.recv) * payload  # [S, L, G, 2]
+    t = a2a_time(cluster, busiest[..., 0], busiest[..., 1], nodes, ep, loads.kernel)
+    return float(t.max()) * 1e6
 
 
 # ---------------------------------------------------------------------------------------------
@@ -51,8 +56,8 @@ def _a2a_us(cluster, wl, nodes, ep, payload):
 def test_expert_bytes_and_slot_cost_match_costmodel_doc():
     assert DSV3.expert_bytes == 44_040_192  # 3 * 7168 * 2048 bytes in FP8
     assert DSV3.num_moe_layers == 58 and DSV3.moe_layer_ids[0] == 3
-    assert DSV3.dispatch_bytes_per_token == 7168 + 7168 / 128 * 4 == 7392
-    assert DSV3.combine_bytes_per_token == 14336
+    assert DSV3.dispatch_bytes_per_token == DISPATCH_BYTES == 7168 + 7168 / 128 * 4 == 7392
+    assert DSV3.combine_bytes_per_token == COMBINE_BYTES == 14336
 
 
 def test_gemm_memory_bound_and_compute_bound_regimes():
@@ -91,18 +96,60 @@ def test_node_dedup_counts_one_rdma_copy_per_remote_node():
     pl = Placement(np.array([[0, 1, 2, 3]]), 4, topo)
     b = 8
     ids = np.tile(np.array([[[2, 3]]], dtype=np.int16), (4 * b, 1, 1))  # [T, L=1, k=2]
-    tr = RoutingTrace(4, ids)
-    normal = trace_workload(pl, tr, b, "normal", max_steps=1)
-    ll = trace_workload(pl, tr, b, "low_latency", max_steps=1)
+    one_step = StepArrays(ids, np.zeros(4 * b, np.int64), np.arange(4 * b) // b, 1, b, "decode")
+    normal = counted_loads(pl, one_step, "even", 2, "normal")
+    ll = counted_loads(pl, one_step, "even", 2, "low_latency")
     # ranks 0 and 1 (node 0) send each token once over RDMA (dedup), low-latency sends two copies
-    assert normal.rdma_units[0, 0, 0] == b
-    assert ll.rdma_units[0, 0, 0] == 2 * b
-    # analytic expectation: independent picks, P(node hit) = 1 - (1/2)^2 = 0.75 per node
-    wl = analytic_workload(pl, np.ones((1, 4)), 2, b, "normal")
-    assert wl.rdma_units[0, 0, 0] >= b * 0.75 - 1e-9
-    send = b * 0.75
-    recv = (4 - 2) * b * 0.75 / 2
-    assert wl.rdma_units[0, 0, 0] == pytest.approx(max(send, recv))
+    assert normal.send[0, 0, 0, 1] == b
+    assert ll.send[0, 0, 0, 1] == 2 * b
+    # analytic expectation: independent picks, P(node hit) = 1 - (1/2)^2 = 0.75 per node, sent once by
+    # each rank of node 0 and landing on the same-index GPU of node 1
+    wl = expected_loads(pl, np.ones((1, 4)), 2, b, "normal")
+    assert wl.send[0, 0, 0, 1] == pytest.approx(b * 0.75)
+    assert wl.recv[0, 0, 2, 1] == pytest.approx(b * 0.75)  # GPU 2 lands what GPU 0 sends
+
+
+def test_expected_loads_are_the_counted_traffic_of_the_expected_picks():
+    """One traffic model: the analytic loads are traffic_bytes of the expected picks (even split over
+    replicas), so on uniform routing they equal the counts of a step whose every rank picks each
+    expert equally often."""
+    topo = Topology(8, 16, 2)
+    pl = Placement.trivial(1, 16, topo)
+    b, k = 16, 2
+    ids = np.array(
+        [[[(2 * t) % 16, (2 * t + 1) % 16]] for t in range(b)], dtype=np.int16
+    )  # each expert twice
+    arrays = StepArrays(
+        np.tile(ids, (8, 1, 1)), np.zeros(8 * b, np.int64), np.arange(8 * b) // b, 1, b, "decode"
+    )
+    for kernel in ("low_latency", "normal"):
+        counted = counted_loads(pl, arrays, "even", k, kernel)
+        expected = expected_loads(pl, np.ones((1, 16)), k, b, kernel)
+        general = expected_loads(pl, np.ones((1, 16)), k, b, kernel, "local")  # every pair counted
+        np.testing.assert_allclose(expected.slot_tokens, counted.slot_tokens)
+        np.testing.assert_allclose(general.send, expected.send)  # one replica each: local == even
+        np.testing.assert_allclose(general.recv, expected.recv)
+        if kernel == "low_latency":  # per pick: counts and expectation agree exactly
+            np.testing.assert_allclose(expected.send, counted.send)
+            np.testing.assert_allclose(expected.recv, counted.recv)
+    assert expected.expected and not counted.expected
+
+
+@pytest.mark.parametrize("G,m", [(16, 8), (32, 8), (8, 8), (6, 2)])
+def test_uniform_source_traffic_is_traffic_bytes_in_closed_form(G, m):
+    """The planner's closed form (every source sends each GPU the same picks) is the traffic model's
+    accounting: equal to traffic_bytes on the broadcast pairs, both kernels."""
+    from placement.cost.traffic import traffic_bytes, uniform_source_traffic
+
+    rng = np.random.default_rng(G)
+    q = rng.gamma(1.0, 3.0, size=(3, G))  # [S, G] picks one source sends each GPU
+    b, k = float(q.sum(axis=1).max() / 4 + 1), 4
+    pair = np.broadcast_to(q[:, None, :], (3, G, G)).copy()
+    for kernel in ("low_latency", "normal"):
+        want = traffic_bytes(pair, np.full((3, G), b), m, k, kernel, 1.0)
+        got = uniform_source_traffic(q, b, m, k, kernel)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-9)
 
 
 def test_overlap_never_slower_and_pays_when_comm_and_compute_balance():
@@ -110,18 +157,18 @@ def test_overlap_never_slower_and_pays_when_comm_and_compute_balance():
     for ep, b in ((32, 128), (16, 8), (8, 1), (32, 512)):
         nodes = ep // 8
         pl = Placement.trivial(DSV3.num_moe_layers, 256, Topology(ep, 256, nodes))
-        wl = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, b, "low_latency")
+        wl = expected_loads(pl, np.ones((DSV3.num_moe_layers, 256)), 8, b, "low_latency")
         off = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=b, overlap="off"))
         auto = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=b, overlap="auto"))
         assert auto.step_time <= off.step_time + 1e-12
     # at 128 tokens/rank over 4 nodes the two halves hide each other's communication
     pl = Placement.trivial(DSV3.num_moe_layers, 256, Topology(32, 256, 4))
-    wl = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 128, "low_latency")
+    wl = expected_loads(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 128, "low_latency")
     on = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=128, overlap="on"))
     off = step_cost(DSV3, cl, pl, wl, CostOptions(step_tokens=128, overlap="off"))
     assert on.step_time < off.step_time
     # one token per rank: each half re-reads every weight, so auto keeps TBO off
-    wl1 = analytic_workload(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 1, "low_latency")
+    wl1 = expected_loads(pl, np.ones((DSV3.num_moe_layers, 256)), 8, 1, "low_latency")
     assert not step_cost(DSV3, cl, pl, wl1, CostOptions(step_tokens=1, overlap="auto")).layer.overlap_used
 
 
@@ -168,8 +215,8 @@ DEEPEP_LOW_LATENCY = _PUBLISHED.DEEPEP_LOW_LATENCY
 def test_deepep_low_latency_within_25_percent(ep, dispatch_us, combine_us):
     cl = cluster_preset("h800")
     _, wl, nodes = _uniform_workload(ep, "low_latency", 128)
-    d = _a2a_us(cl, wl, nodes, ep, DSV3.dispatch_bytes_per_token)
-    c = _a2a_us(cl, wl, nodes, ep, DSV3.combine_bytes_per_token)
+    d = _a2a_us(cl, wl, nodes, ep, DISPATCH_BYTES)
+    c = _a2a_us(cl, wl, nodes, ep, COMBINE_BYTES)
     assert abs(d / dispatch_us - 1) <= 0.25, (ep, d, dispatch_us)
     assert abs(c / combine_us - 1) <= 0.25, (ep, c, combine_us)
 
@@ -178,8 +225,8 @@ def test_costmodel_doc_check_ep32():
     """costmodel.md: EP32, 128 decode tokens/GPU, DeepEP measured 155 us dispatch, 273 us combine."""
     cl = cluster_preset("h800")
     _, wl, nodes = _uniform_workload(32, "low_latency", 128)
-    assert abs(_a2a_us(cl, wl, nodes, 32, 7392) / 155 - 1) <= 0.25
-    assert abs(_a2a_us(cl, wl, nodes, 32, 14336) / 273 - 1) <= 0.25
+    assert abs(_a2a_us(cl, wl, nodes, 32, DISPATCH_BYTES) / 155 - 1) <= 0.25
+    assert abs(_a2a_us(cl, wl, nodes, 32, COMBINE_BYTES) / 273 - 1) <= 0.25
 
 
 DEEPEP_NORMAL = _PUBLISHED.DEEPEP_NORMAL  # (EP, tokens, dispatch GB/s, combine GB/s)
@@ -190,7 +237,7 @@ def test_deepep_normal_bandwidth_within_25_percent(ep, tokens, disp_gbs, comb_gb
     cl = cluster_preset("h800")
     _, wl, nodes = _uniform_workload(ep, "normal", tokens)
     nodes_hit = nodes * (1 - (1 - 1 / nodes) ** 8)  # distinct nodes per token incl. its own
-    for payload, gbs in ((7392, disp_gbs), (14336, comb_gbs)):
+    for payload, gbs in ((DISPATCH_BYTES, disp_gbs), (COMBINE_BYTES, comb_gbs)):
         t = _a2a_us(cl, wl, nodes, ep, payload) * 1e-6
         logical = tokens * nodes_hit * payload / t / 1e9
         assert abs(logical / gbs - 1) <= 0.25, (ep, payload, logical, gbs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from moe_placement.apps.planner.costmodel import CostOptions
 from moe_placement.apps.planner.layout import (
@@ -153,3 +154,58 @@ def test_trace_with_other_expert_count_transfers_skew():
 
     assert skew(load) > skew(synthetic_load(58, 256, zipf=0.0))
     assert np.isfinite(flat).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# one cost model: layout and evaluate --model --hardware price the same layout alike
+# ---------------------------------------------------------------------------------------------
+def _evaluate_step_time(capsys, placement_path, trace_path, overlap: str) -> dict:
+    args = [
+        "evaluate",
+        str(placement_path),
+        str(trace_path),
+        "--model",
+        "deepseek-v2-lite",
+        "--hardware",
+        "h200",
+    ]
+    args += ["--phase", "decode", "--step-tokens", "8", "--context-len", "1024", "--dispatch", "even"]
+    capsys.readouterr()
+    assert main([*args, "--overlap", overlap, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["step_time"]
+
+
+def test_layout_and_evaluate_give_the_same_step_time(tmp_path, capsys):
+    """The layout's written placement, evaluated on the same trace, model, hardware, phase, tokens per
+    rank, context and overlap, gets the step time and range the plan reported (one cost model)."""
+    from placement.formats import write_placement
+    from profiling.readers import write_trace
+    from profiling.synthetic import synthetic_trace
+
+    lite = load_model("deepseek-v2-lite")
+    tr = synthetic_trace(
+        num_tokens=1600, num_layers=26, num_logical_experts=64, top_k=6, num_prompts=60, seed=3
+    )
+    trace_path = tmp_path / "t.npz"
+    write_trace(tr, trace_path)
+    out = tmp_path / "plan"
+    flags = ["--model", "deepseek-v2-lite", "--nodes", "2", "--hardware", "h200", "--phase", "decode"]
+    flags += ["--step-tokens", "8", "--context-len", "1024", "--trace", str(trace_path), "--no-phase-compare"]
+    capsys.readouterr()
+    assert main(["layout", *flags, "--output", str(out)]) == 0
+    best = json.loads((out / "layout.json").read_text())["results"][0]
+    st = _evaluate_step_time(
+        capsys, out / "placement.json", trace_path, "on" if best["two_batch_overlap"] else "off"
+    )
+    assert st["whole_ms"] == pytest.approx(best["step_time_ms"], rel=1e-9)
+    assert st["whole_ms_range"] == pytest.approx(best["step_time_ms_range"], rel=1e-9)
+    assert st["tokens_per_s_per_gpu"] == pytest.approx(best["tokens_per_s_per_gpu"], rel=1e-9)
+    # a layout spanning both nodes (RDMA in the all-to-all), overlap off, from the library
+    plan = plan_layout(
+        lite, cluster_preset("h200"), 2, CostOptions(step_tokens=8, context_len=1024, overlap="off"), trace=tr
+    )
+    wide = next(r for r in plan.feasible if r.candidate.ep_size == 16)
+    write_placement(wide.placement, tmp_path / "wide.json")
+    st = _evaluate_step_time(capsys, tmp_path / "wide.json", trace_path, "off")
+    assert st["whole_ms"] == pytest.approx(wide.cost.step_time * 1e3, rel=1e-9)
+    assert st["num_steps"] == wide.cost.time.num_steps > 1

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 from placement.cost.hardware import GPUS, LINKS, cluster_preset
+from placement.cost.migration import move_time
 from placement.cost.modelspec import load_model
-from placement.cost.primitives import expert_gemm_time, move_time
-from placement.cost.step_time import moe_layer_seconds, step_time, traffic_bytes
+from placement.cost.primitives import expert_gemm_time
+from placement.cost.step_time import moe_layer_seconds, step_time
+from placement.cost.traffic import traffic_bytes
 from placement.model import Placement
 from placement.steps import make_steps
 from placement.topology import Topology
@@ -230,15 +232,24 @@ def test_step_model_check_table_within_published_ranges(tmp_path):
     out = tmp_path / "check.json"
     assert mod.main(["--max-steps", "8", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    kernels = [r for r in rows if r["check"] in ("deepep-ll", "deepep-normal", "deepgemm")]
-    assert len(kernels) == 12 + 6 + 10
+    kernels = [r for r in rows if r["check"] in ("deepep-ll", "deepep-ll-nvl", "deepep-normal", "deepgemm")]
+    assert len(kernels) == 12 + 6 + 6 + 10
     assert all(0.75 <= r["ratio"] <= 1.25 for r in kernels), [
         r for r in kernels if not 0.75 <= r["ratio"] <= 1.25
+    ]
+    # the all-to-all constants are fitted: every DeepEP figure within the fit's tolerance
+    from placement.cost.ranges import FIT_TOLERANCE
+
+    a2a = [r for r in kernels if r["check"].startswith("deepep")]
+    assert all(abs(r["ratio"] - 1) <= FIT_TOLERANCE for r in a2a), [
+        r for r in a2a if abs(r["ratio"] - 1) > FIT_TOLERANCE
     ]
     gains = {r["config"]: r for r in rows if r["check"] == "gain"}
     for name in ("decode balanced over none", "prefill balanced over none"):
         g = gains[name]
         assert g["low"] <= g["modelled"] <= g["high"], g
+        lo, hi = g["modelled_range"]  # over the constant sets, around the central figure
+        assert lo <= g["modelled"] <= hi, g
     # the decode gain is smaller than the prefill gain, as published
     assert gains["decode balanced over none"]["modelled"] < gains["prefill balanced over none"]["modelled"]
 
@@ -271,19 +282,28 @@ def test_evaluate_reports_step_time(deepseek_slice_files, capsys):
     assert main([*args, "--phase", "decode", "--dispatch", "balanced", "--json"]) == 0
     st = json.loads(capsys.readouterr().out)["step_time"]
     assert st["whole_ms"] > st["moe_ms"] > 0
-    assert (st["phase"], st["dispatch"], st["hardware"], st["calibrated"]) == (
+    assert (st["phase"], st["dispatch"], st["gpu"], st["calibrated"], st["kernel"]) == (
         "decode",
         "balanced",
         "h200",
         False,
+        "low_latency",
     )
+    assert st["hardware"] == {"preset": "h200", "measured": False}
     assert st["dispatch_overhead_ms"] > 0 and st["num_steps"] >= 1
     assert st["whole_ms"] == pytest.approx(st["moe_ms"] + st["dispatch_overhead_ms"] + st["rest_ms"])
+    # published constants: every modelled time carries its range over the constant sets, around it
+    for key in ("whole_ms", "moe_ms", "a2a_ms", "tokens_per_s_per_gpu"):
+        lo, hi = st[f"{key}_range"]
+        assert lo <= st[key] <= hi, key
+    assert st["a2a_ms_range"][0] < st["a2a_ms_range"][1]
     # without --model there is no step_time; --hardware alone is refused with a one-line reason
     assert main(["evaluate", str(pl), str(trace), "--phase", "decode", "--json"]) == 0
     assert "step_time" not in json.loads(capsys.readouterr().out)
     assert main(["evaluate", str(pl), str(trace), "--hardware", "h100"]) == 2
     assert "needs --model" in capsys.readouterr().err
+    assert main(["evaluate", str(pl), str(trace), "--overlap", "on"]) == 2
+    assert "--overlap price step_time, which needs --model" in capsys.readouterr().err
     # a model whose experts do not match the trace's is refused, naming both
     assert main(["evaluate", str(pl), str(trace), "--model", "mixtral-8x7b", "--json"]) == 2
     err = capsys.readouterr().err

@@ -675,3 +675,74 @@ def test_a_placing_import_outside_solver_is_found(tmp_path):
     )
     (tree / "moe_placement/apps" / "ok.py").write_text("from solver.api import solve\n")
     assert _placing_imports(tree) == {("moe_placement/apps/sim.py", "greedy_placement")}
+
+
+# One traffic model: all-to-all bytes are counted in placement/cost/ only. Outside it no module reads a
+# token's payload (dispatch_bytes_per_token / combine_bytes_per_token), spells the FP8 scales' bytes
+# (``d / 128 * 4``), or imports a private helper of the cost package; the public functions
+# (placement.cost.traffic.traffic_bytes, payload_bytes, counted_loads, ...) are what callers use.
+_PAYLOADS = {"dispatch_bytes_per_token", "combine_bytes_per_token"}
+_BYTE_PACKAGES = ("profiling", "placement", "solver", "runtime_hooks", "moe_placement", "benchmarks", "tools")
+
+
+def _is_scale_bytes(node) -> bool:
+    """``x / 128 * 4``: the bytes of FP8's per-128-element scales."""
+    import ast
+
+    def const(n, v):
+        return isinstance(n, ast.Constant) and n.value == v
+
+    return (
+        isinstance(node, ast.BinOp)
+        and isinstance(node.op, ast.Mult)
+        and const(node.right, 4)
+        and isinstance(node.left, ast.BinOp)
+        and isinstance(node.left.op, ast.Div)
+        and const(node.left.right, 128)
+    )
+
+
+def _a2a_byte_sites(root: Path) -> list[str]:
+    """``file:line what`` for each place outside placement/cost/ that computes all-to-all bytes itself."""
+    import ast
+
+    found = []
+    for pkg in _BYTE_PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            rel = path.relative_to(root).as_posix()
+            if rel.startswith("placement/cost/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+                if name in _PAYLOADS:
+                    found.append(f"{rel}:{node.lineno} {name}")
+                elif _is_scale_bytes(node):
+                    found.append(f"{rel}:{node.lineno} FP8 scale bytes")
+                elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("placement.cost"):
+                    found += [f"{rel}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_all_to_all_bytes_are_counted_in_the_cost_package_only():
+    assert _a2a_byte_sites(ROOT) == []
+
+
+def test_a_byte_count_outside_the_cost_package_is_found(tmp_path):
+    tree = _tree(
+        tmp_path,
+        {
+            "moe_placement/apps/sim.py": "def f(m, n):\n    return n * m.dispatch_bytes_per_token\n",
+            "solver/own.py": "def g(d):\n    return d * 1 + d / 128 * 4\n",
+            "runtime_hooks/h.py": "from placement.cost.traffic import _distinct\n",
+            "placement/ok.py": "from placement.cost.traffic import traffic_bytes\nx = 7 / 128 * 2\n",
+        },
+    )
+    (tree / "placement" / "cost").mkdir()
+    (tree / "placement" / "cost" / "traffic.py").write_text(
+        "def f(m):\n    return m.dispatch_bytes_per_token\n"
+    )
+    assert _a2a_byte_sites(tree) == [
+        "solver/own.py:2 FP8 scale bytes",
+        "runtime_hooks/h.py:1 _distinct",
+        "moe_placement/apps/sim.py:2 dispatch_bytes_per_token",
+    ]

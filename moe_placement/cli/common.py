@@ -404,6 +404,33 @@ def link_names() -> str:
     return ", ".join(LINKS)
 
 
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """``--nodes``, ``--gpus-per-node``, ``--hardware``, ``--intra-link``, ``--inter-link``: the cluster a
+    plan is for (``layout``, ``plan``); names and defaults read from the registries."""
+    from placement.cost.hardware import DEFAULT_HARDWARE
+
+    p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
+    p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
+    p.add_argument(
+        "--hardware",
+        default=DEFAULT_HARDWARE,
+        help=f"GPU preset: {hardware_help()} (moe-placement calibrate: its measured links are priced unless "
+        "--intra-link/--inter-link name others)",
+    )
+    p.add_argument(
+        "--intra-link",
+        default=None,
+        help="intra-node link preset (default: the --hardware preset's measured intra link, else the GPU's "
+        f"NVLink; one of {link_names()}); given, it wins over a measured one",
+    )
+    p.add_argument(
+        "--inter-link",
+        default=None,
+        help="inter-node link preset (default: the --hardware preset's measured inter link, else rdma; one of "
+        f"{link_names()}); given, it wins over a measured one",
+    )
+
+
 def model_help() -> str:
     """The built-in model names a ``--model`` flag takes, read from the registry."""
     from placement.cost.modelspec import BUILTIN_MODELS

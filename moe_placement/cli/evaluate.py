@@ -64,12 +64,15 @@ def _print_evaluation(placement, trace, dispatch: str, d: dict) -> None:
         echo(f"bytes_per_token {d['bytes_per_token']:.0f}")
     if "step_time" in d:
         st = d["step_time"]
+        lo, hi = st["whole_ms_range"]
+        hw = st["hardware"]
         echo(
-            f"step_time {st['whole_ms']:.3f} ms per {st['phase']} step ({st['model']} on {st['hardware']}"
-            f"{', measured: ' + ', '.join(d['hardware']['measured_parts']) if d['hardware']['measured'] else ''})"
-            f": MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
+            f"step_time {st['whole_ms']:.3f} ms (range {lo:.3f}-{hi:.3f}) per {st['phase']} step ({st['model']} on "
+            f"{hw['preset']}, {_measured_words(d.get('hardware', hw))}"
+            f"{', GEMM calibrated' if st['calibrated'] else ''}; {st['kernel']} kernels, two-batch overlap "
+            f"{'on' if st['two_batch_overlap'] else 'off'}): MoE {st['moe_ms']:.3f} (GEMM {st['gemm_ms']:.3f}, "
             f"all-to-all {st['a2a_ms']:.3f}), dispatch overhead {st['dispatch_overhead_ms']:.3f}, "
-            f"rest {st['rest_ms']:.3f}"
+            f"rest {st['rest_ms']:.3f}, overlap saving {st['overlap_saving_ms']:.3f}"
         )
 
 
@@ -172,3 +175,11 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     rows = [{"dispatch": name, **d} for name, d in results.items()]
     echo(format_table(rows, [c for c in _ALL_COLUMNS if any(c[0] in r for r in rows)]))
     return 0
+
+
+def _measured_words(hw: dict) -> str:
+    """``measured: a2a_intra, gemm`` for a measured preset, else what the figures are."""
+    if not hw.get("measured"):
+        return "published figures, not measured"
+    parts = hw.get("measured_parts") or []
+    return "measured" + (f": {', '.join(parts)}" if parts else "")

@@ -10,12 +10,10 @@ from pathlib import Path
 from moe_placement.base.limits import MAX_RANKS, MAX_STEP_TOKENS
 from moe_placement.cli.common import (
     CliError,
+    add_cluster_args,
     check_folder_outputs,
     echo,
-    ep_size_int,
     expert_count_int,
-    hardware_help,
-    link_names,
     model_help,
     non_negative_int,
     open_trace,
@@ -46,8 +44,8 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    from placement.cost.hardware import DEFAULT_HARDWARE
-    from placement.steps import SIZING_STEP_TOKENS
+    from placement.cost.step_time import OVERLAPS
+    from placement.steps import PHASES, SIZING_STEP_TOKENS
 
     p = subparsers.add_parser(
         "layout",
@@ -60,31 +58,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         required=True,
         help=model_help(),
     )
-    p.add_argument("--nodes", type=ep_size_int, required=True, help="nodes in the cluster")
-    p.add_argument("--gpus-per-node", type=ep_size_int, default=8)
+    add_cluster_args(p)
     p.add_argument(
-        "--hardware",
-        default=DEFAULT_HARDWARE,
-        help=f"GPU preset: {hardware_help()} (moe-placement calibrate: its measured links are priced unless "
-        "--intra-link/--inter-link name others)",
-    )
-    p.add_argument(
-        "--intra-link",
-        default=None,
-        help="intra-node link preset (default: the --hardware preset's measured intra link, else the GPU's "
-        f"NVLink; one of {link_names()}); given, it wins over a measured one",
-    )
-    p.add_argument(
-        "--inter-link",
-        default=None,
-        help="inter-node link preset (default: the --hardware preset's measured inter link, else rdma; one of "
-        f"{link_names()}); given, it wins over a measured one",
-    )
-    p.add_argument(
-        "--phase",
-        choices=("decode", "prefill"),
-        default="decode",
-        help="the phase planned for (default decode)",
+        "--phase", choices=PHASES, default=PHASES[0], help=f"the phase planned for (default {PHASES[0]})"
     )
     p.add_argument(
         "--step-tokens",
@@ -109,7 +85,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-redundant", type=expert_count_int, default=None, help="cap on redundant experts per layer"
     )
-    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto", help="two-batch overlap")
+    p.add_argument(
+        "--overlap", choices=OVERLAPS, default="auto", help="two-batch overlap (default auto: the faster)"
+    )
+    p.add_argument(
+        "--max-steps",
+        type=positive_int,
+        default=None,
+        help="with --trace of the model's experts: price the first N steps (default all, as evaluate --model)",
+    )
     p.add_argument("--no-phase-compare", action="store_true", help="skip evaluating the other phase")
     p.add_argument("--time-limit", type=seconds, help="seconds per exact solve (cpsat; default 10)")
     p.add_argument("--seed", type=seed_int, default=0)
@@ -126,21 +110,31 @@ def _options(args, phase: str):
     from placement.steps import SIZING_STEP_TOKENS
 
     b = args.step_tokens if (args.step_tokens and phase == args.phase) else SIZING_STEP_TOKENS[phase]
-    return CostOptions(phase=phase, step_tokens=b, context_len=args.context_len, overlap=args.overlap)
+    return CostOptions(
+        phase=phase,
+        step_tokens=b,
+        context_len=args.context_len,
+        overlap=args.overlap,
+        max_steps=args.max_steps,
+    )
 
 
 def _table(plan, top: int) -> list[str]:
     E = plan.model.num_logical_experts
     head = (
-        f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'PAR':>5} {'attn':>6} {'disp':>6} {'moe':>6} "
-        f"{'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck"
+        f"{'#':>3} {'layout':<34} {'step ms':>8} {'tok/s/GPU':>10} {'range':>15} {'vs best':>13} {'PAR':>5} "
+        f"{'attn':>6} {'disp':>6} {'moe':>6} {'comb':>6} {'TBO':>3} {'wts GB':>7} {'KV GB':>6} {'maxB':>5}  bottleneck"
     )
     lines = [head, "-" * len(head)]
     ok = plan.feasible
     for i, r in enumerate(ok[:top]):
         c, lc, m = r.cost, r.cost.layer, r.memory
+        lo, hi = r.ranges()["tokens_per_s_per_gpu_range"]
+        g = plan.gain_vs_best(r)
+        vs = "best" if i == 0 else f"{g[1].low * 100:+.0f}..{g[1].high * 100:+.0f}%"
         lines.append(
-            f"{i + 1:>3} {r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} {r.par:>5.2f} "
+            f"{i + 1:>3} {r.candidate.label(E):<34} {c.step_time * 1e3:>8.2f} {c.tokens_per_s_per_gpu:>10,.0f} "
+            f"{f'{lo:,.0f}-{hi:,.0f}':>15} {vs:>13} {r.par:>5.2f} "
             f"{lc.attention * 1e6:>6.0f} {lc.dispatch * 1e6:>6.0f} {lc.compute * 1e6:>6.0f} {lc.combine * 1e6:>6.0f} "
             f"{'on' if lc.overlap_used else 'off':>3} {(m.non_expert + m.expert) / 1e9:>7.1f} {m.kv_free / 1e9:>6.1f} "
             f"{m.max_step_tokens:>5}  {c.bottleneck}"
@@ -185,7 +179,9 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     files.append((trt_opts, yaml.safe_dump(flags["trtllm_extra_llm_api_options"], sort_keys=False).encode()))
     text = [
         f"# {model.name} on {plan.cluster.name}, {plan.options.phase}: {best.candidate.label(model.num_logical_experts)}",
-        f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU, step {best.cost.step_time * 1e3:.2f} ms (cost model, not measured)",
+        f"# estimated {best.cost.tokens_per_s_per_gpu:,.0f} tok/s/GPU (range {_span(best.ranges()['tokens_per_s_per_gpu_range'], ',.0f')}), "
+        f"step {best.cost.step_time * 1e3:.2f} ms (range {_span(best.ranges()['step_time_ms_range'], '.2f')}; "
+        f"cost model on preset {plan.cluster.name}, {_measured(plan.cluster)})",
         "",
         "# SGLang",
         "python -m sglang.launch_server --model-path <MODEL> " + " ".join(_q(a) for a in flags["sglang"]),
@@ -215,6 +211,16 @@ def _plan_dict(plan) -> dict:
     d = plan.to_dict()
     d["hardware"] = {**hardware_summary(plan.cluster), "name": plan.cluster.name}
     return d
+
+
+def _span(pair: list[float], fmt: str) -> str:
+    return f"{pair[0]:{fmt}}-{pair[1]:{fmt}}"
+
+
+def _measured(cluster) -> str:
+    from placement.cost.hardware import hardware_summary
+
+    return "measured" if hardware_summary(cluster)["measured"] else "published figures, not measured"
 
 
 def _q(a: str) -> str:
@@ -306,7 +312,9 @@ def _print_plan(args, plan, model, cluster, compare, files) -> None:
     )
     echo(f"workload: {plan.workload}")
     echo(
-        "times per MoE layer in us; throughput = batch / step time per GPU (cost model estimates, not measurements)"
+        f"times per MoE layer in us; throughput = batch / step time per GPU (cost model on preset {cluster.name}, "
+        f"{_measured(cluster)}); range: over the all-to-all constant sets the published tables allow "
+        f"(placement/cost/ranges.py); vs best: throughput against the best layout on each set"
     )
     for line in _table(plan, args.top):
         echo(line)

@@ -24,7 +24,7 @@ import numpy as np
 
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import kernel_of_phase
-from placement.cost.step_time import traffic_bytes
+from placement.cost.traffic import traffic_bytes
 from placement.steps import PHASES
 
 __all__ = [

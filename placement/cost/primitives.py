@@ -12,7 +12,9 @@ objective, the rebalance rule and the rebalancer) computes it here, from the har
 - :func:`allreduce_time`: the small count all-reduce a per-step dispatch runs in every MoE layer.
 - :func:`attention_time`, :func:`mlp_time`, :func:`lm_head_time`: the parts of a step the placement
   does not change (attention reading the KV cache, shared experts, dense MLPs, the LM head).
-- :func:`move_time`: a rebalance's weight copies (the busiest receiving GPU sets the time).
+
+Traffic (what each GPU sends and receives) is counted in :mod:`placement.cost.traffic`, a rebalance's
+weight copies are priced in :mod:`placement.cost.migration`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from placement.cost.hardware import ClusterSpec, GpuSpec, LinkSpec
+from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.steps import PHASES
 
@@ -35,7 +37,6 @@ __all__ = [
     "kernel_of_phase",
     "lm_head_time",
     "mlp_time",
-    "move_time",
 ]
 
 KERNELS = ("low_latency", "normal")
@@ -140,7 +141,7 @@ def attention_time(
     """One attention block for ``b`` tokens on one GPU: projections by :func:`gemm_time`, the core as
     ``max(FLOPs / (P_bf16 eta_attn), KV read / (BW eta_m)) + t0`` (decode reads ``b x context_len``
     cached tokens; prefill attends half the prompt on average), plus an all-reduce inside the
-    attention-TP group when ``attn_tp > 1``."""
+    attention-TP group when ``attn_tp > 1`` (the link's all-reduce latency, not the all-to-all's)."""
     gpu, t = cluster.gpu, attn_tp
     proj_flops = 2.0 * model.attention_params * b
     w_bytes = model.attention_params * model.weight_bytes / t
@@ -150,9 +151,9 @@ def attention_time(
         core / (gpu.flops_bf16 * gpu.eta_attention), kv_read / (gpu.hbm_bandwidth * gpu.eta_memory)
     )
     time += gpu.gemm_overhead
-    if t > 1:  # one all-reduce of the attention output inside the TP group
+    if t > 1:  # one all-reduce of the attention output inside the TP group (a ring's bytes)
         time += (
-            cluster.intra.latency
+            cluster.intra.allreduce_latency
             + 2.0 * (t - 1) / t * b * t * model.hidden_size * 2 / cluster.intra.bandwidth
         )
     return float(time)
@@ -172,16 +173,3 @@ def lm_head_time(
             2.0,
         )
     )
-
-
-def move_time(arrived_per_gpu: ArrayLike, expert_bytes: float, link: LinkSpec | tuple[float, float]) -> float:
-    """Seconds of a rebalance's weight copies: the busiest receiving GPU's arrived experts x
-    ``expert_bytes`` over the link's bulk (normal-kernel) bandwidth, plus its latency; 0 when nothing
-    arrives. ``arrived_per_gpu`` int ``[G]`` (or ``[L, G]``, summed over layers); ``link`` a
-    :class:`LinkSpec` or ``(bytes/s, latency s)``."""
-    a = np.asarray(arrived_per_gpu)
-    per_gpu = a.sum(axis=0) if a.ndim == 2 else a
-    if per_gpu.size == 0 or per_gpu.sum() == 0:
-        return 0.0
-    bw, lat = link.kernel("normal") if isinstance(link, LinkSpec) else link
-    return float(per_gpu.max()) * float(expert_bytes) / float(bw) + float(lat)

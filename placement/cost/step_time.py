@@ -1,44 +1,45 @@
-"""Modelled time of the forward steps an engine runs on a trace (numpy only; described in docs/layout.md).
+"""Modelled time of the forward steps an engine runs (numpy only; described in docs/layout.md).
 
 Shapes: S steps, L MoE layers of the trace, E logical experts, P physical slots, G EP ranks (GPUs),
 N nodes, m GPUs per node, T tokens, k top-k.
 
-Per MoE layer and step (:func:`moe_layer_seconds`, the array core):
+What each step asks of each GPU (tokens per slot, all-to-all copies over NVLink and RDMA) comes from
+the one traffic model, :mod:`placement.cost.traffic` (:class:`~placement.cost.traffic.StepLoads`).
+This module prices it (:func:`price_loads`, the one definition every caller shares: ``evaluate``,
+``advise``, the layout planner, the per-step fit):
 
-- each GPU's grouped GEMM, :func:`placement.cost.primitives.expert_gemm_time`:
-  ``max(6 d f n / (P eta_c), (A W + n act) / (BW eta_m)) + t0`` with ``n`` the GPU's token-expert
-  pairs and ``A`` its active experts (a slot with ``x`` tokens counts ``min(x, 1)``: an even split of
-  ``n`` tokens over ``c`` replicas activates ``min(n, c)`` of them); the slowest GPU sets the time;
-- dispatch and combine, :func:`placement.cost.primitives.a2a_time`: latency plus the busiest GPU's
-  sent or received bytes over NVLink and over RDMA (each its own bandwidth). Decode uses the
-  low-latency kernels (one copy per token and pick off the GPU); prefill the normal kernels (one RDMA
-  copy per token and remote node, landing on the same-index GPU there, then NVLink to each GPU it
-  needs; a token's picks are taken as independent for the de-duplication). Combine moves the
-  dispatch's bytes back at ``combine_bytes_per_token``.
+- per MoE layer and step, each GPU's grouped GEMM (:func:`placement.cost.primitives.expert_gemm_time`,
+  ``max(6 d f n / (P eta_c), (A W + n act) / (BW eta_m)) + t0`` with ``n`` the GPU's pairs and ``A``
+  its active slots; the slowest GPU sets the time), dispatch and combine
+  (:func:`placement.cost.primitives.a2a_time`: the kernel's latency plus the busiest GPU's sent or
+  received bytes over NVLink and over RDMA; combine moves the dispatch's tokens back at
+  ``combine_bytes_per_token``);
+- the all-to-all ``kernel`` is an input: ``low_latency`` or ``normal`` (default by phase, DeepEP's
+  choice: decode low-latency, prefill normal; ``engine`` batches as decode);
+- two-batch overlap (:class:`StepOptions`): ``off`` (every part on the critical path), ``on`` (two micro-batches of half
+  the tokens: a MoE layer takes ``2 max(attention + shared + GEMM, dispatch + combine)`` at the half),
+  ``auto`` (the faster of the two on the mean);
+- per step, where the dispatch model splits each step (``needs_step_counts``), a count all-reduce
+  across the EP group plus ``gpu.split_overhead`` per MoE layer (never hidden by overlap);
+- the rest of the step (attention reading the KV cache of ``tokens x context_len`` in every layer,
+  shared experts, dense layers, LM head; ``tokens`` the mean a rank holds in the priced steps; the
+  dense MLPs and the LM head split over ``attn_tp``).
 
-Per step (:func:`step_time`): the MoE layers (the trace's layers, their mean scaled to the model's
-MoE layer count), the per-step dispatch's own cost where the dispatch model splits each step
-(``needs_step_counts``: a count all-reduce across the EP group plus ``gpu.split_overhead`` per MoE
-layer), and the rest of the step from the model preset (attention reading the KV cache of
-``tokens x context_len`` in every layer, shared experts, dense layers, LM head; ``tokens`` the mean
-a rank holds in the priced steps, at most ``step_tokens`` when sequences run out). No two-batch
-overlap: every part is on the critical path.
-
-The dispatch model decides each step's slot loads (its ``step_load`` from the step's counts, its
-expected ``choices`` per source rank, or its token-level ``route``); this module never spells a
-model's name.
+The MoE layers' mean over the trace's layers is scaled to the model's MoE layer count.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import (
+    KERNELS,
     a2a_time,
     allreduce_time,
     attention_time,
@@ -47,6 +48,7 @@ from placement.cost.primitives import (
     lm_head_time,
     mlp_time,
 )
+from placement.cost.traffic import StepArrays, StepLoads, counted_loads
 from placement.steps import priced_phase
 
 if TYPE_CHECKING:
@@ -57,27 +59,40 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CONTEXT_LEN",
+    "OVERLAPS",
+    "LayerBreakdown",
     "StepArrays",
+    "StepOptions",
     "StepTime",
-    "layer_flows",
+    "dispatch_overhead_seconds",
+    "loads_layer_parts",
     "moe_layer_parts",
     "moe_layer_seconds",
+    "price_breakdown",
+    "price_loads",
+    "priced_kernel",
     "rest_of_step_seconds",
+    "step_loads",
     "step_time",
     "step_time_from_arrays",
-    "traffic_bytes",
 ]
 
 DEFAULT_CONTEXT_LEN = 4096  # cached tokens per sequence (decode) or prompt length (prefill) by default
+OVERLAPS = ("off", "on", "auto")  # two-batch overlap: never, always, when faster
 
 
 @dataclass(frozen=True)
 class StepTime:
     """Milliseconds of one whole forward step (all layers), mean over the priced steps.
 
-    ``whole_ms = moe_ms + dispatch_overhead_ms + rest_ms`` and ``moe_ms = gemm_ms + a2a_ms``
-    (``a2a_ms``: dispatch plus combine). ``calibrated``: the GPU's GEMM constants were refitted on the
-    device (:attr:`placement.cost.hardware.GpuSpec.calibrated`).
+    ``whole_ms = moe_ms + dispatch_overhead_ms + rest_ms - overlap_saving_ms`` and
+    ``moe_ms = gemm_ms + a2a_ms`` (``a2a_ms``: dispatch plus combine; the parts without overlap;
+    ``overlap_saving_ms`` is 0 unless two-batch overlap is used, and may be negative when it is
+    forced on where it does not pay). ``hardware``: the GPU preset's name; ``preset``: the cluster's
+    (GPU/intra/inter link); ``calibrated``: the GPU's GEMM constants were refitted on the device
+    (:attr:`placement.cost.hardware.GpuSpec.calibrated`); ``measured``: the preset carries measured
+    figures (:func:`placement.cost.hardware.hardware_summary`). ``held_tokens``: mean tokens a rank
+    holds per step.
     """
 
     whole_ms: float
@@ -94,10 +109,27 @@ class StepTime:
     step_tokens: int = 0
     context_len: int = DEFAULT_CONTEXT_LEN
     model: str = ""
+    kernel: str = ""
+    two_batch_overlap: bool = False
+    overlap_saving_ms: float = 0.0
+    attn_tp: int = 1
+    held_tokens: float = 0.0
+    preset: str = ""
+    measured: bool = False
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Tokens a rank holds per step over the step's time."""
+        return self.held_tokens / (self.whole_ms * 1e-3) if self.whole_ms > 0 else 0.0
 
     def to_dict(self) -> dict:
-        """The fields above (``evaluate --json`` puts them under ``step_time``)."""
-        return asdict(self)
+        """The fields above (``evaluate --json`` puts them under ``step_time``), with ``hardware`` as
+        ``{preset, measured}`` and the GPU's name under ``gpu``, plus ``tokens_per_s_per_gpu``."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["gpu"] = d.pop("hardware")
+        d["hardware"] = {"preset": d.pop("preset"), "measured": d.pop("measured")}
+        d["tokens_per_s_per_gpu"] = self.tokens_per_s_per_gpu
+        return d
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,131 +187,41 @@ def moe_layer_seconds(
     return gemm + disp + comb
 
 
-def _distinct(tokens: np.ndarray, picks: np.ndarray, k: int) -> np.ndarray:
-    """Expected tokens that need a destination at least once: ``tokens (1 - (1 - p)^k)`` with
-    ``p = picks / (k tokens)`` the chance one pick lands there (picks independent)."""
-    p = np.divide(picks, k * tokens, out=np.zeros_like(picks), where=tokens > 0)
-    return tokens * (1.0 - np.power(1.0 - np.clip(p, 0.0, 1.0), k))
+def _fit_cluster(cluster: ClusterSpec, gpus_per_node: int) -> ClusterSpec:
+    """The cluster with the placement's GPUs per node (the topology says how GPUs share nodes)."""
+    return (
+        cluster if cluster.gpus_per_node == gpus_per_node else replace(cluster, gpus_per_node=gpus_per_node)
+    )
 
 
-def traffic_bytes(
-    pair_picks: np.ndarray,
-    src_tokens: np.ndarray,
-    gpus_per_node: int,
-    top_k: int,
-    kernel: str,
-    payload: float,
-) -> tuple[np.ndarray, np.ndarray]:
-    """The dispatch's ``(send, recv)`` bytes ``[S, G, 2]`` over (NVLink, RDMA).
-
-    Args:
-        pair_picks: float ``[S, G, G]`` picks from source GPU (axis 1) to serving GPU (axis 2).
-        src_tokens: float ``[S, G]`` tokens each GPU holds in the step.
-        kernel: ``low_latency`` (one copy per pick off the GPU) or ``normal`` (node-deduplicated).
-        payload: bytes of one dispatched token.
-    """
-    S, G, _ = pair_picks.shape
-    m = gpus_per_node
-    node = np.arange(G) // m
-    same = node[:, None] == node[None, :]
-    off_self = ~np.eye(G, dtype=bool)
-    send, recv = np.zeros((S, G, 2)), np.zeros((S, G, 2))
-    if kernel == "low_latency":
-        nvl = pair_picks * (same & off_self)
-        rdma = pair_picks * ~same
-        send[..., 0], send[..., 1] = nvl.sum(axis=2), rdma.sum(axis=2)
-        recv[..., 0], recv[..., 1] = nvl.sum(axis=1), rdma.sum(axis=1)
-        return send * payload, recv * payload
-    N = int(node.max()) + 1
-    to_node = np.zeros((S, G, N))
-    np.add.at(to_node.transpose(2, 0, 1), node, pair_picks.transpose(2, 0, 1))  # [S, G, N]
-    need_node = _distinct(src_tokens[:, :, None], to_node, top_k)  # [S, G, N] tokens crossing to n
-    remote = node[:, None] != np.arange(N)[None, :]  # [G, N]
-    send[..., 1] = (need_node * remote).sum(axis=2)
-    # a token for node n lands on the GPU of n with the sender's index in its node
-    land = np.arange(N)[None, :] * m + (np.arange(G) % m)[:, None]  # [G, N] landing GPU
-    land = np.minimum(land, G - 1)
-    np.add.at(recv[..., 1].T, land[remote], (need_node[:, remote]).T)
-    need_gpu = _distinct(src_tokens[:, :, None], pair_picks, top_k)  # [S, G, G] tokens for each GPU
-    fwd = node[None, :] * m + (np.arange(G) % m)[:, None]  # [G_src, G_dst] GPU that forwards on NVLink
-    fwd = np.minimum(fwd, G - 1)
-    hop = fwd != np.arange(G)[None, :]  # the token still has an NVLink hop to its GPU
-    recv[..., 0] = (need_gpu * hop).sum(axis=1)
-    np.add.at(send[..., 0].T, fwd[hop], need_gpu[:, hop].T)
-    return send * payload, recv * payload
-
-
-# ---------------------------------------------------------------------------------------------
-# From a trace's steps to per-GPU loads
-# ---------------------------------------------------------------------------------------------
-def layer_flows(
-    placement: Placement,
-    layer: int,
-    ids: np.ndarray,
-    step: np.ndarray,
-    src: np.ndarray,
-    num_steps: int,
-    dispatch: DispatchModel,
-    rows: np.ndarray | None = None,
-) -> np.ndarray:
-    """Token-expert pairs from each source rank to each slot in each step: float64 ``[S, G, P]``.
-
-    Args:
-        ids: int ``[T, k]`` logical ids of one layer (-1: none); step: int64 ``[T]`` step of each
-            token (-1: in no step); src: int64 ``[T]`` its rank; rows: int64 ``[T]`` its row in the
-            rank's batch (for a model that hashes rows).
-    """
-    G, E, P = placement.topology.ep_size, placement.num_logical_experts, placement.num_physical_experts
-    valid = (ids >= 0) & (step >= 0)[:, None]
-    tok = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)[valid]
-    key = step[tok] * G + src[tok]  # [n] (step, rank) of each pick
-    if dispatch.step_load is None and not dispatch.fractional:
-        from placement.dispatch import route_layer
-
-        slots = route_layer(placement, layer, ids, src, dispatch, batch_index=rows)[valid]
-        return (
-            np.bincount(key * P + slots, minlength=num_steps * G * P).reshape(num_steps, G, P).astype(float)
-        )
-    e = ids[valid].astype(np.int64)
-    counts = np.bincount(key * E + e, minlength=num_steps * G * E).reshape(num_steps, G, E).astype(float)
-    if dispatch.step_load is not None:
-        slot = np.asarray(
-            dispatch.step_load(placement, layer, counts.sum(axis=1)), dtype=np.float64
-        )  # [S, P]
-        p2l = placement.physical_to_logical_map[layer]  # [P]
-        tot = counts.sum(axis=1)[:, p2l]  # [S, P]
-        share = np.divide(slot, tot, out=np.zeros_like(slot), where=tot > 0)  # [S, P]
-        return counts[:, :, p2l] * share[:, None, :]  # each rank's tokens split as the expert's
-    from placement.dispatch import rank_choices
-
-    slots, weights = rank_choices(placement, layer, dispatch)  # [G, E, R]
-    share = np.zeros((G, E, P))
-    gi, ei, ri = np.nonzero(slots >= 0)
-    np.add.at(share, (gi, ei, slots[gi, ei, ri]), weights[gi, ei, ri])
-    return np.einsum("sge,gep->sgp", counts, share)
-
-
-def _gpu_loads(placement: Placement, flows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(gpu_tokens [S, G], gpu_active [S, G], pair_picks [S, G, G])`` from flows ``[S, G, P]``."""
-    t = placement.topology
-    S, G, P = flows.shape
-    slot = flows.sum(axis=1)  # [S, P]
-    gpu_tokens = slot.reshape(S, G, t.slots_per_gpu).sum(axis=2)
-    gpu_active = np.minimum(slot, 1.0).reshape(S, G, t.slots_per_gpu).sum(axis=2)
-    pair = flows.reshape(S, G, G, t.slots_per_gpu).sum(axis=3)  # [S, G_src, G_dst]
-    return gpu_tokens, gpu_active, pair
+def loads_layer_parts(
+    cluster: ClusterSpec, model: ModelSpec, loads: StepLoads, scale: float = 1.0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(gemm, dispatch, combine)`` seconds ``[S, L]`` of the MoE layers of ``loads`` (with its
+    kernel), for ``scale`` of the batch (0.5: one micro-batch of two-batch overlap)."""
+    cluster = _fit_cluster(cluster, loads.gpus_per_node)
+    payload = model.dispatch_bytes_per_token
+    send, recv = loads.send * scale * payload, loads.recv * scale * payload
+    tokens, active = loads.gpu_tokens(scale), loads.active_experts(scale)
+    return moe_layer_parts(cluster, model, tokens, active, send, recv, loads.kernel)
 
 
 def rest_of_step_seconds(
-    model: ModelSpec, cluster: ClusterSpec, step_tokens: float, phase: str, context_len: float
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    step_tokens: float,
+    phase: str,
+    context_len: float,
+    attn_tp: int = 1,
 ) -> float:
     """The parts of one step the placement does not change: attention in every layer, shared experts
-    in the MoE layers, the dense MLP layers and the LM head (seconds, ``step_tokens`` per rank)."""
+    in the MoE layers, the dense MLP layers (split over ``attn_tp``) and the LM head (seconds,
+    ``step_tokens`` per rank)."""
     b = float(step_tokens)
-    attn = attention_time(model, cluster, b, phase, context_len)
+    attn = attention_time(model, cluster, b, phase, context_len, attn_tp)
     shared = mlp_time(model, cluster.gpu, b, model.shared_intermediate_size)
-    dense = mlp_time(model, cluster.gpu, b, model.dense_intermediate_size)
-    head = lm_head_time(model, cluster.gpu, b, phase, context_len)
+    dense = mlp_time(model, cluster.gpu, b, model.dense_intermediate_size, attn_tp)
+    head = lm_head_time(model, cluster.gpu, b, phase, context_len, attn_tp)
     return model.num_layers * attn + model.num_moe_layers * shared + model.num_dense_layers * dense + head
 
 
@@ -295,27 +237,213 @@ def dispatch_overhead_seconds(
     return model.num_moe_layers * (per_layer + cluster.gpu.split_overhead)
 
 
+# ---------------------------------------------------------------------------------------------
+# Pricing a step's loads: the one definition of a whole step
+# ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class StepArrays:
-    """Tokens already cut into steps, as :func:`step_time_from_arrays` prices them.
+class LayerBreakdown:
+    """One MoE layer's parts, seconds ``[S, L]`` (attention and shared expert: per layer, scalars).
 
-    Attributes:
-        topk_ids: int ``[T, L, k]`` logical ids of the stepped tokens (-1: none).
-        step: int64 ``[T]`` each token's step (-1: in no step).
-        src: int64 ``[T]`` each token's rank.
-        num_steps: ``S``, the number of steps.
-        step_tokens: tokens per rank per step.
-        phase: ``"decode"``, ``"prefill"`` or ``"engine"`` (recorded batches, priced as decode).
-        rows: int64 ``[T]`` each token's row in its rank's batch (a model that needs batch rows), or None.
+    ``gemm``, ``dispatch``, ``combine``: at the full batch; ``no_overlap`` their sum with attention
+    and the shared expert; ``overlapped``: ``2 max(attention + shared + GEMM, dispatch + combine)``
+    at half the batch (None when not priced); ``used``: the one the step takes.
     """
 
-    topk_ids: np.ndarray
-    step: np.ndarray
-    src: np.ndarray
-    num_steps: int
-    step_tokens: int
+    attention: float
+    shared: float
+    gemm: np.ndarray
+    dispatch: np.ndarray
+    combine: np.ndarray
+    no_overlap: np.ndarray
+    overlapped: np.ndarray | None
+    used: np.ndarray
+    overlap_used: bool
+
+
+def priced_kernel(phase: str, kernel: str | None = None) -> str:
+    """The all-to-all kernel a step is priced with: ``kernel`` when given (what the launch selects),
+    else by phase (DeepEP's choice; ``engine`` batches as decode)."""
+    if kernel is not None:
+        if kernel not in KERNELS:
+            raise ValueError(f"all-to-all kernel must be one of {KERNELS} or None (by phase), got {kernel!r}")
+        return kernel
+    return kernel_of_phase(priced_phase(phase))
+
+
+@refuse_unknown_keywords
+@dataclass(frozen=True)
+class StepOptions:
+    """What the launch chooses for its steps, which the price follows.
+
+    Attributes:
+        kernel: the all-to-all kernel (``low_latency`` or ``normal``; a command that sets DeepEP's
+            low-latency mode for every batch prices prefill with it too); None: by phase
+            (:func:`priced_kernel`).
+        overlap: two-batch overlap, ``off``, ``on``, ``auto`` (the faster) or a bool.
+        attn_tp: attention tensor-parallel size inside an attention-DP group (1: pure attention DP).
+    """
+
+    kernel: str | None = None
+    overlap: str | bool = "off"
+    attn_tp: int = 1
+
+    def __post_init__(self) -> None:
+        priced_kernel("decode", self.kernel)
+        ov = self.overlap
+        if not isinstance(ov, (bool, np.bool_)) and ov not in OVERLAPS:
+            raise ValueError(f"two-batch overlap must be one of {OVERLAPS} or a bool, got {ov!r}")
+        t = self.attn_tp
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or t < 1:
+            raise ValueError(f"attn_tp must be a whole number >= 1, got {t!r}")
+
+    @property
+    def overlap_mode(self) -> str:
+        """``off``, ``on`` or ``auto`` (a bool read as on/off)."""
+        if isinstance(self.overlap, (bool, np.bool_)):
+            return "on" if self.overlap else "off"
+        return str(self.overlap)
+
+
+class _Setting(NamedTuple):
+    """One pricing's resolved inputs: phase priced, dispatch model, context, tokens per rank, options."""
+
     phase: str
-    rows: np.ndarray | None = None
+    dispatch: DispatchModel
+    context_len: float
+    tokens: float
+    step_tokens: int
+    options: StepOptions
+
+
+def _moe_layers(
+    model: ModelSpec, cluster: ClusterSpec, loads: StepLoads, s: _Setting, overlapped: bool
+) -> LayerBreakdown:
+    """The MoE layers' parts at the full batch and, when overlap is not off or ``overlapped`` asks for
+    it, at a two-batch half."""
+    b, c, t, ov = s.tokens, s.context_len, s.options.attn_tp, s.options.overlap_mode
+    attn = attention_time(model, cluster, b, s.phase, c, t)
+    shared = mlp_time(model, cluster.gpu, b, model.shared_intermediate_size)
+    gemm, disp, comb = loads_layer_parts(cluster, model, loads)
+    no = attn + shared + gemm + disp + comb
+    tbo = None
+    if ov != "off" or overlapped:
+        h_attn = attention_time(model, cluster, b / 2, s.phase, c, t)
+        h_shared = mlp_time(model, cluster.gpu, b / 2, model.shared_intermediate_size)
+        h_gemm, h_disp, h_comb = loads_layer_parts(cluster, model, loads, 0.5)
+        tbo = 2.0 * np.maximum(h_attn + h_shared + h_gemm, h_disp + h_comb)
+    on = ov == "on" or (ov == "auto" and bool(tbo.mean() < no.mean()))
+    return LayerBreakdown(attn, shared, gemm, disp, comb, no, tbo, tbo if on else no, on)
+
+
+def _setting(loads: StepLoads, phase: str, dispatch, context_len, step_tokens, options) -> _Setting:
+    """Check and resolve the pricing inputs (the kernel the options name must be the loads')."""
+    from placement.dispatch import EVEN, get_dispatch
+
+    opts = StepOptions() if options is None else options
+    if not isinstance(opts, StepOptions):
+        raise ValueError(f"options must be a StepOptions, got {type(opts).__name__}")
+    if opts.kernel is not None and opts.kernel != loads.kernel:
+        raise ValueError(
+            f"the loads were counted for the {loads.kernel} kernels, the options price {opts.kernel}"
+        )
+    c = float(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
+    if not c > 0 or loads.num_steps < 1:
+        raise ValueError(f"context_len must be > 0 and num_steps >= 1, got {context_len}, {loads.num_steps}")
+    held = loads.held_tokens
+    b = held if held > 0 else float(step_tokens or 0)
+    asked = int(step_tokens if step_tokens is not None else round(b))
+    disp = get_dispatch(EVEN if dispatch is None else dispatch)
+    return _Setting(priced_phase(phase), disp, c, b, asked, opts)
+
+
+def _price(
+    loads: StepLoads, model: ModelSpec, cluster: ClusterSpec, s: _Setting, overlapped: bool, phase: str
+) -> tuple[StepTime, LayerBreakdown]:
+    """The whole step (module docstring) and the MoE layers it was summed from."""
+    from placement.cost.hardware import hardware_summary
+
+    cluster = _fit_cluster(cluster, loads.gpus_per_node)
+    layers = _moe_layers(model, cluster, loads, s, overlapped)
+    scale = model.num_moe_layers  # mean over the trace's layers, times the model's MoE layers
+    gemm_s = float(layers.gemm.mean()) * scale
+    a2a_s = float((layers.dispatch + layers.combine).mean()) * scale
+    saving = (
+        (float(layers.no_overlap.mean()) - float(layers.used.mean())) * scale if layers.overlap_used else 0.0
+    )
+    over = dispatch_overhead_seconds(model, cluster, loads.ep_size, s.dispatch)
+    rest = rest_of_step_seconds(model, cluster, s.tokens, s.phase, s.context_len, s.options.attn_tp)
+    ms, summary = 1e3, hardware_summary(cluster)
+    st = StepTime(
+        whole_ms=(gemm_s + a2a_s + over + rest - saving) * ms,
+        moe_ms=(gemm_s + a2a_s) * ms,
+        gemm_ms=gemm_s * ms,
+        a2a_ms=a2a_s * ms,
+        dispatch_overhead_ms=over * ms,
+        rest_ms=rest * ms,
+        phase=phase,
+        dispatch=s.dispatch.name,
+        hardware=cluster.gpu.name,
+        calibrated=bool(cluster.gpu.calibrated),
+        num_steps=loads.num_steps,
+        step_tokens=s.step_tokens,
+        context_len=int(s.context_len),
+        model=model.name,
+        kernel=loads.kernel,
+        two_batch_overlap=layers.overlap_used,
+        overlap_saving_ms=saving * ms,
+        attn_tp=int(s.options.attn_tp),
+        held_tokens=s.tokens,
+        preset=str(summary["preset"]),
+        measured=bool(summary["measured"]),
+    )
+    return st, layers
+
+
+def price_loads(
+    loads: StepLoads,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    phase: str,
+    dispatch: DispatchModel | str | None = None,
+    context_len: float | None = None,
+    step_tokens: int | None = None,
+    options: StepOptions | None = None,
+) -> StepTime:
+    """The whole step of ``loads`` (:mod:`placement.cost.traffic`) on ``cluster``: MoE layers (with or
+    without two-batch overlap) + the ``dispatch``'s own per-step cost + the rest of the step.
+
+    The loads carry their all-to-all kernel and do not depend on the hardware constants, so one
+    :class:`~placement.cost.traffic.StepLoads` is priced on every constant set of
+    :func:`placement.cost.ranges.cluster_sets` without recounting.
+
+    Args:
+        phase: ``decode``, ``prefill`` or ``engine`` (priced as decode) for attention and the LM head.
+        dispatch: the dispatch model (None: ``even``), for its own per-step cost.
+        context_len: cached tokens per sequence in decode, prompt length in prefill (default 4096).
+        step_tokens: tokens per rank per step as asked (reported; the rest of the step is priced at the
+            tokens the ranks hold, this only when they hold none).
+        options: :class:`StepOptions` (overlap, attention TP; its kernel, if named, must be the loads').
+    """
+    s = _setting(loads, phase, dispatch, context_len, step_tokens, options)
+    return _price(loads, model, cluster, s, False, phase)[0]
+
+
+def price_breakdown(
+    loads: StepLoads,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    phase: str,
+    dispatch: DispatchModel | str | None = None,
+    context_len: float | None = None,
+    step_tokens: int | None = None,
+    options: StepOptions | None = None,
+) -> tuple[StepTime, LayerBreakdown]:
+    """:func:`price_loads` and the MoE layers' :class:`LayerBreakdown` it was summed from (with the
+    two-batch halves priced even when overlap is off)."""
+    s = _setting(loads, phase, dispatch, context_len, step_tokens, options)
+    return _price(loads, model, cluster, s, True, phase)
 
 
 def step_time_from_arrays(
@@ -326,58 +454,21 @@ def step_time_from_arrays(
     cluster: ClusterSpec,
     *,
     context_len: float | None = None,
+    options: StepOptions | None = None,
 ) -> StepTime:
-    """:func:`step_time` on tokens already cut into steps (:class:`StepArrays`).
-
-    Steps: per layer the dispatch's flows -> per-GPU tokens, active experts and bytes -> per-layer
-    seconds ``[S, L]`` -> mean step, scaled to the model's MoE layers -> overhead and rest of step.
-    """
-    from placement.dispatch import get_dispatch
-
-    topk_ids, step, src, rows = arrays.topk_ids, arrays.step, arrays.src, arrays.rows
-    num_steps, step_tokens, phase = arrays.num_steps, arrays.step_tokens, arrays.phase
-    disp = get_dispatch(dispatch)
-    priced = priced_phase(phase)
-    kernel = kernel_of_phase(priced)
-    c = float(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
-    if not c > 0 or num_steps < 1:
-        raise ValueError(f"context_len must be > 0 and num_steps >= 1, got {context_len}, {num_steps}")
-    t = placement.topology
-    if cluster.gpus_per_node != t.gpus_per_node:  # the placement's topology says how GPUs share nodes
-        cluster = replace(cluster, gpus_per_node=t.gpus_per_node)
-    S, L, G = int(num_steps), topk_ids.shape[1], t.ep_size
-    tokens, active = np.zeros((S, L, G)), np.zeros((S, L, G))
-    send, recv = np.zeros((S, L, G, 2)), np.zeros((S, L, G, 2))
-    ok = step >= 0
-    src_tokens = np.bincount(step[ok] * G + src[ok], minlength=S * G).reshape(S, G).astype(float)
-    for l in range(L):
-        flows = layer_flows(placement, l, np.asarray(topk_ids[:, l, :]), step, src, S, disp, rows)
-        tokens[:, l], active[:, l], pair = _gpu_loads(placement, flows)
-        send[:, l], recv[:, l] = traffic_bytes(
-            pair, src_tokens, t.gpus_per_node, model.top_k, kernel, model.dispatch_bytes_per_token
-        )
-    gemm, d, cb = moe_layer_parts(cluster, model, tokens, active, send, recv, kernel)
-    scale = model.num_moe_layers  # mean over the trace's layers, times the model's MoE layers
-    gemm_s, a2a_s = float(gemm.mean()) * scale, float((d + cb).mean()) * scale
-    over = dispatch_overhead_seconds(model, cluster, G, disp)
-    held = float(src_tokens.mean())  # tokens per rank per step actually held (sequences can run out)
-    rest = rest_of_step_seconds(model, cluster, held if held > 0 else step_tokens, priced, c)
-    ms = 1e3
-    return StepTime(
-        whole_ms=(gemm_s + a2a_s + over + rest) * ms,
-        moe_ms=(gemm_s + a2a_s) * ms,
-        gemm_ms=gemm_s * ms,
-        a2a_ms=a2a_s * ms,
-        dispatch_overhead_ms=over * ms,
-        rest_ms=rest * ms,
-        phase=phase,
-        dispatch=disp.name,
-        hardware=cluster.gpu.name,
-        calibrated=bool(cluster.gpu.calibrated),
-        num_steps=S,
-        step_tokens=int(step_tokens),
-        context_len=int(c),
-        model=model.name,
+    """:func:`step_time` on tokens already cut into steps (:class:`StepArrays`): the traffic model's
+    :func:`~placement.cost.traffic.counted_loads`, priced by :func:`price_loads`."""
+    kernel = priced_kernel(arrays.phase, options.kernel if options is not None else None)
+    loads = counted_loads(placement, arrays, dispatch, model.top_k, kernel)
+    return price_loads(
+        loads,
+        model,
+        cluster,
+        phase=arrays.phase,
+        dispatch=dispatch,
+        context_len=context_len,
+        step_tokens=arrays.step_tokens,
+        options=options,
     )
 
 
@@ -407,6 +498,8 @@ def _check_types(placement, trace, steps, model, cluster, context_len) -> None:
         ("model", model, ModelSpec, "placement.cost.modelspec.load_model"),
         ("cluster", cluster, ClusterSpec, "placement.cost.hardware.cluster_preset"),
     ):
+        if value is None and name == "cluster":
+            continue
         if not isinstance(value, cls):
             raise ValueError(f"{name} must be a {cls.__name__} ({how}), got {type(value).__name__}")
     c = context_len
@@ -416,28 +509,19 @@ def _check_types(placement, trace, steps, model, cluster, context_len) -> None:
         raise ValueError(f"context_len must be a finite number of tokens > 0 or None (4096), got {c!r}")
 
 
-def step_time(
+def step_loads(
     placement: Placement,
     trace: RoutingTrace,
     steps: Steps,
     dispatch: DispatchModel | str,
     model: ModelSpec,
-    cluster: ClusterSpec,
+    cluster: ClusterSpec | None = None,
     *,
+    kernel: str | None = None,
     context_len: float | None = None,
-) -> StepTime:
-    """Modelled time of the steps ``steps`` of ``trace`` under ``placement`` and ``dispatch``.
-
-    Args:
-        placement: the map priced (its topology gives G, N, slots per GPU).
-        trace: a per-token trace whose layers match the placement's rows.
-        steps: :class:`placement.steps.Steps` from :func:`placement.steps.make_steps` (which tokens form
-            each step on which rank, and the phase; ``engine`` steps, the trace's recorded batches, are
-            priced with the decode kernels).
-        model, cluster: :class:`~placement.cost.modelspec.ModelSpec` and
-            :class:`~placement.cost.hardware.ClusterSpec` presets.
-        context_len: cached tokens per sequence in decode, prompt length in prefill (default 4096).
-    """
+) -> StepLoads:
+    """The traffic model's loads of ``steps`` (what :func:`step_time` prices), checked as it checks
+    them; ``kernel`` None: by the steps' phase (:func:`priced_kernel`)."""
     _check_types(placement, trace, steps, model, cluster, context_len)
     if not trace.has_tokens:
         raise ValueError("step_time needs a per-token trace (topk_ids); this trace has counts only")
@@ -453,4 +537,46 @@ def step_time(
         )
     ids, step, src, rows = _stepped(steps, trace, placement.topology.ep_size)
     arrays = StepArrays(ids, step, src, steps.num_steps, steps.step_tokens, steps.phase, rows)
-    return step_time_from_arrays(placement, arrays, dispatch, model, cluster, context_len=context_len)
+    return counted_loads(placement, arrays, dispatch, model.top_k, priced_kernel(steps.phase, kernel))
+
+
+def step_time(
+    placement: Placement,
+    trace: RoutingTrace,
+    steps: Steps,
+    dispatch: DispatchModel | str,
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    *,
+    context_len: float | None = None,
+    options: StepOptions | None = None,
+) -> StepTime:
+    """Modelled time of the steps ``steps`` of ``trace`` under ``placement`` and ``dispatch``:
+    :func:`step_loads` priced by :func:`price_loads`.
+
+    Args:
+        placement: the map priced (its topology gives G, N, slots per GPU).
+        trace: a per-token trace whose layers match the placement's rows.
+        steps: :class:`placement.steps.Steps` from :func:`placement.steps.make_steps` (which tokens form
+            each step on which rank, and the phase; ``engine`` steps, the trace's recorded batches, are
+            priced with the decode kernels unless the options name a kernel).
+        model, cluster: :class:`~placement.cost.modelspec.ModelSpec` and
+            :class:`~placement.cost.hardware.ClusterSpec` presets.
+        context_len: cached tokens per sequence in decode, prompt length in prefill (default 4096).
+        options: :class:`StepOptions`, what the launch chooses: the all-to-all kernel (default by
+            phase), two-batch overlap (default off), attention TP (default 1).
+    """
+    kernel = options.kernel if options is not None else None
+    loads = step_loads(
+        placement, trace, steps, dispatch, model, cluster, kernel=kernel, context_len=context_len
+    )
+    return price_loads(
+        loads,
+        model,
+        cluster,
+        phase=steps.phase,
+        dispatch=dispatch,
+        context_len=context_len,
+        step_tokens=steps.step_tokens,
+        options=options,
+    )

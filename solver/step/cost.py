@@ -22,9 +22,8 @@ import numpy as np
 
 from placement.cost.hardware import DEFAULT_HARDWARE, ClusterSpec, cluster_preset
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec, load_model
-from placement.cost.primitives import kernel_of_phase
-from placement.cost.step_time import moe_layer_seconds, traffic_bytes
-from placement.steps import priced_phase
+from placement.cost.step_time import loads_layer_parts, priced_kernel
+from placement.cost.traffic import StepLoads, traffic_bytes
 from profiling.trace import RoutingTrace
 
 __all__ = ["DEFAULT_HARDWARE", "StepCost", "layer_seconds", "model_for_trace", "slot_loads", "step_cost_for"]
@@ -41,7 +40,7 @@ class StepCost:
 
     @property
     def kernel(self) -> str:
-        return kernel_of_phase(priced_phase(self.phase))
+        return priced_kernel(self.phase)
 
     def describe(self) -> str:
         return f"modelled {self.phase} step time ({self.model.name} on {self.cluster.name})"
@@ -113,20 +112,11 @@ def layer_seconds(
     share = np.divide(slot, tot, out=np.zeros_like(slot), where=tot > 0)  # [N, P]
     flows = c[:, :, p2l] * share[:, None, :]  # [N, G, P] rank -> slot
     pair = flows.reshape(N, G, G, slots_per_gpu).sum(axis=3)  # [N, G_src, G_dst]
-    tokens = slot.reshape(N, G, slots_per_gpu).sum(axis=2)  # [N, G] token-expert pairs per GPU
-    active = np.minimum(slot, 1.0).reshape(N, G, slots_per_gpu).sum(axis=2)  # [N, G]
     held = c.sum(axis=2) / max(cost.model.top_k, 1)  # [N, G] tokens each rank holds (picks / k)
     m = cost.cluster.gpus_per_node
-    send, recv = traffic_bytes(
-        pair, held, m, cost.model.top_k, cost.kernel, cost.model.dispatch_bytes_per_token
+    send, recv = traffic_bytes(pair, held, m, cost.model.top_k, cost.kernel, 1.0)  # tokens per GPU
+    loads = StepLoads(
+        slot[:, None], send[:, None], recv[:, None], held, slots_per_gpu, m, cost.kernel, False, ""
     )
-    sec = moe_layer_seconds(
-        cost.cluster,
-        cost.model,
-        tokens[:, None],
-        active[:, None],
-        send[:, None],
-        recv[:, None],
-        kernel=cost.kernel,
-    )  # [N, 1]
-    return sec[:, 0]
+    gemm, disp, comb = loads_layer_parts(cost.cluster, cost.model, loads)  # [N, 1]
+    return (gemm + disp + comb)[:, 0]

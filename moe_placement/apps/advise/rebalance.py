@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_placement.apps.advise.engines import ENGINES
-from placement.cost.hardware import REBALANCE_STALL_S
+from placement.cost.migration import rebalance_stall_seconds
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
@@ -28,7 +28,8 @@ from solver.api import solve
 
 __all__ = ["STALL_SOURCE", "Rebalance", "judge", "stall"]
 
-# Where the stall figures (placement.cost.hardware.REBALANCE_STALL_S, seconds low-high) come from.
+# Where the stall figures (placement.cost.hardware.REBALANCE_STALL_S, seconds low-high; priced by
+# placement.cost.migration.rebalance_stall_seconds) come from.
 STALL_SOURCE = {
     "vllm": "vLLM sync EPLB rearrangement stall 0.65-1.70 s (mean 0.91 s over 22 rearrangements, DeepSeek-R1 "
     "NVFP4 on 32 GB200, vllm-project/vllm PR #43219); vLLM's async EPLB (use_async, default) keeps serving",
@@ -39,9 +40,7 @@ STALL_SOURCE = {
 def stall(engine: str) -> tuple[float, str]:
     """``(stall seconds on the serving path, source)``: the high end of the engine's measured range for a
     synchronous rearrangement, 0 where the engine rebalances asynchronously."""
-    if ENGINES[engine].async_rebalance:
-        return 0.0, STALL_SOURCE[engine]
-    return REBALANCE_STALL_S[engine][1], STALL_SOURCE[engine]
+    return rebalance_stall_seconds(engine, ENGINES[engine].async_rebalance), STALL_SOURCE[engine]
 
 
 @dataclass(frozen=True)

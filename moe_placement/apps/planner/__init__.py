@@ -7,10 +7,10 @@ The steps, one module each:
 - :mod:`placement.cost.modelspec`: :class:`ModelSpec`, the model's shapes (built-ins in ``models/*.json``,
   a model JSON, or a Hugging Face ``config.json``), :func:`load_model`.
 - :mod:`placement.cost.hardware`: GPU, link and cluster presets (:func:`cluster_preset`).
-- :mod:`moe_placement.apps.planner.workload`: one step's per-GPU tokens, active experts and bytes, from per-expert
-  loads (analytic) or counted from a per-token trace.
-- :mod:`moe_placement.apps.planner.costmodel`: options (:class:`CostOptions`), primitive timings, memory per GPU and
-  the step time of a placement.
+- :mod:`placement.cost.traffic`: one step's per-GPU tokens and all-to-all bytes (the one traffic model),
+  expected from per-expert loads or counted from a per-token trace's steps.
+- :mod:`moe_placement.apps.planner.costmodel`: options (:class:`CostOptions`), memory per GPU and the step
+  a layout gets (:class:`LayoutCost`, priced by :mod:`placement.cost.step_time`).
 - :mod:`moe_placement.apps.planner.layout`: enumerate candidates, reject those that do not fit in memory, place,
   price and rank by throughput per GPU (:func:`plan_layout`, :func:`compare_phases`,
   :func:`launch_flags`).

@@ -1,42 +1,17 @@
-"""A step-time and memory model for MoE serving with attention-DP and expert-EP (no GPU needed).
+"""The layout planner's options, memory model and step cost, on the one cost model (placement/cost/).
 
-The model docs/layout.md describes. Shapes: L MoE layers, E logical experts, P physical slots,
-G EP ranks (GPUs), N nodes, m = G/N GPUs per node, S steps sampled from a trace.
+Shapes: L MoE layers, E logical experts, P physical slots, G EP ranks (GPUs), S steps.
 
-Per MoE layer and GPU ``g`` (decode or prefill step, ``b`` tokens per attention-DP rank):
-
-- expert compute (grouped GEMM with the small-GEMM penalty)::
-
-      F_g = 6 d f n_g ;  M_g = A_g W + n_g (activation bytes) ;
-      T_comp(g) = max(F_g / (P eta_c), M_g / (BW eta_m)) + t0
-
-  ``n_g`` token-expert pairs on ``g`` (from :func:`placement.metrics.expected_gpu_load` or, with a
-  trace, :func:`placement.metrics.route_tokens`), ``A_g`` experts with at least one token, ``W`` one
-  expert's weights (``3 d f b_w``).
-- dispatch and combine::
-
-      T_a2a = alpha + max_g max(NVLink_bytes(g) / B_nvl, RDMA_bytes(g) / B_rdma)   (send and receive)
-
-  ``a2a_mode="normal"`` (prefill; DeepEP normal kernels): node-deduplicated, a token crosses RDMA
-  once per remote node it needs and NVLink fans it out. ``a2a_mode="low_latency"`` (decode; DeepEP
-  low-latency kernels): one copy per (token, expert) pair, off-node copies over RDMA, on-node over
-  NVLink. Without a token trace the bytes are an analytic expectation from per-expert loads assuming
-  the ``k`` picks of a token are independent; with a trace they are counted token by token.
-- attention: projections with the GEMM formula, plus the attention core
-  ``max(FLOPs / (P_bf16 eta_attn), KV read / (BW eta_m)) + t0``; shared
-  experts, dense MLP layers and the LM head with the GEMM formula above.
-- layer: ``T_attn + T_shared + T_dispatch + max_g T_comp + T_combine``; with two-batch overlap
-  (two micro-batches of ``b/2``) ``2 max(T_attn + T_shared + T_comp, T_dispatch + T_combine)``
-  evaluated at ``b/2``. ``overlap="auto"`` keeps the faster of the two (an engine turns TBO off when
-  it does not pay: at tiny batches each half re-reads every expert's weights).
-- memory per GPU: non-expert weights + ``slots_per_gpu x W x L_moe`` (every redundant slot costs one
-  expert's weights in every MoE layer) + a runtime reserve; the rest is KV cache.
-
-Layout: model descriptions (:class:`ModelSpec`, :func:`load_model`) live in
-:mod:`placement.cost.modelspec`, per-step workloads (:class:`Workload`, :func:`analytic_workload`,
-:func:`trace_workload`) in :mod:`moe_placement.apps.planner.workload`, the primitive timings (``gemm_time``,
-``a2a_time``, attention, MLPs, LM head; re-exported here) in :mod:`placement.cost.primitives`, the one
-cost model every caller shares. This module holds the options, memory and the layout step time.
+The time of a step is not computed here: what each step asks of each GPU comes from the traffic model
+(:mod:`placement.cost.traffic`: :func:`~placement.cost.traffic.expected_loads` from per-expert loads,
+:func:`~placement.cost.traffic.counted_loads` from a trace's steps), and the whole step from
+:func:`placement.cost.step_time.price_breakdown`, the one definition ``evaluate --model`` and ``advise``
+share (per MoE layer: attention + shared expert + the slowest GPU's grouped GEMM + dispatch + combine,
+or with two-batch overlap ``2 max(attention + shared + GEMM, dispatch + combine)`` at half the batch;
+``overlap="auto"`` keeps the faster; then dense layers, the LM head and a per-step dispatch's cost).
+This module holds :class:`CostOptions`, the memory per GPU (every redundant slot costs one expert's
+weights in every MoE layer; the rest is KV cache) and :class:`LayoutCost`, the step a layout gets with
+its per-layer breakdown.
 """
 
 from __future__ import annotations
@@ -44,35 +19,30 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from moe_placement.apps.planner.workload import Workload
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
-from placement.cost.primitives import (
-    a2a_time,
-    attention_time,
-    expert_gemm_time,
-    gemm_time,
-    lm_head_time,
-    mlp_time,
-)
-from placement.steps import SIZING_STEP_TOKENS
+from placement.cost.primitives import KERNELS, expert_gemm_time
+from placement.cost.step_time import OVERLAPS, StepOptions, StepTime, price_breakdown, price_loads
+from placement.steps import PHASES, SIZING_STEP_TOKENS
 
 if TYPE_CHECKING:
+    from placement.cost.step_time import LayerBreakdown
+    from placement.cost.traffic import StepLoads
     from placement.model import Placement
 
 __all__ = [
     "CostOptions",
-    "gemm_time",
-    "a2a_time",
     "LayerCost",
+    "LayoutCost",
     "MemoryBreakdown",
-    "StepCost",
+    "layout_loads",
     "memory_per_gpu",
+    "price_layout",
     "step_cost",
 ]
 
@@ -92,11 +62,14 @@ class CostOptions:
             or ``prefill`` (``step_tokens`` prompt tokens of prompts ``context_len`` long).
         step_tokens: tokens per GPU per step ``b`` (default: the decode size a deployment is sized at,
             ``placement.steps.SIZING_STEP_TOKENS``).
-        a2a_mode: ``auto`` (decode -> low_latency, prefill -> normal), ``normal`` or ``low_latency``.
+        a2a_mode: the all-to-all kernel: ``auto`` (by phase: decode low_latency, prefill normal),
+            ``normal`` or ``low_latency`` (what the launch selects).
         overlap: ``off``, ``on`` (two-batch overlap) or ``auto`` (the faster; reported).
         attn_tp: attention tensor-parallel size inside an attention-DP group.
         reserve_fraction: HBM kept for activations, CUDA graphs, communication buffers
             (SGLang's ``mem_fraction_static`` 0.9 leaves 0.1; band 0.05-0.2).
+        max_steps: with a trace, the first steps of ``placement.steps.make_steps`` priced (None: all,
+            as ``evaluate --model`` prices them).
     """
 
     phase: Literal["decode", "prefill"] = "decode"
@@ -106,34 +79,35 @@ class CostOptions:
     overlap: Literal["off", "on", "auto"] = "auto"
     attn_tp: int = 1
     reserve_fraction: float = 0.10
+    max_steps: int | None = None
 
     def __post_init__(self) -> None:
-        if self.phase not in ("decode", "prefill"):
-            raise ValueError(f"phase must be 'decode' or 'prefill', got {self.phase!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
         sizes = {"step_tokens": self.step_tokens, "context_len": self.context_len, "attn_tp": self.attn_tp}
+        if self.max_steps is not None:
+            sizes["max_steps"] = self.max_steps
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
-        if self.step_tokens < 1 or self.context_len < 1 or self.attn_tp < 1:
+        if self.a2a_mode not in ("auto", *KERNELS) or self.overlap not in OVERLAPS:
             raise ValueError(
-                f"step_tokens, context_len and attn_tp must be >= 1, got {self.step_tokens}, {self.context_len}, {self.attn_tp}"
-            )
-        if self.a2a_mode not in ("auto", "normal", "low_latency") or self.overlap not in (
-            "off",
-            "on",
-            "auto",
-        ):
-            raise ValueError(
-                f"a2a_mode in auto/normal/low_latency and overlap in off/on/auto, got {self.a2a_mode}, {self.overlap}"
+                f"a2a_mode in {('auto', *KERNELS)} and overlap in {OVERLAPS}, got {self.a2a_mode}, {self.overlap}"
             )
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
 
     @property
+    def step_options(self) -> StepOptions:
+        """What the one step-time model takes from these options (kernel, overlap, attention TP)."""
+        return StepOptions(kernel=self.mode, overlap=self.overlap, attn_tp=self.attn_tp)
+
+    @property
     def mode(self) -> str:
-        if self.a2a_mode != "auto":
-            return self.a2a_mode
-        return "low_latency" if self.phase == "decode" else "normal"
+        """The all-to-all kernel priced (:func:`placement.cost.step_time.priced_kernel`)."""
+        from placement.cost.step_time import priced_kernel
+
+        return priced_kernel(self.phase, None if self.a2a_mode == "auto" else self.a2a_mode)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,160 +203,118 @@ def memory_per_gpu(
     return MemoryBreakdown(gpu.hbm_bytes, non_expert, expert, redundant, reserve, kv_free, kv_needed, kv_seq)
 
 
-def _attention_time(model: ModelSpec, cluster: ClusterSpec, b: float, options: CostOptions) -> float:
-    """One attention block for ``b`` tokens on one GPU (:func:`placement.cost.primitives.attention_time`)."""
-    return attention_time(model, cluster, b, options.phase, options.context_len, options.attn_tp)
-
-
-def _mlp_time(model: ModelSpec, gpu: GpuSpec, tokens: float, inter: int, split: int = 1) -> float:
-    return mlp_time(model, gpu, tokens, inter, split)
-
-
-def _moe_parts(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    wl: Workload,
-    scale: float,
-    num_nodes: int,
-    ep_size: int,
-    kernel: str,
-):
-    """Per-step, per-layer ``(dispatch, compute max over g, combine, compute mean)`` arrays ``[S, L]``."""
-    n = wl.gpu_tokens(scale)  # [S, L, G]
-    A = wl.active_experts(scale)  # [S, L, G]
-    comp = expert_gemm_time(cluster.gpu, model, n, A)  # [S, L, G]
-    parts = []
-    for per_token in (model.dispatch_bytes_per_token, model.combine_bytes_per_token):
-        nvl, rdma = wl.nvl_units * scale * per_token, wl.rdma_units * scale * per_token
-        parts.append(a2a_time(cluster, nvl, rdma, num_nodes, ep_size, kernel).max(axis=2))
-    return parts[0], comp.max(axis=2), parts[1], comp.mean(axis=2), A.max(axis=2), n
-
-
 @dataclass(frozen=True)
-class StepCost:
-    """One forward step on one GPU.
+class LayoutCost:
+    """The step one layout gets: the one cost model's :class:`~placement.cost.step_time.StepTime`
+    (``time``), the mean MoE layer's breakdown (``layer``), the bottleneck and where the loads came from.
 
-    ``step_time`` seconds; ``tokens_per_s_per_gpu = step_tokens / step_time``.
+    ``step_time`` seconds; ``tokens_per_s_per_gpu`` = tokens a rank holds per step / ``step_time``.
     """
 
-    step_time: float
-    tokens_per_s_per_gpu: float
+    time: StepTime
     layer: LayerCost
-    moe_layers_time: float
-    dense_layers_time: float
-    lm_head_time: float
     bottleneck: str
     workload_how: str
 
+    @property
+    def step_time(self) -> float:
+        return self.time.whole_ms * 1e-3
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.time.tokens_per_s_per_gpu
+
 
 def step_cost(
-    model: ModelSpec, cluster: ClusterSpec, placement: Placement, workload: Workload, options: CostOptions
-) -> StepCost:
+    model: ModelSpec, cluster: ClusterSpec, placement: Placement, loads: StepLoads, options: CostOptions
+) -> LayoutCost:
     """Step time of one attention-DP rank (all ranks run in lockstep through the all-to-alls).
 
-    Steps: per-layer parts at the full batch and at a TBO half -> overlap choice -> MoE, dense and
-    LM-head times -> mean layer breakdown and bottleneck.
+    Steps: the one cost model prices ``loads`` (:func:`placement.cost.step_time.price_breakdown`, with
+    the options' phase, context, overlap, attention TP; the loads carry their kernel) -> the mean layer's
+    breakdown and bottleneck.
 
     Args:
-        placement: the :class:`Placement` the workload was computed for (its topology gives G and N).
-        workload: from ``analytic_workload`` or ``trace_workload`` (:mod:`moe_placement.apps.planner.workload`).
+        placement: the :class:`Placement` the loads were computed for.
+        loads: :func:`placement.cost.traffic.expected_loads` or :func:`~placement.cost.traffic.counted_loads`
+            with the options' kernel (:attr:`CostOptions.mode`).
     """
-    t = placement.topology
-    G, N = t.ep_size, t.num_nodes
-    b = float(options.step_tokens)
-    full = _layer_parts(model, cluster, workload, options, b, 1.0, N, G)
-    no = full.attn + full.shared + full.disp + full.comp + full.comb  # [S, L]
-    half = _layer_parts(model, cluster, workload, options, b, 0.5, N, G)
-    tbo = 2.0 * np.maximum(half.attn + half.shared + half.comp, half.disp + half.comb)
-    used, on = _choose_overlap(no, tbo, options.overlap)
-    # The workload has L rows; the model may have more MoE layers (a trace of some layers): scale the mean.
-    moe_time = float(used.mean() * model.num_moe_layers)
-    dense_time, lm = _dense_and_head_time(model, cluster, b, options)
-    step = moe_time + dense_time + lm
-    layer = _layer_cost(model, cluster.gpu, full, no, tbo, used, on)
-    return StepCost(step, b / step, layer, moe_time, float(dense_time), lm, _bottleneck(layer), workload.how)
-
-
-class _Parts(NamedTuple):
-    """Per-layer times ``[S, L]`` (attention and shared expert: scalars), plus ``n [S, L, G]``."""
-
-    attn: float
-    shared: float
-    disp: np.ndarray
-    comp: np.ndarray
-    comb: np.ndarray
-    comp_mean: np.ndarray
-    amax: np.ndarray
-    n: np.ndarray
-
-
-def _layer_parts(
-    model: ModelSpec,
-    cluster: ClusterSpec,
-    workload: Workload,
-    options: CostOptions,
-    b: float,
-    scale: float,
-    num_nodes: int,
-    ep_size: int,
-) -> _Parts:
-    """One MoE layer's parts for ``b x scale`` tokens per rank (``scale`` 0.5: a TBO micro-batch)."""
-    bb = b * scale
-    attn = _attention_time(model, cluster, bb, options)
-    shared = _mlp_time(model, cluster.gpu, bb, model.shared_intermediate_size)
-    disp, comp, comb, comp_mean, amax, n = _moe_parts(
-        model, cluster, workload, scale, num_nodes, ep_size, options.mode
+    if loads.kernel != options.mode:
+        raise ValueError(
+            f"the loads were counted for the {loads.kernel} kernels, the options price {options.mode}"
+        )
+    st, parts = price_breakdown(
+        loads,
+        model,
+        cluster,
+        phase=options.phase,
+        context_len=options.context_len,
+        step_tokens=options.step_tokens,
+        options=options.step_options,
     )
-    return _Parts(attn, shared, disp, comp, comb, comp_mean, amax, n)
+    layer = _layer_cost(model, cluster.gpu, loads, parts)
+    return LayoutCost(st, layer, _bottleneck(layer), loads.how)
 
 
-def _choose_overlap(no: np.ndarray, tbo: np.ndarray, overlap: str) -> tuple[np.ndarray, bool]:
-    """``(used [S, L], overlap used)``: ``auto`` keeps the faster of no overlap and TBO on the mean."""
-    if overlap == "off":
-        return no, False
-    if overlap == "on":
-        return tbo, True
-    on = bool(tbo.mean() < no.mean())
-    return (tbo if on else no), on
-
-
-def _dense_and_head_time(
-    model: ModelSpec, cluster: ClusterSpec, b: float, options: CostOptions
-) -> tuple[float, float]:
-    """``(dense layers, LM head)`` seconds of one step (the LM head sees one token per prompt in prefill)."""
-    gpu = cluster.gpu
-    dense_attn = _attention_time(model, cluster, b, options)
-    dense_time = model.num_dense_layers * (
-        dense_attn + _mlp_time(model, gpu, b, model.dense_intermediate_size, options.attn_tp)
+def price_layout(model: ModelSpec, cluster: ClusterSpec, loads: StepLoads, opts: CostOptions) -> StepTime:
+    """The one step-time model on ``loads`` with the options' phase, context, overlap and attention TP."""
+    return price_loads(
+        loads,
+        model,
+        cluster,
+        phase=opts.phase,
+        context_len=opts.context_len,
+        step_tokens=opts.step_tokens,
+        options=opts.step_options,
     )
-    lm = lm_head_time(model, gpu, b, options.phase, options.context_len, options.attn_tp)
-    return dense_time, lm
 
 
-def _layer_cost(
-    model: ModelSpec,
-    gpu: GpuSpec,
-    full: _Parts,
-    no: np.ndarray,
-    tbo: np.ndarray,
-    used: np.ndarray,
-    on: bool,
-) -> LayerCost:
-    """Means over layers and sampled steps of the ``[S, L]`` parts."""
-    tokens_per_expert = float(full.n.sum(axis=2).mean() / max(model.num_logical_experts, 1))
+def layout_loads(model: ModelSpec, placement: Placement, load: np.ndarray, trace, opts: CostOptions):
+    """``(placement priced, StepLoads)``: counted from the trace's steps when it has the model's experts
+    and top-k per token (its first layers, ``make_steps`` as ``evaluate`` builds them), else expected
+    from the per-expert loads."""
+    from placement.cost.step_time import step_loads
+    from placement.cost.traffic import expected_loads
+    from placement.dispatch import EVEN
+    from placement.steps import make_steps
+
+    mode = opts.mode
+    if (
+        trace is not None
+        and trace.has_tokens
+        and trace.num_logical_experts == model.num_logical_experts
+        and trace.top_k == model.top_k
+    ):
+        Lt = min(trace.num_layers, placement.num_layers)
+        sub = placement.select_layers(range(Lt)) if Lt < placement.num_layers else placement
+        tr = trace.select_layers(range(Lt)) if Lt < trace.num_layers else trace
+        try:
+            G = placement.topology.ep_size
+            steps = make_steps(tr, G, opts.phase, opts.step_tokens, max_steps=opts.max_steps)
+            return sub, step_loads(sub, tr, steps, EVEN, model, kernel=mode)
+        except ValueError as exc:  # trace shorter than one step: fall back to its counts
+            log.info("trace steps unavailable (%s); using the analytic expectation", exc)
+    return placement, expected_loads(placement, load, model.top_k, opts.step_tokens, mode, EVEN)
+
+
+def _layer_cost(model: ModelSpec, gpu: GpuSpec, loads: StepLoads, parts: LayerBreakdown) -> LayerCost:
+    """Means over layers and steps of the ``[S, L]`` parts, with the GPUs' mean GEMM and most active slots."""
+    tokens, active = loads.gpu_tokens(), loads.active_experts()  # [S, L, G]
+    tokens_per_expert = float(tokens.sum(axis=2).mean() / max(model.num_logical_experts, 1))
     knee = gpu.knee_tokens_per_expert(model.weight_bytes)
+    overlapped = parts.overlapped if parts.overlapped is not None else parts.no_overlap
     return LayerCost(
-        attention=float(np.mean(full.attn)),
-        shared=float(np.mean(full.shared)),
-        dispatch=float(full.disp.mean()),
-        compute=float(full.comp.mean()),
-        combine=float(full.comb.mean()),
-        no_overlap=float(no.mean()),
-        overlapped=float(tbo.mean()),
-        used=float(used.mean()),
-        overlap_used=on,
-        compute_mean=float(full.comp_mean.mean()),
-        active_experts_max=float(full.amax.mean()),
+        attention=float(parts.attention),
+        shared=float(parts.shared),
+        dispatch=float(parts.dispatch.mean()),
+        compute=float(parts.gemm.mean()),
+        combine=float(parts.combine.mean()),
+        no_overlap=float(parts.no_overlap.mean()),
+        overlapped=float(overlapped.mean()),
+        used=float(parts.used.mean()),
+        overlap_used=parts.overlap_used,
+        compute_mean=float(expert_gemm_time(gpu, model, tokens, active).mean()),
+        active_experts_max=float(active.max(axis=2).mean()),
         tokens_per_expert=tokens_per_expert,
         memory_bound=bool(tokens_per_expert < knee),
     )

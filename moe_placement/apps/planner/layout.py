@@ -7,8 +7,17 @@ size ``ep_size / attn_tp``), and how many redundant expert slots it holds. The c
 compare: spanning more GPUs only helps if it raises it.
 
 For every candidate the planner checks memory (weights + redundant slots + reserve + the KV cache the
-batch needs), places experts (greedy by default) on the workload's skew, and estimates step time with
-:mod:`moe_placement.apps.planner.costmodel`.
+batch needs), places experts (greedy by default) on the workload's skew, counts what each step asks
+of each GPU with the one traffic model (:mod:`placement.cost.traffic`) and prices it with the one
+step-time model (:mod:`placement.cost.step_time`, through :mod:`moe_placement.apps.planner.costmodel`):
+the same figure ``evaluate --model --hardware`` gives the same placement on the same steps. Each
+layout's time is also priced on every constant set of :func:`placement.cost.ranges.cluster_sets`
+(``*_range`` in the JSON): the ranking can be read with its uncertainty.
+
+Steps with a trace of the model's expert count: :func:`placement.steps.make_steps` of the trace for
+the phase and tokens per rank (the steps ``evaluate`` prices; ``CostOptions.max_steps`` first ones,
+all by default), split over replicas by the ``even`` dispatch model. Otherwise one expected step from
+the per-expert loads.
 
 Workload skew, in order of preference: a trace with the model's expert count (its per-layer counts;
 token-level routing when it has ``topk_ids``); a trace with another expert count (its sorted
@@ -27,15 +36,17 @@ import numpy as np
 
 from moe_placement.apps.planner.costmodel import (
     CostOptions,
+    LayoutCost,
     MemoryBreakdown,
-    StepCost,
+    layout_loads,
     memory_per_gpu,
+    price_layout,
     step_cost,
 )
-from moe_placement.apps.planner.workload import analytic_workload, trace_workload
 from moe_placement.base.options import refuse_unknown_keywords
-from placement.cost.hardware import ClusterSpec
+from placement.cost.hardware import ClusterSpec, hardware_summary
 from placement.cost.modelspec import ModelSpec
+from placement.cost.ranges import Range3, set_values
 
 __all__ = [
     "SYNTHETIC_ZIPF",
@@ -113,14 +124,33 @@ class LayoutResult:
     memory: MemoryBreakdown
     feasible: bool
     reason: str = ""
-    cost: StepCost | None = None
+    cost: LayoutCost | None = None
     par: float | None = None
     placement: Any = None
     solver_status: str = ""
+    set_step_s: dict[str, float] | None = None
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
         return self.cost.tokens_per_s_per_gpu if self.cost else 0.0
+
+    def set_throughput(self) -> dict[str, float]:
+        """Tokens per second per GPU on each constant set (:func:`placement.cost.ranges.cluster_sets`);
+        empty when the layout does not fit."""
+        if not self.cost or not self.set_step_s:
+            return {}
+        held = self.cost.time.held_tokens
+        return {k: held / v if v > 0 else 0.0 for k, v in self.set_step_s.items()}
+
+    def ranges(self) -> dict[str, list[float]]:
+        """``step_time_ms_range`` and ``tokens_per_s_per_gpu_range`` (``[low, high]`` over the sets)."""
+        if not self.cost or not self.set_step_s:
+            return {}
+        ms = Range3.of({k: v * 1e3 for k, v in self.set_step_s.items()})
+        return {
+            "step_time_ms_range": ms.span(),
+            "tokens_per_s_per_gpu_range": Range3.of(self.set_throughput()).span(),
+        }
 
     def to_dict(self, E: int) -> dict:
         c, m = self.candidate, self.memory
@@ -147,6 +177,7 @@ class LayoutResult:
                 {
                     "step_time_ms": self.cost.step_time * 1e3,
                     "tokens_per_s_per_gpu": self.cost.tokens_per_s_per_gpu,
+                    **self.ranges(),
                     "par": self.par,
                     "two_batch_overlap": lc.overlap_used,
                     "bottleneck": self.cost.bottleneck,
@@ -184,11 +215,29 @@ class LayoutPlan:
         f = self.feasible
         return f[0] if f else None
 
+    def gain_vs_best(self, result: LayoutResult) -> tuple[float, Range3] | None:
+        """``(gain, range)`` of ``result``'s throughput over the best layout's, set by set (negative: slower
+        than the best; a range reaching above 0 means some constant set ranks it first); None when
+        either does not fit."""
+        best = self.best
+        if best is None or not result.feasible or not result.set_step_s or not best.set_step_s:
+            return None
+        mine, top = result.set_throughput(), best.set_throughput()
+        g = {k: mine[k] / top[k] - 1.0 if top[k] > 0 else 0.0 for k in top}
+        return g["central"], Range3.of(g)
+
     def to_dict(self) -> dict:
         E = self.model.num_logical_experts
+        rows = []
+        for r in self.results:
+            d = r.to_dict(E)
+            gain = self.gain_vs_best(r)
+            if gain is not None:
+                d["gain_vs_best"], d["gain_vs_best_range"] = gain[0], gain[1].span()
+            rows.append(d)
         return {
             "model": self.model.name,
-            "hardware": self.cluster.name,
+            "hardware": hardware_summary(self.cluster),
             "phase": self.options.phase,
             "batch_per_rank": self.options.step_tokens,  # --json key kept (docs/cli.md, layout)
             "context_len": self.options.context_len,
@@ -196,7 +245,7 @@ class LayoutPlan:
             "workload": self.workload,
             "more_gpus_help": self.more_gpus_help,
             "notes": list(self.notes),
-            "results": [r.to_dict(E) for r in self.results],
+            "results": rows,
         }
 
 
@@ -320,8 +369,8 @@ def evaluate_candidate(
     plan: PlanOptions | None = None,
     placement=None,
 ) -> LayoutResult:
-    """Memory check, placement (unless given, with ``plan``'s solver), workload and step cost of one
-    candidate."""
+    """Memory check, placement (unless given, with ``plan``'s solver), the step's loads and its cost
+    on the cluster and on every constant set of :func:`placement.cost.ranges.cluster_sets`."""
     from placement.metrics import balance_stats, expected_gpu_load
 
     opts = replace(options, attn_tp=cand.attn_tp)
@@ -334,28 +383,13 @@ def evaluate_candidate(
     if placement is None:
         plan = plan or PlanOptions()
         placement, status = _place(model, load, cand, plan.solver, plan.seed, plan.time_limit)
-    mode = opts.mode
-    if trace is not None and trace.has_tokens and trace.num_logical_experts == model.num_logical_experts:
-        Lt = min(trace.num_layers, placement.num_layers)
-        sub = placement.select_layers(range(Lt))
-        tr = trace.select_layers(range(Lt)) if Lt < trace.num_layers else trace
-        try:
-            wl = trace_workload(sub, tr, opts.step_tokens, mode)
-            cost = step_cost(model, cluster, sub, wl, opts)
-        except ValueError as exc:  # trace shorter than one step: fall back to its counts
-            log.info("trace workload unavailable (%s); using the analytic expectation", exc)
-            cost = step_cost(
-                model,
-                cluster,
-                placement,
-                analytic_workload(placement, load, model.top_k, opts.step_tokens, mode),
-                opts,
-            )
-    else:
-        wl = analytic_workload(placement, load, model.top_k, opts.step_tokens, mode)
-        cost = step_cost(model, cluster, placement, wl, opts)
+    priced, loads = layout_loads(model, placement, load, trace, opts)
+    cost = step_cost(model, cluster, priced, loads, opts)
+    # the launch runs the overlap the central figures chose (launch_flags): every set prices that one
+    fixed = replace(opts, overlap="on" if cost.layer.overlap_used else "off")
+    sets = set_values(lambda c: price_layout(model, c, loads, fixed).whole_ms * 1e-3, cluster)
     par = balance_stats(expected_gpu_load(placement, load))["par"]
-    return LayoutResult(cand, mem, True, "", cost, float(par), placement, status)
+    return LayoutResult(cand, mem, True, "", cost, float(par), placement, status, sets)
 
 
 def _fmt_rate(x: float) -> str:
