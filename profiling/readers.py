@@ -24,10 +24,28 @@ from typing import Any
 
 import numpy as np
 
-from moe_placement.base.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
-from moe_placement.base.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
+from moe_placement.base.fileio import (
+    InputFileError,
+    atomic_write_bytes,
+    iter_npz_array_chunks,
+    load_npz,
+    npz_bytes,
+)
+from moe_placement.base.limits import (
+    MAX_EXPERTS,
+    MAX_TOTAL_TOKENS,
+    check_layer_ids,
+    check_sequence,
+    check_whole,
+)
 from moe_placement.base.textparse import parse_json
-from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace, _check_num_experts
+from profiling.trace import (
+    EXPERTS_INFERRED,
+    TRACE_SCHEMA,
+    TRACE_SCHEMA_VERSION,
+    RoutingTrace,
+    _check_num_experts,
+)
 
 __all__ = [
     "check_load",
@@ -36,6 +54,7 @@ __all__ = [
     "read_trace",
     "require_data",
     "stream_counts",
+    "trace_bytes",
     "write_trace",
 ]
 
@@ -126,6 +145,17 @@ def read_trace(
     p = Path(path)
     if num_logical_experts is not None:
         _check_num_experts(num_logical_experts)  # ValueError naming the value
+    try:  # a bare string would be read as its letters ("arxiv" as domains a, r, x, i, v)
+        domains = None if domains is None else check_sequence(domains, "domains", "domain names")
+        if keep_segments is not None:
+            keep_segments = tuple(
+                check_whole("keep_segments' entry", x, None)
+                for x in check_sequence(keep_segments, "keep_segments", "segment numbers")
+            )
+        if moe_layer_ids is not None:
+            moe_layer_ids = check_layer_ids(moe_layer_ids, "moe_layer_ids")
+    except ValueError as exc:
+        raise InputFileError(f"{p}: {exc}") from None
     if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
@@ -208,10 +238,13 @@ def _native_trace(arrays, p) -> RoutingTrace:
     )
 
 
-def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
-    """``topk_ids`` as int32 ``[T, L, k]`` (``[T, k]`` gets L = 1) and ``E``.
+def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int, bool]:
+    """``topk_ids`` as int32 ``[T, L, k]`` (``[T, k]`` gets L = 1), ``E``, and whether ``E`` was only
+    inferred.
 
-    ``E``: ``num_logical_experts``, else the last axis of ``counts_real`` / ``counts``, else max id + 1.
+    ``E``: ``num_logical_experts``, else the last axis of ``counts_real`` / ``counts``, else max id + 1
+    (inferred: a model whose last experts were never picked has more; every id -1 is refused: nothing
+    was routed).
     """
     ids = np.asarray(arrays["topk_ids"])
     if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
@@ -229,6 +262,14 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
                 f"{p}: field {counts_field!r} must be counts [..., experts], got shape {shape}; or drop it"
             )
         E = int(shape[-1])
+    inferred = E is None and ids.size > 0
+    if inferred and int(ids.max()) < 0:
+        T, L, k = ids.shape
+        raise InputFileError(
+            f"{p}: nothing was routed: every topk_ids entry is -1 (no expert) in all {T} tokens x {L} layers x "
+            f"top-{k}, so there is no load to place or score (nor an expert count to read); record routed "
+            f"traffic, or check that the right rows were dumped"
+        )
     if E is None:
         E = int(ids.max()) + 1 if ids.size else 1
     if ids.size and int(E) <= MAX_EXPERTS and (int(ids.min()) < -1 or int(ids.max()) >= int(E)):
@@ -237,7 +278,7 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
             f"{p}: topk_ids hold ids in [{int(ids.min())}, {int(ids.max())}] but must be in [-1, {int(E) - 1}] "
             f"for num_logical_experts={int(E)} (-1 = no expert); pass the model's real expert count"
         )
-    return ids.astype(np.int32), E
+    return ids.astype(np.int32), E, inferred
 
 
 def _segment_keep(arrays, p, T: int, keep_segments, meta: dict) -> np.ndarray | None:
@@ -272,9 +313,9 @@ def _batch_steps(arrays, p, T: int, keep: np.ndarray | None) -> np.ndarray | Non
 
 def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> RoutingTrace:
     """Per-token layout: ``topk_ids [T, L, k]``, start-up segments dropped, optional offsets and ranks."""
-    ids, E = _token_ids(arrays, p, num_logical_experts)  # [T, L, k] int32
+    ids, E, inferred = _token_ids(arrays, p, num_logical_experts)  # [T, L, k] int32
     T = ids.shape[0]
-    meta = {"source_file": str(p)}
+    meta = {"source_file": str(p), **({EXPERTS_INFERRED: True} if inferred else {})}
     seq = arrays.get("seq_offsets")
     source = arrays.get("source_rank")
     keep = _segment_keep(arrays, p, T, keep_segments, meta)  # [T] bool or None
@@ -351,6 +392,11 @@ def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write the native npz format (atomically)."""
+    atomic_write_bytes(path, trace_bytes(trace))
+
+
+def trace_bytes(trace: RoutingTrace) -> bytes:
+    """The native npz file :func:`write_trace` writes, as bytes (for a folder published as a unit)."""
     if not isinstance(trace, RoutingTrace):
         raise TypeError(f"write_trace needs a RoutingTrace, got {type(trace).__name__}")
     arrays: dict[str, Any] = {
@@ -367,7 +413,7 @@ def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
             arrays[key] = np.asarray(v)
     if trace.window_labels:
         arrays["window_labels"] = np.asarray(trace.window_labels, dtype=str)
-    atomic_save_npz(path, **arrays)
+    return npz_bytes(**arrays)
 
 
 def stream_counts(path: str | os.PathLike, num_logical_experts: int, chunk_tokens: int = 65536) -> np.ndarray:

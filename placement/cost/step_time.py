@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moe_placement.base.limits import check_context_len, check_whole
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import (
@@ -339,9 +340,8 @@ def step_time_from_arrays(
     disp = get_dispatch(dispatch)
     priced = phase if phase in PHASES else "decode"  # engine batches: the decode kernels
     kernel = kernel_of_phase(priced)
-    c = float(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
-    if not c > 0 or num_steps < 1:
-        raise ValueError(f"context_len must be > 0 and num_steps >= 1, got {context_len}, {num_steps}")
+    c = check_context_len(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
+    check_whole("num_steps", num_steps, 1, fix="the steps the arrays hold")
     t = placement.topology
     if cluster.gpus_per_node != t.gpus_per_node:  # the placement's topology says how GPUs share nodes
         cluster = replace(cluster, gpus_per_node=t.gpus_per_node)
@@ -409,11 +409,8 @@ def _check_types(placement, trace, steps, model, cluster, context_len) -> None:
     ):
         if not isinstance(value, cls):
             raise ValueError(f"{name} must be a {cls.__name__} ({how}), got {type(value).__name__}")
-    c = context_len
-    if c is not None and (
-        isinstance(c, bool) or not isinstance(c, (int, float, np.number)) or not np.isfinite(c)
-    ):
-        raise ValueError(f"context_len must be a finite number of tokens > 0 or None (4096), got {c!r}")
+    if context_len is not None:
+        check_context_len(context_len)  # the bound of the CLI's --context-len
 
 
 def step_time(
@@ -451,6 +448,9 @@ def step_time(
             f"model {model.name!r} has {model.num_logical_experts} experts, top-{model.top_k}; the trace has "
             f"{trace.num_logical_experts}, top-{trace.top_k}: pass the model the trace was recorded from"
         )
+    from placement.steps import check_steps_of
+
+    check_steps_of(steps, trace)
     ids, step, src, rows = _stepped(steps, trace, placement.topology.ep_size)
     arrays = StepArrays(ids, step, src, steps.num_steps, steps.step_tokens, steps.phase, rows)
     return step_time_from_arrays(placement, arrays, dispatch, model, cluster, context_len=context_len)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import numpy as np
 
 from moe_placement.apps.planner.workload import Workload
+from moe_placement.base.limits import MAX_STEP_TOKENS, check_context_len, check_whole
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
@@ -118,6 +119,8 @@ class CostOptions:
             raise ValueError(
                 f"step_tokens, context_len and attn_tp must be >= 1, got {self.step_tokens}, {self.context_len}, {self.attn_tp}"
             )
+        check_whole("step_tokens", self.step_tokens, 1, MAX_STEP_TOKENS, fix="(MAX_STEP_TOKENS)")
+        check_context_len(self.context_len)  # the bound the CLI's --context-len has
         if self.a2a_mode not in ("auto", "normal", "low_latency") or self.overlap not in (
             "off",
             "on",
