@@ -83,6 +83,10 @@ def check_map_load(p2l, load, ep_size: int, what: str = "the map") -> tuple[np.n
     if w.ndim != 2 or 0 in w.shape:
         raise ValueError(f"load must be [layers, experts] with both >= 1, got shape {w.shape}")
     m = np.asarray(p2l)
+    if m.dtype.kind == "f" and m.size and np.isfinite(m).all() and (m == np.round(m)).all():
+        m = m.astype(
+            np.int64
+        )  # whole numbers held as floats (a tensor converted), as validate_map reads them
     if m.dtype.kind not in "iu" or m.ndim != 2 or 0 in m.shape:
         raise ValueError(
             f"{what} must be a 2-D integer array [layers, slots], got {m.dtype} of shape {m.shape}"

@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_COUNTS_KEY = "expert_counts"  # read_trace's default per-domain key prefix
 
 
 def default_traces_dir() -> Path:
@@ -143,9 +144,38 @@ def read_trace(
     if not isinstance(path, (str, os.PathLike)):
         raise InputFileError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
-    if num_logical_experts is not None:
-        _check_num_experts(num_logical_experts)  # ValueError naming the value
-    try:  # a bare string would be read as its letters ("arxiv" as domains a, r, x, i, v)
+    domains, keep_segments, moe_layer_ids = _checked_args(
+        p, num_logical_experts, domains, keep_segments, counts_key, max_bytes, moe_layer_ids
+    )
+    if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
+        from profiling.engine_readers import read_engine_dump
+
+        _no_domains(p, domains)
+        _only_npz(p, keep_segments=keep_segments, counts_key=counts_key != _COUNTS_KEY or None)
+        return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
+    _only_npz(p, moe_layer_ids=moe_layer_ids, as_="moe_layer_ids picks the MoE rows of an engine dump")
+    kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
+    arrays = load_npz(p, **kwargs)
+    try:
+        trace = _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key)
+        return _with_count(trace, num_logical_experts)
+    except InputFileError:
+        raise
+    except ValueError as exc:
+        raise InputFileError(f"{p}: {exc}") from None
+
+
+def _checked_args(p, num_logical_experts, domains, keep_segments, counts_key, max_bytes, moe_layer_ids):
+    """:func:`read_trace`'s arguments checked (an InputFileError naming the file): ``(domains,
+    keep_segments, moe_layer_ids)`` as tuples. A bare string is refused where names or numbers are
+    listed (``"arxiv"`` would be read as the domains a, r, x, i, v)."""
+    try:
+        if num_logical_experts is not None:
+            _check_num_experts(num_logical_experts)
+        if max_bytes is not None:
+            check_whole("max_bytes", max_bytes, 1, fix="the largest uncompressed size to read, in bytes")
+        if not isinstance(counts_key, str) or not counts_key:
+            raise ValueError(f"counts_key must be a field prefix such as 'expert_counts', got {counts_key!r}")
         domains = None if domains is None else check_sequence(domains, "domains", "domain names")
         if keep_segments is not None:
             keep_segments = tuple(
@@ -156,23 +186,38 @@ def read_trace(
             moe_layer_ids = check_layer_ids(moe_layer_ids, "moe_layer_ids")
     except ValueError as exc:
         raise InputFileError(f"{p}: {exc}") from None
-    if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
-        from profiling.engine_readers import read_engine_dump
+    return domains, keep_segments, moe_layer_ids
 
-        _no_domains(p, domains)
-        return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
-    kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
-    arrays = load_npz(p, **kwargs)
-    try:
-        return _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key)
-    except InputFileError:
-        raise
-    except ValueError as exc:
-        raise InputFileError(f"{p}: {exc}") from None
+
+def _only_npz(p, as_: str = "", **given) -> None:
+    """Refuse an argument given for a file it does not apply to (it would be silently ignored)."""
+    for name, value in given.items():
+        if value is not None:
+            what = as_ or f"{name} applies to the .npz layouts that have it"
+            raise InputFileError(f"{p}: {name} was given, but {what}; drop it for this file")
+
+
+def _with_count(trace: RoutingTrace, num_logical_experts: int | None) -> RoutingTrace:
+    """``num_logical_experts`` asked for a file that states a count: the file's, or a count it only
+    inferred widened to it; a different stated count is refused (it was silently ignored)."""
+    if num_logical_experts is None or num_logical_experts == trace.num_logical_experts:
+        return trace
+    if trace.experts_inferred:
+        return trace.with_expert_count(num_logical_experts, f"num_logical_experts={num_logical_experts}")
+    raise ValueError(
+        f"the file states {trace.num_logical_experts} experts but num_logical_experts={num_logical_experts} was "
+        f"asked; read it without num_logical_experts, or pass the trace of that model"
+    )
 
 
 def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
     """Dispatch on the layout the keys show: native, per-token, per-domain counts or counts."""
+    if keep_segments is not None and "segment" not in arrays:
+        raise InputFileError(f"{p}: keep_segments was given, but the file has no 'segment' field; drop it")
+    if counts_key != _COUNTS_KEY and not any(k.startswith(counts_key + "__") for k in arrays):
+        raise InputFileError(
+            f"{p}: counts_key {counts_key!r} was given, but the file has no '{counts_key}__<domain>' field; drop it"
+        )
     if "schema" in arrays:
         _no_domains(p, domains)
         return _native_trace(arrays, p)
@@ -330,7 +375,12 @@ def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> Ro
             )
     if seq is not None:
         seq = _int_vector(arrays, "seq_offsets", p)
-        if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
+        if seq.size and seq.max() > ids.shape[0]:
+            raise InputFileError(
+                f"{p}: field 'seq_offsets' reaches token {int(seq.max())} but the trace has {ids.shape[0]} tokens; "
+                f"prompt boundaries must lie in 0..{ids.shape[0]}"
+            )
+        if seq.size and seq[-1] != ids.shape[0]:  # the last prompt's end, when the file leaves it out
             seq = np.concatenate([seq, [ids.shape[0]]])
     return RoutingTrace(
         num_logical_experts=E,

@@ -360,6 +360,9 @@ class RoutingTrace:
         idx = _whole_list("select_windows", indices, "window indices")
         if not idx:
             raise ValueError("select_windows needs at least one window")
+        if len(set(idx)) != len(idx):
+            dup = next(i for i in idx if idx.count(i) > 1)
+            raise ValueError(f"select_windows lists window {dup} twice; its tokens would be counted twice")
         for i in idx:
             if not 0 <= i < len(wins):
                 raise ValueError(f"window {i} out of range: the trace has {len(wins)} windows")

@@ -364,6 +364,12 @@ CASES = [
     (["inspect", "{d}/dup.npz"], "token 7 names expert 3 twice in layer 1 (row 1; its top-2 is [3, 3])"),
     (["inspect", "{d}/rawneg.npz"], "nothing was routed: every topk_ids entry is -1 (no expert) in all 50"),
     (["evaluate", "{d}/p.json", "{d}/dup.npz"], "names expert 3 twice"),
+    (["evaluate", "{d}/p.json", "{d}/c.npz", "--phase", "prefill"], "--phase applies to per-token metrics"),
+    ([*LOAD, "--dispatch", "balanced", "--phase", "prefill"], "--phase shapes the per-step fit, which steps"),
+    (
+        ["solve", "--trace", "{d}/c.npz", "--ep-size", "4", "--dispatch", "balanced", "--step-tokens", "8"],
+        "c.npz has counts only, so no step is placed for",
+    ),
 ]
 
 

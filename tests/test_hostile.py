@@ -590,7 +590,7 @@ def _lib_calls_4():
     from moe_placement.apps.planner.costmodel import CostOptions
     from placement.cost.hardware import cluster_preset
     from placement.cost.modelspec import load_model
-    from placement.cost.step_time import step_time
+    from placement.cost.step_time import StepArrays, step_time, step_time_from_arrays
     from placement.steps import make_steps, step_counts
     from runtime_hooks.engine_plugins.default_guard import dispatch_peaks
     from runtime_hooks.rebalance_rule import gpu_peaks
@@ -607,6 +607,14 @@ def _lib_calls_4():
     steps_of_other = make_steps(other, G, "decode", 4)
     nan = np.full((L, E), np.nan)
     H200 = cluster_preset("h200")
+    st = make_steps(tr, G, "decode", 4)
+    ids = np.asarray(tr.topk_ids)[st.token]
+
+    def arrays(**kw):
+        fields = dict(topk_ids=ids, step=st.step, src=st.rank, num_steps=st.num_steps, step_tokens=4)
+        fields["phase"], fields["topk_ids"] = kw.pop("phase", "decode"), kw.pop("ids", ids)
+        return StepArrays(**{**fields, **kw})
+
     return [
         # kind 4: IndexError / AttributeError from inside
         (
@@ -652,6 +660,25 @@ def _lib_calls_4():
             lambda: RoutingTrace(E, topk_ids=np.array([[[1, 2]], [[3, 3]]])),
             "token 1 names expert 3 twice in layer 0 (row 0; its top-2 is [3, 3])",
         ),
+        # the same kinds, found on a further pass: steps priced from arrays, windows taken twice
+        (
+            lambda: step_time_from_arrays(pl, arrays(ids=ids + 100), "even", model, H200),
+            "topk_ids holds values",
+        ),
+        (lambda: step_time_from_arrays(pl, arrays(step=st.step[:5]), "even", model, H200), "step must be"),
+        (
+            lambda: step_time_from_arrays(pl, arrays(src=st.rank + G), "even", model, H200),
+            "src holds values in",
+        ),
+        (
+            lambda: step_time_from_arrays(pl, arrays(phase="warmup"), "even", model, H200),
+            "phase must be one of",
+        ),
+        (
+            lambda: step_time_from_arrays(pl, (ids,), "even", model, H200),
+            "arrays must be a StepArrays, got tuple",
+        ),
+        (lambda: tr.select_windows([0, 0]), "select_windows lists window 0 twice"),
     ]
 
 
@@ -814,3 +841,30 @@ def test_a_trace_without_an_expert_count_says_so_and_takes_the_placements(inputs
     assert main(["inspect", str(path)]) == 0
     err = capsys.readouterr().err
     assert "does not say how many experts the model has: read as 6" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "arrays, kwargs, fragment",
+    [  # read_trace's arguments that did not apply to the file were silently ignored
+        ({}, {"num_logical_experts": 64}, "the file states 8 experts but num_logical_experts=64 was asked"),
+        ({}, {"moe_layer_ids": [0]}, "moe_layer_ids picks the MoE rows of an engine dump; drop it"),
+        ({}, {"keep_segments": [2]}, "keep_segments was given, but the file has no 'segment' field"),
+        ({}, {"counts_key": "x"}, "counts_key 'x' was given, but the file has no 'x__<domain>' field"),
+        ({}, {"max_bytes": "1"}, "max_bytes must be a whole number >= 1, got '1' (str)"),
+        ({}, {"domains": "arxiv"}, "domains must be a sequence of domain names, got 'arxiv'"),
+        (
+            {"seq_offsets": [0, 5, 1000]},
+            {},
+            "field 'seq_offsets' reaches token 1000 but the trace has 100 tokens",
+        ),
+    ],
+)
+def test_read_trace_refuses_arguments_the_file_cannot_take(tmp_path, arrays, kwargs, fragment):
+    path = tmp_path / "t.npz"
+    if arrays:
+        np.savez(path, topk_ids=_lib_trace().topk_ids, **{k: np.array(v) for k, v in arrays.items()})
+    else:
+        write_trace(_lib_trace(), path)
+    with pytest.raises(InputFileError) as info:
+        read_trace(path, **kwargs)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -101,7 +101,14 @@ def _read_inputs(args: argparse.Namespace):
     if trace.num_layers != placement.num_layers and set(placement.layer_ids) <= set(trace.layer_ids):
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
     require_data(trace, args.trace)
-    for flag, value in (("--hidden-size", args.hidden_size), ("--step-tokens", args.step_tokens)):
+    from placement.steps import PHASES
+
+    phase = args.phase if args.phase != PHASES[0] else None
+    for flag, value in (
+        ("--hidden-size", args.hidden_size),
+        ("--step-tokens", args.step_tokens),
+        ("--phase", phase),
+    ):
         if value is not None and not trace.has_tokens:  # it would be silently ignored
             raise CliError(
                 f"{flag} applies to per-token metrics (communication, step PAR); {args.trace} has counts only: drop it"

@@ -335,13 +335,13 @@ def step_time_from_arrays(
     """
     from placement.dispatch import get_dispatch
 
+    _check_arrays(placement, arrays, model, cluster)
     topk_ids, step, src, rows = arrays.topk_ids, arrays.step, arrays.src, arrays.rows
     num_steps, step_tokens, phase = arrays.num_steps, arrays.step_tokens, arrays.phase
     disp = get_dispatch(dispatch)
     priced = phase if phase in PHASES else "decode"  # engine batches: the decode kernels
     kernel = kernel_of_phase(priced)
     c = check_context_len(DEFAULT_CONTEXT_LEN if context_len is None else context_len)
-    check_whole("num_steps", num_steps, 1, fix="the steps the arrays hold")
     t = placement.topology
     if cluster.gpus_per_node != t.gpus_per_node:  # the placement's topology says how GPUs share nodes
         cluster = replace(cluster, gpus_per_node=t.gpus_per_node)
@@ -379,6 +379,48 @@ def step_time_from_arrays(
         context_len=int(c),
         model=model.name,
     )
+
+
+def _check_arrays(placement, arrays, model, cluster) -> None:
+    """:func:`step_time_from_arrays`' inputs against each other, before any indexing: a ValueError
+    naming the field and the numbers (an IndexError or a reshape error from inside before)."""
+    from placement.model import Placement
+    from placement.steps import ENGINE
+
+    for name, value, cls in (
+        ("placement", placement, Placement),
+        ("arrays", arrays, StepArrays),
+        ("model", model, ModelSpec),
+        ("cluster", cluster, ClusterSpec),
+    ):
+        if not isinstance(value, cls):
+            raise ValueError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    S = check_whole("StepArrays.num_steps", arrays.num_steps, 1, fix="the steps the arrays hold")
+    check_whole("StepArrays.step_tokens", arrays.step_tokens, 1, fix="tokens per rank per step")
+    if arrays.phase not in (*PHASES, ENGINE):
+        raise ValueError(
+            f"StepArrays.phase must be one of {', '.join((*PHASES, ENGINE))}, got {arrays.phase!r}"
+        )
+    ids = np.asarray(arrays.topk_ids)
+    L, E, G = placement.num_layers, placement.num_logical_experts, placement.topology.ep_size
+    if ids.dtype.kind not in "iu" or ids.ndim != 3 or ids.shape[1] != L:
+        raise ValueError(
+            f"StepArrays.topk_ids must be integer [tokens, {L} layers, top_k], got {ids.dtype} {ids.shape}"
+        )
+    fields = [("topk_ids", ids, -1, E - 1), ("step", arrays.step, -1, S - 1), ("src", arrays.src, 0, G - 1)]
+    if arrays.rows is not None:
+        fields.append(("rows", arrays.rows, 0, None))
+    for name, a, lo, hi in fields:
+        a = np.asarray(a)
+        if name != "topk_ids" and (a.dtype.kind not in "iu" or a.shape != ids.shape[:1]):
+            raise ValueError(
+                f"StepArrays.{name} must be {ids.shape[0]} integers (one per token), got {a.dtype} {a.shape}"
+            )
+        if a.size and (int(a.min()) < lo or (hi is not None and int(a.max()) > hi)):
+            raise ValueError(
+                f"StepArrays.{name} holds values in [{int(a.min())}, {int(a.max())}], outside {lo}..{'' if hi is None else hi} "
+                f"({'the placement' if name != 'step' else 'num_steps'} sets the range)"
+            )
 
 
 def _stepped(steps: Steps, trace: RoutingTrace, ep_size: int):
