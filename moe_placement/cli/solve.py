@@ -383,11 +383,7 @@ def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
             f"writing the {BASELINE} placement"
         )
     if getattr(result.fit, "stopped_at_limit", False):
-        warn(
-            f"--time-limit {args.time_limit:g} s ended the per-step fit with {result.fit.layers_searched} of "
-            f"{prob.load.shape[0]} layers searched (the others keep the {prob.name} placement); raise "
-            f"--time-limit to search them all"
-        )
+        warn(f"--time-limit {args.time_limit:g} s ended the per-step fit: {result.fit.searched_text()}")
     return result
 
 

@@ -157,7 +157,8 @@ class StepFit:
     """What the step did: the layers changed, mean per-step peaks (tokens, summed over layers) before
     and after on the search and validation steps (summed over the changed layers), the validation
     steps' counts ``[N, L, E]`` and the start each changed layer's search began from;
-    ``stopped_at_limit``: the time limit ended the search after ``layers_searched`` layers."""
+    ``stopped_at_limit``: the time limit ended the search with ``layers_searched`` layers searched to
+    the end of their move budget and ``layers_started`` begun."""
 
     dispatch: str
     changed_layers: tuple[int, ...]
@@ -175,6 +176,7 @@ class StepFit:
     time_after_us: float = 0.0
     stopped_at_limit: bool = False
     layers_searched: int = 0
+    layers_started: int = 0
     time_limit: float | None = None
 
     def note(self) -> str:
@@ -189,11 +191,18 @@ class StepFit:
         if self.cost is not None:
             out += f"; validation MoE time {self.time_before_us:.1f} -> {self.time_after_us:.1f} us"
         if self.stopped_at_limit:
-            out += (
-                f"; stopped at the time limit of {self.time_limit:g} s with {self.layers_searched} of "
-                f"{self.validation_counts.shape[1]} layers searched (raise the time limit to search all)"
-            )
+            out += f"; stopped at the time limit of {self.time_limit:g} s: {self.searched_text()}"
         return out + ")"
+
+    def searched_text(self) -> str:
+        """How far the search got: ``"2 of 5 layers searched to the end of their moves, 1 in part, 2 not
+        at all"`` (what a stop at the time limit left)."""
+        L = self.validation_counts.shape[1]
+        part = self.layers_started - self.layers_searched
+        return (
+            f"{self.layers_searched} of {L} layers searched to the end of their moves, {part} in part, "
+            f"{L - self.layers_started} not at all (raise the time limit to search them all)"
+        )
 
     def score(self, placement: Placement, layers=None) -> float:
         """What the pipeline's gate compares on the validation steps, summed over ``layers`` (None:
@@ -539,18 +548,19 @@ def _search_layers(
     placement: Placement, search: np.ndarray, trace: RoutingTrace, o: StepFitOptions, deadline: float
 ):
     """Per layer: guard, start, search, until ``deadline`` (``time.perf_counter``; the layers not
-    reached keep their rows). Returns the rows ``[L, P]``, each layer's start name and the layers
-    searched to the end of their move budget (fewer than ``L`` when the deadline cut the search)."""
+    reached keep their rows). Returns the rows ``[L, P]``, each layer's start name, the layers searched
+    to the end of their move budget and the layers begun (fewer than ``L`` when the deadline cut in)."""
     t = placement.topology
     G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
     loads, slack = _window_loads(trace, G, o)  # [K, L, E], [K]
     rng = np.random.default_rng(o.seed)
     p2l = placement.physical_to_logical_map
-    rows, starts, done = p2l.copy(), [], 0
+    rows, starts, done, begun = p2l.copy(), [], 0, 0
     for l in range(placement.num_layers):
         if time.perf_counter() > deadline:
             starts += ["given"] * (placement.num_layers - l)
             break
+        begun += 1
         ranks = search[:, l].astype(np.float64) if search.ndim == 4 else None  # [N, G, E] or None
         counts = ranks.sum(axis=1) if ranks is not None else search[:, l].astype(np.float64)  # [N, E]
         guard = _Guard(p2l[l], loads[:, l], slack, E, S, G, o)
@@ -559,7 +569,7 @@ def _search_layers(
         done += layer.search(rng, deadline)
         rows[l] = layer.row
         starts.append(name)
-    return rows, starts, done
+    return rows, starts, done, begun
 
 
 def step_seconds(
@@ -633,7 +643,7 @@ def fit_for_steps(
     t = placement.topology
     E = placement.num_logical_experts
     search, held = _search_and_validation(trace, t.ep_size, o)  # [N, L, (G,) E] each
-    rows, starts, done = _search_layers(placement, search, trace, o, deadline)
+    rows, starts, done, begun = _search_layers(placement, search, trace, o, deadline)
     p2l = placement.physical_to_logical_map
     moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]
     cand = Placement(rows, E, t, placement.layer_ids, placement.provenance)
@@ -661,6 +671,7 @@ def fit_for_steps(
         time_after_us=float(secs[1][keep].sum() * 1e6) if secs is not None else 0.0,
         stopped_at_limit=done < placement.num_layers,
         layers_searched=done,
+        layers_started=begun,
         time_limit=o.time_limit,
     )
     return out, fit
