@@ -115,7 +115,7 @@ def _nccl_one_rank(model_name: str) -> None:
     """Every stage's NCCL/CUDA code on one rank: an all-to-all to itself, the device stages."""
     import numpy as np
 
-    from placement.cost.calibration import A2APoint, gemm_shapes, sweep
+    from placement.cost.calibration import A2APoint, gemm_shapes, self_send_bytes, sweep
     from placement.cost.modelspec import load_model
     from runtime_hooks.calibrate import CalibrationTask, run_calibration
 
@@ -127,7 +127,7 @@ def _nccl_one_rank(model_name: str) -> None:
             "dispatch",
             b,
             1.0,
-            np.array([[int(b * model.top_k * model.dispatch_bytes_per_token)]]),
+            np.array([[self_send_bytes(model, b)]]),
         )
         for ph, b in (("decode", 128), ("prefill", 4096))
     )

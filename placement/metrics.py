@@ -38,6 +38,7 @@ from placement.dispatch import (
 )
 from placement.metric_checks import check_bytes_args as _check_bytes_args
 from placement.metric_checks import check_compatible as _check_compatible
+from placement.metric_checks import check_counts as _check_counts
 from placement.metric_checks import check_load_values as _check_load_values
 from placement.metric_checks import check_types as _check_types
 from placement.model import Placement
@@ -123,7 +124,7 @@ def expected_gpu_load(placement: Placement, load: np.ndarray) -> np.ndarray:
     Returns:
         float64 ``[L, G]`` (or ``[W, L, G]``).
     """
-    w = np.asarray(load, dtype=np.float64)
+    w = _check_counts(load, "the load")  # a NaN load would give NaN GPU loads
     squeeze = w.ndim == 2
     if squeeze:
         w = w[None]
@@ -150,7 +151,7 @@ def rank_gpu_load(placement: Placement, rank_counts: np.ndarray, dispatch: Dispa
     each leading index as one step's counts (no leading axes: the counts are one step)."""
     model = get_dispatch(dispatch)
     t = placement.topology
-    counts = np.asarray(rank_counts, dtype=np.float64)
+    counts = _check_counts(rank_counts, "rank_counts")
     lead = counts.shape[:-3]
     G, E = t.ep_size, placement.num_logical_experts
     ranks = counts.shape[-2] if counts.ndim >= 3 and model.step_load is not None else G  # summed per step

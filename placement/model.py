@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_placement.base.limits import MAX_LAYER_ID, check_whole
+from moe_placement.base.limits import MAX_LAYER_ID, check_sequence, check_whole
 from placement.topology import Topology
 
 __all__ = ["Placement", "colocated_replicas", "compute_logical_maps", "hidden_layer_rows", "validate_map"]
@@ -198,7 +198,8 @@ class Placement:
         arr.setflags(write=False)
         object.__setattr__(self, "physical_to_logical_map", arr)
         object.__setattr__(self, "num_logical_experts", int(self.num_logical_experts))
-        ids = tuple(int(x) for x in (self.layer_ids if len(self.layer_ids) else range(arr.shape[0])))
+        given = check_sequence(self.layer_ids, "layer_ids", "layer ids")  # "01" is not layers 0 and 1
+        ids = tuple(check_whole("layer_ids' entry", x, None) for x in (given or range(arr.shape[0])))
         if len(ids) != arr.shape[0]:
             raise ValueError(
                 f"layer_ids has {len(ids)} entries but the map has {arr.shape[0]} layers; "
@@ -233,7 +234,7 @@ class Placement:
         row = np.arange(P, dtype=np.int64) % E
         p2l = np.tile(row, (L, 1))
         # p % E may put two replicas on one GPU when S > E; such topologies need a solver instead.
-        return cls(p2l, E, topology, tuple(layer_ids or ()), {"solver": "trivial"})
+        return cls(p2l, E, topology, () if layer_ids is None else layer_ids, {"solver": "trivial"})
 
     @classmethod
     def from_map(
@@ -254,7 +255,8 @@ class Placement:
         if num_logical_experts is None:
             num_logical_experts = int(arr.max()) + 1 if arr.size else 0
         topo = Topology(ep_size=ep_size, num_physical_experts=arr.shape[1], num_nodes=num_nodes)
-        return cls(arr, int(num_logical_experts), topo, tuple(layer_ids or ()), dict(provenance or {}))
+        ids = () if layer_ids is None else layer_ids
+        return cls(arr, int(num_logical_experts), topo, ids, dict(provenance or {}))
 
     # ---- derived views ------------------------------------------------------------------------
     @property

@@ -28,7 +28,7 @@ S steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -41,6 +41,7 @@ __all__ = [
     "PHASES",
     "SIZING_STEP_TOKENS",
     "Steps",
+    "check_steps_of",
     "make_steps",
     "priced_phase",
     "step_counts",
@@ -79,6 +80,8 @@ class Steps:
         row: its row in that rank's batch this step (what ``vllm-hash`` hashes).
         num_steps: ``S``.
         notes: every assumption made.
+        trace_shape: ``(T, L, k)`` of the trace the steps were made from (:func:`check_steps_of`
+            refuses steps of another trace before ``token`` indexes it).
     """
 
     phase: str
@@ -90,6 +93,7 @@ class Steps:
     row: np.ndarray
     num_steps: int
     notes: tuple[str, ...] = ()
+    trace_shape: tuple[int, ...] = ()
 
     def describe(self) -> str:
         """One line naming the phase, tokens per rank, steps and notes."""
@@ -159,7 +163,24 @@ def make_steps(
         out = (
             _decode_steps(trace, G, b, seed, max_steps) if phase == "decode" else _prefill_steps(trace, G, b)
         )
-    return _truncate(out, max_steps)
+    return replace(_truncate(out, max_steps), trace_shape=tuple(int(n) for n in trace.topk_ids.shape))
+
+
+def check_steps_of(steps: Steps, trace: RoutingTrace, what: str = "steps") -> None:
+    """A ValueError unless ``steps`` are a :class:`Steps` made from ``trace`` (its token count, layers
+    and top-k; every stepped token inside it): steps of another trace would index tokens it does not
+    have, or silently price other tokens."""
+    if not isinstance(steps, Steps):
+        raise ValueError(f"{what} must be a placement.steps.Steps (make_steps), got {type(steps).__name__}")
+    shape = tuple(int(n) for n in trace.topk_ids.shape) if trace.topk_ids is not None else ()
+    inside = not steps.token.size or 0 <= int(steps.token.min()) <= int(steps.token.max()) < trace.num_tokens
+    if steps.trace_shape != shape or not inside:
+        made = "x".join(map(str, steps.trace_shape)) or "an unknown shape"
+        raise ValueError(
+            f"the {what} were made from a trace of {made} (tokens x layers x top-k), this trace is "
+            f"{'x'.join(map(str, shape)) or 'counts only'}; build them from this trace: make_steps(trace, "
+            f"{steps.ep_size}, {steps.phase!r}, {steps.step_tokens})"
+        )
 
 
 def _check_fits(T: int, G: int, b: int, phase: str) -> None:
@@ -394,6 +415,7 @@ def step_counts(trace: RoutingTrace, steps: Steps) -> np.ndarray:
         )
     if not trace.has_tokens:
         raise ValueError("step counts need a per-token trace (topk_ids)")
+    check_steps_of(steps, trace)
     S, G, E, L = steps.num_steps, steps.ep_size, trace.num_logical_experts, trace.num_layers
     cells = S * L * G * E
     if cells > MAX_STEP_CELLS:

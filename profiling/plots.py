@@ -35,6 +35,7 @@ __all__ = [
     "save_figure",
     "to_png",
     "inspect_plots",
+    "trace_figures",
     "trace_plots",
 ]
 
@@ -314,44 +315,38 @@ def inspect_plots(trace: RoutingTrace, out_dir: str | Path) -> list[Path]:
 
 
 def trace_plots(trace: RoutingTrace, out_dir: str | Path) -> list[Path]:
-    """Write the trace's figures to ``out_dir`` (created if missing), without logging; returns the paths.
+    """Write the trace's figures (:func:`trace_figures`) to ``out_dir`` (created if missing), without
+    logging; returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return [save_figure(fig, out / name) for name, fig in trace_figures(trace).items()]
+
+
+def trace_figures(trace: RoutingTrace) -> dict:
+    """The trace's figures by file name, in order (nothing written).
 
     Always: ``load_heatmap.png``, ``lorenz.png``. With two or more windows (prompts, steps or count rows;
     per-token traces are cut into up to 8 groups): ``drift.png``; labelled count windows (domains,
     subjects; at most 12) also get ``domain_distance.png``. Per-token traces: ``coactivation.png``
     (lift, the most skewed layer, experts hottest first).
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    written: list[Path] = []
     load = trace.counts()  # [L, E]
     ids = trace.layer_ids
     name = trace.name or "trace"
-    written.append(
-        save_figure(
-            load_heatmap(load, ids, title=f"{name}: expert load share (sorted, log)"),
-            out / "load_heatmap.png",
-        )
-    )
-    written.append(save_figure(lorenz_plot(load, ids, title=f"{name}: Lorenz curves"), out / "lorenz.png"))
+    figs = {
+        "load_heatmap.png": load_heatmap(load, ids, title=f"{name}: expert load share (sorted, log)"),
+        "lorenz.png": lorenz_plot(load, ids, title=f"{name}: Lorenz curves"),
+    }
     wl = _drift_windows(trace)  # [W, L, E] or None
     if wl is not None and wl.shape[0] >= 2:
-        written.append(
-            save_figure(
-                drift_plot(stats.window_drift(wl), ids, title=f"{name}: drift over {wl.shape[0]} windows"),
-                out / "drift.png",
-            )
-        )
+        title = f"{name}: drift over {wl.shape[0]} windows"
+        figs["drift.png"] = drift_plot(stats.window_drift(wl), ids, title=title)
     if not trace.has_tokens and trace.window_labels and 2 <= len(trace.window_labels) <= 12:
         d = stats.domain_distance(trace.window_counts)
-        written.append(
-            save_figure(
-                domain_distance_plot(d, trace.window_labels, layer_ids=ids), out / "domain_distance.png"
-            )
-        )
+        figs["domain_distance.png"] = domain_distance_plot(d, trace.window_labels, layer_ids=ids)
     if trace.has_tokens:
-        written.append(save_figure(_coactivation_figure(trace, load, name), out / "coactivation.png"))
-    return written
+        figs["coactivation.png"] = _coactivation_figure(trace, load, name)
+    return figs
 
 
 def _drift_windows(trace: RoutingTrace) -> np.ndarray | None:

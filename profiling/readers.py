@@ -24,10 +24,28 @@ from typing import Any
 
 import numpy as np
 
-from moe_placement.base.fileio import InputFileError, atomic_save_npz, iter_npz_array_chunks, load_npz
-from moe_placement.base.limits import MAX_EXPERTS, MAX_TOTAL_TOKENS
+from moe_placement.base.fileio import (
+    InputFileError,
+    atomic_write_bytes,
+    iter_npz_array_chunks,
+    load_npz,
+    npz_bytes,
+)
+from moe_placement.base.limits import (
+    MAX_EXPERTS,
+    MAX_TOTAL_TOKENS,
+    check_layer_ids,
+    check_sequence,
+    check_whole,
+)
 from moe_placement.base.textparse import parse_json
-from profiling.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, RoutingTrace, _check_num_experts
+from profiling.trace import (
+    EXPERTS_INFERRED,
+    TRACE_SCHEMA,
+    TRACE_SCHEMA_VERSION,
+    RoutingTrace,
+    _check_num_experts,
+)
 
 __all__ = [
     "check_load",
@@ -36,10 +54,12 @@ __all__ = [
     "read_trace",
     "require_data",
     "stream_counts",
+    "trace_bytes",
     "write_trace",
 ]
 
 _PROJECT_ROOT = Path(__file__).resolve().parents[1]
+_COUNTS_KEY = "expert_counts"  # read_trace's default per-domain key prefix
 
 
 def default_traces_dir() -> Path:
@@ -124,25 +144,80 @@ def read_trace(
     if not isinstance(path, (str, os.PathLike)):
         raise InputFileError(f"path must be a file name (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
-    if num_logical_experts is not None:
-        _check_num_experts(num_logical_experts)  # ValueError naming the value
+    domains, keep_segments, moe_layer_ids = _checked_args(
+        p, num_logical_experts, domains, keep_segments, counts_key, max_bytes, moe_layer_ids
+    )
     if p.is_dir() or p.suffix in (".pt", ".pth", ".safetensors", ".jsonl"):
         from profiling.engine_readers import read_engine_dump
 
         _no_domains(p, domains)
+        _only_npz(p, keep_segments=keep_segments, counts_key=counts_key != _COUNTS_KEY or None)
         return read_engine_dump(p, num_logical_experts=num_logical_experts, moe_layer_ids=moe_layer_ids)
+    _only_npz(p, moe_layer_ids=moe_layer_ids, as_="moe_layer_ids picks the MoE rows of an engine dump")
     kwargs = {} if max_bytes is None else {"max_bytes": max_bytes}
     arrays = load_npz(p, **kwargs)
     try:
-        return _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key)
+        trace = _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key)
+        return _with_count(trace, num_logical_experts)
     except InputFileError:
         raise
     except ValueError as exc:
         raise InputFileError(f"{p}: {exc}") from None
 
 
+def _checked_args(p, num_logical_experts, domains, keep_segments, counts_key, max_bytes, moe_layer_ids):
+    """:func:`read_trace`'s arguments checked (an InputFileError naming the file): ``(domains,
+    keep_segments, moe_layer_ids)`` as tuples. A bare string is refused where names or numbers are
+    listed (``"arxiv"`` would be read as the domains a, r, x, i, v)."""
+    try:
+        if num_logical_experts is not None:
+            _check_num_experts(num_logical_experts)
+        if max_bytes is not None:
+            check_whole("max_bytes", max_bytes, 1, fix="the largest uncompressed size to read, in bytes")
+        if not isinstance(counts_key, str) or not counts_key:
+            raise ValueError(f"counts_key must be a field prefix such as 'expert_counts', got {counts_key!r}")
+        domains = None if domains is None else check_sequence(domains, "domains", "domain names")
+        if keep_segments is not None:
+            keep_segments = tuple(
+                check_whole("keep_segments' entry", x, None)
+                for x in check_sequence(keep_segments, "keep_segments", "segment numbers")
+            )
+        if moe_layer_ids is not None:
+            moe_layer_ids = check_layer_ids(moe_layer_ids, "moe_layer_ids")
+    except ValueError as exc:
+        raise InputFileError(f"{p}: {exc}") from None
+    return domains, keep_segments, moe_layer_ids
+
+
+def _only_npz(p, as_: str = "", **given) -> None:
+    """Refuse an argument given for a file it does not apply to (it would be silently ignored)."""
+    for name, value in given.items():
+        if value is not None:
+            what = as_ or f"{name} applies to the .npz layouts that have it"
+            raise InputFileError(f"{p}: {name} was given, but {what}; drop it for this file")
+
+
+def _with_count(trace: RoutingTrace, num_logical_experts: int | None) -> RoutingTrace:
+    """``num_logical_experts`` asked for a file that states a count: the file's, or a count it only
+    inferred widened to it; a different stated count is refused (it was silently ignored)."""
+    if num_logical_experts is None or num_logical_experts == trace.num_logical_experts:
+        return trace
+    if trace.experts_inferred:
+        return trace.with_expert_count(num_logical_experts, f"num_logical_experts={num_logical_experts}")
+    raise ValueError(
+        f"the file states {trace.num_logical_experts} experts but num_logical_experts={num_logical_experts} was "
+        f"asked; read it without num_logical_experts, or pass the trace of that model"
+    )
+
+
 def _from_arrays(arrays, p, num_logical_experts, domains, keep_segments, counts_key) -> RoutingTrace:
     """Dispatch on the layout the keys show: native, per-token, per-domain counts or counts."""
+    if keep_segments is not None and "segment" not in arrays:
+        raise InputFileError(f"{p}: keep_segments was given, but the file has no 'segment' field; drop it")
+    if counts_key != _COUNTS_KEY and not any(k.startswith(counts_key + "__") for k in arrays):
+        raise InputFileError(
+            f"{p}: counts_key {counts_key!r} was given, but the file has no '{counts_key}__<domain>' field; drop it"
+        )
     if "schema" in arrays:
         _no_domains(p, domains)
         return _native_trace(arrays, p)
@@ -208,10 +283,13 @@ def _native_trace(arrays, p) -> RoutingTrace:
     )
 
 
-def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
-    """``topk_ids`` as int32 ``[T, L, k]`` (``[T, k]`` gets L = 1) and ``E``.
+def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int, bool]:
+    """``topk_ids`` as int32 ``[T, L, k]`` (``[T, k]`` gets L = 1), ``E``, and whether ``E`` was only
+    inferred.
 
-    ``E``: ``num_logical_experts``, else the last axis of ``counts_real`` / ``counts``, else max id + 1.
+    ``E``: ``num_logical_experts``, else the last axis of ``counts_real`` / ``counts``, else max id + 1
+    (inferred: a model whose last experts were never picked has more; every id -1 is refused: nothing
+    was routed).
     """
     ids = np.asarray(arrays["topk_ids"])
     if ids.dtype.kind not in "iu" or ids.ndim not in (2, 3):
@@ -229,6 +307,14 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
                 f"{p}: field {counts_field!r} must be counts [..., experts], got shape {shape}; or drop it"
             )
         E = int(shape[-1])
+    inferred = E is None and ids.size > 0
+    if inferred and int(ids.max()) < 0:
+        T, L, k = ids.shape
+        raise InputFileError(
+            f"{p}: nothing was routed: every topk_ids entry is -1 (no expert) in all {T} tokens x {L} layers x "
+            f"top-{k}, so there is no load to place or score (nor an expert count to read); record routed "
+            f"traffic, or check that the right rows were dumped"
+        )
     if E is None:
         E = int(ids.max()) + 1 if ids.size else 1
     if ids.size and int(E) <= MAX_EXPERTS and (int(ids.min()) < -1 or int(ids.max()) >= int(E)):
@@ -237,7 +323,7 @@ def _token_ids(arrays, p, num_logical_experts) -> tuple[np.ndarray, int]:
             f"{p}: topk_ids hold ids in [{int(ids.min())}, {int(ids.max())}] but must be in [-1, {int(E) - 1}] "
             f"for num_logical_experts={int(E)} (-1 = no expert); pass the model's real expert count"
         )
-    return ids.astype(np.int32), E
+    return ids.astype(np.int32), E, inferred
 
 
 def _segment_keep(arrays, p, T: int, keep_segments, meta: dict) -> np.ndarray | None:
@@ -272,9 +358,9 @@ def _batch_steps(arrays, p, T: int, keep: np.ndarray | None) -> np.ndarray | Non
 
 def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> RoutingTrace:
     """Per-token layout: ``topk_ids [T, L, k]``, start-up segments dropped, optional offsets and ranks."""
-    ids, E = _token_ids(arrays, p, num_logical_experts)  # [T, L, k] int32
+    ids, E, inferred = _token_ids(arrays, p, num_logical_experts)  # [T, L, k] int32
     T = ids.shape[0]
-    meta = {"source_file": str(p)}
+    meta = {"source_file": str(p), **({EXPERTS_INFERRED: True} if inferred else {})}
     seq = arrays.get("seq_offsets")
     source = arrays.get("source_rank")
     keep = _segment_keep(arrays, p, T, keep_segments, meta)  # [T] bool or None
@@ -289,7 +375,12 @@ def _token_trace(arrays, p, num_logical_experts, keep_segments, layer_ids) -> Ro
             )
     if seq is not None:
         seq = _int_vector(arrays, "seq_offsets", p)
-        if seq.size and seq[-1] != ids.shape[0] and seq.size >= 1:
+        if seq.size and seq.max() > ids.shape[0]:
+            raise InputFileError(
+                f"{p}: field 'seq_offsets' reaches token {int(seq.max())} but the trace has {ids.shape[0]} tokens; "
+                f"prompt boundaries must lie in 0..{ids.shape[0]}"
+            )
+        if seq.size and seq[-1] != ids.shape[0]:  # the last prompt's end, when the file leaves it out
             seq = np.concatenate([seq, [ids.shape[0]]])
     return RoutingTrace(
         num_logical_experts=E,
@@ -351,6 +442,11 @@ def _counts_trace(arrays, p, num_logical_experts, layer_ids) -> RoutingTrace:
 
 def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
     """Write the native npz format (atomically)."""
+    atomic_write_bytes(path, trace_bytes(trace))
+
+
+def trace_bytes(trace: RoutingTrace) -> bytes:
+    """The native npz file :func:`write_trace` writes, as bytes (for a folder published as a unit)."""
     if not isinstance(trace, RoutingTrace):
         raise TypeError(f"write_trace needs a RoutingTrace, got {type(trace).__name__}")
     arrays: dict[str, Any] = {
@@ -367,7 +463,7 @@ def write_trace(trace: RoutingTrace, path: str | os.PathLike) -> None:
             arrays[key] = np.asarray(v)
     if trace.window_labels:
         arrays["window_labels"] = np.asarray(trace.window_labels, dtype=str)
-    atomic_save_npz(path, **arrays)
+    return npz_bytes(**arrays)
 
 
 def stream_counts(path: str | os.PathLike, num_logical_experts: int, chunk_tokens: int = 65536) -> np.ndarray:

@@ -15,6 +15,8 @@ A trace has per-token ids, or window counts, or both (counts then describe the s
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -24,7 +26,7 @@ import numpy as np
 
 from moe_placement.base.limits import MAX_EXPERTS, MAX_RANKS, MAX_TOTAL_TOKENS, check_layer_ids, check_whole
 
-__all__ = ["RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
+__all__ = ["EXPERTS_INFERRED", "RoutingTrace", "TRACE_SCHEMA", "TRACE_SCHEMA_VERSION"]
 
 TRACE_SCHEMA = "moe-placement/routing-trace"
 TRACE_SCHEMA_VERSION = 1
@@ -100,6 +102,54 @@ def _whole_list(what: str, indices, words: str) -> list[int]:
     return [check_whole(f"{what}'s index", i, None, fix=f"pass whole-number {words}") for i in indices]
 
 
+# id arrays already checked (views of them, slices of a checked trace, skip the duplicate check)
+_CHECKED_IDS: weakref.WeakValueDictionary[int, np.ndarray] = weakref.WeakValueDictionary()
+# metadata key a reader sets when the expert count was only inferred from the largest id in the file
+EXPERTS_INFERRED = "experts_inferred"
+
+
+def _checked_before(ids: np.ndarray) -> bool:
+    a = ids
+    while isinstance(a, np.ndarray):
+        if _CHECKED_IDS.get(id(a)) is a:
+            return True
+        a = a.base
+    return False
+
+
+def _check_distinct_picks(ids: np.ndarray, layer_ids: tuple[int, ...]) -> None:
+    """A token names each expert at most once per layer in its top-k (-1, no expert, may repeat): a
+    router picks ``k`` distinct experts, so a repeat is a corrupt file (or padding that is not -1).
+    ``ids`` is then remembered: a view of it (a slice of the trace) is not checked again."""
+    if ids.shape[2] < 2 or not ids.size or _checked_before(ids):
+        return
+    rep = np.zeros(ids.shape[:2], dtype=bool)  # [T, L]
+    for i in range(ids.shape[2]):
+        for j in range(i + 1, ids.shape[2]):
+            rep |= (ids[:, :, i] == ids[:, :, j]) & (ids[:, :, i] >= 0)
+    if rep.any():
+        t, l = (int(x) for x in np.argwhere(rep)[0])
+        picks = [int(x) for x in ids[t, l]]
+        dup = next(e for e in picks if picks.count(e) > 1)
+        raise ValueError(
+            f"topk_ids: token {t} names expert {dup} twice in layer {layer_ids[l]} (row {l}; its top-{ids.shape[2]} "
+            f"is {picks}); a router picks distinct experts ({int(rep.sum())} token-layer pairs repeat one): the "
+            f"trace is corrupt, or its padding is not -1"
+        )
+    _CHECKED_IDS[id(ids)] = ids
+
+
+def _checked_source_rank(source_rank, T: int) -> np.ndarray:
+    """``source_rank`` as read-only int32 ``[T]`` ranks in ``0..MAX_RANKS - 1``, else a ValueError."""
+    sr = np.asarray(source_rank)
+    if sr.dtype.kind not in "iu" or sr.shape != (T,):
+        raise ValueError(f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}")
+    _check_source_rank(sr)
+    sr = sr.astype(np.int32)
+    sr.setflags(write=False)
+    return sr
+
+
 def _check_source_rank(sr: np.ndarray) -> None:
     if sr.size and (sr.min() < 0 or sr.max() >= MAX_RANKS):
         raise ValueError(
@@ -148,9 +198,11 @@ class RoutingTrace:
         if len(ids_) != L:
             raise ValueError(f"layer_ids has {len(ids_)} entries but the trace has {L} layers")
         object.__setattr__(self, "layer_ids", ids_)
+        if self.topk_ids is not None:
+            _check_distinct_picks(self.topk_ids, ids_)
         T = self.num_tokens
         if self.source_rank is not None:
-            object.__setattr__(self, "source_rank", _frozen(_checked_source_rank(self.source_rank, T)))
+            object.__setattr__(self, "source_rank", _checked_source_rank(self.source_rank, T))
         for name in ("seq_offsets", "step_offsets"):
             off = _check_offsets(name, getattr(self, name), T)
             object.__setattr__(self, name, None if off is None else _frozen(off))
@@ -174,6 +226,31 @@ class RoutingTrace:
         if self.topk_ids is not None:
             return int(self.topk_ids.shape[1])
         return int(self.window_counts.shape[1])  # type: ignore[union-attr]
+
+    @property
+    def experts_inferred(self) -> bool:
+        """The file did not say how many experts the model has: ``num_logical_experts`` is the largest
+        expert id seen + 1 (a model whose last experts were never picked has more)."""
+        return bool(self.metadata.get(EXPERTS_INFERRED, False))
+
+    def with_expert_count(self, num_logical_experts: int, source: str) -> RoutingTrace:
+        """This trace over the ``num_logical_experts`` experts that ``source`` (a model, a placement)
+        says the model has, when the trace's own count was only inferred (:attr:`experts_inferred`)
+        and its ids fit; a trace that states its count is returned as it is (the caller compares).
+
+        Raises:
+            ValueError: the trace picks an expert id that ``source``'s count does not have.
+        """
+        E = _check_num_experts(num_logical_experts)
+        if not self.experts_inferred or E == self.num_logical_experts:
+            return self
+        if E < self.num_logical_experts:
+            raise ValueError(
+                f"{source} has {E} experts but the trace picks expert {self.num_logical_experts - 1}; "
+                f"pass the model the trace was recorded from"
+            )
+        meta = {k: v for k, v in self.metadata.items() if k != EXPERTS_INFERRED}
+        return dataclasses.replace(self, num_logical_experts=E, metadata={**meta, "experts_from": source})
 
     @property
     def top_k(self) -> int | None:
@@ -245,6 +322,9 @@ class RoutingTrace:
         idx = _whole_list("select_windows", indices, "window indices")
         if not idx:
             raise ValueError("select_windows needs at least one window")
+        if len(set(idx)) != len(idx):
+            dup = next(i for i in idx if idx.count(i) > 1)
+            raise ValueError(f"select_windows lists window {dup} twice; its tokens would be counted twice")
         for i in idx:
             if not 0 <= i < len(wins):
                 raise ValueError(f"window {i} out of range: the trace has {len(wins)} windows")
@@ -342,6 +422,7 @@ class RoutingTrace:
             "layers": self.num_layers,
             "top_k": self.top_k,
             "num_logical_experts": self.num_logical_experts,
+            "experts_inferred": self.experts_inferred,
             "layer_ids": list(self.layer_ids),
             "windows": len(self.natural_windows()),
             "has_source_rank": self.source_rank is not None,
@@ -431,12 +512,3 @@ def _checked_labels(window_labels, num_windows: int) -> tuple[str, ...]:
     if labels and len(labels) != num_windows:
         raise ValueError(f"window_labels has {len(labels)} names for {num_windows} windows")
     return labels
-
-
-def _checked_source_rank(source_rank, T: int) -> np.ndarray:
-    """``source_rank`` int32 ``[T]``: the attention-DP rank each token came from."""
-    sr = np.asarray(source_rank)
-    if sr.dtype.kind not in "iu" or sr.shape != (T,):
-        raise ValueError(f"source_rank must be an integer array of shape ({T},), got {sr.dtype} {sr.shape}")
-    _check_source_rank(sr)
-    return sr.astype(np.int32)

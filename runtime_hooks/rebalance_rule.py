@@ -43,6 +43,7 @@ from placement.cost.hardware import DEFAULT_HARDWARE, GPUS, LINKS
 from placement.cost.migration import move_time
 from placement.cost.modelspec import load_model
 from placement.cost.primitives import assignment_seconds
+from placement.metric_checks import check_map_load
 
 __all__ = [
     "Decision",
@@ -131,8 +132,9 @@ class Decision:
 
 def gpu_peaks(p2l: np.ndarray, load: np.ndarray, ep_size: int) -> np.ndarray:
     """float64 ``[L]``: each layer's peak GPU load, ``load [L, E]`` split evenly over the replicas of
-    ``p2l [L, P]`` (a map may hold an expert twice on a GPU: that GPU then gets two shares)."""
-    p2l, w = np.asarray(p2l, dtype=np.int64), np.asarray(load, dtype=np.float64)
+    ``p2l [L, P]`` (a map may hold an expert twice on a GPU: that GPU then gets two shares). A map and a
+    load that do not fit each other are refused first (:func:`placement.metric_checks.check_map_load`)."""
+    p2l, w = check_map_load(p2l, load, ep_size)
     L, P = p2l.shape
     cnt = np.zeros(w.shape)
     np.add.at(cnt, (np.repeat(np.arange(L), P), p2l.ravel()), 1.0)  # [L, E] replicas

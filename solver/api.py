@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from moe_placement.base.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from moe_placement.base.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS, MAX_TIME_LIMIT_S
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.fields import Range, check_fields
 from placement.dispatch import EVEN, DispatchModel, get_dispatch
@@ -194,6 +194,8 @@ def make_options(name: str, values: Mapping[str, Any] | None = None, **common: A
             f"make_options: no solver has an option {unknown[0]!r}; common keys are the solvers' own "
             f"({', '.join(sorted(anywhere & {'seed', 'time_limit', 'work_limit'}))} ...), or pass it in values"
         )
+    if "time_limit" in common:  # checked whatever the solver: a bad limit is never silently dropped
+        check_time_limit(common["time_limit"])
     merged = {k: v for k, v in common.items() if k in known}
     merged.update(values or {})
     merged.update(spec.fixed)
@@ -227,6 +229,7 @@ _FIT_RANGES = {
     "noise_z": Range(0.0, 1e3),
     "step_tokens": Range(1, MAX_STEP_TOKENS),
     "step_moves": Range(0, MAX_FIT_STEPS),
+    "time_limit": Range(0.0, MAX_TIME_LIMIT_S, lo_open=True),
 }
 
 
@@ -247,6 +250,8 @@ class FitOptions:
         model, hardware: the presets that price those steps (``--model``, ``--hardware``;
             :mod:`solver.step.cost`): model None takes the built-in preset with the trace's experts
             and top-k, and with none the fit balances the step peak alone (its note says so).
+        time_limit: seconds the per-step fit may search (:func:`solve` sets its ``time_limit``; the
+            CLI's ``--time-limit``); it stops there and its note says so. None: its move budget only.
     """
 
     enabled: bool = True
@@ -259,6 +264,7 @@ class FitOptions:
     phase: str = "decode"
     model: str | None = None
     hardware: str = DEFAULT_HARDWARE
+    time_limit: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _FIT_RANGES, "", prefix="FitOptions.")
@@ -435,7 +441,12 @@ def _fit_steps(
             "balances the step peak only (pass --model to price the steps)"
         )
     options = StepFitOptions(
-        step_tokens=o.phase_step_tokens, moves=o.step_moves, seed=o.seed, phase=o.phase, cost=cost
+        step_tokens=o.phase_step_tokens,
+        moves=o.step_moves,
+        seed=o.seed,
+        phase=o.phase,
+        cost=cost,
+        time_limit=o.time_limit,
     )
     placement, fit = fit_for_steps(placement, trace, problem.dispatch, options)
     notes.append(fit.note())
@@ -504,10 +515,17 @@ def solve(
     per-window routing the counts are split evenly over the ranks). ``options`` carries
     solver-specific keywords (the fields of its options class, e.g. ``objective``, ``robust``,
     ``weighted``, ``balance_slack``, ``max_moves``); unknown keys raise ValueError. ``fit``: the fit
-    step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`. An
-    unknown keyword raises ValueError naming the accepted ones.
+    step's options (e.g. ``step_tokens`` for a per-step model), default :class:`FitOptions`.
+    ``time_limit`` (seconds, checked whatever the solver) bounds the solver where it has a limit, and
+    the per-step fit unless ``fit`` sets its own. A ``load`` given with a ``trace`` must be the trace's
+    counts (the solver places the load, the fit uses the trace's tokens: two different inputs would be
+    placed for one and fitted for the other). An unknown keyword raises ValueError naming the
+    accepted ones.
     """
     _check_solve_args(seed, options)
+    check_time_limit(time_limit)
+    if fit is None or (isinstance(fit, FitOptions) and fit.time_limit is None):
+        fit = replace(fit or FitOptions(), time_limit=time_limit)
     problem = Problem.build(
         topology,
         load=load,

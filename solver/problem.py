@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from moe_placement.base.limits import check_layer_ids
 from moe_placement.base.options import check_keywords
 from placement.dispatch import EVEN, DispatchModel, check_dispatch
 from placement.model import Placement
@@ -28,7 +29,8 @@ class Problem:
 
     Attributes:
         topology: ``P`` physical slots over ``G`` GPUs over ``N`` nodes.
-        load: ``[L, E]`` float64 tokens per logical expert (the trace's counts when a trace is given).
+        load: ``[L, E]`` float64 tokens per logical expert (the trace's counts when a trace is given; a
+            load given with a trace must equal them, else a ValueError names the first cell that differs).
         trace: the per-token or per-window routing behind ``load``, or None (counts only). Solvers that
             model noise (exact's gate, locality) read it; the others use ``load``.
         layer_ids: the model's real layer index of each of the ``L`` rows (empty: ``0..L-1``).
@@ -56,6 +58,7 @@ class Problem:
         _check_topology(self.topology)
         L, E = _check_load(self.load)
         _check_trace(self.trace, L, E)  # layer_ids may name a subset of the rows (locality picks them)
+        _check_agree(self.load, self.trace)
         _check_groups(self.num_groups, E)
         _check_previous(self.previous, L, E, self.topology)
         if self.source_ranks is not None and not isinstance(self.source_ranks, str):
@@ -92,7 +95,7 @@ class Problem:
             raise ValueError(
                 f"load must be numbers [layers, experts] (tokens per expert), got {type(load).__name__}"
             ) from None
-        ids = tuple(int(i) for i in (layer_ids or ()))
+        ids = () if layer_ids is None else check_layer_ids(layer_ids)  # "01" is not layers 0 and 1
         return cls(topology, load, trace, ids, num_groups, previous, check_dispatch(dispatch), source_ranks)
 
     @property
@@ -133,6 +136,22 @@ def _check_trace(trace, L: int | None, E: int | None) -> None:
         raise ValueError(
             f"the load is {L} layers x {E} experts but the trace is {trace.num_layers} layers x "
             f"{trace.num_logical_experts} experts; pass the trace's counts (or omit load)"
+        )
+
+
+def _check_agree(load: np.ndarray, trace: RoutingTrace | None) -> None:
+    """A load given with a trace is the trace's counts: the solvers place the load and the fit and the
+    noise models use the trace, so two different inputs would be silently mixed."""
+    if trace is None:
+        return
+    counts = trace.counts()  # [L, E]
+    differ = ~np.isclose(load, counts, rtol=1e-9, atol=1e-9)
+    if differ.any():
+        l, e = (int(i) for i in np.argwhere(differ)[0])
+        raise ValueError(
+            f"load and trace disagree: the load gives layer row {l}, expert {e} {load[l, e]:g} tokens but the "
+            f"trace routes {counts[l, e]:g} there ({int(differ.sum())} of {differ.size} cells differ); a trace's "
+            f"load is its counts: pass the trace alone (or the load alone, to place it without tokens)"
         )
 
 

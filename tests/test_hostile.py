@@ -579,3 +579,292 @@ def test_refuse_unknown_keywords_is_refused_where_it_cannot_check():
     with pytest.raises(ValueError, match="^f: unknown keywords 'b' \\(did you mean 'bb'\\?\\), 'zz'; its"):
         check_keywords("f", ["zz", "b"], ["a", "bb"])
     check_keywords("f", ["a"], ["a", "bb"])  # a known keyword: nothing raised
+
+
+# ---- issue 46, round 4: the newest surfaces (each case failed, or was silently accepted, before) -------
+def _lib_calls_4():
+    """(call, fragment): AttributeError/IndexError from inside, or an argument accepted and ignored,
+    split into letters, wrapped (-1 read as the last expert) or turned into NaN."""
+    import placement.metrics as m
+    from moe_placement.apps.advise import AdviseOptions
+    from moe_placement.apps.planner.costmodel import CostOptions
+    from placement.cost.hardware import cluster_preset
+    from placement.cost.modelspec import load_model
+    from placement.cost.step_time import StepArrays, step_time, step_time_from_arrays
+    from placement.steps import make_steps, step_counts
+    from runtime_hooks.engine_plugins.default_guard import dispatch_peaks
+    from runtime_hooks.rebalance_rule import gpu_peaks
+    from solver.api import solve
+
+    tr, other = _lib_trace(), synthetic_trace(num_tokens=400, num_layers=L, num_logical_experts=E, top_k=2)
+    topo = Topology.from_redundant(E, 0, G)
+    pl = Placement.trivial(L, E, topo)
+    p2l, w = pl.physical_to_logical_map, np.ones((L, E))
+    wrapped = np.where(p2l == E - 1, -1, p2l)  # -1 in a map: numpy indexing reads it as expert E - 1
+    far = p2l.copy()
+    far[1, 3] = 99
+    model = load_model("mixtral-8x7b")  # 8 experts, top-2: the trace's
+    steps_of_other = make_steps(other, G, "decode", 4)
+    nan = np.full((L, E), np.nan)
+    H200 = cluster_preset("h200")
+    st = make_steps(tr, G, "decode", 4)
+    ids = np.asarray(tr.topk_ids)[st.token]
+
+    def arrays(**kw):
+        fields = dict(topk_ids=ids, step=st.step, src=st.rank, num_steps=st.num_steps, step_tokens=4)
+        fields["phase"], fields["topk_ids"] = kw.pop("phase", "decode"), kw.pop("ids", ids)
+        return StepArrays(**{**fields, **kw})
+
+    return [
+        # kind 4: IndexError / AttributeError from inside
+        (
+            lambda: step_time(pl, tr, steps_of_other, "even", model, H200),
+            "the steps were made from a trace of 400x2x2 (tokens x layers x top-k), this trace is 100x2x2",
+        ),
+        (lambda: step_counts(tr, steps_of_other), "make_steps(trace, 4, 'decode', 4)"),
+        (lambda: dispatch_peaks("even", w, far, topo), "layer row 1 slot 3 holds expert id 99, outside 0..7"),
+        (lambda: dispatch_peaks("even", w[:1], p2l, topo), "the map has 2 layers but the load has 1"),
+        (
+            lambda: dispatch_peaks("even", w, p2l[:, :6], topo),
+            "6 slots per layer, which do not divide over 4",
+        ),
+        (
+            lambda: dispatch_peaks("even", w, np.tile(p2l, 2), topo),
+            "16 slots per layer but the topology has 8",
+        ),
+        (lambda: dispatch_peaks("even", w, p2l, "topo"), "topo must be a placement.topology.Topology"),
+        (lambda: gpu_peaks(p2l[0], w, G), "the map must be a 2-D integer array [layers, slots]"),
+        # kind 5: accepted and ignored, wrapped, NaN, split into letters
+        (lambda: solve("greedy", topology=topo, trace=tr, load=w), "load and trace disagree: the load gives"),
+        (lambda: solve("greedy", topology=topo, trace=tr, time_limit=float("nan")), "time_limit is nan"),
+        (lambda: solve("greedy", topology=topo, trace=tr, time_limit=0), "time_limit is 0; accepted"),
+        (lambda: solve("greedy", topology=topo, trace=tr, time_limit="10"), "time_limit is '10'; accepted"),
+        (lambda: AdviseOptions(engine="vllm", nodes=1, gpus_per_node=4, strict="no"), "strict must be True"),
+        (lambda: CostOptions(context_len=10**9), "context_len must be a number of tokens in 1..16,777,216"),
+        (
+            lambda: step_time(pl, tr, make_steps(tr, G, "decode", 4), "even", model, H200, context_len=1e12),
+            "(MAX_CONTEXT_LEN)",
+        ),
+        (lambda: dispatch_peaks("even", w, wrapped, topo), "holds expert id -1, outside 0..7"),
+        (lambda: gpu_peaks(p2l, nan, G), "load holds nan at index [0, 0]"),
+        (lambda: m.expected_gpu_load(pl, nan), "the load holds nan at index [0, 0]"),
+        (lambda: m.rank_gpu_load(pl, np.full((L, G, E), np.nan), "even"), "rank_counts holds nan"),
+        (lambda: solve("greedy", topology=topo, load=w, layer_ids="01"), "a string would be read as its"),
+        (lambda: Placement.trivial(L, E, topo, "01"), "layer_ids must be a sequence of layer ids, got '01'"),
+        (
+            lambda: Placement.trivial(L, E, topo, [0.5, 1.5]),
+            "layer_ids' entry must be a whole number, got 0.5",
+        ),
+        # kind 8: a token naming one expert twice
+        (
+            lambda: RoutingTrace(E, topk_ids=np.array([[[1, 2]], [[3, 3]]])),
+            "token 1 names expert 3 twice in layer 0 (row 0; its top-2 is [3, 3])",
+        ),
+        # the same kinds, found on a further pass: steps priced from arrays, windows taken twice
+        (
+            lambda: step_time_from_arrays(pl, arrays(ids=ids + 100), "even", model, H200),
+            "topk_ids holds values",
+        ),
+        (lambda: step_time_from_arrays(pl, arrays(step=st.step[:5]), "even", model, H200), "step must be"),
+        (
+            lambda: step_time_from_arrays(pl, arrays(src=st.rank + G), "even", model, H200),
+            "src holds values in",
+        ),
+        (
+            lambda: step_time_from_arrays(pl, arrays(phase="warmup"), "even", model, H200),
+            "phase must be one of",
+        ),
+        (
+            lambda: step_time_from_arrays(pl, (ids,), "even", model, H200),
+            "arrays must be a StepArrays, got tuple",
+        ),
+        (lambda: tr.select_windows([0, 0]), "select_windows lists window 0 twice"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_lib_calls_4())))  # every call the list holds
+def test_library_entry_points_fourth_pass(index):
+    call, fragment = _lib_calls_4()[index]
+    with pytest.raises(ValueError) as info:
+        call()
+    assert fragment in str(info.value), str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_fourth_pass_keeps_valid_arguments_working():
+    """What the checks let through: -1 in a trace (no expert) may repeat, a load equal to the trace's
+    counts, a numpy bool, steps of the same trace, a context length at the bound."""
+    from placement.steps import make_steps, step_counts
+    from solver.api import FitOptions, solve
+
+    tr = RoutingTrace(E, topk_ids=np.array([[[1, -1, -1]], [[2, 3, 4]]]))
+    assert tr.counts()[0, 1:5].tolist() == [1, 1, 1, 1]
+    t = _lib_trace()
+    topo = Topology.from_redundant(E, 0, G)
+    a = solve("greedy", topology=topo, trace=t, load=t.counts().astype(float)).placement
+    assert a == solve("greedy", topology=topo, trace=t).placement
+    assert FitOptions(enabled=np.bool_(False)).enabled is False
+    assert step_counts(t, make_steps(t.slice_tokens(0, 100), G, "decode", 4)).shape[1:] == (L, G, E)
+
+
+def test_a_balanced_solve_honours_its_time_limit_and_says_it_stopped():
+    """``solve(..., dispatch=balanced)`` ran its per-step fit to the end of its move budget whatever the
+    time limit (a tiny trace at the default 10 s ran 85 s); now it stops at the limit, keeps what it
+    found, and its note says how many layers it searched."""
+    import time
+
+    from solver.api import FitOptions, solve
+
+    trace = synthetic_trace(num_tokens=3000, num_layers=4, num_logical_experts=16, top_k=2, num_prompts=30)
+    topo = Topology.from_redundant(16, 4, 4)
+    start = time.perf_counter()
+    fit = FitOptions(step_moves=20_000)  # about a minute without the limit
+    result = solve("greedy", topology=topo, trace=trace, dispatch="balanced", time_limit=0.3, fit=fit)
+    wall = time.perf_counter() - start
+    assert wall < 3.0, f"{wall:.1f} s for a 0.3 s limit"  # the whole budget runs about 60 s
+    assert result.fit.stopped_at_limit and result.fit.layers_searched < 4
+    assert any("stopped at the time limit of 0.3 s" in n for n in result.report.notes), result.report.notes
+    assert result.placement.physical_to_logical_map.shape == (4, 20)  # a whole placement all the same
+
+
+# ---- output folders: one run's files, whole (moe_placement.base.folders) ----------------------------
+def _plot_inputs(d: Path) -> tuple[Path, Path]:
+    """A per-token trace (5 plots: drift and co-activation too) and a one-window counts trace (2)."""
+    write_trace(_lib_trace(), d / "tokens.npz")
+    write_trace(RoutingTrace(E, window_counts=np.arange(1.0, L * E + 1).reshape(1, L, E)), d / "one.npz")
+    return d / "tokens.npz", d / "one.npz"
+
+
+def test_a_later_run_that_writes_fewer_files_leaves_none_of_the_earlier_runs(tmp_path, capsys):
+    """``inspect --plot DIR`` on a per-token trace writes drift.png and coactivation.png; a later run on
+    a one-window counts trace writes two plots: the earlier run's three stayed beside them."""
+    pytest.importorskip("matplotlib")
+    tokens, one = _plot_inputs(tmp_path)
+    out = tmp_path / "plots"
+    assert main(["inspect", str(tokens), "--plot", str(out)]) == 0
+    assert {"drift.png", "coactivation.png"} <= set(_folder(out))
+    assert main(["inspect", str(one), "--plot", str(out)]) == 0
+    capsys.readouterr()
+    assert sorted(_folder(out)) == [".moe-placement-manifest.json", "load_heatmap.png", "lorenz.png"]
+    manifest = json.loads((out / ".moe-placement-manifest.json").read_text())
+    assert manifest["command"] == "inspect" and sorted(manifest["files"]) == [
+        "load_heatmap.png",
+        "lorenz.png",
+    ]
+
+
+def test_a_concurrent_run_is_refused_in_one_line_and_writes_nothing(inputs, tmp_path, capsys):
+    """Two runs into one folder interleaved their files; the second is now refused before any work."""
+    from moe_placement.base.folders import claim_folder
+
+    out = tmp_path / "out"
+    with claim_folder(out, "layout", ["placement.json"]):  # another run holds the folder
+        rc = main([a.format(d=inputs) for a in LAYOUT] + ["--output", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "is being written by another moe-placement run right now" in err
+    assert not out.exists()  # the holder created it and removed it, empty, when it ended
+
+
+def test_a_failure_mid_publish_leaves_the_previous_runs_folder_whole(tmp_path, monkeypatch, capsys):
+    """A rename failing half-way through the publish (here the third) left a mix of two runs."""
+    import os
+
+    pytest.importorskip("matplotlib")
+    tokens, one = _plot_inputs(tmp_path)
+    out = tmp_path / "plots"
+    assert main(["inspect", str(one), "--plot", str(out)]) == 0
+    first = _folder(out)
+    real, calls = os.replace, []
+
+    def flaky(src, dst, *args, **kwargs):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", flaky)
+    assert main(["inspect", str(tokens), "--plot", str(out)]) == 2
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert len(calls) > 3  # it failed half-way and put the files back
+    assert _folder(out) == first  # the first run's files, manifest included, and no temporary file
+
+
+def test_an_output_folder_refuses_files_it_did_not_write(tmp_path):
+    """A file the run would replace that no earlier run of the command wrote (or that was edited since),
+    and a folder of another command: refused, nothing changed; a file outside the names is left alone."""
+    from moe_placement.base.folders import publish_folder
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "a.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds a.json, which no earlier `layout` run wrote"):
+        publish_folder(out, {"a.json": b"1"}, "layout")
+    (out / "a.json").unlink()
+    publish_folder(out, {"a.json": b"1", "b.json": b"2"}, "layout")
+    (out / "b.json").write_text("edited")
+    with pytest.raises(ValueError, match="b.json was changed since the `layout` run that wrote it"):
+        publish_folder(out, {"a.json": b"3"}, "layout")
+    with pytest.raises(ValueError, match="holds the files of a `layout` run"):
+        publish_folder(out, {"a.json": b"3"}, "advise")
+    (out / "b.json").write_text("2")
+    publish_folder(out, {"a.json": b"3"}, "layout")  # b.json, the last run's, is removed
+    assert sorted(_folder(out)) == [".moe-placement-manifest.json", "a.json", "notes.txt"]
+    for name in ("../x", ".hidden", "a/b"):
+        with pytest.raises(ValueError, match="is not a plain file name"):
+            publish_folder(out, {name: b""}, "layout")
+
+
+# ---- traces: the expert count a file does not say ---------------------------------------------------
+def _few_experts(d: Path) -> Path:
+    """A per-token file without counts that routes only to experts 0..5 of the 8 (E is not stated)."""
+    ids = np.argsort(np.random.default_rng(0).random((400, L, 6)), axis=-1)[..., :2]
+    np.savez(d / "few.npz", topk_ids=ids)
+    return d / "few.npz"
+
+
+def test_a_trace_without_an_expert_count_says_so_and_takes_the_placements(inputs, tmp_path, capsys):
+    """Read as a 6-expert model before, and refused against an 8-expert placement ('the trace has 6
+    logical experts but the placement has 8'); now the placement's count is used, and alone the read
+    says the count was inferred."""
+    path = _few_experts(tmp_path)
+    trace = read_trace(path)
+    assert trace.num_logical_experts == 6 and trace.experts_inferred and trace.summary()["experts_inferred"]
+    wide = trace.with_expert_count(E, "the placement")
+    assert wide.num_logical_experts == E and not wide.experts_inferred
+    with pytest.raises(ValueError, match="the model has 4 experts but the trace picks expert 5"):
+        trace.with_expert_count(4, "the model")
+    assert main(["evaluate", str(inputs / "p.json"), str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["par"] > 1
+    assert main(["inspect", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "does not say how many experts the model has: read as 6" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "arrays, kwargs, fragment",
+    [  # read_trace's arguments that did not apply to the file were silently ignored
+        ({}, {"num_logical_experts": 64}, "the file states 8 experts but num_logical_experts=64 was asked"),
+        ({}, {"moe_layer_ids": [0]}, "moe_layer_ids picks the MoE rows of an engine dump; drop it"),
+        ({}, {"keep_segments": [2]}, "keep_segments was given, but the file has no 'segment' field"),
+        ({}, {"counts_key": "x"}, "counts_key 'x' was given, but the file has no 'x__<domain>' field"),
+        ({}, {"max_bytes": "1"}, "max_bytes must be a whole number >= 1, got '1' (str)"),
+        ({}, {"domains": "arxiv"}, "domains must be a sequence of domain names, got 'arxiv'"),
+        (
+            {"seq_offsets": [0, 5, 1000]},
+            {},
+            "field 'seq_offsets' reaches token 1000 but the trace has 100 tokens",
+        ),
+    ],
+)
+def test_read_trace_refuses_arguments_the_file_cannot_take(tmp_path, arrays, kwargs, fragment):
+    path = tmp_path / "t.npz"
+    if arrays:
+        np.savez(path, topk_ids=_lib_trace().topk_ids, **{k: np.array(v) for k, v in arrays.items()})
+    else:
+        write_trace(_lib_trace(), path)
+    with pytest.raises(InputFileError) as info:
+        read_trace(path, **kwargs)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -549,6 +549,7 @@ def test_expected_share_excess_follows_how_prompts_can_be_dealt():
     from solver.locality.sources import expected_share_excess
 
     ids = np.zeros((160, 1, 2), dtype=np.int64)
+    ids[..., 1] = 1  # every token picks experts 0 and 1 (a router's picks are distinct)
 
     def excess(trace):
         src, how = source_ranks(trace, 8)

@@ -101,7 +101,8 @@ def test_step_par_at_least_aggregate_par_on_full_steps():
     rng = np.random.default_rng(1)
     topo = Topology(4, 8, 2)
     pl = Placement(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), 8, topo)
-    tr = RoutingTrace(num_logical_experts=8, topk_ids=rng.integers(0, 8, (64, 1, 2)))
+    picks = np.argsort(rng.random((64, 1, 8)), axis=-1)[..., :2]  # 2 distinct experts per token, as a router
+    tr = RoutingTrace(num_logical_experts=8, topk_ids=picks)
     agg = balance_stats(trace_gpu_load(pl, tr))["par"]
     assert step_par(pl, tr, step_tokens=4, phase="prefill")["step_par"] >= agg - 1e-12
 

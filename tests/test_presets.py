@@ -399,7 +399,7 @@ def test_huge_hf_config_refused_fast_by_profile(tmp_path):
     [
         (["--nodes", "512"], "MAX_LAYOUT_GPUS"),
         (["--nodes", "1", "--batch-per-rank", "10" + "0" * 30], "MAX_STEP_TOKENS"),
-        (["--nodes", "1", "--context-len", "10" + "0" * 30], "MAX_STEP_TOKENS"),
+        (["--nodes", "1", "--context-len", "10" + "0" * 30], "MAX_CONTEXT_LEN"),
     ],
 )
 def test_layout_sizes_bounded(capsys, flags, word):

@@ -8,6 +8,11 @@ keeps its permission bits; a new one gets ``0o666 & ~umask``, as ``open()`` woul
 through a symlink or a hard link), two outputs that are one file, and an output folder that is missing
 or not writable.
 
+An output folder (``layout --output``, ``advise --output``, ``inspect --plot``, ``demo --out``) holds one
+run's files, whole (:func:`claim_folder`, :func:`publish_folder`, in :mod:`moe_placement.base.folders`):
+published as a unit with a manifest, the previous run's files of the same command that this run does
+not write removed, files it did not write never touched, and a concurrent run refused.
+
 Inputs are opened only when they are regular files (:func:`open_regular`, :func:`require_regular`): a
 FIFO or a device passed as an input is refused at once instead of blocking or reading forever.
 """
@@ -45,8 +50,11 @@ __all__ = [
     "json_bytes",
     "atomic_write_files",
     "clean_stale_temps",
+    "deferred_signals",
     "atomic_save_npz",
+    "npz_bytes",
     "check_outputs",
+    "check_writable_folder",
     "load_npy",
     "load_npz",
     "load_json",
@@ -140,10 +148,7 @@ def _check_output_folder(out: Path) -> None:
     folder = Path(os.path.realpath(out)).parent
     if not folder.is_dir():
         raise InputFileError(f"cannot write {out}: folder {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputFileError(
-            f"cannot write {out}: folder {folder} is not writable by this user; choose another output folder"
-        )
+    check_writable_folder(folder, str(out))
     if os.path.lexists(out):
         try:
             mode = os.stat(out).st_mode
@@ -152,6 +157,25 @@ def _check_output_folder(out: Path) -> None:
         if not stat.S_ISREG(mode):
             what = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
             raise InputFileError(f"cannot write {out}: it exists and is {what}; choose a file path")
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str) -> None:
+    """Refuse, before any work, a folder a file cannot be created in: a temporary file is made in it and
+    removed at once (permission bits alone miss a read-only file system, and say nothing for root).
+
+    Raises:
+        InputFileError: naming ``what`` (the output), the folder and the system's reason.
+    """
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".moe-placement-probe.{_temp_tag()}.", suffix=".tmp", dir=folder)
+    except OSError as exc:
+        raise InputFileError(
+            f"cannot write {what}: no file can be created in folder {folder} ({exc.strerror or exc}); "
+            f"choose another output folder"
+        ) from None
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
 
 
 def check_outputs(
@@ -281,14 +305,23 @@ _DEFERRED = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if
 
 
 @contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP held back while the block runs (delivered when it ends), so that a
+    signal lands before or after a group of renames, never between them."""
+    with contextlib.ExitStack() as stack:
+        if hasattr(signal, "pthread_sigmask"):
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
+            stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old)
+        yield
+
+
+@contextlib.contextmanager
 def _publishing(folders: Sequence[Path]) -> Iterator[None]:
     """Hold an exclusive lock on every folder and defer SIGINT/SIGTERM/SIGHUP while renaming, so that
     concurrent writers of one pair publish one after the other and a signal lands before or after the
     renames, never between them (SIGKILL still can: readers check the sidecar's digest)."""
     with contextlib.ExitStack() as stack:
-        if hasattr(signal, "pthread_sigmask"):
-            old = signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRED)
-            stack.callback(signal.pthread_sigmask, signal.SIG_SETMASK, old)
+        stack.enter_context(deferred_signals())
         for folder in sorted({os.path.realpath(f) for f in folders}) if fcntl is not None else ():
             with contextlib.suppress(OSError):
                 fd = os.open(folder, os.O_RDONLY)
@@ -376,12 +409,17 @@ def json_bytes(path, obj, indent: int | None = 1) -> bytes:
 
 def atomic_save_npz(path, compress: bool = True, **arrays) -> None:
     """``np.savez`` into a temporary file, then rename. No object arrays (no pickle)."""
+    atomic_write_bytes(path, npz_bytes(compress, **arrays))
+
+
+def npz_bytes(compress: bool = True, **arrays) -> bytes:
+    """The bytes :func:`atomic_save_npz` writes (for a folder published as a unit). No object arrays."""
     for k, v in arrays.items():
         if np.asarray(v).dtype == object:
             raise ValueError(f"array {k!r} has dtype object; only numeric and string arrays are written")
     buf = io.BytesIO()
     (np.savez_compressed if compress else np.savez)(buf, **arrays)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def _npz_declared_bytes(path: Path) -> int:

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_RANKS",
     "MAX_TOTAL_TOKENS",
     "check_layer_ids",
+    "check_sequence",
 ]
 
 MAX_LAYER_ID = 100_000  # largest layer id (and hidden-layer count - 1) a file may use
@@ -27,10 +28,26 @@ MAX_RANKS = 65_536  # EP ranks / source ranks
 MAX_TOTAL_TOKENS = 2**53  # total load of a trace: above it float64 sums are no longer exact
 
 
-def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = "") -> tuple[int, ...]:
-    """Layer ids as a tuple, each in ``0..MAX_LAYER_ID`` and all distinct, else a ValueError."""
-    out = tuple(int(i) for i in ids)
+def check_sequence(value, what: str, items: str, where: str = "") -> tuple:
+    """``value`` as a tuple when it is a sequence (a list, tuple, range or array), else a one-line
+    ValueError: a bare string is refused (``tuple("ab")`` would read it as its letters), and so is a
+    number or None."""
     prefix = f"{where}: " if where else ""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable) or isinstance(value, dict):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        hint = f"; a string would be read as its characters: pass [{shown}]" if isinstance(value, str) else ""
+        raise ValueError(f"{prefix}{what} must be a sequence of {items}, got {shown}{hint}")
+    return tuple(value)
+
+
+def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = "") -> tuple[int, ...]:
+    """Layer ids as a tuple, each a whole number in ``0..MAX_LAYER_ID`` and all distinct, else a
+    ValueError (a string, or 0.5 read as layer 0, never passes)."""
+    prefix = f"{where}: " if where else ""
+    out = tuple(
+        check_whole(f"{prefix}{what}'s entry", i, None, fix="layer ids are whole numbers")
+        for i in check_sequence(ids, what, "layer ids", where)
+    )
     bad = [i for i in out if not 0 <= i <= MAX_LAYER_ID]
     if bad:
         raise ValueError(
@@ -49,6 +66,7 @@ def check_layer_ids(ids: Iterable[int], what: str = "layer_ids", where: str = ""
 # or searched (a model of 1e9 layers, a fit of 1e12 steps, an infinite time limit)
 # ---------------------------------------------------------------------------------------------
 __all__ += [
+    "MAX_CONTEXT_LEN",
     "MAX_FIT_STEPS",
     "MAX_HIDDEN_SIZE",
     "MAX_INTERMEDIATE_SIZE",
@@ -69,6 +87,7 @@ MAX_FIT_STEPS = 1_000_000  # search steps (swap or move attempts) per layer of a
 MAX_SEARCH_SAMPLES = 10_000  # sampled dealings / steps a fit holds at once (defaults: 16, 96)
 MAX_WORK_STEPS = 10_000_000  # a search's counted-step budget (a step is 1-10 ms: up to about a day)
 MAX_STEP_TOKENS = 1 << 24  # tokens per rank per step (a prefill chunk of 16M tokens)
+MAX_CONTEXT_LEN = 1 << 24  # cached tokens per sequence (decode) or prompt length (prefill) a model prices
 
 
 def available_memory_bytes() -> int | None:
@@ -97,7 +116,7 @@ def check_memory(nbytes: float, what: str, fix: str, share: float = 0.8) -> None
 # ---------------------------------------------------------------------------------------------
 # a library argument that must be a whole number: bool, float, str and None are named, not cast
 # ---------------------------------------------------------------------------------------------
-__all__ += ["check_whole"]
+__all__ += ["check_context_len", "check_whole"]
 
 
 def check_whole(name: str, value, lo: int | None = 0, hi: int | None = None, fix: str = "") -> int:
@@ -112,3 +131,18 @@ def check_whole(name: str, value, lo: int | None = 0, hi: int | None = None, fix
         shown = shown[:57] + "..."
     kind = "" if ok else f" ({type(value).__name__})"
     raise ValueError(f"{name} must be a whole number{span}, got {shown}{kind}{'; ' + fix if fix else ''}")
+
+
+def check_context_len(value, what: str = "context_len") -> float:
+    """A context length (cached tokens per decode sequence, or prompt length in prefill) as a float: a
+    finite number in ``1..MAX_CONTEXT_LEN`` (bool, NaN and strings refused), else a one-line ValueError.
+    The CLI's ``--context-len`` flags have the same bound, so a library call and a command agree."""
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+    x = float(value) if ok else float("nan")
+    if not (np.isfinite(x) and 1 <= x <= MAX_CONTEXT_LEN):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ValueError(
+            f"{what} must be a number of tokens in 1..{MAX_CONTEXT_LEN:,} (MAX_CONTEXT_LEN), got {shown}; "
+            f"it is the cached tokens per sequence (decode) or the prompt length (prefill), e.g. 4096"
+        )
+    return x

@@ -17,6 +17,8 @@ import inspect
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
+
 __all__ = ["check_keywords", "options_or_fields", "refuse_unknown_keywords"]
 
 T = TypeVar("T")
@@ -63,16 +65,39 @@ def refuse_unknown_keywords(obj=None, *, fix: str = ""):
 
     On a class it goes above ``@dataclass``; ``dataclasses.replace(obj, nosuch=1)`` meets the same
     check. The signature seen by ``help`` and ``inspect`` is unchanged. ``fix`` ends the message
-    (``@refuse_unknown_keywords(fix="...")``).
+    (``@refuse_unknown_keywords(fix="...")``). On a class, every field annotated ``bool`` must then
+    hold True or False (one ValueError naming the field otherwise).
     """
     if obj is None:
         return functools.partial(refuse_unknown_keywords, fix=fix)
     if isinstance(obj, type):
         if not dataclasses.is_dataclass(obj):
             raise TypeError(f"refuse_unknown_keywords goes above @dataclass on {obj.__name__}")
-        obj.__init__ = _checked(obj.__init__, obj.__name__, fix, skip=1)
+        obj.__init__ = _bools_checked(_checked(obj.__init__, obj.__name__, fix, skip=1), obj)
         return obj
     return _checked(obj, obj.__name__, fix, skip=0)
+
+
+def _bools_checked(init, cls: type):
+    """``init`` followed by a check that every field annotated ``bool`` holds True or False (a numpy
+    bool is taken as one): a string such as ``"no"``, a 0/1, None or a list would otherwise be
+    truthy or falsy by accident, and the options object would say something the caller did not."""
+    names = [f.name for f in dataclasses.fields(cls) if f.type in ("bool", bool)]
+
+    @functools.wraps(init)
+    def wrapper(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, np.bool_):  # numpy's bool: the same two values
+                object.__setattr__(self, name, bool(value))
+            elif not isinstance(value, bool):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise ValueError(
+                    f"{cls.__name__}.{name} must be True or False, got {shown} ({type(value).__name__})"
+                )
+
+    return wrapper
 
 
 def _checked(fn, caller: str, fix: str, skip: int):

@@ -6,10 +6,12 @@ Parse -> :func:`moe_placement.apps.advise.advise` -> print the table and the rec
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
+from moe_placement.base.limits import MAX_CONTEXT_LEN
 from moe_placement.cli.common import (
     CliError,
     bounded_int,
@@ -69,7 +71,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=f"prefill step_tokens: tokens per rank per prefill chunk (default {DEFAULT_STEP_TOKENS['prefill']})",
     )
     p.add_argument(
-        "--context-len", type=bounded_int(1, 1 << 24), default=4096, help="cached tokens per sequence"
+        "--context-len",
+        type=bounded_int(1, MAX_CONTEXT_LEN, "MAX_CONTEXT_LEN"),
+        default=4096,
+        help="cached tokens per sequence",
     )
     p.add_argument(
         "--output",
@@ -166,27 +171,25 @@ def _print(d: dict) -> None:
         echo(f"* {a}")
 
 
-def _write(out: Path, advice, d: dict) -> list[Path]:
+def _files(out: Path, advice, d: dict) -> dict[str, bytes]:
+    """Every file of ``--output`` as ``{name: bytes}``: the report, the JSON and the launch command's files."""
     from moe_placement.apps.advise import render_html
-    from moe_placement.base.fileio import atomic_write_files, json_bytes
+    from moe_placement.base.fileio import json_bytes
     from placement.formats import placement_files
 
-    out.mkdir(parents=True, exist_ok=True)
-    files: list[tuple[Path, bytes]] = []
+    files = {REPORT: render_html(advice).encode(), JSON: json_bytes(out / JSON, d)}
     for name, (placement, hidden) in advice.files.items():
         fmt = "sglang" if advice.context["engine"] == "sglang" else "native"
         extra = {"num_hidden_layers": hidden} if fmt == "sglang" else {}
-        files += placement_files(placement, name, fmt, **extra)
-    report = [(out / REPORT, render_html(advice).encode()), (out / JSON, json_bytes(out / JSON, d))]
-    # every file of the folder as one: an interrupt leaves the old set or the new set, never a mix
-    atomic_write_files([*report, *files])
-    return [out / REPORT, out / JSON, *(f for f, _ in files)]
+        files.update((Path(f).name, data) for f, data in placement_files(placement, name, fmt, **extra))
+    return files
 
 
 def run(args: argparse.Namespace) -> int:
-    """Steps: check outputs -> read the trace -> advise -> write -> print."""
+    """Steps: check outputs -> claim ``--output`` -> read the trace -> advise -> publish -> print."""
     from moe_placement.apps.advise import advise
     from moe_placement.apps.advise.recommend import SGLANG_FILE, VLLM_FILE
+    from moe_placement.base.folders import claim_folder
     from profiling.readers import require_data
 
     names = [REPORT, JSON, *(f + x for f in (SGLANG_FILE, VLLM_FILE) for x in ("", ".meta.json"))]
@@ -195,16 +198,24 @@ def run(args: argparse.Namespace) -> int:
         inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
     out = check_folder_outputs(args.output, names, inputs) if args.output else None
     options = _options(args)
-    trace = open_trace(args.trace)
-    require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)
-    try:
-        advice = advise(
-            trace, args.model, args.hardware, options, progress=_bar, **({"output": str(out)} if out else {})
-        )
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    d = advice.to_dict()
-    files = _write(out, advice, d) if out is not None else []
+    with claim_folder(out, "advise", names) if out is not None else contextlib.nullcontext() as claim:
+        trace = open_trace(args.trace)
+        require_data(
+            trace, args.trace
+        )  # nothing routed: no balance to advise on (PAR of zero load is undefined)
+        try:
+            advice = advise(
+                trace,
+                args.model,
+                args.hardware,
+                options,
+                progress=_bar,
+                **({"output": str(out)} if out else {}),
+            )
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        d = advice.to_dict()
+        files = claim.publish(_files(out, advice, d)) if claim is not None else []
     if args.json:
         echo(json.dumps({**d, "files": [str(f) for f in files]}, indent=1))
         return 0

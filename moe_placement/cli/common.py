@@ -42,6 +42,7 @@ __all__ = [
     "hidden_size_int",
     "hidden_layers_int",
     "input_sidecars",
+    "model_arg",
     "layer_row_int",
     "non_negative_float",
     "non_negative_int",
@@ -155,12 +156,66 @@ class elapsed_bar:
 class _Parser(argparse.ArgumentParser):
     """argparse with its errors as one stderr line (no usage block) and exit code 2.
 
-    Sub-command parsers are made by the same class (argparse's default ``parser_class``).
+    Sub-command parsers are made by the same class (argparse's default ``parser_class``). Every value
+    given is stored by :class:`_Given`, so two refusals hold for every flag of every command: an empty
+    value (``--hardware ''`` would otherwise fall back to the default, or be dropped), and one option
+    set through two of its spellings (an alias and its flag: argparse keeps the last, silently).
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _Given)
+        self.register("action", "store", _Given)
 
     def error(self, message: str) -> NoReturn:
         msg = " ".join(message.split())
         self.exit(2, f"moe-placement: error: {msg} (see: {self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        for dest, spellings in ns.__dict__.pop(_SPELLINGS, {}).items():
+            used = list(dict.fromkeys(spellings))
+            if len(used) > 1:
+                self.error(
+                    f"{used[0]} and {used[1]} are two spellings of one option: give it once, as {self._canonical(dest)}"
+                )
+        for line in ns.__dict__.pop(_WARNINGS, []):  # only once the arguments are accepted
+            warn(line)
+        return ns, extras
+
+    def _canonical(self, dest: str) -> str:
+        """The current spelling of the option stored in ``dest`` (its first long flag)."""
+        for a in self._actions:
+            if a.dest == dest and a.option_strings and not isinstance(a, DeprecatedAlias):
+                return next((o for o in a.option_strings if o.startswith("--")), a.option_strings[0])
+        return "--" + dest.replace("_", "-")
+
+
+_SPELLINGS = "_spellings"  # namespace entry: dest -> the option strings that set it (popped after parsing)
+_WARNINGS = "_parse_warnings"  # namespace entry: warnings printed once parsing succeeded
+
+
+def _given(parser, namespace, action: argparse.Action, values, option_string) -> None:
+    """Refuse an empty value; note which spelling set ``action.dest``."""
+    items = values if isinstance(values, list) else [values]
+    if any(isinstance(v, str) and not v.strip() for v in items):
+        if option_string is None:
+            parser.error(
+                f"the {action.metavar or action.dest} argument is empty ({values!r}): give a file name"
+            )
+        parser.error(
+            f"{option_string} {values!r} is empty: give a value, or leave the flag out for its default"
+        )
+    if option_string is not None:
+        namespace.__dict__.setdefault(_SPELLINGS, {}).setdefault(action.dest, []).append(option_string)
+
+
+class _Given(argparse._StoreAction):
+    """argparse's ``store`` through :func:`_given` (empty values refused, spellings noted)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _given(parser, namespace, self, values, option_string)
+        super().__call__(parser, namespace, values, option_string)
 
 
 def root_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
@@ -289,15 +344,52 @@ def reading(path) -> Iterator[None]:
         ) from None
 
 
-def open_trace(path: str, domains=None):
-    """``--trace`` / a trace argument -> :class:`profiling.trace.RoutingTrace` (CliError when missing)."""
+def open_trace(path: str, domains=None, experts: tuple[int, str] | None = None):
+    """``--trace`` / a trace argument -> :class:`profiling.trace.RoutingTrace` (CliError when missing).
+
+    A file that does not say how many experts the model has gets its count from ``experts``
+    (``(E, what knows it)``: ``--model``, the placement), or else one warning that the count was
+    inferred from the largest expert id (:meth:`~profiling.trace.RoutingTrace.with_expert_count`).
+    """
     from profiling.readers import read_trace
 
     p = Path(path)
     if not p.exists():
         raise CliError(f"trace {p} does not exist")
     with reading(p):
-        return read_trace(p, domains=domains)
+        trace = read_trace(p, domains=domains)
+    if experts is not None:
+        try:
+            return trace.with_expert_count(*experts)
+        except ValueError as exc:
+            raise CliError(f"{p}: {exc}") from None
+    if trace.experts_inferred:
+        warn(
+            f"{p} does not say how many experts the model has: read as {trace.num_logical_experts} (its largest "
+            f"expert id + 1); a model whose last experts were never picked has more: pass --model where the "
+            f"command takes one, or a trace that records the count"
+        )
+    return trace
+
+
+def model_arg(args: argparse.Namespace):
+    """``--model`` as a :class:`~placement.cost.modelspec.ModelSpec` (None when not given), with
+    ``--hidden-size`` (when the command has it) refused if it contradicts the model's own."""
+    from placement.cost.modelspec import load_model
+
+    if getattr(args, "model", None) is None:
+        return None
+    try:
+        model = load_model(args.model)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    hidden = getattr(args, "hidden_size", None)
+    if hidden is not None and hidden != model.hidden_size:
+        raise CliError(
+            f"--hidden-size {hidden} contradicts --model {args.model}, whose hidden size is {model.hidden_size}; "
+            f"drop --hidden-size (the model gives it)"
+        )
+    return model
 
 
 def open_load(path: str) -> np.ndarray:
@@ -384,8 +476,11 @@ class DeprecatedAlias(argparse.Action):
         super().__init__(*args, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
+        _given(parser, namespace, self, values, option_string)  # with the new flag too: refused
         if self.known is None or values in self.known:
-            warn(f"{option_string} is deprecated; use {self.new}")
+            namespace.__dict__.setdefault(_WARNINGS, []).append(
+                f"{option_string} is deprecated; use {self.new}"
+            )
         setattr(namespace, self.dest, values)
 
 
@@ -551,22 +646,25 @@ def output_files(path: str | Path | None, fmt: str) -> list[Path]:
 def check_folder_outputs(
     folder: str | Path, names: Sequence[str], inputs: Sequence[str | Path | None] = ()
 ) -> Path:
-    """An output folder (created later by the command) and the files it will get: refused when it is a
-    file, when its nearest existing parent is not a writable folder, or when one of ``names`` in it is
-    an input; the folder as a Path."""
-    import os
+    """An output folder (claimed later by the command: :func:`moe_placement.base.folders.claim_folder`)
+    and the files it will get: refused when it is a file, when no file can be created in it or in its
+    nearest existing parent (a read-only file system too: a file is made and removed there), or when
+    one of ``names`` in it is an input; the folder as a Path."""
+    from moe_placement.base.fileio import check_writable_folder
 
     out = Path(folder)
     if out.exists() and not out.is_dir():
         raise CliError(f"output folder {out} exists and is not a folder; give a folder path")
     if out.is_dir():
         check_writes(inputs, [out / n for n in names])
+        check_writable_folder(out, f"output folder {out}")
         return out
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise CliError(f"cannot create output folder {out}: {parent} is not a writable folder")
+    if not parent.is_dir():
+        raise CliError(f"cannot create output folder {out}: {parent} is not a folder")
+    check_writable_folder(parent, f"output folder {out}")
     return out
 
 

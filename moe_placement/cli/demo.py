@@ -71,9 +71,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_demo)
 
 
-def _write_workload(args, out: Path):
-    """Step 1: the seeded synthetic trace (``topk_ids [T, L, 6]`` over 64 experts) -> (trace, its path)."""
-    from profiling.readers import write_trace
+def _write_workload(args, claim):
+    """Step 1: the seeded synthetic trace (``topk_ids [T, L, 6]`` over 64 experts), published in the
+    claimed folder -> (trace, its path)."""
+    from profiling.readers import trace_bytes
     from profiling.synthetic import synthetic_trace
 
     echo("== 1. workload: built-in SYNTHETIC trace (seeded; skewed experts, co-activated clusters, drift)")
@@ -85,8 +86,7 @@ def _write_workload(args, out: Path):
         num_prompts=max(2, args.tokens // 100),
         seed=args.seed,
     )
-    tpath = out / "trace.npz"
-    write_trace(trace, tpath)
+    (tpath,) = claim.publish({"trace.npz": trace_bytes(trace)})
     echo(f"wrote {tpath}")
     return trace, tpath
 
@@ -145,16 +145,20 @@ def _evaluate_all(results: dict, held) -> list[dict]:
     return rows
 
 
-def _write_engine_files(results: dict, out: Path) -> None:
+def _write_engine_files(results: dict, claim) -> None:
     """Step 5: the last placement solved (the last of :data:`_SOLVERS` that ran, else the baseline) in
-    every engine format."""
-    from placement.formats import write_placement
+    every engine format, published in the claimed folder as one."""
+    from placement.formats import placement_files
 
     best = list(results)[-1]
     echo(f"\n== 5. write engine files for the {best} placement")
+    files = {}
     for fmt, name in _ENGINE_FILES:
-        for p in write_placement(results[best], out / name, fmt):
-            echo(f"wrote {p}")
+        files.update(
+            (Path(f).name, data) for f, data in placement_files(results[best], claim.folder / name, fmt)
+        )
+    for p in claim.publish(files):
+        echo(f"wrote {p}")
 
 
 def _validate(out: Path, tpath: Path, ep_size: int, offset: int) -> int:
@@ -192,27 +196,30 @@ def _validate(out: Path, tpath: Path, ep_size: int, offset: int) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """Steps: workload -> inspect -> solve -> evaluate held out -> engine files -> validate."""
+    from moe_placement.base.folders import claim_folder
     from placement.dispatch import LOCAL
     from placement.topology import Topology
 
     topo = Topology.from_redundant(_EXPERTS, 16, args.ep_size, args.num_nodes)  # checked before writing
     names = ["trace.npz", *(f.name for fmt, n in _ENGINE_FILES for f in output_files(n, fmt))]
     out = check_folder_outputs(args.out, names)
-    out.mkdir(parents=True, exist_ok=True)
-    trace, tpath = _write_workload(args, out)
-    echo("\n== 2. moe-placement inspect")
-    cmd_inspect(argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None, chunk_tokens=None))
-    fit, held = trace.split(0.5)
-    echo(
-        f"\n== 3. moe-placement solve (fit on the first half of prompts; {topo.ep_size} GPUs, {topo.num_nodes} nodes, "
-        f"{topo.num_physical_experts - _EXPERTS} redundant slots)"
-    )
-    results = _solve_all(args, trace, fit, topo)
-    echo(
-        f"\n== 4. moe-placement evaluate (held-out second half, dispatch {LOCAL.name}, 16 tokens per rank per step)"
-    )
-    echo(format_table(_evaluate_all(results, held), _EVAL_COLUMNS))
-    _write_engine_files(results, out)
+    with claim_folder(out, "demo", names) as claim:  # one run's files; a concurrent demo is refused
+        trace, tpath = _write_workload(args, claim)
+        echo("\n== 2. moe-placement inspect")
+        cmd_inspect(
+            argparse.Namespace(trace=str(tpath), json=False, plot=None, domains=None, chunk_tokens=None)
+        )
+        fit, held = trace.split(0.5)
+        echo(
+            f"\n== 3. moe-placement solve (fit on the first half of prompts; {topo.ep_size} GPUs, {topo.num_nodes} "
+            f"nodes, {topo.num_physical_experts - _EXPERTS} redundant slots)"
+        )
+        results = _solve_all(args, trace, fit, topo)
+        echo(
+            f"\n== 4. moe-placement evaluate (held-out second half, dispatch {LOCAL.name}, 16 tokens per rank per step)"
+        )
+        echo(format_table(_evaluate_all(results, held), _EVAL_COLUMNS))
+        _write_engine_files(results, claim)
     if args.skip_validate:
         return 0
     return _validate(out, tpath, topo.ep_size, fit.num_tokens)

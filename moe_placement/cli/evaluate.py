@@ -15,6 +15,7 @@ from moe_placement.cli.common import (
     ep_size_int,
     format_table,
     hidden_size_int,
+    model_arg,
     open_placement,
     open_trace,
     source_ranks_file,
@@ -93,16 +94,25 @@ def _read_inputs(args: argparse.Namespace):
     from profiling.readers import require_data
 
     source_ranks_file(args.source_ranks)  # a FIFO or folder refused before anything is read
+    model = model_arg(args)  # an unknown --model, or a --hidden-size it contradicts, before any work
+    args.width = args.hidden_size or (model.hidden_size if model is not None else None)  # bytes_per_token
     if args.step_tokens is not None and args.step_tokens < 1:
         raise CliError(f"--step-tokens must be >= 1, got {args.step_tokens}")
     placement = open_placement(
         args.placement, engine_map=True, ep_size=args.ep_size, num_nodes=args.num_nodes
     )
-    trace = open_trace(args.trace)
+    trace = open_trace(args.trace, experts=(placement.num_logical_experts, f"the placement {args.placement}"))
     if trace.num_layers != placement.num_layers and set(placement.layer_ids) <= set(trace.layer_ids):
         trace = trace.select_layers([trace.layer_ids.index(i) for i in placement.layer_ids])
     require_data(trace, args.trace)
-    for flag, value in (("--hidden-size", args.hidden_size), ("--step-tokens", args.step_tokens)):
+    from placement.steps import PHASES
+
+    phase = args.phase if args.phase != PHASES[0] else None
+    for flag, value in (
+        ("--hidden-size", args.hidden_size),
+        ("--step-tokens", args.step_tokens),
+        ("--phase", phase),
+    ):
         if value is not None and not trace.has_tokens:  # it would be silently ignored
             raise CliError(
                 f"{flag} applies to per-token metrics (communication, step PAR); {args.trace} has counts only: drop it"
@@ -125,7 +135,7 @@ def _evaluate(args, placement, trace, dispatch: str, src, how) -> dict:
         trace,
         dispatch,
         step_tokens=args.step_tokens,
-        hidden_size=args.hidden_size,
+        hidden_size=args.width if trace.has_tokens else None,
         src=src,
         phase=args.phase,
     )

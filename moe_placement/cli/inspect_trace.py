@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 from pathlib import Path
@@ -124,18 +125,15 @@ def _skew_summary(trace) -> tuple[list[dict], dict]:
     return rows, summary
 
 
-def _write_plots(args, trace) -> list[str]:
-    """``--plot DIR``: write the inspect plots; their paths (empty without ``--plot``)."""
-    plots = []
-    if args.plot:
-        out = Path(args.plot)
-        out.mkdir(parents=True, exist_ok=True)
-        if importlib.util.find_spec("matplotlib") is None:
-            raise CliError("--plot needs the viz extra: pip install matplotlib")
-        from profiling.plots import inspect_plots
+def _write_plots(claim, trace) -> list[str]:
+    """``--plot DIR``: publish the inspect plots in the claimed folder; their paths (empty without it)."""
+    if claim is None:
+        return []
+    if importlib.util.find_spec("matplotlib") is None:
+        raise CliError("--plot needs the viz extra: pip install matplotlib")
+    from profiling.plots import to_png, trace_figures
 
-        plots = [str(p) for p in inspect_plots(trace, out)]
-    return plots
+    return [str(p) for p in claim.publish({n: to_png(f) for n, f in trace_figures(trace).items()})]
 
 
 def _print_skew(trace, rows: list[dict], summary: dict, plots: list[str]) -> None:
@@ -159,16 +157,20 @@ def _print_skew(trace, rows: list[dict], summary: dict, plots: list[str]) -> Non
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    """Steps: check the plot folder -> load (or stream) the trace -> per-layer skew -> plots -> print
-    (table or JSON)."""
+    """Steps: check and claim the plot folder -> load (or stream) the trace -> per-layer skew -> plots ->
+    print (table or JSON)."""
+    from moe_placement.base.folders import claim_folder
     from profiling.readers import require_data
 
+    claimed = None
     if args.plot:
         check_folder_outputs(args.plot, _PLOT_FILES, inputs=[args.trace])
-    trace = _load_inspected(args)
-    require_data(trace, args.trace)  # max/mean of zero load is 0 / 0: undefined, never a perfect 1.000
-    rows, summary = _skew_summary(trace)
-    plots = _write_plots(args, trace)
+        claimed = claim_folder(args.plot, "inspect", _PLOT_FILES)
+    with claimed or contextlib.nullcontext() as claim:
+        trace = _load_inspected(args)
+        require_data(trace, args.trace)  # max/mean of zero load is 0 / 0: undefined, never a perfect 1.000
+        rows, summary = _skew_summary(trace)
+        plots = _write_plots(claim, trace)
     if args.json:
         echo(json.dumps({"summary": summary, "layers": rows, "plots": plots}, indent=1))
         return 0

@@ -4,13 +4,15 @@ write the best placement and the engines' launch flags."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
-from moe_placement.base.limits import MAX_RANKS, MAX_STEP_TOKENS
+from moe_placement.base.limits import MAX_CONTEXT_LEN, MAX_RANKS, MAX_STEP_TOKENS
 from moe_placement.cli.common import (
     CliError,
     add_cluster_args,
+    bounded_int,
     check_folder_outputs,
     echo,
     expert_count_int,
@@ -28,7 +30,7 @@ from moe_placement.cli.common import (
 # of at most this size, which the plan already compares
 MAX_LAYOUT_GPUS = 2048
 
-# The files --output gets (_write_outputs), checked against the inputs before anything is computed.
+# The files --output may get (_output_files), checked against the inputs before anything is computed.
 _OUTPUT_FILES = (
     "placement.json",
     "sglang_expert_location.json",
@@ -74,7 +76,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--context-len",
-        type=positive_int,
+        type=bounded_int(1, MAX_CONTEXT_LEN, "MAX_CONTEXT_LEN"),
         default=4096,
         help="decode: cached tokens per sequence; prefill: prompt length",
     )
@@ -149,14 +151,14 @@ def _table(plan, top: int) -> list[str]:
     return lines
 
 
-def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
+def _output_files(out: Path, plan, model, compare) -> dict[str, bytes]:
+    """Every file of ``--output`` as ``{name: bytes}`` (published together: the old set or the new)."""
     from moe_placement.apps.planner.layout import launch_flags
-    from moe_placement.base.fileio import atomic_write_files, json_bytes
+    from moe_placement.base.fileio import json_bytes
     from placement.formats import placement_files
 
     best = plan.best
-    out.mkdir(parents=True, exist_ok=True)
-    files: list[tuple[Path, bytes]] = []  # published together at the end: the old set or the new, never a mix
+    files: list[tuple[Path, bytes]] = []
     pl = best.placement.with_provenance(
         solver=best.solver_status or "greedy",
         layout=best.candidate.label(model.num_logical_experts),
@@ -200,7 +202,7 @@ def _write_outputs(out: Path, plan, model, compare) -> list[Path]:
     summary["launch_flags"] = flags
     js = out / "layout.json"
     files.append((js, json_bytes(js, summary)))
-    return atomic_write_files(files)
+    return {Path(f).name: data for f, data in files}
 
 
 def _plan_dict(plan) -> dict:
@@ -248,12 +250,11 @@ def _read_inputs(args):
         )
     if args.time_limit is not None and "time_limit" not in SOLVERS[args.solver].option_names:
         raise CliError(f"--time-limit bounds the exact solves (--solver cpsat), not {args.solver}; drop it")
-    for flag, value in (
-        ("--step-tokens/--batch-per-rank", args.step_tokens),
-        ("--context-len", args.context_len),
-    ):
-        if value is not None and value > MAX_STEP_TOKENS:
-            raise CliError(f"{flag} {value} is over the accepted {MAX_STEP_TOKENS} tokens (MAX_STEP_TOKENS)")
+    if args.step_tokens is not None and args.step_tokens > MAX_STEP_TOKENS:
+        raise CliError(
+            f"--step-tokens/--batch-per-rank {args.step_tokens} is over the accepted {MAX_STEP_TOKENS} tokens "
+            f"(MAX_STEP_TOKENS)"
+        )
     if args.output:
         model_files = [args.model, str(Path(args.model) / "config.json")]
         check_folder_outputs(args.output, _OUTPUT_FILES, inputs=[*model_files, args.trace, args.hardware])
@@ -264,7 +265,7 @@ def _read_inputs(args):
         raise CliError(str(exc)) from None
     trace = None
     if args.trace:
-        trace = open_trace(args.trace)
+        trace = open_trace(args.trace, experts=(model.num_logical_experts, f"model {model.name}"))
         require_data(trace, args.trace)
         if trace.num_logical_experts != model.num_logical_experts:
             warn(
@@ -324,24 +325,39 @@ def _print_plan(args, plan, model, cluster, compare, files) -> None:
         echo(f"* {compare['message']}")
     if files:
         echo(f"wrote {', '.join(str(f) for f in files)}")
-    elif args.output:
-        warn("no layout fits: nothing written")
+
+
+def _show(args, plan, model, cluster, compare, files) -> None:
+    """The plan as JSON (``--json``) or as the ranked table (:func:`_print_plan`)."""
+    if not args.json:
+        _print_plan(args, plan, model, cluster, compare, files)
+        return
+    d = _plan_dict(plan)
+    if compare is not None:
+        d["phase_comparison"] = compare["message"]
+        d["separate_prefill_decode"] = compare["separate_wins"]
+    d["files"] = [str(f) for f in files]
+    echo(json.dumps(d, indent=1))
 
 
 def run(args: argparse.Namespace) -> int:
-    """Steps: model, cluster and trace -> plan (and phase comparison) -> write the best -> print."""
+    """Steps: model, cluster and trace -> claim ``--output`` (refused before any work when another run
+    holds it, or it holds files this command did not write) -> plan (and phase comparison) -> publish
+    the best -> print. When no layout fits, the table (or JSON) still shows why each was rejected, and
+    the run ends as bad input: one line naming the cause and the fix, exit code 2, nothing written."""
+    from moe_placement.base.folders import claim_folder
+
     model, cluster, trace = _read_inputs(args)
-    plan, compare = _plan(args, model, cluster, trace)
-    files = []
-    if args.output and plan.best is not None:
-        files = _write_outputs(Path(args.output), plan, model, compare)
-    if args.json:
-        d = _plan_dict(plan)
-        if compare is not None:
-            d["phase_comparison"] = compare["message"]
-            d["separate_prefill_decode"] = compare["separate_wins"]
-        d["files"] = [str(f) for f in files]
-        echo(json.dumps(d, indent=1))
-        return 0 if plan.best is not None else 1
-    _print_plan(args, plan, model, cluster, compare, files)
-    return 0 if plan.best is not None else 1
+    claimed = claim_folder(args.output, "layout", _OUTPUT_FILES) if args.output is not None else None
+    with claimed or contextlib.nullcontext() as claim:
+        plan, compare = _plan(args, model, cluster, trace)
+        files = []
+        if claim is not None and plan.best is not None:
+            files = claim.publish(_output_files(Path(args.output), plan, model, compare))
+        _show(args, plan, model, cluster, compare, files)
+    if plan.best is None:
+        raise CliError(
+            f"{model.name} on {args.nodes} x {args.gpus_per_node} {cluster.name}: {plan.notes[0]}"
+            + (" (nothing written)" if args.output is not None else "")
+        )
+    return 0

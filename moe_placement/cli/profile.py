@@ -137,7 +137,7 @@ def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
 
     Creates ``--stream-dir`` (it must hold no ``chunk_*.npz`` yet).
     """
-    from moe_placement.base.fileio import require_regular
+    from moe_placement.base.fileio import check_writable_folder, require_regular
 
     out = Path(args.output)
     texts = [Path(t) for t in args.text]
@@ -155,7 +155,13 @@ def _check_paths(args) -> tuple[Path, list[Path], Path | None]:
     if stream_dir is not None:
         if args.mode != "tokens":
             raise CliError("--stream-dir streams per-token ids; use --mode tokens")
-        stream_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            stream_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CliError(
+                f"cannot create --stream-dir {stream_dir} ({exc.strerror or exc}); choose another folder"
+            ) from None
+        check_writable_folder(stream_dir, f"--stream-dir {stream_dir}")
         if any(stream_dir.glob("chunk_*.npz")):
             raise CliError(f"--stream-dir {stream_dir} already holds chunk_*.npz files; give an empty folder")
     return out, texts, stream_dir

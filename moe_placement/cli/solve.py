@@ -34,6 +34,7 @@ from moe_placement.cli.common import (
     hardware_help,
     hidden_size_int,
     input_sidecars,
+    model_arg,
     non_negative_float,
     non_negative_int,
     num_experts_int,
@@ -287,9 +288,12 @@ def _read_load(args) -> tuple[np.ndarray, RoutingTrace | None, RoutingTrace | No
 
     if (args.trace is None) == (args.load is None):
         raise CliError("give exactly one of --trace T or --load L.npy")
+    if args.load is not None:
+        model_arg(args)  # --hidden-size against --model
     held = None
     if args.trace:
-        trace = open_trace(args.trace)
+        model = model_arg(args)  # --model knows the expert count a trace may not say
+        trace = open_trace(args.trace, experts=model and (model.num_logical_experts, f"--model {args.model}"))
         require_data(trace, args.trace)
         fit = trace
         if args.fit_fraction < 1.0:
@@ -373,7 +377,8 @@ def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
             step_tokens=args.step_tokens,
             phase=args.phase,
             model=args.model,
-            hardware=args.hardware or DEFAULT_HARDWARE,
+            hardware=DEFAULT_HARDWARE if args.hardware is None else args.hardware,
+            time_limit=args.time_limit,  # the per-step fit stops there too (its note says so)
         )
         result = run(prob.name, _solver_problem(args, prob), options, fit)
     if result.objective_fallback:
@@ -381,6 +386,8 @@ def _solve(args, prob: _Problem, spec: SolverSpec) -> SolveResult:
             f"{prob.name} found nothing better than {BASELINE} within {args.time_limit}s; "
             f"writing the {BASELINE} placement"
         )
+    if getattr(result.fit, "stopped_at_limit", False):
+        warn(f"--time-limit {args.time_limit:g} s ended the per-step fit: {result.fit.searched_text()}")
     return result
 
 

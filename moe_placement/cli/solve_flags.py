@@ -61,17 +61,23 @@ def refuse_ignored_flags(args, prob, spec: SolverSpec) -> None:
         raise CliError(f"--wall-clock applies to a solver bounded by --work-limit, not {prob.name}; drop it")
     _refuse_contradictions(args)
     model = get_dispatch(args.dispatch)
-    if not model.needs_step_counts:
-        given = {
-            "--step-tokens": args.step_tokens is not None,
-            "--phase": args.phase != PHASES[0],
-            "--model": args.model is not None,
-            "--hardware": args.hardware is not None,
-        }
-        for flag in (f for f, on in given.items() if on):
+    given = {
+        "--step-tokens": args.step_tokens is not None,
+        "--phase": args.phase != PHASES[0],
+        "--model": args.model is not None,
+        "--hardware": args.hardware is not None,
+    }
+    for flag in (f for f, on in given.items() if on):
+        if not model.needs_step_counts:
             raise CliError(
                 f"{flag} applies to a per-step dispatch model ({per_step_dispatch_names()}), not {model.name}; "
                 "drop it"
+            )
+        if prob.fit is None or not prob.fit.has_tokens:  # the per-step fit keeps the replicas: no steps
+            what = "--load has no tokens" if prob.fit is None else f"{args.trace} has counts only"
+            raise CliError(
+                f"{flag} shapes the per-step fit, which steps through a per-token trace; {what}, so no step is "
+                f"placed for: give a per-token --trace, or drop it"
             )
     args.step_tokens = args.step_tokens or DEFAULT_STEP_TOKENS[args.phase]  # as --help says: by phase
     fit = prob.fit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from moe_placement.base.limits import MAX_RANKS, MAX_STEP_TOKENS
+from moe_placement.base.limits import MAX_CONTEXT_LEN, MAX_RANKS
 from moe_placement.cli.common import CliError, bounded_int, hardware_help, model_help
 from placement.cost.primitives import KERNELS, kernel_of_phase
 from placement.cost.step_time import OVERLAPS
@@ -30,7 +30,7 @@ def add_step_time_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--context-len",
-        type=bounded_int(1, MAX_STEP_TOKENS, "MAX_STEP_TOKENS"),
+        type=bounded_int(1, MAX_CONTEXT_LEN, "MAX_CONTEXT_LEN"),
         help="cached tokens per sequence (decode) or prompt length (prefill) for step_time's attention (default 4096)",
     )
     p.add_argument(

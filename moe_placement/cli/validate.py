@@ -223,7 +223,7 @@ def _load_trace(args, placement):
     from profiling.readers import require_data
 
     path = Path(args.trace)
-    trace = open_trace(args.trace)
+    trace = open_trace(args.trace, experts=(placement.num_logical_experts, "the placement"))
     require_data(trace, args.trace)
     if not trace.has_tokens:
         raise CliError(f"trace {path} has counts only; validate replays per-token routing (topk_ids)")

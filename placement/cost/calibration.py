@@ -163,6 +163,12 @@ def _uniform_bytes(model: ModelSpec, ranks: int, gpus_per_node: int, tokens: int
     return send[0]
 
 
+def self_send_bytes(model: ModelSpec, tokens: int) -> int:
+    """Dispatch bytes one rank sends itself when all its ``tokens`` pick experts it holds (a one-rank
+    all-to-all, the device check's shape): ``tokens x top_k`` copies of one token's payload."""
+    return int(tokens * model.top_k * model.dispatch_bytes_per_token)
+
+
 def a2a_points(
     model: ModelSpec, ranks: int, gpus_per_node: int, quick: bool, max_rank_bytes: float
 ) -> tuple[list[A2APoint], list[str]]:

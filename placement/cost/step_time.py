@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from moe_placement.base.limits import check_context_len, check_whole
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
@@ -49,7 +50,7 @@ from placement.cost.primitives import (
     mlp_time,
 )
 from placement.cost.traffic import StepArrays, StepLoads, counted_loads
-from placement.steps import priced_phase
+from placement.steps import PHASES, priced_phase
 
 if TYPE_CHECKING:
     from placement.dispatch import DispatchModel
@@ -458,6 +459,7 @@ def step_time_from_arrays(
 ) -> StepTime:
     """:func:`step_time` on tokens already cut into steps (:class:`StepArrays`): the traffic model's
     :func:`~placement.cost.traffic.counted_loads`, priced by :func:`price_loads`."""
+    _check_arrays(placement, arrays, model, cluster)
     kernel = priced_kernel(arrays.phase, options.kernel if options is not None else None)
     loads = counted_loads(placement, arrays, dispatch, model.top_k, kernel)
     return price_loads(
@@ -470,6 +472,48 @@ def step_time_from_arrays(
         step_tokens=arrays.step_tokens,
         options=options,
     )
+
+
+def _check_arrays(placement, arrays, model, cluster) -> None:
+    """:func:`step_time_from_arrays`' inputs against each other, before any indexing: a ValueError
+    naming the field and the numbers (an IndexError or a reshape error from inside before)."""
+    from placement.model import Placement
+    from placement.steps import ENGINE
+
+    for name, value, cls in (
+        ("placement", placement, Placement),
+        ("arrays", arrays, StepArrays),
+        ("model", model, ModelSpec),
+        ("cluster", cluster, ClusterSpec),
+    ):
+        if not isinstance(value, cls):
+            raise ValueError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
+    S = check_whole("StepArrays.num_steps", arrays.num_steps, 1, fix="the steps the arrays hold")
+    check_whole("StepArrays.step_tokens", arrays.step_tokens, 1, fix="tokens per rank per step")
+    if arrays.phase not in (*PHASES, ENGINE):
+        raise ValueError(
+            f"StepArrays.phase must be one of {', '.join((*PHASES, ENGINE))}, got {arrays.phase!r}"
+        )
+    ids = np.asarray(arrays.topk_ids)
+    L, E, G = placement.num_layers, placement.num_logical_experts, placement.topology.ep_size
+    if ids.dtype.kind not in "iu" or ids.ndim != 3 or ids.shape[1] != L:
+        raise ValueError(
+            f"StepArrays.topk_ids must be integer [tokens, {L} layers, top_k], got {ids.dtype} {ids.shape}"
+        )
+    fields = [("topk_ids", ids, -1, E - 1), ("step", arrays.step, -1, S - 1), ("src", arrays.src, 0, G - 1)]
+    if arrays.rows is not None:
+        fields.append(("rows", arrays.rows, 0, None))
+    for name, a, lo, hi in fields:
+        a = np.asarray(a)
+        if name != "topk_ids" and (a.dtype.kind not in "iu" or a.shape != ids.shape[:1]):
+            raise ValueError(
+                f"StepArrays.{name} must be {ids.shape[0]} integers (one per token), got {a.dtype} {a.shape}"
+            )
+        if a.size and (int(a.min()) < lo or (hi is not None and int(a.max()) > hi)):
+            raise ValueError(
+                f"StepArrays.{name} holds values in [{int(a.min())}, {int(a.max())}], outside {lo}..{'' if hi is None else hi} "
+                f"({'the placement' if name != 'step' else 'num_steps'} sets the range)"
+            )
 
 
 def _stepped(steps: Steps, trace: RoutingTrace, ep_size: int):
@@ -502,11 +546,8 @@ def _check_types(placement, trace, steps, model, cluster, context_len) -> None:
             continue
         if not isinstance(value, cls):
             raise ValueError(f"{name} must be a {cls.__name__} ({how}), got {type(value).__name__}")
-    c = context_len
-    if c is not None and (
-        isinstance(c, bool) or not isinstance(c, (int, float, np.number)) or not np.isfinite(c)
-    ):
-        raise ValueError(f"context_len must be a finite number of tokens > 0 or None (4096), got {c!r}")
+    if context_len is not None:
+        check_context_len(context_len)  # the bound of the CLI's --context-len
 
 
 def step_loads(
@@ -535,6 +576,9 @@ def step_loads(
             f"model {model.name!r} has {model.num_logical_experts} experts, top-{model.top_k}; the trace has "
             f"{trace.num_logical_experts}, top-{trace.top_k}: pass the model the trace was recorded from"
         )
+    from placement.steps import check_steps_of
+
+    check_steps_of(steps, trace)
     ids, step, src, rows = _stepped(steps, trace, placement.topology.ep_size)
     arrays = StepArrays(ids, step, src, steps.num_steps, steps.step_tokens, steps.phase, rows)
     return counted_loads(placement, arrays, dispatch, model.top_k, priced_kernel(steps.phase, kernel))

@@ -55,6 +55,7 @@ def dispatch_peaks(dispatch: str, load: np.ndarray, phy2log: np.ndarray, topo: T
     else each expert's tokens split evenly over its replicas (vLLM's hash in expectation)."""
     from placement.dispatch import get_dispatch
 
+    phy2log, load = _checked(load, phy2log, topo)
     if not get_dispatch(dispatch).table:
         return gpu_peaks(phy2log, load, topo.ep_size)
     from placement.metrics import rank_gpu_load
@@ -63,6 +64,23 @@ def dispatch_peaks(dispatch: str, load: np.ndarray, phy2log: np.ndarray, topo: T
 
     pl = Placement(np.asarray(phy2log, dtype=np.int64), load.shape[1], topo, allow_colocated_replicas=True)
     return rank_gpu_load(pl, even_rank_counts(load, topo.ep_size), dispatch).max(axis=1)
+
+
+def _checked(load, phy2log, topo) -> tuple[np.ndarray, np.ndarray]:
+    """``(phy2log int64 [L, P], load float64 [L, E])`` when they fit each other and ``topo``, else a
+    ValueError naming the numbers (an IndexError from inside before)."""
+    from placement.metric_checks import check_map_load
+    from placement.topology import Topology
+
+    if not isinstance(topo, Topology):
+        raise ValueError(f"topo must be a placement.topology.Topology, got {type(topo).__name__}")
+    p2l, w = check_map_load(phy2log, load, topo.ep_size)
+    if p2l.shape[1] != topo.num_physical_experts:
+        raise ValueError(
+            f"the map has {p2l.shape[1]} slots per layer but the topology has {topo.num_physical_experts} "
+            f"({topo.ep_size} GPUs x {topo.slots_per_gpu} slots)"
+        )
+    return p2l, w
 
 
 def engine_default_map(call: EngineCall, topo: Topology, load: np.ndarray) -> np.ndarray:

@@ -45,11 +45,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from moe_placement.base.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS
+from moe_placement.base.limits import MAX_FIT_STEPS, MAX_SEARCH_SAMPLES, MAX_STEP_TOKENS, MAX_TIME_LIMIT_S
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.fields import Range, check_fields
 from placement.dispatch import DispatchModel, get_dispatch
@@ -100,6 +101,9 @@ class StepFitOptions:
         cost: price each step with this model and hardware (:mod:`solver.step.cost`): the search
             minimizes modelled MoE layer time and a layer is kept only where both its time and its
             step peak do not rise; None: the step peak alone.
+        time_limit: seconds the fit may take (the solve's ``time_limit``); the search stops there,
+            keeping what it found, and :attr:`StepFit.stopped_at_limit` says so. None: only the move
+            budget bounds it (deterministic for a seed).
     """
 
     step_tokens: int = 64
@@ -119,6 +123,7 @@ class StepFitOptions:
     iters: int = 30
     phase: str = "decode"
     cost: StepCost | None = None
+    time_limit: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _STEP_FIT_RANGES, "", prefix="StepFitOptions.")
@@ -143,6 +148,7 @@ _STEP_FIT_RANGES = {
     "pack_slack": _SHARE,
     "draws": Range(1, 10_000),
     "iters": Range(1, 10_000),
+    "time_limit": Range(0.0, MAX_TIME_LIMIT_S, lo_open=True),
 }
 
 
@@ -150,7 +156,9 @@ _STEP_FIT_RANGES = {
 class StepFit:
     """What the step did: the layers changed, mean per-step peaks (tokens, summed over layers) before
     and after on the search and validation steps (summed over the changed layers), the validation
-    steps' counts ``[N, L, E]`` and the start each changed layer's search began from."""
+    steps' counts ``[N, L, E]`` and the start each changed layer's search began from;
+    ``stopped_at_limit``: the time limit ended the search with ``layers_searched`` layers searched to
+    the end of their move budget and ``layers_started`` begun."""
 
     dispatch: str
     changed_layers: tuple[int, ...]
@@ -166,6 +174,10 @@ class StepFit:
     validation_rank_counts: np.ndarray | None = None
     time_before_us: float = 0.0
     time_after_us: float = 0.0
+    stopped_at_limit: bool = False
+    layers_searched: int = 0
+    layers_started: int = 0
+    time_limit: float | None = None
 
     def note(self) -> str:
         objective = self.cost.describe() if self.cost is not None else "the step peak (no cost model)"
@@ -178,7 +190,19 @@ class StepFit:
         )
         if self.cost is not None:
             out += f"; validation MoE time {self.time_before_us:.1f} -> {self.time_after_us:.1f} us"
+        if self.stopped_at_limit:
+            out += f"; stopped at the time limit of {self.time_limit:g} s: {self.searched_text()}"
         return out + ")"
+
+    def searched_text(self) -> str:
+        """How far the search got: ``"2 of 5 layers searched to the end of their moves, 1 in part, 2 not
+        at all"`` (what a stop at the time limit left)."""
+        L = self.validation_counts.shape[1]
+        part = self.layers_started - self.layers_searched
+        return (
+            f"{self.layers_searched} of {L} layers searched to the end of their moves, {part} in part, "
+            f"{L - self.layers_started} not at all (raise the time limit to search them all)"
+        )
 
     def score(self, placement: Placement, layers=None) -> float:
         """What the pipeline's gate compares on the validation steps, summed over ``layers`` (None:
@@ -455,8 +479,11 @@ class _Layer:
             new[p], new[q] = row[q], row[p]
         return new
 
-    def search(self, rng: np.random.Generator) -> None:
+    def search(self, rng: np.random.Generator, deadline: float) -> bool:
+        """Up to ``o.moves`` scored moves; False when ``deadline`` (``time.perf_counter``) cut it short."""
         for _ in range(self.o.moves):
+            if time.perf_counter() > deadline:
+                return False
             for _ in range(self.o.draws):  # a move is a scored proposal: redraw illegal ones
                 new = self.propose(rng)
                 if new is not None and self.guard.ok(new):
@@ -466,6 +493,7 @@ class _Layer:
             score = self.score_of(new)
             if score < self.score * (1 - 1e-9):
                 self.row, self.score, self.hot = new, score, self.last_hot
+        return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -516,24 +544,32 @@ def _pick_start(
     return min(ok, key=lambda c: _row_score(c[1], counts, rank_counts, guard.E, guard.S, guard.G, o)[0])
 
 
-def _search_layers(placement: Placement, search: np.ndarray, trace: RoutingTrace, o: StepFitOptions):
-    """Per layer: guard, start, search. Returns the rows ``[L, P]`` and each layer's start name."""
+def _search_layers(
+    placement: Placement, search: np.ndarray, trace: RoutingTrace, o: StepFitOptions, deadline: float
+):
+    """Per layer: guard, start, search, until ``deadline`` (``time.perf_counter``; the layers not
+    reached keep their rows). Returns the rows ``[L, P]``, each layer's start name, the layers searched
+    to the end of their move budget and the layers begun (fewer than ``L`` when the deadline cut in)."""
     t = placement.topology
     G, S, E = t.ep_size, t.slots_per_gpu, placement.num_logical_experts
     loads, slack = _window_loads(trace, G, o)  # [K, L, E], [K]
     rng = np.random.default_rng(o.seed)
     p2l = placement.physical_to_logical_map
-    rows, starts = p2l.copy(), []
+    rows, starts, done, begun = p2l.copy(), [], 0, 0
     for l in range(placement.num_layers):
+        if time.perf_counter() > deadline:
+            starts += ["given"] * (placement.num_layers - l)
+            break
+        begun += 1
         ranks = search[:, l].astype(np.float64) if search.ndim == 4 else None  # [N, G, E] or None
         counts = ranks.sum(axis=1) if ranks is not None else search[:, l].astype(np.float64)  # [N, E]
         guard = _Guard(p2l[l], loads[:, l], slack, E, S, G, o)
         name, start = _pick_start(p2l[l], counts, loads[0, l], guard, o, ranks)
         layer = _Layer(start, counts, guard.around(start), o, ranks)
-        layer.search(rng)
+        done += layer.search(rng, deadline)
         rows[l] = layer.row
         starts.append(name)
-    return rows, starts
+    return rows, starts, done, begun
 
 
 def step_seconds(
@@ -602,11 +638,12 @@ def fit_for_steps(
     Returns the placement (``placement`` itself when no layer changed) and the :class:`StepFit`.
     """
     o = options or StepFitOptions()
+    deadline = time.perf_counter() + (o.time_limit if o.time_limit is not None else np.inf)
     model = get_dispatch(dispatch)
     t = placement.topology
     E = placement.num_logical_experts
     search, held = _search_and_validation(trace, t.ep_size, o)  # [N, L, (G,) E] each
-    rows, starts = _search_layers(placement, search, trace, o)
+    rows, starts, done, begun = _search_layers(placement, search, trace, o, deadline)
     p2l = placement.physical_to_logical_map
     moved = [l for l in range(placement.num_layers) if not np.array_equal(rows[l], p2l[l])]
     cand = Placement(rows, E, t, placement.layer_ids, placement.provenance)
@@ -632,5 +669,9 @@ def fit_for_steps(
         validation_rank_counts=held if held.ndim == 4 else None,
         time_before_us=float(secs[0][keep].sum() * 1e6) if secs is not None else 0.0,
         time_after_us=float(secs[1][keep].sum() * 1e6) if secs is not None else 0.0,
+        stopped_at_limit=done < placement.num_layers,
+        layers_searched=done,
+        layers_started=begun,
+        time_limit=o.time_limit,
     )
     return out, fit

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from moe_placement.base.limits import MAX_STEP_TOKENS, check_context_len, check_whole
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
@@ -94,6 +95,8 @@ class CostOptions:
             raise ValueError(
                 f"a2a_mode in {('auto', *KERNELS)} and overlap in {OVERLAPS}, got {self.a2a_mode}, {self.overlap}"
             )
+        check_whole("step_tokens", self.step_tokens, 1, MAX_STEP_TOKENS, fix="(MAX_STEP_TOKENS)")
+        check_context_len(self.context_len)  # the bound the CLI's --context-len has
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
 
