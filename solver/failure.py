@@ -58,6 +58,8 @@ DOMAINS = ("gpu", "node")
 # even split) than the unconstrained placement.
 DEFAULT_MAX_PAR_INCREASE = 0.02
 POLISH_MIN_GAIN = 1e-3  # a polish swap must lower the peak of its two GPUs by this share of the mean
+POLISH_ROUNDS_PER_GPU = 2  # polish swaps of the layer chosen, at most, per GPU
+STEP_ROUNDS_DIVISOR = 4  # after each expert protected one at a time: at most G / 4 polish swaps
 
 
 def check_domain(domain, topology: Topology | None = None) -> str | None:
@@ -132,8 +134,10 @@ class FailureReport:
         """One line for the solve report's notes."""
         prot = sum(len(p) for p in self.protected_experts)
         spof = sum(len(s) for s in self.single_points_of_failure)
+        cap = "no cap" if self.max_par_increase is None else f"the {self.max_par_increase:.1%} cap"
         capped = (
-            f"; the {self.max_par_increase:.1%} cap protected fewer in {len(self.capped_layers)} layer(s)"
+            f"; fewer than the redundant slots allow in {len(self.capped_layers)} layer(s) ({cap}, or no swap "
+            "left to spread a copy)"
             if self.capped_layers
             else ""
         )
@@ -166,34 +170,52 @@ class FailureReport:
 # one layer
 # ---------------------------------------------------------------------------------------------
 class _Domains:
-    """A layer's copies per (expert, domain) ``[E, D]`` beside its :class:`LayerSlots`."""
+    """A layer's copies per (expert, domain) ``dc [E, D]`` and domains per expert ``spans [E]``
+    beside its :class:`LayerSlots`, kept up to date by :meth:`put` and :meth:`swap`."""
 
     def __init__(self, lay: LayerSlots, dom: np.ndarray) -> None:
         self.lay, self.dom = lay, dom  # dom: [G] domain of each GPU
         self.D = int(dom.max()) + 1
-        self.onehot = (dom[:, None] == np.arange(self.D)[None, :]).astype(np.int64)  # [G, D]
+        onehot = (dom[:, None] == np.arange(self.D)[None, :]).astype(np.float64)  # [G, D]
+        self.dc = np.rint(lay.hold.astype(np.float64) @ onehot).astype(np.int64)  # [E, D]
+        self.spans = (self.dc > 0).sum(axis=1)  # [E]
 
-    def counts(self) -> np.ndarray:
-        """int64 ``[E, D]`` copies of each expert in each domain."""
-        return self.lay.hold.astype(np.int64) @ self.onehot
+    def _count(self, e: int, d: int, by: int) -> None:
+        self.dc[e, d] += by
+        self.spans[e] = int((self.dc[e] > 0).sum())
 
-    @staticmethod
-    def spans_after(dc: np.ndarray, e: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-        """``[C]`` domains holding ``e[c]`` after one of its copies moves from domain ``src`` to ``dst``
-        (``dc [E, D]``: :meth:`counts`)."""
-        spans = (dc > 0).sum(axis=1)[e]
+    def put(self, slot: int, e: int) -> None:
+        old, d = int(self.lay.row[slot]), int(self.dom[slot // self.lay.S])
+        self.lay.put(slot, e)
+        if old >= 0:
+            self._count(old, d, -1)
+        self._count(e, d, +1)
+
+    def swap(self, a: int, b: int) -> None:
+        ea, eb = int(self.lay.row[a]), int(self.lay.row[b])
+        da, db = int(self.dom[a // self.lay.S]), int(self.dom[b // self.lay.S])
+        self.lay.swap(a, b)
+        for e, src, dst in ((ea, da, db), (eb, db, da)):
+            self._count(e, src, -1)
+            self._count(e, dst, +1)
+
+    def spans_after(self, e: np.ndarray, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """``[C]`` domains holding ``e[c]`` after one of its copies moves from domain ``src`` to ``dst``."""
+        dc = self.dc
         moved = src != dst
-        return spans - (moved & (dc[e, src] == 1)) + (moved & (dc[e, dst] == 0))
+        return self.spans[e] - (moved & (dc[e, src] == 1)) + (moved & (dc[e, dst] == 0))
 
 
 def _add_copies(lay: LayerSlots, doms: _Domains, targets: np.ndarray, need: np.ndarray) -> None:
-    """Step 2: each target with one copy takes a surplus replica's slot, on another domain if any."""
+    """Step 2: each target with one copy takes a surplus replica's slot (of an expert with more copies
+    than it ``need``s ``[E]``, a target keeping copies in two domains), on another domain if any."""
     S = lay.S
     for e in targets[lay.cnt[targets] < 2]:
-        slots = np.flatnonzero(
-            (lay.row >= 0) & (lay.cnt[np.maximum(lay.row, 0)] > need[np.maximum(lay.row, 0)])
-        )
-        slots = slots[~lay.hold[e, slots // S]]
+        d = np.maximum(lay.row, 0)
+        slots = np.flatnonzero((lay.row >= 0) & (lay.cnt[d] > need[d]))
+        d = lay.row[slots]
+        spread = doms.spans[d] - (doms.dc[d, doms.dom[slots // S]] == 1) >= 2  # still two domains after
+        slots = slots[~lay.hold[e, slots // S] & ((need[d] < 2) | spread)]
         if not slots.size:
             continue
         here = doms.dom[np.flatnonzero(lay.hold[e])]
@@ -201,7 +223,7 @@ def _add_copies(lay: LayerSlots, doms: _Domains, targets: np.ndarray, need: np.n
         if away.any():
             slots = slots[away]
         peaks = lay.peaks_if_put(slots, np.full(slots.size, e))
-        lay.put(int(slots[best_index(peaks, lay.load[slots // S])]), int(e))
+        doms.put(int(slots[best_index(peaks, lay.load[slots // S])]), int(e))
 
 
 def _spread(lay: LayerSlots, doms: _Domains, targets: np.ndarray, is_target: np.ndarray) -> None:
@@ -209,8 +231,7 @@ def _spread(lay: LayerSlots, doms: _Domains, targets: np.ndarray, is_target: np.
     whose expert stays protected (when a target)."""
     S = lay.S
     for e in targets:
-        dc = doms.counts()
-        if lay.cnt[e] < 2 or (dc[e] > 0).sum() >= 2:
+        if lay.cnt[e] < 2 or doms.spans[e] >= 2:
             continue
         mine = np.flatnonzero(lay.row == e)
         home = doms.dom[mine[0] // S]
@@ -218,7 +239,7 @@ def _spread(lay: LayerSlots, doms: _Domains, targets: np.ndarray, is_target: np.
         x, y = np.repeat(mine, other.size), np.tile(other, mine.size)
         f = lay.row[y]
         ok = ~lay.hold[f, x // S]
-        keeps = doms.spans_after(dc, f, doms.dom[y // S], doms.dom[x // S]) >= 2
+        keeps = doms.spans_after(f, doms.dom[y // S], doms.dom[x // S]) >= 2
         ok &= ~is_target[f] | keeps
         x, y, f = x[ok], y[ok], f[ok]
         if not x.size:
@@ -227,7 +248,7 @@ def _spread(lay: LayerSlots, doms: _Domains, targets: np.ndarray, is_target: np.
         delta = share[x] - share[y]
         peaks = np.maximum(lay.load[x // S] - delta, lay.load[y // S] + delta)
         i = best_index(peaks, np.abs(delta))
-        lay.swap(int(x[i]), int(y[i]))
+        doms.swap(int(x[i]), int(y[i]))
 
 
 def _polish(lay: LayerSlots, doms: _Domains, is_target: np.ndarray, rounds: int) -> None:
@@ -241,34 +262,47 @@ def _polish(lay: LayerSlots, doms: _Domains, is_target: np.ndarray, rounds: int)
         x, y, peaks = x[better], y[better], peaks[better]
         if not x.size:
             return
-        dc = doms.counts()
         ex, ey = lay.row[x], lay.row[y]
         dx, dy = doms.dom[x // S], doms.dom[y // S]
-        ok = (~is_target[ex] | (doms.spans_after(dc, ex, dx, dy) >= 2)) & (
-            ~is_target[ey] | (doms.spans_after(dc, ey, dy, dx) >= 2)
+        ok = (~is_target[ex] | (doms.spans_after(ex, dx, dy) >= 2)) & (
+            ~is_target[ey] | (doms.spans_after(ey, dy, dx) >= 2)
         )
         if not ok.any():
             return
         x, y, peaks = x[ok], y[ok], peaks[ok]
         i = best_index(peaks, x.astype(np.float64) * lay.row.size + y)
-        lay.swap(int(x[i]), int(y[i]))
+        doms.swap(int(x[i]), int(y[i]))
 
 
-def _protect_layer(row: np.ndarray, w: np.ndarray, K: int, topo: Topology, dom: np.ndarray) -> np.ndarray:
-    """Steps 1-4 on one layer's map ``row [P]`` for the ``K`` hottest experts: the new ``[P]`` map."""
-    if K == 0:
-        return row
-    lay = LayerSlots(row.copy(), w, topo.ep_size, topo.slots_per_gpu)
-    doms = _Domains(lay, dom)
-    targets = np.argsort(-w, kind="stable")[:K]
-    is_target = np.zeros(w.size, dtype=bool)
-    is_target[targets] = True
-    need = np.where(is_target, 2, 1)
-    _add_copies(lay, doms, targets, need)
-    if doms.D < topo.ep_size:  # node domains: copies may share one
-        _spread(lay, doms, targets, is_target)
-    _polish(lay, doms, is_target, 4 * topo.ep_size)
-    return lay.row
+class _Protecting:
+    """One layer being protected, hottest expert first: its slots, domains and targets."""
+
+    def __init__(self, row: np.ndarray, w: np.ndarray, topo: Topology, dom: np.ndarray) -> None:
+        self.w, self.topo, self.dom = w, topo, dom
+        self.order = np.argsort(-w, kind="stable")  # [E] hottest first
+        self.K = 0
+        self.restore(row)
+
+    def restore(self, row: np.ndarray) -> None:
+        """Start again from ``row [P]`` with the ``K`` hottest experts as targets."""
+        self.lay = LayerSlots(row.copy(), self.w, self.topo.ep_size, self.topo.slots_per_gpu)
+        self.doms = _Domains(self.lay, self.dom)
+        self.is_target = np.zeros(self.w.size, dtype=bool)
+        self.is_target[self.order[: self.K]] = True
+
+    def par(self) -> float:
+        load = self.lay.load
+        return float(load.max() / load.mean()) if load.mean() > 0 else 1.0
+
+    def protect_to(self, K: int, rounds: int) -> None:
+        """Steps 2-4 for the hottest experts ``self.K .. K-1``, at most ``rounds`` polish swaps."""
+        new = self.order[self.K : K]
+        self.K = K
+        self.is_target[new] = True
+        _add_copies(self.lay, self.doms, new, np.where(self.is_target, 2, 1))
+        if self.doms.D < self.topo.ep_size:  # node domains: copies may share one
+            _spread(self.lay, self.doms, new, self.is_target)
+        _polish(self.lay, self.doms, self.is_target, rounds)
 
 
 def _layer_par(row: np.ndarray, w: np.ndarray, G: int, S: int) -> float:
@@ -279,24 +313,48 @@ def _layer_par(row: np.ndarray, w: np.ndarray, G: int, S: int) -> float:
     return float(gpu.max() / mean) if mean > 0 else 1.0
 
 
+def _free_prefix(row: np.ndarray, w: np.ndarray, K_max: int) -> int:
+    """The most hottest experts that already have two copies in ``row [P]`` (protecting them moves
+    copies between domains but changes no replica count), at most ``K_max``."""
+    cnt = np.bincount(row, minlength=w.size)
+    short = cnt[np.argsort(-w, kind="stable")[:K_max]] < 2
+    return int(np.argmax(short)) if short.any() else K_max
+
+
 def _capped_layer(
     row: np.ndarray, w: np.ndarray, K_max: int, topo: Topology, dom: np.ndarray, cap: float | None
 ) -> tuple[np.ndarray, int]:
-    """Step 5: the layer protected for the most hottest experts within the cap: ``(map [P], K)``."""
-    G, S = topo.ep_size, topo.slots_per_gpu
-    limit = np.inf if cap is None else _layer_par(row, w, G, S) * (1 + cap) + 1e-12
-    best = _protect_layer(row, w, K_max, topo, dom)
-    if _layer_par(best, w, G, S) <= limit:
-        return best, K_max
-    lo, hi, best, K = 0, K_max - 1, row, 0  # K = 0: the unconstrained layer, within any cap
-    while lo <= hi:
-        mid = (lo + hi + 1) // 2
-        cand = _protect_layer(row, w, mid, topo, dom)
-        if _layer_par(cand, w, G, S) <= limit:
-            best, K, lo = cand, mid, mid + 1
-        else:
-            hi = mid - 1
-    return best, K
+    """Steps 1-5 on one layer: ``(map [P], K)`` with the ``K`` hottest experts protected.
+
+    The hottest experts that already have two copies first, all at once (no replica count changes),
+    then one more at a time, each followed by a short polish (a long one when the layer is then over
+    the cap), while the layer's PAR stays within the cap: the first expert that would break it is
+    left unprotected, and so are the colder ones. A last polish of the layer kept (it only lowers the
+    peak). ``K = 0``: ``row`` unchanged."""
+    G = topo.ep_size
+    limit = np.inf if cap is None else _layer_par(row, w, G, topo.slots_per_gpu) * (1 + cap) + 1e-12
+    state = _Protecting(row, w, topo, dom)
+    free = _free_prefix(row, w, K_max)
+    if free:
+        state.protect_to(free, POLISH_ROUNDS_PER_GPU * G)
+        if state.par() > limit:  # rare: spreading alone breaks the cap; one at a time from none
+            state.K = 0
+            state.restore(row)
+    rounds = max(1, G // STEP_ROUNDS_DIVISOR)
+    while state.K < K_max:
+        kept = state.lay.row.copy()
+        state.protect_to(state.K + 1, rounds)
+        if state.par() > limit:  # a longer polish before giving up on this expert
+            _polish(state.lay, state.doms, state.is_target, POLISH_ROUNDS_PER_GPU * G)
+        if state.par() > limit:
+            state.K -= 1
+            state.restore(kept)
+            break
+    if state.K == 0:
+        return row, 0
+    _polish(state.lay, state.doms, state.is_target, POLISH_ROUNDS_PER_GPU * G)
+    spans = state.doms.spans[state.order[: state.K]]  # a target no swap could spread ends the prefix
+    return state.lay.row, int(np.argmin(spans >= 2)) if (spans < 2).any() else state.K
 
 
 # ---------------------------------------------------------------------------------------------
