@@ -12,16 +12,19 @@ keeps ranks ``0..G'-1``, so there the numbering is the identity). Per layer:
    needs) takes one slot, hottest first, each the slot that leaves the lowest peak GPU load: a free
    slot, or a replica of an expert that keeps another surviving copy (a surplus replica is dropped).
    Each such expert arrives on exactly one GPU: it is loaded from host memory or disk.
-3. **moves** (balance within a budget): replace a surplus replica by a copy of another expert,
-   the move that lowers its layer's peak GPU load most, over all layers (a heap: the budget goes
-   to the layers that gain most), while a move gains at least ``min_gain`` of its layer's mean GPU
-   load, at most ``max_moves`` moves in all. Each move brings an expert that still has a surviving
-   copy to one more GPU (a copy from a surviving peer, not a reload).
+3. **moves** (balance within a budget): on the peak GPU of a layer, the best of replacing a surplus
+   replica (on that GPU by a lighter expert, or elsewhere by a further copy of one of its experts:
+   one copy) and exchanging one of its experts with one of another GPU (two copies), scored by the
+   load it takes off that GPU without lifting another above it, per copy. Over all layers the move
+   that gains most per copy goes first (a heap: the budget goes to the layers that gain most), while
+   one gains at least ``min_gain`` of its layer's mean GPU load and the layer's peak is more than
+   ``target`` above its lower bound, at most ``max_moves`` copies in all. A move copies an expert
+   from a GPU that holds it (a survivor, or a reloaded expert's first GPU): no further reload.
 
 Every other surviving slot keeps its expert. ``reloads`` and ``moves`` in the report are counted
-from the maps (arrivals as :mod:`placement.churn` counts them: an expert new on a GPU), not from the
-steps. The search is plain numpy with fixed tie-breaking and no clock: the same input gives the same
-map on every rank.
+from the maps (arrivals as :mod:`placement.churn` counts them, an expert new on a GPU: the experts
+with no surviving copy are the reloads, every other arrival a move), not from the steps. The search
+is plain numpy with fixed tie-breaking and no clock: the same input gives the same map on every rank.
 """
 
 from __future__ import annotations

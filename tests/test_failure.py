@@ -327,3 +327,19 @@ def test_plugin_answers_a_scale_down_with_the_failover_map():
     want = failover_map(Placement(old.physical_to_logical_map, 16, Topology(8, 32, 1)), load, (6, 7))[0]
     for spec in ("migration", "exact", "file:/nowhere.json"):
         assert np.array_equal(place(parse_spec(spec), call), want.physical_to_logical_map), spec
+
+
+def test_cli_refuses_an_output_that_a_failover_map_would_overwrite(tmp_path, capsys):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    rc, _, err = _solve_cli(
+        tmp_path,
+        capsys,
+        "--failure-domain",
+        "node",
+        "--failover",
+        str(folder),
+        "-o",
+        str(folder / "lost-node-0.json"),
+    )
+    assert rc == 2 and err.count("\n") == 1 and not any(folder.iterdir()), err

@@ -120,8 +120,17 @@ def check_failure_args(args, topo, num_experts: int, previous: bool) -> Path | N
     if args.failover is None:
         return None
     _check_losses(domain, topo, num_experts)
-    out = check_folder_outputs(args.failover, [FAILOVER_INDEX], [args.trace, args.load])
-    _old_files(out)  # a folder that is not ours: refused before anything is solved
+    from placement.formats.failover import failover_file_name
+    from solver.failover import domain_losses
+
+    names = [FAILOVER_INDEX] + [failover_file_name(domain, i) for i, _ in domain_losses(topo, domain)]
+    out = check_folder_outputs(args.failover, names, [args.trace, args.load, args.output, args.report])
+    if out.is_dir() and not (out / FAILOVER_INDEX).exists() and any(out.iterdir()):
+        raise CliError(
+            f"--failover {out}: the folder holds files but no {FAILOVER_INDEX}; give an empty or new folder "
+            "(its files are not this command's to replace)"
+        )
+    _listed(out)  # an index of ours that does not read is refused before anything is solved
     return out
 
 
@@ -153,7 +162,7 @@ def write_failover(args, out: Path, placement: Placement, load: np.ndarray) -> d
     domain = args.failure_domain
     moves = DEFAULT_MAX_MOVES if args.failover_max_moves is None else args.failover_max_moves
     options = FailoverOptions(max_moves=moves, resolve=True, num_groups=args.num_groups)
-    old = _old_files(out)
+    old = _listed(out)
     out.mkdir(parents=True, exist_ok=True)
     files, losses = [], []
     for index, lost in domain_losses(placement.topology, domain):
@@ -184,20 +193,12 @@ def _entry(index: int, lost, name: str, new: Placement, rep) -> dict:
     }
 
 
-def _old_files(out: Path) -> set[str]:
-    """The map files an earlier index in ``out`` lists (removed after publishing when not rewritten);
-    a folder holding files but no index of ours is refused (they are not ours to replace)."""
+def _listed(out: Path) -> set[str]:
+    """The map files an earlier index in ``out`` lists (removed after publishing when not rewritten)."""
     from moe_placement.base.fileio import InputFileError
     from placement.formats.failover import FAILOVER_INDEX, read_failover_index
 
-    if not out.is_dir():
-        return set()
     if not (out / FAILOVER_INDEX).exists():
-        if any(out.iterdir()):
-            raise CliError(
-                f"--failover {out}: the folder holds files but no {FAILOVER_INDEX}; give an empty or new folder "
-                "(its files are not this command's to replace)"
-            )
         return set()
     try:
         return {e["file"] for e in read_failover_index(out)["losses"]}
