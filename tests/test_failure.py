@@ -343,3 +343,12 @@ def test_cli_refuses_an_output_that_a_failover_map_would_overwrite(tmp_path, cap
         str(folder / "lost-node-0.json"),
     )
     assert rc == 2 and err.count("\n") == 1 and not any(folder.iterdir()), err
+
+
+def test_cli_report_names_the_failover_maps_and_none_lifts_the_cap(tmp_path, capsys):
+    report = tmp_path / "r.json"
+    argv = ["--failure-domain", "gpu", "--failover", str(tmp_path / "f"), "--report", str(report)]
+    rc, _, _ = _solve_cli(tmp_path, capsys, *argv, "--failure-max-par-increase", "none")
+    d = json.loads(report.read_text())
+    assert rc == 0 and d["failure"]["max_par_increase"] is None and d["failure"]["capped_layers"] == []
+    assert [e["lost"] for e in d["failover"]["losses"]] == list(range(8))

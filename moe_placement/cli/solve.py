@@ -51,6 +51,7 @@ from moe_placement.cli.common import (
 from moe_placement.cli.solve_failure import (
     add_failure_args,
     check_failure_args,
+    failure_cap,
     failure_label,
     print_failover,
     write_failover,
@@ -350,10 +351,8 @@ def _read_problem(args) -> _Problem:
 def _solver_problem(args, prob: _Problem) -> Problem:
     """The frozen problem the pipeline solves: the fitted load and trace, the topology, the layers,
     the placement in service, the dispatch model and its source ranks."""
-    from solver.failure import DEFAULT_MAX_PAR_INCREASE
     from solver.problem import Problem
 
-    cap = args.failure_max_par_increase
     return Problem.build(
         prob.topo,
         load=prob.load,
@@ -364,11 +363,7 @@ def _solver_problem(args, prob: _Problem) -> Problem:
         dispatch=args.dispatch,
         source_ranks=args.source_ranks,
         failure_domain=args.failure_domain,
-        failure_max_par_increase=DEFAULT_MAX_PAR_INCREASE
-        if cap is None
-        else None
-        if cap == float("inf")
-        else cap,
+        failure_max_par_increase=failure_cap(args),
     )
 
 
@@ -599,9 +594,10 @@ def cmd_solve(args: argparse.Namespace) -> int:
         payload["arrived_experts"] = arrived_experts(prob.previous, placement)
     if result.failure is not None:
         payload["failure"] = result.failure.to_dict()
+    if failover is not None:  # first: the report names its maps
+        payload["failover"] = write_failover(args, failover, placement, prob.load)
     written = _write_files(args, out, prob, spec, placement, payload)
     if failover is not None:
-        payload["failover"] = write_failover(args, failover, placement, prob.load)
         written += [str(failover / e["file"]) for e in payload["failover"]["losses"]]
         written.append(str(failover / "index.json"))
     payload["written"] = written

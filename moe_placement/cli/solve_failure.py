@@ -24,7 +24,14 @@ if TYPE_CHECKING:
     from placement.model import Placement
     from solver.api import SolveResult
 
-__all__ = ["add_failure_args", "check_failure_args", "failure_label", "print_failover", "write_failover"]
+__all__ = [
+    "add_failure_args",
+    "check_failure_args",
+    "failure_cap",
+    "failure_label",
+    "print_failover",
+    "write_failover",
+]
 
 
 def _cap(text: str) -> float:
@@ -144,6 +151,17 @@ def _check_losses(domain: str, topo, E: int) -> None:
             f"{E} experts: no failover map serves every expert; add redundant slots (--num-redundant), GPUs, "
             f"or use a smaller failure domain"
         )
+
+
+def failure_cap(args) -> float | None:
+    """The problem's ``failure_max_par_increase``: the flag's value, its default when not given, None
+    for ``none``."""
+    from solver.failure import DEFAULT_MAX_PAR_INCREASE
+
+    cap = args.failure_max_par_increase
+    if cap is None:
+        return DEFAULT_MAX_PAR_INCREASE
+    return None if cap == float("inf") else cap
 
 
 def failure_label(label: str, result: SolveResult) -> str:
