@@ -22,6 +22,11 @@ steps, each a short function below:
 - gate, dispatch (``gated`` solvers, after a fit): keep the baseline when the fitted placement's peak
   under the table is higher than the baseline's on the same tokens per (rank, expert) (per-step
   models: its mean step peak on the fit's validation steps).
+- failure domain (``problem.failure_domain``): the hottest experts' copies spread over GPUs or nodes
+  (:func:`solver.failure.protect`) on the placement the gates chose, its balance cost reported against
+  that placement and capped by ``problem.failure_max_par_increase``. The gates above compare
+  unconstrained placements only (the solver's and greedy's, like with like); the protected placement
+  is never swapped back for one that ignores the domain.
 - report: the solver's :class:`SolveReport` with the notes of every step, in a :class:`SolveResult`
   that also holds the baseline and its report (and unpacks as ``placement, report``).
 
@@ -63,6 +68,7 @@ from solver.dispatch_fit import (
     fit_for_dispatch_load,
 )
 from solver.exact import ExactOptions, run_exact
+from solver.failure import DEFAULT_MAX_PAR_INCREASE, FailureReport, protect
 from solver.greedy import GreedyOptions, run_greedy
 from solver.locality.options import LocalityOptions
 from solver.locality.solve import run_locality
@@ -289,6 +295,9 @@ class SolveResult:
         is_baseline: the named solver is the baseline (its step reused the baseline's result).
         objective_fallback: the objective gate kept the baseline.
         dispatch_fallback: the dispatch gate kept the baseline.
+        failure: what the failure-domain step protected and what it cost (None without a domain).
+        unconstrained: the placement before that step (the pipeline's answer without the domain), or
+            None without a domain.
     """
 
     placement: Placement
@@ -299,6 +308,8 @@ class SolveResult:
     is_baseline: bool = False
     objective_fallback: bool = False
     dispatch_fallback: bool = False
+    failure: FailureReport | None = None
+    unconstrained: Placement | None = None
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.placement, self.report))
@@ -310,7 +321,7 @@ class SolveResult:
 def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None = None) -> SolveResult:
     """The pipeline on ``problem`` with solver ``name`` (``options``: its options object, default:
     its defaults; ``fit``: the fit step's, default :class:`FitOptions`): baseline -> solver -> gate
-    (objective) -> fit -> gate (dispatch) -> report."""
+    (objective) -> fit -> gate (dispatch) -> failure domain -> report."""
     spec = _spec(name)
     if not isinstance(problem, Problem):
         raise ValueError(
@@ -318,6 +329,11 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
         )
     options = options if options is not None else make_options(name)
     _check_run_args(name, spec, options, fit)
+    if problem.failure_domain is not None and spec.needs_previous:
+        raise ValueError(
+            f"a failure domain applies to fresh placements, not to the {name} solver (its move budget counts "
+            f"against the map in service); solve with greedy, cpsat, milp or locality and failure_domain"
+        )
     t0 = time.perf_counter()
     baseline, baseline_report = _baseline(problem)
     is_baseline = name == BASELINE and options == make_options(BASELINE)
@@ -329,6 +345,8 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
     placement, objective_fallback = _gate_objective(name, spec, problem, placement, baseline, notes)
     placement, fitted = _fit(spec, problem, placement, fit or FitOptions(), notes)
     placement, dispatch_fallback = _gate_dispatch(name, spec, problem, fitted, placement, baseline, notes)
+    unconstrained = placement
+    placement, failure = _protect(problem, placement, notes)
     if notes:
         report = replace(report, notes=(*report.notes, *notes))
     log.debug("%s pipeline under %s: %.3fs", name, problem.dispatch, time.perf_counter() - t0)
@@ -341,7 +359,21 @@ def run(name: str, problem: Problem, options: Any = None, fit: FitOptions | None
         is_baseline,
         objective_fallback,
         dispatch_fallback,
+        failure,
+        unconstrained if failure is not None else None,
     )
+
+
+def _protect(problem: Problem, placement: Placement, notes: list) -> tuple[Placement, FailureReport | None]:
+    """Step 6: with a failure domain, the hottest experts' copies spread over its domains
+    (:func:`solver.failure.protect` on ``problem.load [L, E]``), the cost against ``placement``."""
+    if problem.failure_domain is None:
+        return placement, None
+    placement, report = protect(
+        placement, problem.load, problem.failure_domain, problem.failure_max_par_increase
+    )
+    notes.append(report.note())
+    return placement, report
 
 
 def _check_run_args(name: str, spec: SolverSpec, options: Any, fit: Any) -> None:
@@ -506,6 +538,8 @@ def solve(
     seed: int = 0,
     options: Mapping[str, Any] | None = None,
     fit: FitOptions | None = None,
+    failure_domain: str | None = None,
+    failure_max_par_increase: float | None = DEFAULT_MAX_PAR_INCREASE,
 ) -> SolveResult:
     """The pipeline (:func:`run`) with solver ``name`` on a load ``[L, E]`` (or a trace, whose counts
     are the load), placed for ``dispatch`` (a name in :data:`placement.dispatch.DISPATCH`).
@@ -519,8 +553,10 @@ def solve(
     ``time_limit`` (seconds, checked whatever the solver) bounds the solver where it has a limit, and
     the per-step fit unless ``fit`` sets its own. A ``load`` given with a ``trace`` must be the trace's
     counts (the solver places the load, the fit uses the trace's tokens: two different inputs would be
-    placed for one and fitted for the other). An unknown keyword raises ValueError naming the
-    accepted ones.
+    placed for one and fitted for the other). ``failure_domain`` (``gpu`` or ``node``): the hottest
+    experts get copies in two such domains, at most ``failure_max_par_increase`` more PAR per layer
+    than without (None: no cap); the result's ``failure`` says what is protected and what it cost. An
+    unknown keyword raises ValueError naming the accepted ones.
     """
     _check_solve_args(seed, options)
     check_time_limit(time_limit)
@@ -535,6 +571,8 @@ def solve(
         previous=previous,
         dispatch=dispatch,
         source_ranks=source_ranks,
+        failure_domain=failure_domain,
+        failure_max_par_increase=failure_max_par_increase,
     )
     if not float(problem.load.sum()) > 0:
         L, E = problem.load.shape

@@ -19,6 +19,7 @@ from placement.dispatch import EVEN, DispatchModel, check_dispatch
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
+from solver.failure import DEFAULT_MAX_PAR_INCREASE, check_domain, check_max_par_increase
 
 __all__ = ["Problem", "options_from"]
 
@@ -42,6 +43,10 @@ class Problem:
             them (a ``--source-ranks`` spec: ``round-robin``, ``random[:SEED]``, a ``.npy`` path; None:
             the trace's own ranks, else prompts round-robin). Without per-token or per-window routing
             the counts are taken as split evenly over the ranks.
+        failure_domain: ``gpu`` or ``node``: the hottest experts get copies in two such domains
+            (:mod:`solver.failure`, the pipeline's last step); None: no failure domain.
+        failure_max_par_increase: the cap on that step's balance cost, per layer, against the
+            placement without it (0.02: at most 2% more PAR on the fitted load; None: no cap).
     """
 
     topology: Topology
@@ -52,6 +57,8 @@ class Problem:
     previous: Placement | None = field(default=None, repr=False)
     dispatch: str = EVEN.name
     source_ranks: str | None = None
+    failure_domain: str | None = None
+    failure_max_par_increase: float | None = DEFAULT_MAX_PAR_INCREASE
 
     def __post_init__(self) -> None:
         """Refuse what no solver can place, naming the argument and the numbers (a ValueError)."""
@@ -66,6 +73,10 @@ class Problem:
                 f"source_ranks must be a spec string (round-robin, random[:SEED], a .npy path), "
                 f"got {type(self.source_ranks).__name__}"
             )
+        check_domain(self.failure_domain, self.topology)
+        object.__setattr__(
+            self, "failure_max_par_increase", check_max_par_increase(self.failure_max_par_increase)
+        )
 
     @classmethod
     def build(
@@ -79,6 +90,8 @@ class Problem:
         previous: Placement | None = None,
         dispatch: str | DispatchModel = EVEN.name,
         source_ranks: str | None = None,
+        failure_domain: str | None = None,
+        failure_max_par_increase: float | None = DEFAULT_MAX_PAR_INCREASE,
     ) -> Problem:
         """A problem from a load ``[L, E]`` or a trace (whose counts and layer ids are then used);
         ``dispatch`` is checked (ValueError listing the models)."""
@@ -96,7 +109,18 @@ class Problem:
                 f"load must be numbers [layers, experts] (tokens per expert), got {type(load).__name__}"
             ) from None
         ids = () if layer_ids is None else check_layer_ids(layer_ids)  # "01" is not layers 0 and 1
-        return cls(topology, load, trace, ids, num_groups, previous, check_dispatch(dispatch), source_ranks)
+        return cls(
+            topology,
+            load,
+            trace,
+            ids,
+            num_groups,
+            previous,
+            check_dispatch(dispatch),
+            source_ranks,
+            failure_domain,
+            failure_max_par_increase,
+        )
 
     @property
     def layer_id_list(self) -> list[int] | None:

@@ -51,6 +51,14 @@ from moe_placement.cli.common import (
     warn_colocated,
     workers_int,
 )
+from moe_placement.cli.solve_failure import (
+    add_failure_args,
+    check_failure_args,
+    failure_cap,
+    failure_label,
+    print_failover,
+    write_failover,
+)
 from moe_placement.cli.solve_flags import refuse_ignored_flags
 
 if TYPE_CHECKING:
@@ -75,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_locality_args(p)
     _add_migration_args(p)
     _add_output_args(p)
+    add_failure_args(p)
     p.set_defaults(func=cmd_solve)
 
 
@@ -361,6 +370,8 @@ def _solver_problem(args, prob: _Problem) -> Problem:
         previous=prob.previous,
         dispatch=args.dispatch,
         source_ranks=args.source_ranks,
+        failure_domain=args.failure_domain,
+        failure_max_par_increase=failure_cap(args),
     )
 
 
@@ -430,7 +441,10 @@ def _balance_rows(args, prob: _Problem, spec: SolverSpec, result: SolveResult) -
     per_step = get_dispatch(args.dispatch).needs_step_counts and held is not None and held.has_tokens
     placed = result.is_baseline and result.fit is not None
     label = f"{BASELINE}, placed for {args.dispatch}" if placed else prob.name
-    candidates = {"trivial": trivial, BASELINE: result.baseline, label: result.placement}
+    candidates = {"trivial": trivial, BASELINE: result.baseline}
+    if result.unconstrained is not None and not result.unconstrained == result.baseline:
+        candidates[label] = result.unconstrained  # the solver's answer without the failure domain
+    candidates[failure_label(label, result)] = result.placement
     for label, pl in candidates.items():
         if pl is None:
             continue
@@ -570,6 +584,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
     prob = _read_problem(args)
     spec = SOLVERS[prob.name]
     refuse_ignored_flags(args, prob, spec)
+    failover = check_failure_args(args, prob.topo, prob.load.shape[1], prob.previous is not None)
     t0 = time.perf_counter()
     result = _solve(args, prob, spec)
     wall = time.perf_counter() - t0
@@ -588,7 +603,14 @@ def cmd_solve(args: argparse.Namespace) -> int:
     if prob.previous is not None:
         payload["moved_slots"] = moved_slots(prob.previous, placement)
         payload["arrived_experts"] = arrived_experts(prob.previous, placement)
+    if result.failure is not None:
+        payload["failure"] = result.failure.to_dict()
+    if failover is not None:  # first: the report names its maps
+        payload["failover"] = write_failover(args, failover, placement, prob.load)
     written = _write_files(args, out, prob, spec, placement, payload)
+    if failover is not None:
+        written += [str(failover / e["file"]) for e in payload["failover"]["losses"]]
+        written.append(str(failover / "index.json"))
     payload["written"] = written
     if args.json:
         echo(json.dumps(payload, indent=1, default=str))
@@ -599,6 +621,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
         _print_per_layer(prob, report, result.baseline_report)
     if prob.previous is not None:
         echo(f"moved slots: {payload['moved_slots']} of {placement.physical_to_logical_map.size}")
+    if "failover" in payload:
+        print_failover(payload["failover"])
     for p in written:
         echo(f"wrote {p}")
     return 0

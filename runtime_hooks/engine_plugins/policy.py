@@ -31,6 +31,7 @@ from moe_placement.base.errors import (
     EngineCallError as PolicyError,
 )  # re-exported: the family lives in moe_placement.base.errors
 from placement.dispatch import SGLANG_STATIC, VLLM_HASH
+from runtime_hooks.engine_plugins.scale_down import lost_ranks, scale_down
 from runtime_hooks.engine_plugins.spec import MAX_FILE_BYTES, PolicySpec
 from runtime_hooks.rebalance_rule import Decision, RuleParams, decide, gpu_peaks
 
@@ -155,7 +156,9 @@ class EngineCall:
 def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
     """The map our policy ``spec`` answers ``call`` with: int64 ``[L, P]``.
 
-    Steps: validate the call -> the map in service as it is (co-located replicas allowed) -> solve
+    A scale-down (the map in service wider than the call by whole ranks, vLLM's elastic EP) is
+    answered with the failover map for the ranks that left (:mod:`.scale_down`), before anything else.
+    Otherwise the steps: validate the call -> the map in service as it is (co-located replicas allowed) -> solve
     (``migration`` starts from that map; the solver repairs it and counts the repair toward
     ``max_moves``) -> check (on a hierarchical call, :func:`call_groups`, no expert group over two
     nodes) -> the rebalance rule: with a map in service, a new map that does not pay for its
@@ -164,7 +167,15 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
     """
     w = validate_call(call)
     topo = call.topology()
+    lost = lost_ranks(call, w.shape[1])
+    if lost:  # an elastic scale-down: the failover map for the ranks that left
+        rows = scale_down(spec, call, w, lost)
+        check_map(rows, w.shape[1], topo.num_physical_experts, topo.ep_size, w.shape[0])
+        return rows
     groups = call_groups(call, topo, w.shape[1])
+    if groups is not None and spec.failure_domain == "node":
+        log.debug("moe_placement %s: copies spread over nodes: expert groups may span nodes", spec.text)
+        groups = None
     in_service = _previous(call, topo, w.shape[1])
     engine_rows = None
     if spec.kind == "file":
@@ -172,7 +183,9 @@ def place(spec: PolicySpec, call: EngineCall) -> np.ndarray:
         _warn_split(spec, phy2log, w.shape[1], groups, topo)  # the user's own map: served as written
     else:
         phy2log = _solve(spec, call, topo, w, in_service, groups)
-        if spec.kind != "migration" or in_service is None:  # a fresh call: the engine's default guard
+        fresh = spec.kind != "migration" or in_service is None
+        if fresh and spec.failure_domain is None:  # a fresh call: the engine's default guard (not with
+            # a failure domain: its cost is capped by failure_max_par_increase, the engine's map ignores it)
             guarded = _guarded(spec, call, topo, w, phy2log, groups)
             phy2log, engine_rows = guarded.phy2log, guarded.engine_rows
     phy2log = np.array(phy2log, dtype=np.int64, order="C")  # a writable copy the engine may own
@@ -373,10 +386,16 @@ def _solve(
     int64 ``[L, P]``. On a hierarchical call (``hierarchical``: its groups) every expert group stays
     on one node: greedy's hierarchical mode, exact's node constraint, a fit inside nodes; migration's
     moves know no groups, so its layers that split one are replaced (:func:`_unsplit`, logged)."""
+    from solver.failure import DEFAULT_MAX_PAR_INCREASE
     from solver.problem import Problem
 
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
-    problem = Problem.build(topo, load=w, num_groups=groups, previous=previous, dispatch=call.dispatch_model)
+    cap = spec.failure_max_par_increase
+    problem = Problem.build(
+        topo, load=w, num_groups=groups, previous=previous, dispatch=call.dispatch_model,
+        failure_domain=spec.failure_domain if spec.kind != "migration" else None,
+        failure_max_par_increase=DEFAULT_MAX_PAR_INCREASE if cap is None else cap,
+    )  # fmt: skip
     name, values = _solver_for(spec, problem, w, hierarchical)
     phy2log = _run(spec, problem, name, values, w)
     split = _split_layers(phy2log, w.shape[1], hierarchical, topo)
