@@ -96,6 +96,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-requests", type=positive_int, default=None, help="most requests simulated per rate (40000)"
     )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a small search: one chunk size (2048/rank), 64 sequences per rank, 2 splits, 2 bisection steps",
+    )
     p.add_argument("--kv-streaming", choices=STREAMING, default="layer", help="how the KV hand-off is sent")
     p.add_argument("--route", choices=("round-robin", "least-loaded"), default="round-robin")
     p.add_argument("--seed", type=seed_int, default=0)
@@ -146,7 +151,10 @@ def _options(args):
         extra["max_requests"] = args.max_requests
     if args.requests is not None and args.max_requests is None:
         extra["max_requests"] = max(args.requests, DeployOptions.max_requests)
-    return DeployOptions(
+    make = DeployOptions.quick if args.quick else DeployOptions
+    if args.quick and args.requests is not None and args.max_requests is None:
+        extra["max_requests"] = max(args.requests, DeployOptions.quick().max_requests)
+    return make(
         ttft_ms=args.ttft_ms,
         tpot_ms=args.tpot_ms,
         slo_attainment=args.slo_attainment,

@@ -39,6 +39,7 @@ from placement.cost.modelspec import ModelSpec
 
 __all__ = [
     "BITS_PER_BYTE",
+    "WEAK_LINK_BITS_PER_S",
     "STREAMING",
     "HandoffSpec",
     "HandoffTime",
@@ -50,6 +51,9 @@ __all__ = [
 ]
 
 BITS_PER_BYTE = 8
+# A hand-off link slower than 200 Gbit/s (25 GB/s, the effective rate of the example) is what
+# the serving rule of thumb calls a weak interconnect for prefill/decode disaggregation.
+WEAK_LINK_BITS_PER_S = 200e9
 # How a prefill instance sends a request's KV: after each layer's compute, after each prefill chunk,
 # or once after the whole prefill.
 STREAMING = ("layer", "chunk", "none")

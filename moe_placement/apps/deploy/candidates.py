@@ -79,11 +79,13 @@ class Candidate:
 
 
 def splits(total: int, most: int) -> list[int]:
-    """Prefill shares tried of ``total`` units (nodes or GPUs): up to ``most`` values of ``1..total-1``,
-    evenly spread."""
+    """Prefill shares tried of ``total`` units (nodes or GPUs): every one of ``1..total-1`` when they
+    are at most ``most``, else ``most`` values evenly spread inside (the lopsided ends left out)."""
     if total < 2:
         return []
-    vals = np.unique(np.round(np.linspace(1, total - 1, min(most, total - 1))).astype(int))
+    if most >= total - 1:
+        return list(range(1, total))
+    vals = np.unique(np.round(np.linspace(1, total - 1, most + 2)[1:-1]).astype(int))
     return [int(v) for v in vals]
 
 
@@ -153,8 +155,15 @@ class Planner:
         """``[L_moe, E]`` per-expert load every pool is priced on (the planner's, from the trace or
         synthetic)."""
         if "load" not in self.cache:
-            self.cache["load"] = workload_load(self.model, self.trace, self.options.seed)[0]
+            self.cache["load"], self.cache["load_how"] = workload_load(
+                self.model, self.trace, self.options.seed
+            )
         return self.cache["load"]
+
+    def load_how(self) -> str:
+        """Where :meth:`load` comes from, in words."""
+        self.load()
+        return self.cache["load_how"]
 
     # ---- deployments --------------------------------------------------------------------------
     def candidates(self, nodes: int) -> list[Candidate]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moe_placement.apps.deploy.options import COLOCATED, DISAGGREGATED, REPLICAS
-from placement.cost.handoff import bytes_per_s_from_bits_per_s
+from placement.cost.handoff import WEAK_LINK_BITS_PER_S, bytes_per_s_from_bits_per_s
 
 __all__ = [
     "SHORT_OUTPUT_TOKENS",
@@ -34,7 +34,7 @@ __all__ = [
 
 SHORT_OUTPUT_TOKENS = 128  # median output below this: "short outputs"
 SHORT_PROMPT_TOKENS = 512  # median prompt below this: "short prompts"
-WEAK_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(200e9)  # hand-off link slower than 200 Gbit/s: "weak"
+WEAK_LINK_BYTES_PER_S = bytes_per_s_from_bits_per_s(WEAK_LINK_BITS_PER_S)  # slower: "a weak interconnect"
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def rule_of_thumb(
     if link_bytes_per_s < WEAK_LINK_BYTES_PER_S:
         out.append(
             f"a weak interconnect ({link_name}: {link_bytes_per_s / 1e9:.1f} GB/s < "
-            f"{WEAK_LINK_BYTES_PER_S / 1e9:.0f} GB/s = 200 Gbit/s)"
+            f"{WEAK_LINK_BYTES_PER_S / 1e9:.0f} GB/s = {WEAK_LINK_BITS_PER_S / 1e9:.0f} Gbit/s)"
         )
     if nodes == 1:
         out.append("a single machine")
@@ -81,7 +81,11 @@ def closeness(result, targets: tuple[float, float, float]) -> float:
     with np.errstate(invalid="ignore"):
         a = np.nan_to_num(res.ttft, nan=math.inf, posinf=math.inf)
         b = np.nan_to_num(res.tpot, nan=math.inf, posinf=math.inf)
-    return max(float(np.percentile(a, q)) / ttft, float(np.percentile(b, q)) / tpot)
+        worse = max(
+            float(np.percentile(a, q, method="higher")) / ttft,
+            float(np.percentile(b, q, method="higher")) / tpot,
+        )
+    return worse
 
 
 def rank(results: list, targets: tuple[float, float, float]) -> list:

@@ -31,8 +31,8 @@ ZERO_FACTOR = 1e-3
 
 @dataclass(frozen=True)
 class CurvePoint:
-    """One simulated rate: the share of requests meeting both targets, each target alone, and the p99
-    latencies (ms; None when a request was never served)."""
+    """One simulated rate: the share of requests meeting both targets, each target alone, the p99
+    latencies (ms; None when a request was never served) and whether the queue stayed bounded."""
 
     rate: float
     attainment: float
@@ -40,6 +40,7 @@ class CurvePoint:
     tpot_ok: float
     ttft_p99_ms: float | None
     tpot_p99_ms: float | None
+    stable: bool = True
 
     def to_dict(self) -> dict:
         return {
@@ -49,6 +50,7 @@ class CurvePoint:
             "tpot_ok": self.tpot_ok,
             "ttft_p99_ms": self.ttft_p99_ms,
             "tpot_p99_ms": self.tpot_p99_ms,
+            "stable": self.stable,
         }
 
 
@@ -82,42 +84,60 @@ def percentiles_ms(x: np.ndarray, qs=(50, 90, 99)) -> dict[str, float | None]:
 class Sampling:
     """How many requests a simulation at a rate holds, and how many of the first are a warm-up.
 
-    Steady state needs many more requests than the deployment holds at once: ``fill`` times the
-    requests in flight, ``min(inflight, rate x latency_s)`` (``inflight``: every rank's decode cap, or
-    its KV budget over a mean request; ``latency_s``: the longest a request meeting the targets takes),
-    at least ``min_requests``, at most the sample's size. The first ``1 / fill`` of them fill the
-    deployment and are not measured.
+    Steady state is measured, not one burst: the deployment must fill (``inflight``: the requests its
+    pools hold at once, each rank's sequence cap or KV budget) and a queue that grows must have time to
+    push waits past the TTFT target. A simulation at ``rate`` holds ``fill x (rate x ttft_s + inflight)``
+    requests (at least ``min_requests``, at most the sample's size); the first ``1 / fill`` of them are
+    the warm-up and are not measured.
     """
 
     min_requests: int
     inflight: float
-    latency_s: float
+    ttft_s: float
     fill: int = 4
 
     def count(self, rate: float, available: int) -> int:
-        want = self.fill * min(self.inflight, rate * self.latency_s)
+        want = self.fill * (rate * self.ttft_s + self.inflight)
         want = math.ceil(want) if math.isfinite(want) else available
         return int(min(max(want, self.min_requests), available))
 
-    @property
-    def needed(self) -> int:
-        """Requests a saturated deployment needs for steady state (``fill x inflight``)."""
-        return int(math.ceil(self.fill * self.inflight))
-
     def warmup(self, n: int) -> int:
-        return n // self.fill if n > self.min_requests else 0
+        return n // self.fill
+
+
+# A rate is unstable (its queue grows without bound) when the TTFT of the measured requests grows, over
+# their arrival span, by more than this share of the TTFT target (least-squares trend).
+UNSTABLE_GROWTH = 0.5
+
+
+def unstable(res: SimResult, ttft_s: float) -> bool:
+    """True when the served requests' TTFT trends up by more than :data:`UNSTABLE_GROWTH` x the target
+    across the run: at that rate the queue grows, and a longer run would miss more."""
+    ok = np.isfinite(res.first_token)
+    if ok.sum() < 20:
+        return False
+    x, y = res.arrival[ok], (res.first_token - res.arrival)[ok]
+    span = float(x.max() - x.min())
+    if span <= 0:
+        return False
+    slope = float(np.polyfit(x - x.min(), y, 1)[0])
+    return slope * span > UNSTABLE_GROWTH * ttft_s
 
 
 class _Runs:
     """Simulations by rate (each rate simulated once), each on a prefix of the same requests; a run
-    ends early when the TTFT target is certainly missed by more than the share allows."""
+    ends early when the TTFT target is certainly missed by more than the share allows, and a rate whose
+    TTFT trends up (:func:`unstable`) is not met."""
 
     def __init__(self, dep, requests: Requests, targets, route: Route | None, sampling: Sampling, early=True):
         self.dep, self.requests, self.targets, self.route = dep, requests, targets, route
         self.sampling, self.early = sampling, early
         self.done: dict[float, tuple[SimResult, float]] = {}
+        self.stable: dict[float, bool] = {}
 
     def __call__(self, rate: float) -> tuple[SimResult, float]:
+        """``(measured requests' simulation, attainment)``; an unstable rate's attainment is reported as
+        is but :meth:`met` says no."""
         if rate not in self.done:
             n = self.sampling.count(rate, self.requests.n)
             warm = self.sampling.warmup(n)
@@ -126,7 +146,11 @@ class _Runs:
             with np.errstate(invalid="ignore"):
                 res = simulate(self.dep, self.requests.head(n), rate, self.route, stop).tail(warm)
                 self.done[rate] = (res, res.attainment(ttft, tpot))
+            self.stable[rate] = not res.stopped and not unstable(res, ttft)
         return self.done[rate]
+
+    def met(self, rate: float) -> bool:
+        return self(rate)[1] >= self.targets[2] and self.stable[rate]
 
     def curve(self) -> tuple[CurvePoint, ...]:
         out = []
@@ -136,7 +160,7 @@ class _Runs:
                 ttft, tpot = res.ttft, res.tpot
                 t99, p99 = percentiles_ms(ttft, (99,))["p99"], percentiles_ms(tpot, (99,))["p99"]
                 a, b = float((ttft <= self.targets[0]).mean()), float((tpot <= self.targets[1]).mean())
-            out.append(CurvePoint(rate, att, a, b, t99, p99))
+            out.append(CurvePoint(rate, att, a, b, t99, p99, self.stable[rate]))
         return tuple(out)
 
 
@@ -153,17 +177,13 @@ def search_goodput(
     a capacity estimate where the bracket starts, or a bracket ``(met, missed)`` from an earlier, coarser
     search (each end checked, and moved when it does not hold); ``sampling``: requests per rate
     (prefixes of ``requests``)."""
-    share = targets[2]
     runs = _Runs(dep, requests, targets, route, sampling)
     est = float(start[0] if isinstance(start, tuple) else start)
     floor = max(est, 1e-9) * ZERO_FACTOR
-    zero, zero_att = runs(floor)
-    if zero_att < share:
+    zero = runs(floor)[0]
+    if not runs.met(floor):
         return Goodput(0.0, False, zero, runs.curve(), zero)
-
-    def met(rate: float) -> bool:
-        return runs(rate)[1] >= share
-
+    met = runs.met
     if isinstance(start, tuple):
         lo, hi = _check_bracket(met, floor, *start)
     else:
@@ -214,7 +234,6 @@ def at_rate(
 ) -> Goodput:
     """One rate instead of a search (``--rate``): ``goodput_rps`` is the rate of requests that met both
     targets (``rate x attainment``); ``met`` when the attainment reaches the share."""
-    share = targets[2]
     runs = _Runs(dep, requests, targets, route, sampling, early=False)  # every request simulated
     res, att = runs(float(rate))
-    return Goodput(float(rate) * att, att >= share, res, runs.curve(), res)
+    return Goodput(float(rate) * att, runs.met(float(rate)), res, runs.curve(), res)

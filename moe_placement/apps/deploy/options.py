@@ -120,6 +120,21 @@ class DeployOptions:
                 f"DeployOptions.handoff_fixed_s must be seconds in [0, 60], got {self.handoff_fixed_s!r}"
             )
 
+    @classmethod
+    def quick(cls, **fields) -> DeployOptions:
+        """A small search for a first look, notebooks and tests (``plan --quick``): one chunked-prefill
+        size (2048 tokens per rank), 64 sequences per rank, 2 prefill:decode splits, 2 bisection steps,
+        300 to 5000 requests per rate; ``fields`` override."""
+        base = {
+            "colocated_step_tokens": (2048,),
+            "decode_step_tokens": 64,
+            "max_splits": 2,
+            "search_iters": 2,
+            "requests": 300,
+            "max_requests": 5000,
+        }
+        return cls(**{**base, **fields})
+
     @property
     def targets_s(self) -> tuple[float, float]:
         """``(TTFT, TPOT)`` targets in seconds."""

@@ -37,6 +37,7 @@ from moe_placement.apps.deploy.simulator import (
 from moe_placement.apps.deploy.tables import StepTable, build_table, kv_tokens_per_rank
 from moe_placement.apps.deploy.workloads import (
     BUILTIN_WORKLOADS,
+    MAX_REQUESTS,
     Requests,
     WorkloadSpec,
     load_workload,
@@ -59,8 +60,9 @@ MAX_PLAN_GPUS = 2048  # GPUs of one plan (every pool size is planned and costed)
 @dataclass(frozen=True, eq=False)
 class DeploymentResult:
     """One simulated deployment: its pools, the simulated model of it, the goodput search, the
-    zero-load breakdown, the placement file each pool's placement is written to (None: not written) and
-    whether its goodput is from the refined search (else the coarse one)."""
+    zero-load breakdown, the placement file each pool's placement is written to (None: not written),
+    whether its goodput is from the refined search (else the coarse one) and how many requests a steady
+    state at the reported rate asks for (:class:`~moe_placement.apps.deploy.goodput.Sampling`)."""
 
     candidate: Candidate
     sim: DeploymentSim
@@ -98,13 +100,9 @@ class DeploymentResult:
         ok = np.isfinite(r.finish)
         if not ok.any():
             return {"queue": None, "prefill": None, "handoff": None, "decode": None}
-        parts = {
-            "queue": r.start - r.arrival,
-            "prefill": r.prefill_end - r.start,
-            "handoff": r.first_token - r.prefill_end,
-            "decode": r.finish - r.first_token,
-        }
-        return {k: round(float(v[ok].mean()) * 1e3, 4) for k, v in parts.items()}
+        a, s, p, f, e = (x[ok] for x in (r.arrival, r.start, r.prefill_end, r.first_token, r.finish))
+        parts = {"queue": s - a, "prefill": p - s, "handoff": f - p, "decode": e - f}
+        return {k: round(float(v.mean()) * 1e3, 4) for k, v in parts.items()}
 
     def to_dict(self, E: int) -> dict:
         ttft, tpot = self.percentiles()
@@ -123,6 +121,7 @@ class DeploymentResult:
             "search": "refined" if self.refined else "coarse",
             "rate_rps": at.rate,
             "requests_simulated": int(at.prompt.size),
+            "requests_needed": self.needed_requests,
             "ttft_ms": ttft,
             "tpot_ms": tpot,
             "throughput": {"requests_per_s": round(rps, 6), "output_tokens_per_s": round(tps, 3)},
@@ -367,11 +366,14 @@ def capacity_estimate(dep: DeploymentSim, prompt: float, output: float) -> float
 COARSE_ITERS = 2  # bisection steps of the first, coarse search of every deployment
 
 
-def inflight(dep: DeploymentSim, request_tokens: float) -> float:
-    """Requests the deployment's decoding pool holds at once: per rank the decode cap or the KV budget
-    over a mean request (prompt + output tokens), whichever is smaller."""
-    pool = dep.pools[-1]
-    return pool.ranks * max(1.0, min(pool.max_seqs, pool.kv_tokens / max(request_tokens, 1.0)))
+def inflight(dep: DeploymentSim, prompt: float, output: float) -> float:
+    """Requests the deployment's pools hold at once: per rank the sequence cap or the KV budget over a
+    mean request (a prefill pool holds prompts only), whichever is smaller."""
+    total = 0.0
+    for pool in dep.pools:
+        tokens = prompt if pool.phase == "prefill" else prompt + output
+        total += pool.ranks * max(1.0, min(pool.max_seqs, pool.kv_tokens / max(tokens, 1.0)))
+    return total
 
 
 def _simulate(
@@ -384,22 +386,22 @@ def _simulate(
     targets = (*o.targets_s, o.slo_attainment)
     zl = zero_load(dep, int(np.median(req.prompt)), int(np.median(req.output)))
     mean_p, mean_o = float(req.prompt.mean()), float(req.output.mean())
-    longest = targets[0] + max(mean_o - 1.0, 0.0) * targets[1]
-    sampling = Sampling(o.requests, inflight(dep, mean_p + mean_o), longest, o.fill)
+    sampling = Sampling(o.requests, inflight(dep, mean_p, mean_o), targets[0], o.fill)
     if o.rate is not None:
         g = at_rate(dep, req, targets, o.rate, sampling, ins.route)
-        return DeploymentResult(cand, dep, g, zl, needed_requests=sampling.needed)
+        return DeploymentResult(cand, dep, g, zl, needed_requests=sampling.count(g.at.rate, MAX_REQUESTS))
     if coarse:
         est = capacity_estimate(dep, mean_p, mean_o)
         g = search_goodput(dep, req, targets, est, sampling, min(COARSE_ITERS, o.search_iters), ins.route)
-        return DeploymentResult(cand, dep, g, zl, refined=False, needed_requests=sampling.needed)
+        wanted = sampling.count(g.at.rate, MAX_REQUESTS)
+        return DeploymentResult(cand, dep, g, zl, refined=False, needed_requests=wanted)
     begin = (
         start.bracket
         if start is not None and start.met and start.bracket
         else capacity_estimate(dep, mean_p, mean_o)
     )
     g = search_goodput(dep, req, targets, begin, sampling, o.search_iters, ins.route)
-    return DeploymentResult(cand, dep, g, zl, needed_requests=sampling.needed)
+    return DeploymentResult(cand, dep, g, zl, needed_requests=sampling.count(g.at.rate, MAX_REQUESTS))
 
 
 def _refine(ins: _Inputs, tables: _Tables, results: list) -> list:
@@ -510,7 +512,7 @@ def _decide(
     rule = _rule(ins, p50)
     reason = explain(ranked, targets, p50[0], rule, met)
     launch = launch_commands(best, ins.model, ins.cluster, output) if best is not None else None
-    notes = tuple(assumptions(ins, ranked, fit_notes))
+    notes = tuple(assumptions(ins, planner, ranked, fit_notes))
     warned = tuple(warnings(ins, planner, ranked, met))
     return DeploymentPlan(
         ins.model,

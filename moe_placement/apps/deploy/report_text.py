@@ -36,7 +36,7 @@ def _handoff(ins, ranked) -> str:
     )
 
 
-def assumptions(ins, ranked, fit_notes: list[str]) -> list[str]:
+def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
     """What every figure of the plan assumes."""
     o = ins.options
     out = [
@@ -45,8 +45,8 @@ def assumptions(ins, ranked, fit_notes: list[str]) -> list[str]:
         "pool's layout and placement, tabulated over sequences x cached tokens per rank (decode) and chunk "
         "tokens x attention span (prefill) and interpolated; a step mixing prefill and decode costs the "
         "prefill step of all its tokens plus the decode sequences' KV reads",
-        "the cost model prices a placement with its analytic even split over replicas on the workload's "
-        "per-expert load (the planner's dispatch), also for pools fitted under the per-step balanced split",
+        "the cost model prices a placement with its analytic even split over replicas on the per-expert load "
+        f"({planner.load_how()}; the planner's dispatch), also for pools fitted under the per-step balanced split",
         "attention-DP ranks of one instance step in lockstep at the largest per-rank sizes of the step "
         "(the all-to-all joins them); instances are independent",
         f"admission: first come first served per rank while prompt + output tokens fit the rank's KV budget "
@@ -92,9 +92,9 @@ def warnings(ins, planner, ranked, met: bool) -> list[str]:
     if short:
         worst = max(short, key=lambda r: r.needed_requests)
         out.append(
-            f"{len(short)} deployment(s) hold more requests at once than the {ins.requests.n} simulated per rate "
-            f"can fill {ins.options.fill} times over (up to {worst.needed_requests:,} needed, {worst.label}): "
-            "their goodput may be optimistic; raise max_requests (--max-requests)"
+            f"{len(short)} deployment(s) need more requests per rate for a steady state than the {ins.requests.n} "
+            f"simulated (up to {worst.needed_requests:,}, {worst.label}): their goodput may be optimistic; raise "
+            "max_requests (--max-requests)"
         )
     if not met and ranked:
         out.append(
