@@ -170,15 +170,19 @@ def _options(args):
 
 
 def _table(d: dict) -> list[str]:
-    head = f"{'#':>2} {'deployment':<62} {'GPUs':<14} {'goodput/GPU':>11} {'p99 TTFT':>9} {'p99 TPOT':>9} {'KV GB/GPU':>10}"
+    head = (
+        f"{'#':>2} {'deployment':<62} {'GPUs':<14} {'goodput/GPU':>11} {'p99 TTFT':>9} {'p99 TPOT':>9} "
+        f"{'weights GB':>10} {'KV GB/GPU':>10}"
+    )
     lines = [head, "-" * len(head)]
     for i, r in enumerate(d["deployments"]):
         gpus = "+".join(f"{p['phase'][0].upper()}{p['gpus']}" for p in r["pools"])
         kv = "/".join(f"{p['memory_gb']['kv_free']:.0f}" for p in r["pools"])
+        wts = "/".join(f"{p['memory_gb']['weights']:.0f}" for p in r["pools"])
         t, q = r["ttft_ms"]["p99"], r["tpot_ms"]["p99"]
         lines.append(
             f"{i + 1:>2} {r['label'][:62]:<62} {gpus:<14} {r['goodput_rps_per_gpu']:>11.4g} "
-            f"{'n/a' if t is None else f'{t:.0f}':>9} {'n/a' if q is None else f'{q:.1f}':>9} {kv:>10}"
+            f"{'n/a' if t is None else f'{t:.0f}':>9} {'n/a' if q is None else f'{q:.1f}':>9} {wts:>10} {kv:>10}"
             + ("" if r["met_targets"] else "  (targets missed)")
         )
     return lines
@@ -191,7 +195,10 @@ def _print(d: dict, files: list) -> None:
         f"workload {w['name']} (median prompt {w['median_prompt']}, output {w['median_output']}); targets TTFT <= "
         f"{t['ttft_ms']:g} ms, TPOT <= {t['tpot_ms']:g} ms for {t['slo_attainment']:.0%}"
     )
-    echo("goodput in requests/s per GPU, latencies in ms at that rate (modelled, not measured)")
+    echo(
+        "goodput in requests/s per GPU, latencies in ms at that rate, memory per GPU of each pool "
+        "(modelled, not measured); layouts in the deployment's label"
+    )
     for line in _table(d):
         echo(line)
     echo(f"* {d['reason']}")

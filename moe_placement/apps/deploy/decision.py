@@ -109,7 +109,7 @@ def _why_loses(result, targets) -> str:
 
 
 def _pct(a: float, b: float) -> str:
-    return f"{(a / b - 1) * 100:+.0f}%" if b > 0 else "(the other meets nothing)"
+    return f"{(a / b - 1) * 100:+.1f}%" if b > 0 else "(the other meets nothing)"
 
 
 def _winner_sentence(ranked: list, targets) -> str:
@@ -154,7 +154,7 @@ def _split_sentence(ranked: list, prompt: int) -> tuple[str, float | None]:
         f"({prompt} tokens, {b.handoff_bytes / 1e6:.1f} MB) goes over {h.link} at {h.link_bytes_per_s / 1e9:.1f} GB/s: "
         f"{b.handoff_bytes / (h.link_bytes_per_s * h.links) * 1e3:.2f} ms of transfer, {b.handoff_s * 1e3:.2f} ms "
         f"of it after the prefill ({h.streaming} streaming, {h.fixed_s * 1e3:g} ms fixed), "
-        f"{b.handoff_s / max(b.prefill_s + b.handoff_s, 1e-12):.0%} of the zero-load TTFT; p99 TPOT "
+        f"{b.handoff_s / max(b.prefill_s + b.handoff_s, 1e-12):.1%} of the zero-load TTFT; p99 TPOT "
         f"{_ms(qs[1]['p99'])} split vs {_ms(qc[1]['p99'])} co-located."
     )
     return s, (None if math.isinf(gain) else gain)

@@ -222,7 +222,7 @@ class DeploymentPlan:
                 "source": self.workload.source,
                 "median_prompt": p,
                 "median_output": q,
-                "requests": self.requests.n,
+                "sampled_requests": self.requests.n,
                 "clipped_to_context": self.requests.clipped,
             },
             "targets": {"ttft_ms": o.ttft_ms, "tpot_ms": o.tpot_ms, "slo_attainment": o.slo_attainment},

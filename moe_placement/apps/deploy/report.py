@@ -192,7 +192,7 @@ def render_html(plan) -> str:
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
         f"</head><body><h1>{esc(title)}</h1>"
         f"<p>Workload {esc(w['name'])}: median prompt {w['median_prompt']}, median output {w['median_output']} tokens, "
-        f"{w['requests']} requests per rate. Targets: TTFT &le; {t['ttft_ms']:g} ms and TPOT &le; {t['tpot_ms']:g} ms "
+        f"up to {w['sampled_requests']} requests per rate. Targets: TTFT &le; {t['ttft_ms']:g} ms and TPOT &le; {t['tpot_ms']:g} ms "
         f"for {t['slo_attainment']:.0%} of requests. Hardware {esc(d['hardware']['preset'])}, "
         f"{'measured' if d['hardware']['measured'] else 'not measured'}.</p>"
         f'<h2>Decision (modelled)</h2><p class="rec">{esc(d["reason"])}</p><ul>{warn}</ul>'
