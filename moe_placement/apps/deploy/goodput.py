@@ -85,19 +85,21 @@ class Sampling:
     """How many requests a simulation at a rate holds, and how many of the first are a warm-up.
 
     Steady state is measured, not one burst: the deployment must fill (``inflight``: the requests its
-    pools hold at once, each rank's sequence cap or KV budget) and a queue that grows must have time to
-    push waits past the TTFT target. A simulation at ``rate`` holds ``fill x (rate x ttft_s + inflight)``
-    requests (at least ``min_requests``, at most the sample's size); the first ``1 / fill`` of them are
-    the warm-up and are not measured.
+    pools hold at once, each rank's sequence cap or KV budget; at a low rate only ``rate x latency_s``,
+    the longest a request meeting the targets takes) and a queue that grows must have time to push waits
+    past the TTFT target. A simulation at ``rate`` holds ``fill x (rate x ttft_s + min(inflight, rate x
+    latency_s))`` requests (at least ``min_requests``, at most the sample's size); the first ``1 / fill``
+    of them are the warm-up and are not measured.
     """
 
     min_requests: int
     inflight: float
     ttft_s: float
+    latency_s: float
     fill: int = 4
 
     def count(self, rate: float, available: int) -> int:
-        want = self.fill * (rate * self.ttft_s + self.inflight)
+        want = self.fill * (rate * self.ttft_s + min(self.inflight, rate * self.latency_s))
         want = math.ceil(want) if math.isfinite(want) else available
         return int(min(max(want, self.min_requests), available))
 

@@ -80,7 +80,7 @@ def _where(output: str | None, name: str) -> str:
     return str(Path(output) / name) if output else name
 
 
-def _sglang_pool(pool, sim, model, output: str | None, kind: str) -> str:
+def _sglang_pool(pool, sim, model, output: str | None) -> str:
     c, ph = pool.result.candidate, pool.phase
     G, dp = c.ep_size, c.attn_dp
     words = ["python -m sglang.launch_server", f"--model-path {HF_IDS.get(model.name.lower(), 'MODEL_PATH')}"]
@@ -153,7 +153,7 @@ def launch_commands(result, model, cluster, output: str | None) -> dict:
     """``{"sglang": [...], "vllm": [...], "router": str | None, "notes": [...]}`` for the winner."""
     sg, vl, notes = [], [], []
     for pool, sim in zip(result.candidate.pools, result.sim.pools):
-        sg.append(_sglang_pool(pool, sim, model, output, result.kind))
+        sg.append(_sglang_pool(pool, sim, model, output))
         vl.append(_vllm_pool(pool, sim, model, output))
         c = pool.result.candidate
         if c.instances > 1:

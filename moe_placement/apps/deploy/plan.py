@@ -386,7 +386,10 @@ def _simulate(
     targets = (*o.targets_s, o.slo_attainment)
     zl = zero_load(dep, int(np.median(req.prompt)), int(np.median(req.output)))
     mean_p, mean_o = float(req.prompt.mean()), float(req.output.mean())
-    sampling = Sampling(o.requests, inflight(dep, mean_p, mean_o), targets[0], o.fill)
+    longest = (
+        targets[0] + max(mean_o - 1.0, 0.0) * targets[1]
+    )  # a request meeting both targets takes at most this
+    sampling = Sampling(o.requests, inflight(dep, mean_p, mean_o), targets[0], longest, o.fill)
     if o.rate is not None:
         g = at_rate(dep, req, targets, o.rate, sampling, ins.route)
         return DeploymentResult(cand, dep, g, zl, needed_requests=sampling.count(g.at.rate, MAX_REQUESTS))
