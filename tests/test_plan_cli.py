@@ -153,3 +153,49 @@ def test_every_sglang_flag_of_the_launch_commands_exists_in_its_parser(written):
     flags = {w for cmd in d["launch"]["sglang"] for w in cmd.split() if w.startswith("--")}
     assert {"--init-expert-location", "--chunked-prefill-size"} <= flags
     assert flags <= accepted, sorted(flags - accepted)
+
+
+@pytest.mark.slow  # finds vLLM in the engines' environment (a subprocess)
+def test_every_vllm_flag_and_kv_transfer_key_exists_in_vllm(written):
+    from test_advise_engines import _package_dir
+
+    pkg = _package_dir("vllm")
+    src = (pkg / "engine" / "arg_utils.py").read_text()
+    d, _, _ = written
+    cmds = d["launch"]["vllm"]
+    flags = {w for cmd in cmds for w in cmd.split() if w.startswith("--")}
+    assert {"--enable-expert-parallel", "--data-parallel-size"} <= flags
+    frontend = (pkg / "entrypoints" / "common" / "cli_args.py").read_text()  # FrontendArgs: --host, --port
+    fields = {ln.split(":")[0].strip() for ln in frontend.splitlines() if ln.startswith("    ") and ":" in ln}
+    assert [f for f in flags if f'"{f}"' not in src and f[2:].replace("-", "_") not in fields] == []
+    configs = [
+        json.loads(c.split("--kv-transfer-config '")[1].split("'")[0])
+        for c in cmds
+        if "--kv-transfer-config" in c
+    ]
+    kv_src = (pkg / "config" / "kv_transfer.py").read_text()
+    for cfg in configs:  # keys of KVTransferConfig, the role one of its literals
+        assert all(f"{k}:" in kv_src for k in cfg) and f'"{cfg["kv_role"]}"' in kv_src, cfg
+
+
+def test_the_issue_example_shows_in_the_plans_breakdown(capsys):
+    """Mixtral-8x7B is the example's shape (32 layers, 8 KV heads x 128, BF16): an 8192-token prompt
+    hands off 1 GiB; over a link given as 200 Gbit/s, sent after the prefill, 42.9 ms + the fixed cost."""
+    from placement.cost.hardware import KV_HANDOFF_FIXED_S
+
+    args = ["plan", "--model", "mixtral-8x7b", "--nodes", "2", "--gpus-per-node", "2", "--quick", "--json"]
+    args += [
+        "--prompt-len",
+        "8192",
+        "--output-len",
+        "16",
+        "--inter-link",
+        "200Gbit/s",
+        "--kv-streaming",
+        "none",
+    ]
+    assert main([*args, "--deployments", "disaggregated", "--rate", "0.05", "--ttft-ms", "60000"]) == 0
+    d = json.loads(capsys.readouterr().out)["deployments"][0]
+    b = d["breakdown"]
+    assert b["handoff_bytes_per_request"] == 1 << 30 and d["handoff"]["link_bytes_per_s"] == 25e9
+    assert b["handoff_ms"] == pytest.approx((1 << 30) / 25e9 * 1e3 + KV_HANDOFF_FIXED_S[1] * 1e3, rel=1e-9)
