@@ -47,6 +47,7 @@ _EXTENSIONS = (
     "moe_placement.cli.serve_demo",
     "moe_placement.cli.advise",
     "moe_placement.cli.calibrate",
+    "moe_placement.cli.plan",
 )
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_HARDWARE",
     "REBALANCE_STALL_S",
     "hardware_summary",
+    "KV_HANDOFF_FIXED_S",
 ]
 
 GB = 1e9
@@ -356,6 +357,13 @@ DEFAULT_HARDWARE = "h200"  # the one default GPU preset: every command and solve
 # seconds, (low, high): vLLM's EPLB 0.65-1.7 s per rearrangement measured on large models; SGLang's
 # EPLB about 1.8 s reported (costmodel.md, "What has been measured elsewhere").
 REBALANCE_STALL_S: dict[str, tuple[float, float]] = {"vllm": (0.65, 1.7), "sglang": (1.8, 1.8)}
+
+# Fixed cost of one request's KV-cache hand-off from a prefill to a decode instance, seconds, besides
+# the bytes over the link: connection and bootstrap handshake, the block-table exchange and the
+# completion notice, (low, central, high). ASSUMED, not measured: the engines publish no figure (the
+# transfer engines set up one batch of per-layer block copies per request or chunk). Priced by
+# placement.cost.handoff.
+KV_HANDOFF_FIXED_S: tuple[float, float, float] = (0.2e-3, 1e-3, 5e-3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ _RANGES = {
     "vocab_size": Range(1, 1 << 24),
     "num_groups": Range(1, MAX_EXPERTS),
     "topk_group": Range(1, MAX_EXPERTS),
+    "max_context_len": Range(1, 1 << 24),
 }
 
 
@@ -116,6 +117,8 @@ class ModelSpec:
         attention: ``"mla"`` (DeepSeek multi-head latent attention) or ``"gqa"``.
         kv_cache_bytes: bytes per cached element (2 = BF16 cache).
         num_groups / topk_group: group-limited routing (DeepSeek), None if absent.
+        max_context_len: the longest sequence (prompt + output tokens) the model serves (HF
+            ``max_position_embeddings``); None: unknown (nothing is checked against it).
     """
 
     name: str
@@ -143,6 +146,7 @@ class ModelSpec:
     num_groups: int | None = None
     topk_group: int | None = None
     source: str = ""
+    max_context_len: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layer_ids", _as_tuple(self.moe_layer_ids))
@@ -297,6 +301,7 @@ def model_from_hf_config(
     attention = _hf_attention(c, d, where)
     vocab = _hf_int(c, where, _RANGES["vocab_size"], "vocab_size", zero=False) or 32000
     groups = _hf_int(c, where, _RANGES["num_groups"], "n_group") or None
+    context = _hf_int(c, where, _RANGES["max_context_len"], "max_position_embeddings", zero=False)
     topk_group = _hf_int(c, where, _RANGES["topk_group"], "topk_group") or None
     try:
         return ModelSpec(
@@ -316,6 +321,7 @@ def model_from_hf_config(
             num_groups=groups,
             topk_group=topk_group,
             source=f"HF config.json, model_type={mt}",
+            max_context_len=context,
         )
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None

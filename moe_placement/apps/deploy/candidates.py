@@ -1,0 +1,280 @@
+"""Deployments to simulate, each pool's layout from the one layout planner.
+
+Every pool is planned by :func:`moe_placement.apps.planner.layout.plan_layout` on its own GPUs (the same
+candidate enumeration, memory check, placement and cost model as ``moe-placement layout``), ranked for
+the phase it serves:
+
+- ``prefill``: tokens/s per GPU of prefill steps of ``prefill_step_tokens`` tokens per rank of the
+  median prompt;
+- ``decode``: tokens/s per GPU of decode steps of ``placement.steps.SIZING_STEP_TOKENS["decode"]``
+  sequences per rank at the median context (halved until a layout's KV cache holds it);
+- ``both``: requests/s per GPU when a GPU spends ``prompt / prefill rate + output / decode rate`` on a
+  median request (the two rankings above combined per layout).
+
+Deployments: **co-located** = one instance over every GPU (``instances == 1``); **replicas** =
+layouts of several independent instances behind a router (``instances > 1``); **disaggregated** = a
+prefill pool and a decode pool for each prefill:decode split tried (whole nodes on a cluster of
+several nodes; GPUs of the one node otherwise), each pool with its own best layout.
+
+:func:`fit_phase_placements` re-places a disaggregated deployment's pools on their phase's steps of a
+routing trace (prefill-shaped chunks for the prefill pool, continuous-batching decode steps for the
+decode pool) through :func:`solver.api.solve` with :class:`solver.api.FitOptions` ``phase``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moe_placement.apps.deploy.options import COLOCATED, DISAGGREGATED, REPLICAS, DeployOptions
+from moe_placement.apps.planner.costmodel import CostOptions
+from moe_placement.apps.planner.layout import (
+    LayoutResult,
+    PlanOptions,
+    evaluate_candidate,
+    plan_layout,
+    workload_load,
+)
+from placement.cost.hardware import HARDWARE_NAMES, ClusterSpec
+from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec
+from placement.steps import DEFAULT_STEP_TOKENS, SIZING_STEP_TOKENS
+
+__all__ = ["Candidate", "PoolChoice", "Planner", "fit_phase_placements", "splits"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class PoolChoice:
+    """One pool of a deployment: ``phase`` (both, prefill, decode), ``gpus``, the cluster its layout
+    was planned on (``gpus_per_node`` of the pool when it is part of one node), its nodes, the planner's
+    ``result`` (layout, memory, placement), its tokens per rank per step, and how its placement was
+    made (``placed``)."""
+
+    phase: str
+    gpus: int
+    cluster: ClusterSpec
+    nodes: int
+    result: LayoutResult
+    step_tokens: int
+    placed: str = "planner (greedy on the workload's per-expert load)"
+
+    def layout(self, E: int) -> str:
+        return self.result.candidate.label(E)
+
+
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A deployment to simulate: its kind, pools and a short label."""
+
+    kind: str
+    pools: tuple[PoolChoice, ...]
+    label: str
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.pools)
+
+
+def splits(total: int, most: int) -> list[int]:
+    """Prefill shares tried of ``total`` units (nodes or GPUs): every one of ``1..total-1`` when they
+    are at most ``most``, else ``most`` values evenly spread inside (the lopsided ends left out)."""
+    if total < 2:
+        return []
+    if most >= total - 1:
+        return list(range(1, total))
+    vals = np.unique(np.round(np.linspace(1, total - 1, most + 2)[1:-1]).astype(int))
+    return [int(v) for v in vals]
+
+
+class Planner:
+    """The planner's rankings per pool size and phase, cached (module docstring)."""
+
+    def __init__(
+        self, model: ModelSpec, cluster: ClusterSpec, trace, options: DeployOptions, lengths: tuple[int, int]
+    ):
+        self.model, self.cluster, self.trace, self.options = model, cluster, trace, options
+        self.prompt, self.output = lengths
+        self.search = PlanOptions(solver=options.solver, seed=options.seed)
+        self.cache: dict = {}
+        self.notes: list[str] = []
+
+    def _cluster(self, nodes: int, gpus: int) -> ClusterSpec:
+        return (
+            self.cluster if gpus >= self.cluster.gpus_per_node else replace(self.cluster, gpus_per_node=gpus)
+        )
+
+    def cost_options(self, phase: str, step_tokens: int | None = None) -> CostOptions:
+        if phase == "prefill":
+            b = step_tokens or self.options.prefill_step_tokens
+            return CostOptions(phase="prefill", step_tokens=b, context_len=max(1, self.prompt))
+        ctx = max(1, self.prompt + self.output // 2)
+        return CostOptions(
+            phase="decode", step_tokens=step_tokens or SIZING_STEP_TOKENS["decode"], context_len=ctx
+        )
+
+    def ranked(self, phase: str, nodes: int, gpus: int) -> list[LayoutResult]:
+        """Feasible layouts of a pool of ``gpus`` GPUs on ``nodes`` nodes for ``phase``, best first."""
+        key = (phase, nodes, gpus)
+        if key not in self.cache:
+            self.cache[key] = self._rank(phase, nodes, gpus)
+        return self.cache[key]
+
+    def _plan(self, phase: str, nodes: int, gpus: int):
+        cl = self._cluster(nodes, gpus)
+        b = None
+        while True:
+            plan = plan_layout(
+                self.model, cl, nodes, self.cost_options(phase, b), trace=self.trace, plan=self.search
+            )
+            if plan.feasible or phase == "prefill":
+                return plan
+            b = (b or SIZING_STEP_TOKENS["decode"]) // 2
+            if b < 1:
+                return plan
+
+    def _rank(self, phase: str, nodes: int, gpus: int) -> list[LayoutResult]:
+        if phase != "both":
+            return list(self._plan(phase, nodes, gpus).feasible)
+        dec = self._plan("decode", nodes, gpus)
+        cl, pre_opts, load = self._cluster(nodes, gpus), self.cost_options("prefill"), self.load()
+        scored = []
+        for r in dec.feasible:
+            p = evaluate_candidate(
+                self.model, cl, r.candidate, pre_opts, load, None, self.search, r.placement
+            )
+            if not p.feasible:
+                continue
+            per_request = self.prompt / p.tokens_per_s_per_gpu + self.output / r.tokens_per_s_per_gpu
+            scored.append((per_request, len(scored), r))
+        return [r for _, _, r in sorted(scored)]
+
+    def load(self) -> np.ndarray:
+        """``[L_moe, E]`` per-expert load every pool is priced on (the planner's, from the trace or
+        synthetic)."""
+        if "load" not in self.cache:
+            self.cache["load"], self.cache["load_how"] = workload_load(
+                self.model, self.trace, self.options.seed
+            )
+        return self.cache["load"]
+
+    def load_how(self) -> str:
+        """Where :meth:`load` comes from, in words."""
+        self.load()
+        return self.cache["load_how"]
+
+    # ---- deployments --------------------------------------------------------------------------
+    def candidates(self, nodes: int) -> list[Candidate]:
+        """Every deployment of the kinds asked for (module docstring)."""
+        o, m = self.options, self.cluster.gpus_per_node
+        total, out = nodes * m, []
+        E = self.model.num_logical_experts
+        if COLOCATED in o.deployments or REPLICAS in o.deployments:
+            both = self.ranked("both", nodes, total)
+            for kind, one in ((COLOCATED, True), (REPLICAS, False)):
+                if kind not in o.deployments:
+                    continue
+                chosen = [r for r in both if (r.candidate.instances == 1) == one][: o.layouts_per_pool]
+                if not chosen:
+                    self.notes.append(f"no {kind} layout fits on {total} GPUs")
+                for r in chosen:
+                    for st in o.colocated_step_tokens:
+                        pool = PoolChoice("both", total, self.cluster, nodes, r, int(st))
+                        label = _label(kind, (pool,), E)
+                        out.append(Candidate(kind, (pool,), label))
+        if DISAGGREGATED in o.deployments:
+            out += self._disaggregated(nodes)
+        return out
+
+    def _disaggregated(self, nodes: int) -> list[Candidate]:
+        o, m = self.options, self.cluster.gpus_per_node
+        E = self.model.num_logical_experts
+        out = []
+        units = nodes if nodes > 1 else m
+        for p in splits(units, o.max_splits):
+            shapes = ((p, p * m), (nodes - p, (nodes - p) * m)) if nodes > 1 else ((1, p), (1, m - p))
+            pre = self.ranked("prefill", *shapes[0])[: o.layouts_per_pool]
+            dec = self.ranked("decode", *shapes[1])[: o.layouts_per_pool]
+            if not pre or not dec:
+                self.notes.append(
+                    f"disaggregated {shapes[0][1]}:{shapes[1][1]} GPUs skipped: the "
+                    f"{'prefill' if not pre else 'decode'} pool holds no layout of the model"
+                )
+                continue
+            for rp in pre:
+                for rd in dec:
+                    pools = (
+                        self._pool("prefill", shapes[0], rp, o.prefill_step_tokens),
+                        self._pool("decode", shapes[1], rd, o.decode_step_tokens),
+                    )
+                    out.append(Candidate(DISAGGREGATED, pools, _label(DISAGGREGATED, pools, E)))
+        return out
+
+    def _pool(self, phase: str, shape: tuple[int, int], result: LayoutResult, step_tokens: int) -> PoolChoice:
+        nodes, gpus = shape
+        return PoolChoice(phase, gpus, self._cluster(nodes, gpus), nodes, result, step_tokens)
+
+
+def _label(kind: str, pools: tuple[PoolChoice, ...], E: int) -> str:
+    def short(p: PoolChoice) -> str:
+        c = p.result.candidate
+        inst = f"{c.instances} x " if c.instances > 1 else ""
+        return f"{inst}EP{c.ep_size} DP{c.attn_dp}xTP{c.attn_tp} R{c.num_redundant}"
+
+    if kind == DISAGGREGATED:
+        return f"{kind} P{pools[0].gpus}:D{pools[1].gpus} [{short(pools[0])} | {short(pools[1])}]"
+    return f"{kind} {short(pools[0])}, chunk {pools[0].step_tokens}/rank"
+
+
+def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Candidate, list[str]]:
+    """``cand`` with each pool's placement fitted on its phase's steps of the first half of ``trace``
+    (:func:`solver.api.solve`, the per-step ``balanced`` dispatch, :class:`solver.api.FitOptions` with
+    the pool's phase), and notes. The trace must route the model's experts in all its MoE layers."""
+    from placement.dispatch import BALANCED
+    from solver.api import FitOptions, solve
+
+    model, o = planner.model, planner.options
+    fit, _ = trace.split(0.5)
+    pools, notes = [], []
+    for pool in cand.pools:
+        topo = pool.result.placement.topology
+        if topo.ep_size == 1:  # one GPU holds every expert: nothing to place
+            pools.append(pool)
+            continue
+        b = _fit_step_tokens(fit.num_tokens, topo.ep_size, pool.phase)
+        fo = FitOptions(
+            phase=pool.phase,
+            step_tokens=b,
+            step_moves=o.fit_moves,
+            seed=o.seed,
+            model=model.name if model.name in BUILTIN_MODELS else None,
+            hardware=pool.cluster.gpu.name
+            if pool.cluster.gpu.name in HARDWARE_NAMES
+            else FitOptions.hardware,
+        )
+        ids = model.moe_layer_ids
+        res = solve(
+            o.solver, topology=topo, trace=fit, dispatch=BALANCED.name, layer_ids=ids, seed=o.seed, fit=fo
+        )
+        opts = planner.cost_options(pool.phase)
+        cand_ = pool.result.candidate
+        r = evaluate_candidate(
+            model, pool.cluster, cand_, opts, planner.load(), None, planner.search, res.placement
+        )
+        if not r.feasible:  # the sizing batch of the ranking no longer fits: keep the memory of the layout
+            r = replace(pool.result, placement=res.placement)
+        how = (
+            f"fitted on {pool.phase} steps of the trace's first half ({b} tokens per rank, "
+            f"{o.fit_moves} moves per layer, per-step balanced split; solver.api.solve)"
+        )
+        pools.append(replace(pool, result=r, placed=how))
+        notes.append(f"{pool.phase} pool: {how}")
+    pools_t = tuple(pools)
+    return Candidate(cand.kind, pools_t, cand.label), notes
+
+
+def _fit_step_tokens(tokens: int, ep_size: int, phase: str) -> int:
+    """The phase's default tokens per rank, capped so the fit half holds at least 8 steps."""
+    return int(max(1, min(DEFAULT_STEP_TOKENS[phase], tokens // (8 * ep_size))))
