@@ -64,6 +64,7 @@ __all__ = [
     "remote_nodes_per_token",
     "remote_gpus_per_token",
     "communication",
+    "token_copy_bytes",
     "moved_slots",
     "peak_lower_bound",
     "evaluate",
@@ -585,10 +586,18 @@ def communication(
         "policy": model.name,
     }
     if hidden_size is not None:
-        d = float(hidden_size)
-        per_gpu = d * dispatch_bytes_per_elem + d / 128 * 4 + d * combine_bytes_per_elem
+        per_gpu = token_copy_bytes(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
         out["bytes_per_token"] = float(out["remote_gpus_per_token"] * per_gpu)
     return out
+
+
+def token_copy_bytes(
+    hidden_size: int, dispatch_bytes_per_elem: float = 1.0, combine_bytes_per_elem: float = 2.0
+) -> float:
+    """Bytes one copy of a token costs to a destination and back: dispatch ``d * dispatch_bytes_per_elem
+    + d/128*4`` (FP8 with scales by default) plus combine ``d * combine_bytes_per_elem`` (BF16)."""
+    d = float(hidden_size)
+    return d * dispatch_bytes_per_elem + d / 128 * 4 + d * combine_bytes_per_elem
 
 
 def remote_nodes_per_token(placement: Placement, trace: RoutingTrace, dispatch: Dispatch = EVEN) -> float:

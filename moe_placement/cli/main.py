@@ -46,6 +46,7 @@ _EXTENSIONS = (
     "moe_placement.cli.layout",
     "moe_placement.cli.serve_demo",
     "moe_placement.cli.advise",
+    "moe_placement.cli.route",
 )
 
 
