@@ -10,6 +10,9 @@ Cases (each skipped with its reason when its shared trace is absent):
   picks drawn from that question's own counts), the 57 subjects grouped into MMLU's 4 categories.
 - ``deepseek-v2-lite``: DeepSeek-V2-Lite chat, real per-token routing of one domain (chat prompts);
   the first ``--layers`` MoE layers.
+- ``sessions``: multi-turn chat shaped like ShareGPT (:mod:`placement.routing.sessions`,
+  ``--conversations``) whose conversations take their routing from DeepSeek-V2-Lite's held-out prompts:
+  prefix-cache hit rate and the TTFT it saves (greedy's placement; no co-optimization).
 
 Each case: fit on the first half of the requests, route the other half (Poisson arrivals,
 ``--step-tokens`` requests in flight per rank), the placement co-optimized for affinity routing
@@ -30,6 +33,7 @@ import sys
 import time
 
 from moe_placement.apps.routing import RouteOptions, evaluate_routing, rules_table
+from placement.routing.sessions import SessionSpec, generate_sessions
 from profiling.mixture import MixSpec, mix_from_counts
 from profiling.readers import default_traces_dir, read_trace
 
@@ -71,6 +75,7 @@ CASES = {
         (16, 4, 32),
         "no-harm",
     ),
+    "sessions": ("deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz", None, (16, 4, 32), "prefix"),
 }
 
 
@@ -85,7 +90,7 @@ def _trace(name: str, args):
     if name == "mixtral-mmlu":
         spec = MixSpec(num_requests=args.requests, request_noise=0.0, seed=args.seed)
         return mix_from_counts(src, top_k, spec, group=MMLU_CATEGORIES), ""
-    return src.select_layers(range(min(args.layers, src.num_layers))), ""
+    return src.select_layers(list(range(min(args.layers, src.num_layers)))), ""
 
 
 def _checks(report, claim: str) -> list[str]:
@@ -98,6 +103,14 @@ def _checks(report, claim: str) -> list[str]:
         else "remote_copies_per_step"
     )
     uniform = {k: v for k, v in rows.items() if k.startswith("round-robin on ")}
+    if claim == "prefix" and ll:
+        px = rows["prefix"]
+        ok = px["hit_rate"] > ll["hit_rate"]
+        ms = lambda f: "n/a" if f.get("ttft_saved_ms") is None else f"{f['ttft_saved_ms']:.2f} ms"  # noqa: E731
+        return [
+            f"check (prefix raises the hit rate over least-loaded): {px['hit_rate']:.3f} vs {ll['hit_rate']:.3f}: "
+            f"{'PASS' if ok else 'FAIL'}; mean TTFT saved per request {ms(px)} vs {ms(ll)} (modelled)"
+        ]
     out = []
     if not aff or not uniform:
         return out
@@ -154,17 +167,19 @@ def run_case(name: str, args) -> dict | None:
     ep, nodes = args.ep or ep, args.nodes or nodes
     redundant = redundant if args.redundant is None else args.redundant
     b = args.step_tokens or (8 if name == "deepseek-v2-lite" else 32)
+    sessions = name == "sessions"
     options = RouteOptions(
         ep_size=ep,
         num_nodes=nodes,
         num_redundant=redundant,
-        co_optimize=True,
+        co_optimize=not sessions,
         step_tokens=b,
-        baseline_solvers=("greedy", "locality"),
+        baseline_solvers=("greedy",) if sessions else ("greedy", "locality"),
         seed=args.seed,
     )
+    spec = SessionSpec("sharegpt", args.conversations, concurrency=ep * b, seed=args.seed)
     t0 = time.perf_counter()
-    report = evaluate_routing(trace, options)
+    report = evaluate_routing(trace, options, workload=generate_sessions(spec) if sessions else None)
     took = time.perf_counter() - t0
     print(
         f"== {name}: {trace!r}, ep {ep} / {nodes} nodes / {redundant} redundant, {b} requests in flight per rank, "
@@ -189,6 +204,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-tokens", type=int, help="requests in flight per rank (default 32; DeepSeek 8)")
     ap.add_argument("--requests", type=int, default=6000, help="requests drawn for the mixes (half held out)")
     ap.add_argument("--layers", type=int, default=8, help="DeepSeek-V2-Lite: the first N MoE layers")
+    ap.add_argument(
+        "--conversations", type=int, default=400, help="sessions: conversations (ShareGPT-shaped)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write every case's report here")
     args = ap.parse_args(argv)

@@ -21,8 +21,8 @@ the problem on the fit trace's requests (``seq_offsets``), as k-means alternates
    (node-deduplicated, summed over layers, on a seeded sample of at most ``sample_tokens`` fit tokens)
    is kept: with one domain the groups share their experts and co-activation, which the locality
    solver places for, matters more than the groups;
-5. gate, per layer: the layer's fitted peak GPU load (requests dealt round-robin over their node's
-   ranks, under the dispatch model) at most ``(1 + balance_slack)`` x greedy's under uniform arrival
+5. gate, per layer, on the whole fit trace: the layer's fitted peak GPU load (requests routed by step
+   3's rule, dealt round-robin over their node's ranks, under the dispatch model) at most ``(1 + balance_slack)`` x greedy's under uniform arrival
    (every fit request dealt round-robin over all ranks); otherwise greedy's layer (``greedy_fallback``);
 6. report: per layer the fitted remote nodes per token under the routed sources (``objective``)
    against greedy's under uniform arrival (``baseline_objective``), on the sample.
@@ -39,7 +39,7 @@ import numpy as np
 
 from moe_placement.base.limits import check_whole
 from moe_placement.base.options import refuse_unknown_keywords
-from placement.dispatch import LOCAL, get_dispatch
+from placement.dispatch import LOCAL, dispatch_names, get_dispatch
 from placement.metrics import communication, source_ranks, trace_gpu_load
 from placement.model import Placement
 from placement.routing.requests import local_share, node_holdings
@@ -100,8 +100,9 @@ class AffinityOptions:
             check_whole("work_limit", self.work_limit, 1, 1 << 40)
         check_whole("seed", self.seed, 0, 2**32 - 1)
         if not get_dispatch(self.dispatch).locality_fit:
+            fits = ", ".join(dispatch_names(locality_fit=True))
             raise ValueError(
-                f"the affinity solver places for a dispatch model whose node loads it can model (local, even); "
+                f"the affinity solver places for a dispatch model whose node loads it can model ({fits}); "
                 f"{self.dispatch!r} is not one"
             )
 
@@ -216,19 +217,28 @@ def run_affinity(problem: Problem, options: AffinityOptions) -> tuple[Placement,
         groups, _ = _route_by_share(pl, s_sigs, s_tokens, cap)
         src = group_sources(groups, np.diff(sample.seq_offsets), topo.gpus_per_node)
         scored.append((_copies(pl, sample, src, o.dispatch)[0], name, pl, src))
-    return _gate(trace, sample, o, scored, t0)
+    return _gate(trace, sample, o, scored, (sigs, tokens), t0)
 
 
-def _gate(trace, sample, o: AffinityOptions, scored: list, t0: float) -> tuple[Placement, SolveReport]:
-    """Steps 5-6 on the candidate of ``scored`` (``(copies, name, placement, sources)`` each) with the
-    fewest copies: per-layer balance gate against greedy under uniform arrival, then the report."""
+def _gate(
+    trace, sample, o: AffinityOptions, scored: list, full: tuple, t0: float
+) -> tuple[Placement, SolveReport]:
+    """Steps 5-6 on the candidate of ``scored`` (``(copies, name, placement, sample sources)`` each) with
+    the fewest copies: per-layer balance gate against greedy under uniform arrival on the whole fit
+    trace (``full``: its signatures and tokens per request), then the report (on the sample)."""
     _, chosen, placed, src = min(scored, key=lambda x: x[0])
     topo = placed.topology
-    uniform, _ = source_ranks(replace(sample, source_rank=None), topo.ep_size)
+    sigs, tokens = full
+    groups, _ = _route_by_share(placed, sigs, tokens, (1.0 + o.group_slack) * tokens.sum() / topo.num_nodes)
+    routed = group_sources(groups, np.diff(trace.seq_offsets), topo.gpus_per_node)  # [T] whole fit trace
     greedy, _ = greedy_placement(trace.counts(), topo, layer_ids=trace.layer_ids)
-    ours = trace_gpu_load(placed, sample, o.dispatch, src).max(axis=1)  # [L] fitted peaks
-    base = trace_gpu_load(greedy, sample, o.dispatch, uniform).max(axis=1)
-    kept = ours <= (1.0 + o.balance_slack) * base  # [L]
+    ours = trace_gpu_load(placed, trace, o.dispatch, routed).max(axis=1)  # [L] fitted peaks
+    base = trace_gpu_load(
+        greedy, trace, o.dispatch, source_ranks(replace(trace, source_rank=None), topo.ep_size)[0]
+    )
+    kept = ours <= (1.0 + o.balance_slack) * base.max(axis=1)  # [L]
+    base = base.max(axis=1)
+    uniform, _ = source_ranks(replace(sample, source_rank=None), topo.ep_size)
     rows = np.where(kept[:, None], placed.physical_to_logical_map, greedy.physical_to_logical_map)
     params = {
         "solver": "affinity",

@@ -218,3 +218,47 @@ def test_route_serve_command_end_to_end(engine):
             proc.kill()
             proc.wait()
     assert sorted(b["routed_dp_rank"] for _, _, b in engine.seen) == [0, 1]
+
+
+def _engines_site_packages():
+    """The side environment's site-packages (the engines' own code), or skip."""
+    from pathlib import Path
+
+    given = os.environ.get("MOE_ENGINES_PYTHON")
+    python = (
+        Path(given) if given else Path(__file__).resolve().parents[1] / ".engines-venv" / "bin" / "python"
+    )
+    if not python.exists():
+        pytest.skip(
+            "no engines environment: set MOE_ENGINES_PYTHON to a Python with vLLM's and SGLang's code"
+        )
+    out = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return Path(out.stdout.strip())
+
+
+def test_the_fields_and_headers_are_the_ones_the_engines_code_reads():
+    """Read from the pinned engines' source: SGLang's body key and header, vLLM's header and no body key."""
+    import re
+
+    sp = _engines_site_packages()
+    for engine, dist in (("sglang", "sglang"), ("vllm", "vllm")):
+        assert (sp / f"{dist}-{ENGINE_PINS[engine].version}.dist-info").is_dir()
+    sgl = sp / "sglang" / "srt"
+    io_struct = (sgl / "managers" / "io_struct.py").read_text()
+    gen = io_struct[io_struct.index("class GenerateReqInput") :][:20000]
+    assert re.search(r"\n\s+routed_dp_rank: Optional\[int\]", gen)
+    protocol = (sgl / "entrypoints" / "openai" / "protocol.py").read_text()
+    fields = protocol[protocol.index("class PDRoutingFields") :][:2000]
+    assert "routed_dp_rank" in fields and "class ChatCompletionRequest(PDRoutingFields" in protocol
+    base = (sgl / "entrypoints" / "openai" / "serving_base.py").read_text()
+    assert f'headers.get("{ENGINE_PINS["sglang"].header.lower()}")' in base
+    vbase = (sp / "vllm" / "entrypoints" / "generate" / "base" / "serving.py").read_text()
+    assert f'headers.get("{ENGINE_PINS["vllm"].header}")' in vbase
+    protocols = (sp / "vllm" / "entrypoints").rglob("protocol.py")
+    assert not any("data_parallel_rank" in p.read_text() for p in protocols)  # no body key in vLLM

@@ -155,7 +155,9 @@ def _placement(fit: RoutingTrace, topo: Topology, o: RouteOptions, given: Placem
     options = {"dispatch": o.dispatch} if o.co_optimize else None
     placed, report = solve(name, topology=topo, trace=fit, dispatch=o.dispatch, seed=o.seed, options=options)
     notes.extend(f"{name}: {n}" for n in report.notes)
-    return placed, {"co_optimized": bool(o.co_optimize), "source": f"solver {name}", "status": report.status}
+    fell = sum(lr.status == "greedy_fallback" for lr in report.layers)
+    info = {"co_optimized": bool(o.co_optimize), "source": f"solver {name}", "status": report.status}
+    return placed, {**info, "greedy_layers": int(fell)} if o.co_optimize else info
 
 
 def _prefill_ms_per_token(
@@ -295,8 +297,8 @@ def _warnings(scored: dict, stream: RequestStream, o: RouteOptions, info: dict) 
         out.append(
             f"only {stream.num_requests} held-out requests for {o.ep_size} ranks: the figures are noisy"
         )
-    if info.get("status") == "greedy_fallback":
-        out.append("the co-optimized placement fell back to greedy on every layer (balance gate)")
+    if info.get("greedy_layers"):
+        out.append(f"{info['greedy_layers']} layer(s) of the co-optimized placement kept greedy's (balance gate)")
     return out
 
 
