@@ -298,7 +298,9 @@ def _warnings(scored: dict, stream: RequestStream, o: RouteOptions, info: dict) 
             f"only {stream.num_requests} held-out requests for {o.ep_size} ranks: the figures are noisy"
         )
     if info.get("greedy_layers"):
-        out.append(f"{info['greedy_layers']} layer(s) of the co-optimized placement kept greedy's (balance gate)")
+        out.append(
+            f"{info['greedy_layers']} layer(s) of the co-optimized placement kept greedy's (balance gate)"
+        )
     return out
 
 

@@ -11,6 +11,7 @@ import sys
 from moe_placement.cli.common import (
     CliError,
     bounded_float,
+    bounded_int,
     check_output,
     check_writes,
     echo,
@@ -79,14 +80,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=tuple(ENGINE_PINS), help="the engine behind the router")
     g.add_argument("--upstream", action="append", help="engine URL (once), or one per rank (repeat)")
     g.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
-    g.add_argument("--port", type=bounded_int_port(), default=30010, help="listen port (default 30010)")
+    g.add_argument("--port", type=bounded_int(0, 65535), default=30010, help="listen port (default 30010)")
     g.add_argument("--max-requests", type=positive_int, help="stop after this many requests")
-
-
-def bounded_int_port():
-    from moe_placement.cli.common import bounded_int
-
-    return bounded_int(0, 65535)
 
 
 def _rules(args) -> tuple[str, ...]:
