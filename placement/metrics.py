@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from placement.churn import arrived_experts, moved_bytes  # noqa: F401 (re-exported)
-from placement.cost.traffic import payload_bytes
+from placement.cost.traffic import token_copy_bytes
 from placement.dispatch import (
     DISPATCH,
     EVEN,
@@ -588,8 +588,10 @@ def communication(
         "policy": model.name,
     }
     if hidden_size is not None:
-        disp, comb = payload_bytes(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
-        out["bytes_per_token"] = float(out["remote_gpus_per_token"] * (disp + comb))
+        out["bytes_per_token"] = float(
+            out["remote_gpus_per_token"]
+            * token_copy_bytes(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
+        )
     return out
 
 

@@ -59,6 +59,7 @@ from placement.model import Placement
 from placement.steps import DEFAULT_STEP_TOKENS, PHASES
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
+from solver.affinity import AffinityOptions, run_affinity
 from solver.budget import Budget, check_time_limit
 from solver.dispatch_fit import (
     DispatchFit,
@@ -167,6 +168,7 @@ SOLVERS: dict[str, SolverSpec] = {
         MigrationOptions, run_migration, needs_previous=True,
         flags={"max_moves": "max_moves", "move_cost": "move_cost"}, shows_per_layer=True,
     ),
+    "affinity": SolverSpec(AffinityOptions, run_affinity, needs_tokens=True, shows_remote=True),
 }  # fmt: skip
 
 BASELINE = "greedy"  # every pipeline starts from it and gates against it

@@ -32,7 +32,8 @@ Rows:
 
 Both word rows skip (a) the option strings of a hidden deprecated alias: an ``add_argument`` whose
 ``help`` is ``argparse.SUPPRESS`` and whose ``action`` is ``DeprecatedAlias`` (``--policy``), and
-(b) the public keys of :data:`PUBLIC_KEYS` where they are a dict literal's key or a subscript.
+(b) the public keys of :data:`PUBLIC_KEYS` where they are a dict literal's key or a subscript, and (c) the
+public option strings of :data:`PUBLIC_FLAGS` wherever they are spelled.
 """
 
 from __future__ import annotations
@@ -84,8 +85,11 @@ PUBLIC_KEYS = frozenset(
         "batch_tokens_per_gpu",  # params.decode_cost in placement files: docs/formats.md
         "batch_per_rank",  # layout --json: docs/cli.md (layout)
         "max_batch_per_rank",  # layout --json, per result: docs/cli.md (layout)
+        "policies",  # route --json, the routing rules' figures: docs/cli.md (route)
     }
 )
+# Public option strings that keep an old word, exempt wherever they are spelled (issue 43 named the flag).
+PUBLIC_FLAGS = frozenset({"--policies"})  # route: the routing rules to compare, docs/cli.md (route)
 DEPRECATED_ACTION = (
     "DeprecatedAlias"  # moe_placement.cli.common's action for an old spelling of an option (it warns)
 )
@@ -261,6 +265,8 @@ def _exempt_strings(tree: ast.AST) -> set[int]:
             else []
         )
         found |= {id(k) for k in keys if isinstance(k, ast.Constant) and k.value in PUBLIC_KEYS}
+        if isinstance(node, ast.Constant) and node.value in PUBLIC_FLAGS:
+            found.add(id(node))
     return found
 
 

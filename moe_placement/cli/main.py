@@ -48,6 +48,7 @@ _EXTENSIONS = (
     "moe_placement.cli.advise",
     "moe_placement.cli.calibrate",
     "moe_placement.cli.plan",
+    "moe_placement.cli.route",
 )
 
 

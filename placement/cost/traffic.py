@@ -39,6 +39,7 @@ __all__ = [
     "layer_flows",
     "payload_bytes",
     "pick_probabilities",
+    "token_copy_bytes",
     "traffic_bytes",
     "uniform_source_traffic",
 ]
@@ -54,6 +55,15 @@ def payload_bytes(
     scale per 128 elements by default), combine ``d x bytes`` (BF16 by default)."""
     d = float(hidden_size)
     return d * dispatch_bytes_per_elem + d / 128 * 4, d * combine_bytes_per_elem
+
+
+def token_copy_bytes(
+    hidden_size: int, dispatch_bytes_per_elem: float = 1.0, combine_bytes_per_elem: float = 2.0
+) -> float:
+    """Bytes one copy of a token costs to a destination and back: dispatch plus combine of
+    :func:`payload_bytes` (FP8 with scales out, BF16 back, by default)."""
+    disp, comb = payload_bytes(hidden_size, dispatch_bytes_per_elem, combine_bytes_per_elem)
+    return disp + comb
 
 
 @dataclass(frozen=True)
