@@ -153,23 +153,40 @@ class SolverSpec:
 SOLVERS: dict[str, SolverSpec] = {
     "greedy": SolverSpec(GreedyOptions, run_greedy, fittable=True),
     "cpsat": SolverSpec(
-        ExactOptions, run_exact, {"backend": "cpsat"}, gated=True, fittable=True, flags=_EXACT_FLAGS,
+        ExactOptions,
+        run_exact,
+        {"backend": "cpsat"},
+        gated=True,
+        fittable=True,
+        flags=_EXACT_FLAGS,
         shows_per_layer=True,
     ),
     "milp": SolverSpec(
-        ExactOptions, run_exact, {"backend": "milp"}, gated=True, fittable=True, flags=_EXACT_FLAGS,
+        ExactOptions,
+        run_exact,
+        {"backend": "milp"},
+        gated=True,
+        fittable=True,
+        flags=_EXACT_FLAGS,
         shows_per_layer=True,
     ),
     "locality": SolverSpec(
-        LocalityOptions, run_locality, needs_tokens=True, flags=_LOCALITY_FLAGS, work_per_layer=100,
+        LocalityOptions,
+        run_locality,
+        needs_tokens=True,
+        flags=_LOCALITY_FLAGS,
+        work_per_layer=100,
         shows_remote=True,
     ),
     "migration": SolverSpec(
-        MigrationOptions, run_migration, needs_previous=True,
-        flags={"max_moves": "max_moves", "move_cost": "move_cost"}, shows_per_layer=True,
+        MigrationOptions,
+        run_migration,
+        needs_previous=True,
+        flags={"max_moves": "max_moves", "move_cost": "move_cost"},
+        shows_per_layer=True,
     ),
     "affinity": SolverSpec(AffinityOptions, run_affinity, needs_tokens=True, shows_remote=True),
-}  # fmt: skip
+}
 
 BASELINE = "greedy"  # every pipeline starts from it and gates against it
 

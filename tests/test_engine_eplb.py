@@ -308,13 +308,26 @@ def test_our_packing_has_sglangs_packing_properties(engine_results):
 def _check_all(results: dict, cases: dict, specs) -> None:
     for spec in specs:
         for case in cases:
-            _check(case, spec, results["vllm"][f"{spec}|{case}"], results["vllm"][f"None|{case}"],
-                   f"vllm {spec} {case}", cases=cases)  # fmt: skip
+            _check(
+                case,
+                spec,
+                results["vllm"][f"{spec}|{case}"],
+                results["vllm"][f"None|{case}"],
+                f"vllm {spec} {case}",
+                cases=cases,
+            )
             for mode in ("auto", "deepseek"):
                 key = f"{case}|{mode}"
                 out = results["sglang"]
-                _check(case, spec, out[f"{spec}|{key}"], out[f"None|{key}"], f"sglang {spec} {key}",
-                       mode == "auto", cases)  # fmt: skip
+                _check(
+                    case,
+                    spec,
+                    out[f"{spec}|{key}"],
+                    out[f"None|{key}"],
+                    f"sglang {spec} {key}",
+                    mode == "auto",
+                    cases,
+                )
 
 
 def test_fresh_calls_within_half_percent_of_engine_default_on_seeded_cases(tmp_path):

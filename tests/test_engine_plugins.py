@@ -639,9 +639,14 @@ def test_no_signal_handler_is_installed(text, monkeypatch):
         weight, 48, 1, 2, 8, torch.from_numpy(prev)
     )
     sglang_plugin.make_hook(parse_spec(text))(
-        lambda **kw: "engine", tokens_per_expert=weight[None], num_physical_experts=48,
-        num_local_physical_experts=6, num_groups=None, num_nodes=2, algorithm=Algorithm,
-    )  # fmt: skip
+        lambda **kw: "engine",
+        tokens_per_expert=weight[None],
+        num_physical_experts=48,
+        num_local_physical_experts=6,
+        num_groups=None,
+        num_nodes=2,
+        algorithm=Algorithm,
+    )
     assert calls == []
 
 

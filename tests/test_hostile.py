@@ -525,8 +525,10 @@ def test_options_classes_name_an_unknown_keyword(family):
         message = str(info.value)
         assert message.startswith(f"{name}: unknown keyword '{first}x' (did you mean '{first}'?)"), message
         assert f"its keywords are {first}, " in message and "\n" not in message
-        if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-               for f in dataclasses.fields(cls)):  # fmt: skip
+        if all(
+            f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            for f in dataclasses.fields(cls)
+        ):
             with pytest.raises(ValueError, match=f"{name}: unknown keyword 'nosuch'"):
                 replace(cls(), nosuch=1)
 

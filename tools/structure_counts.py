@@ -569,13 +569,15 @@ def hardware_literals(root: Path) -> list[str]:
 
 
 def fmt_skips(root: Path) -> list[str]:
-    """``# fmt: skip`` / ``# fmt: off`` comments in the repository's Python files (code packed to fit a limit)."""
+    """``# fmt: skip`` / ``# fmt: off`` comments in the repository's Python files (code packed to fit a
+    limit); comments only, as the tokenizer sees them (a string that spells one is not counted)."""
     found = []
     for top in (*FLOORS, "benchmarks", "tests", "tools", "notebooks"):
         for path in sorted((root / top).rglob("*.py")):
-            for i, line in enumerate(path.read_text().splitlines(), 1):
-                if re.search(r"#\s*fmt:\s*(skip|off)\b", line):
-                    found.append(f"{_rel(root, path)}:{i}")
+            tokens = tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            for tok in tokens:
+                if tok.type == tokenize.COMMENT and re.match(r"#\s*fmt:\s*(skip|off)\b", tok.string):
+                    found.append(f"{_rel(root, path)}:{tok.start[0]}")
     return found
 
 

@@ -100,9 +100,14 @@ def check_failure_args(args, topo, num_experts: int, previous: bool) -> Path | N
 
     domain = args.failure_domain
     given = [
-        f for f, v in (("--failure-max-par-increase", args.failure_max_par_increase), ("--failover", args.failover),
-                       ("--failover-max-moves", args.failover_max_moves)) if v is not None
-    ]  # fmt: skip
+        f
+        for f, v in (
+            ("--failure-max-par-increase", args.failure_max_par_increase),
+            ("--failover", args.failover),
+            ("--failover-max-moves", args.failover_max_moves),
+        )
+        if v is not None
+    ]
     if domain is None:
         if given:
             raise CliError(f"{given[0]} applies with --failure-domain gpu|node; add it, or drop {given[0]}")

@@ -142,8 +142,11 @@ def guard_fresh(
         _warn(spec, load, topo, still, peak[still], peak_eng[still])
     log.info(
         "moe_placement %s: %d layer(s) over %.1f%% of the engine's default re-placed, %d served as the engine's",
-        spec.text, bad.size, 100 * TOLERANCE, still.size,
-    )  # fmt: skip
+        spec.text,
+        bad.size,
+        100 * TOLERANCE,
+        still.size,
+    )
     return Guarded(out, served)
 
 
@@ -175,8 +178,12 @@ def _table_guard(spec, call, topo, load, ours, default, groups, exact) -> Guarde
             log.info(
                 "moe_placement %s: %d layer(s) over %.1f%% of the engine's default under the table's draws; "
                 "peaks summed over layers %.0f ours, %.0f the engine's: ours served",
-                spec.text, worse, 100 * TOLERANCE, peak.sum(), peak_eng.sum(),
-            )  # fmt: skip
+                spec.text,
+                worse,
+                100 * TOLERANCE,
+                peak.sum(),
+                peak_eng.sum(),
+            )
         return Guarded(best, np.zeros(L, dtype=bool))
     _warn(spec, load, topo, np.arange(L), peak, peak_eng, summed=True)
     return Guarded(engine.copy(), np.ones(L, dtype=bool))
@@ -211,5 +218,10 @@ def _warn(spec, load, topo, layers, peak, peak_eng, summed: bool = False) -> Non
     log.warning(
         "moe_placement %s: the engine's default map used in %d layer(s) (co-located replicas allowed): "
         "no map without co-location came within %.1f%% of it (%s: max/mean %.4f ours, %.4f the engine's)",
-        spec.text, layers.size, 100 * TOLERANCE, where, a, b,
-    )  # fmt: skip
+        spec.text,
+        layers.size,
+        100 * TOLERANCE,
+        where,
+        a,
+        b,
+    )

@@ -261,8 +261,9 @@ def _warn_split(spec: PolicySpec, phy2log: np.ndarray, E: int, groups: int | Non
         log.warning(
             "moe_placement %s: the file splits expert groups over nodes in %d layer(s) on a hierarchical "
             "call; served as written (solve it with --num-groups to keep groups on nodes)",
-            spec.text, split.size,
-        )  # fmt: skip
+            spec.text,
+            split.size,
+        )
 
 
 def _kept(
@@ -280,15 +281,21 @@ def _kept(
     if split.size:
         log.info(
             "moe_placement %s: map in service splits expert groups over nodes in %d layer(s) on a "
-            "hierarchical call; rebalancing although it does not pay (%s)", spec.text, split.size, reason,
-        )  # fmt: skip
+            "hierarchical call; rebalancing although it does not pay (%s)",
+            spec.text,
+            split.size,
+            reason,
+        )
         return None
     repaired, moved = repair_colocated(in_service, w, groups)
     if moved.sum():
         log.info(
             "moe_placement %s: map in service kept (%s), %d co-located replica(s) repaired with one "
-            "moved slot each", spec.text, reason, int(moved.sum()),
-        )  # fmt: skip
+            "moved slot each",
+            spec.text,
+            reason,
+            int(moved.sum()),
+        )
     else:
         log.info("moe_placement %s: map in service kept (%s)", spec.text, reason)
     return np.array(repaired.physical_to_logical_map, dtype=np.int64, order="C")
@@ -392,10 +399,14 @@ def _solve(
     groups = call.num_groups if call.num_groups and call.num_groups > 1 else None
     cap = spec.failure_max_par_increase
     problem = Problem.build(
-        topo, load=w, num_groups=groups, previous=previous, dispatch=call.dispatch_model,
+        topo,
+        load=w,
+        num_groups=groups,
+        previous=previous,
+        dispatch=call.dispatch_model,
         failure_domain=spec.failure_domain if spec.kind != "migration" else None,
         failure_max_par_increase=DEFAULT_MAX_PAR_INCREASE if cap is None else cap,
-    )  # fmt: skip
+    )
     name, values = _solver_for(spec, problem, w, hierarchical)
     phy2log = _run(spec, problem, name, values, w)
     split = _split_layers(phy2log, w.shape[1], hierarchical, topo)
@@ -425,9 +436,11 @@ def _unsplit(spec: PolicySpec, problem: Problem, phy2log: np.ndarray, split: np.
     out[split] = rows[split]
     log.info(
         "moe_placement %s: migration split expert groups over nodes in %d layer(s) of a hierarchical call; "
-        "those layers are %s", spec.text, split.size,
+        "those layers are %s",
+        spec.text,
+        split.size,
         "greedy's" if spec.max_moves is None else "the map in service's (repaired)",
-    )  # fmt: skip
+    )
     moved = int((out != previous.physical_to_logical_map).sum())
     if spec.max_moves is not None and moved > spec.max_moves:
         raise PolicyError(
@@ -482,8 +495,13 @@ def _run(spec: PolicySpec, problem: Problem, name: str, values: dict, w: np.ndar
         log.info(
             "moe_placement %s: fitting %d layers x %d experts on %d ranks for %s would exceed the %g s "
             "budget; the map is not fitted (raise time_limit)",
-            spec.text, w.shape[0], w.shape[1], topo.ep_size, problem.dispatch, spec.time_limit,
-        )  # fmt: skip
+            spec.text,
+            w.shape[0],
+            w.shape[1],
+            topo.ep_size,
+            problem.dispatch,
+            spec.time_limit,
+        )
     result = run(name, problem, make_options(name, values, seed=0), fit)
     placement, report = result.placement, result.report
     for note in report.notes:

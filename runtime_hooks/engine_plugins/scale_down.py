@@ -69,9 +69,15 @@ def scale_down(spec: Any, call: Any, w: np.ndarray, lost: tuple[int, ...]) -> np
     new, rep = failover_map(old, w, lost, FailoverOptions(max_moves=moves))
     log.info(
         "moe_placement %s: scale-down from %d to %d ranks: failover map computed (%d experts reloaded, the "
-        "fewest possible %d; %d moved; PAR %.4f)", spec.text, G_old, G_old - len(lost), rep.total_reloads,
-        rep.total_min_reloads, rep.total_moves, rep.par,
-    )  # fmt: skip
+        "fewest possible %d; %d moved; PAR %.4f)",
+        spec.text,
+        G_old,
+        G_old - len(lost),
+        rep.total_reloads,
+        rep.total_min_reloads,
+        rep.total_moves,
+        rep.par,
+    )
     return np.array(new.physical_to_logical_map, dtype=np.int64, order="C")
 
 
@@ -97,9 +103,14 @@ def _precomputed(spec: Any, prev: np.ndarray, lost: tuple[int, ...], shape: tupl
             if rows.shape == shape and pl.num_logical_experts == E:
                 log.info(
                     "moe_placement %s: scale-down, ranks %s lost: failover map %s served (%d experts reloaded, "
-                    "%d moved, PAR %.4f)", spec.text, list(lost), entry["file"], entry["reloads"],
-                    entry.get("moves", 0), entry["par"],
-                )  # fmt: skip
+                    "%d moved, PAR %.4f)",
+                    spec.text,
+                    list(lost),
+                    entry["file"],
+                    entry["reloads"],
+                    entry.get("moves", 0),
+                    entry["par"],
+                )
                 return rows
             why = f"its map {entry['file']} is {rows.shape}, the engine needs {shape}"
     except (MoePlacementError, ValueError, OSError) as exc:
