@@ -38,9 +38,13 @@ from moe_placement.base.errors import (  # re-exported: the family lives in moe_
     WorkerTimeout,
 )
 
-__all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
+__all__ = ["LOST_RANK_EXIT_CODE", "WorkerError", "WorkerTimeout", "current_store", "device_for", "launch"]
 
 _CURRENT_STORE = None  # set inside workers
+
+LOST_RANK_EXIT_CODE = 86
+"""Exit code of a rank killed on purpose (fault injection: ``os._exit(LOST_RANK_EXIT_CODE)``). With
+``launch(..., lost_ok=True)`` such a rank is lost, not failed: its result is None and the others go on."""
 
 
 def current_store():
@@ -150,9 +154,12 @@ def _start_workers(ctx, rdv: _Rendezvous, fn, args, results):
     return procs
 
 
-def _collect(procs, results, out: dict[int, Any], timeout: float, grace: float) -> tuple[int, str] | None:
-    """Fill ``out`` (rank -> result; None for a failed rank) from the queue until every rank reported,
-    ``timeout`` passed, or ``grace`` seconds after the first failure. Returns that failure (rank, text)."""
+def _collect(
+    procs, results, out: dict[int, Any], timeout: float, grace: float, lost_ok: bool = False
+) -> tuple[int, str] | None:
+    """Fill ``out`` (rank -> result; None for a failed or lost rank) from the queue until every rank
+    reported, ``timeout`` passed, or ``grace`` seconds after the first failure. Returns that failure
+    (rank, text). With ``lost_ok`` a rank that exited with :data:`LOST_RANK_EXIT_CODE` is lost: None."""
     world_size = len(procs)
     failure: tuple[int, str] | None = None
     deadline = time.monotonic() + timeout
@@ -171,7 +178,9 @@ def _collect(procs, results, out: dict[int, Any], timeout: float, grace: float) 
                 if r in out or p.exitcode is None:
                     continue
                 first = dead_since.setdefault(r, now)
-                if failure is None and now - first > 1.0:
+                if lost_ok and p.exitcode == LOST_RANK_EXIT_CODE and now - first > 1.0:
+                    out[r] = None  # killed on purpose: the survivors carry on without it
+                elif failure is None and now - first > 1.0:
                     failure = (r, f"process exited with code {p.exitcode} without reporting a result")
                     fail_deadline = now + grace
             continue
@@ -207,6 +216,7 @@ def launch(
     pg_timeout: float | None = None,
     grace: float = 3.0,
     start_method: str | None = None,
+    lost_ok: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return ``[result of rank r]``.
 
@@ -220,6 +230,8 @@ def launch(
         grace: seconds the other ranks get to report after one rank failed, before being terminated.
         start_method: ``forkserver`` (default where available: one server process imports torch once,
             later launches fork from it in well under a second) or ``spawn``.
+        lost_ok: a rank that exits with :data:`LOST_RANK_EXIT_CODE` (killed on purpose by a fault
+            injection) is lost, not failed: its result is None and the run goes on.
 
     Raises:
         ValueError: bad world_size, backend or timeouts (each must be > 0 seconds).
@@ -244,7 +256,7 @@ def launch(
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     try:
-        failure = _collect(procs, results, out, timeout, grace)
+        failure = _collect(procs, results, out, timeout, grace, lost_ok)
     finally:
         # a failure (or an interrupted wait) leaves ranks unfinished: do not wait for them
         _reap(procs, results, wait=not (failure or len(out) < world_size))
