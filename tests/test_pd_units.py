@@ -244,3 +244,28 @@ def test_serve_demo_modes_refuse_bad_flags_in_one_line(tmp_path, capsys):
         assert main([*pd, *extra]) == 2, extra
         err = capsys.readouterr().err
         assert needle in err, (extra, err)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The launcher: a rank killed on purpose is lost, not failed
+# ---------------------------------------------------------------------------------------------------
+def _exit_on_rank_one(rank, world_size):
+    import os
+
+    from runtime_hooks.launcher import LOST_RANK_EXIT_CODE
+
+    if rank == 1:
+        os._exit(LOST_RANK_EXIT_CODE)
+    return rank
+
+
+def test_launcher_takes_a_rank_killed_on_purpose_as_lost_only_when_told():
+    import multiprocessing
+
+    from moe_placement.base.errors import WorkerError
+    from runtime_hooks.launcher import launch
+
+    assert launch(_exit_on_rank_one, 2, timeout=60, lost_ok=True) == [0, None]
+    with pytest.raises(WorkerError, match="exited with code 86 without reporting"):
+        launch(_exit_on_rank_one, 2, timeout=60, grace=1.0)
+    assert multiprocessing.active_children() == []

@@ -241,7 +241,7 @@ class Sender:
 
     def send_tail(self, out: Outgoing, first_token: int) -> None:
         """After the prompt ran: the first generated token, position and layer count, with a checksum."""
-        out.t_compute_end = time.time()
+        out.t_compute_end = out.t_compute_end or time.time()
         if out.stalled or out.pg is None:
             return
         L = out.meta.layout["num_layers"]

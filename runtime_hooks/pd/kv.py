@@ -141,11 +141,13 @@ def prefill(
     model: torch.nn.Module,
     prompts: list[torch.Tensor],
     on_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    keep: bool = True,
 ) -> tuple[list[RequestKV], list[int]]:
     """Run prompts (int64 ``[T_r]`` each) in one left-padded batch: each request's cache and first token.
 
     ``on_layer(l, keys [B, h, T, d], values)`` runs as soon as decoder layer ``l`` has cached the batch
     (a forward hook), while later layers still compute: the layer-wise KV streaming of a prefill rank.
+    ``keep=False``: no cache is kept (``[]``), the caller took what it needed in ``on_layer``.
     """
     from transformers import DynamicCache
 
@@ -171,6 +173,8 @@ def prefill(
             h.remove()
     _check_cache(cache)
     first = out.logits[:, -1].argmax(-1).tolist()  # [B]
+    if not keep:
+        return [], [int(t) for t in first]
     kvs = [
         RequestKV(
             [

@@ -82,9 +82,17 @@ def _prefill_one(ctx, sender, job: tuple[int, int, int], prompts: list, model_id
         "fault": fault,
     }
     out = sender.begin(fields, dst)
-    kvs, first = prefill(ctx.model, [prompt], on_layer=lambda l, k, v: sender.send_layer(out, l, k, v))
+    held = []  # what leaves this rank is in the send buffers, held until the verdict
+    if ctx.spec.stream_layers:
+        _, first = prefill(ctx.model, [prompt], lambda l, k, v: sender.send_layer(out, l, k, v), keep=False)
+        out.t_compute_end = time.time()
+    else:  # every layer after the prompt ran: nothing of the transfer overlaps compute
+        _, first = prefill(ctx.model, [prompt], lambda l, k, v: held.append((l, k, v)), keep=False)
+        out.t_compute_end = time.time()
+        for layer, keys, values in held:
+            sender.send_layer(out, layer, keys, values)
+        held.clear()
     sender.send_tail(out, first[0])
-    kvs[0].free()  # what leaves this rank is in the send buffers, held until the verdict
     return {"hid": fields["hid"], "token": first[0], "t": time.time(), "tokens_in": int(prompt.numel())}
 
 

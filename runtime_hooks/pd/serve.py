@@ -62,6 +62,8 @@ class PDSpec:
         liveness_timeout: seconds a decode rank waits for its peers at a step before it takes them as lost.
         max_attempts: attempts per request under ``retry``.
         faults: hand-off faults, each on the first attempt of one request.
+        stream_layers: send each layer's KV as soon as it is computed (False: all after the prompt ran,
+            the comparison that shows what streaming hides).
     """
 
     source: Any
@@ -78,6 +80,7 @@ class PDSpec:
     seed: int = 0
     dtype: str = "float32"
     dispatch: str = EVEN.name
+    stream_layers: bool = True
 
     def __post_init__(self) -> None:
         for name in ("requests", "prompt_len", "new_tokens", "max_attempts"):
