@@ -241,7 +241,7 @@ def test_sigterm_and_ctrl_c_leave_no_rank_behind(tmp_path):
             for sig, p in procs.items():
                 ranks[sig] |= _descendants(p.pid)
             time.sleep(0.2)
-        time.sleep(3.0)  # the ranks meet and serve
+        time.sleep(2.0)  # the ranks meet and serve
         for sig, p in procs.items():
             ranks[sig] |= _descendants(p.pid)
             assert p.poll() is None, p.stderr.read()  # still serving when the signal comes

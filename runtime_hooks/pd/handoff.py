@@ -221,7 +221,7 @@ class Sender:
         out.layer_bytes.append(int(chunk.numel() * chunk.element_size()))
         out.buffers += [chunk, cks]
         if fault == "slow-transfer" and layer >= L // 2:
-            out.stalled = True  # the link stalls: the rest goes out after the deadline, or never
+            out.stalled = True  # the link stalls past the deadline: the rest never goes out
             return
         if out.pg is None:
             return

@@ -28,9 +28,11 @@ import torch
 from moe_placement.base.errors import MoePlacementError
 from placement.model import Placement
 
-__all__ = ["FailoverRecord", "Pool", "RankLost", "fail_over"]
+__all__ = ["AFTER_FAILOVER_S", "FailoverRecord", "Pool", "RankLost", "fail_over"]
 
 log = logging.getLogger(__name__)
+
+AFTER_FAILOVER_S = 60.0  # the first step after a failover waits this long for peers still reloading
 
 
 class RankLost(MoePlacementError):
@@ -60,7 +62,9 @@ class Pool:
         return self.members.index(self.me)
 
     def sync(self, state: dict) -> list[dict]:
-        """Post this member's ``state`` for the step, return every member's (in member order).
+        """Post this member's ``state`` for the step, return every member's (in member order). The
+        first step after a failover waits up to :data:`AFTER_FAILOVER_S` (a peer may still be loading
+        experts from the checkpoint), every other ``liveness`` seconds.
 
         Raises:
             RankLost: members whose state did not come within ``liveness`` seconds.
@@ -68,8 +72,11 @@ class Pool:
         base = f"{self.name}/s/{self.epoch}/{self.step}/"
         self.store.set(base + str(self.me), json.dumps(state))
         keys = [base + str(r) for r in self.members]
+        wait = self.liveness
+        if self.epoch > 0 and self.step == 0:  # right after a failover: peers may still be reloading
+            wait = max(wait, AFTER_FAILOVER_S)
         try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.liveness))
+            self.store.wait(keys, datetime.timedelta(seconds=wait))
         except Exception:  # noqa: BLE001 - the store raises its own error type on a timeout
             missing = [r for r, k in zip(self.members, keys) if not self.store.check([k])]
             if missing:
