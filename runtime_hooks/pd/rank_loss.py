@@ -112,6 +112,10 @@ def serve_rank_loss(spec: RankLossSpec, backend: str = "gloo", timeout: float = 
     from runtime_hooks.launcher import launch
     from runtime_hooks.pd.failover_map import failover_map
 
+    if backend != "gloo":
+        raise ValueError(
+            f"backend {backend!r}: this runtime keeps KV caches and transfers on the CPU over gloo; use gloo"
+        )
     runtime_dispatch(spec.dispatch)
     info = describe_model(spec.source)
     match_layers(spec.placement, list(info.layer_ids), info.num_experts)

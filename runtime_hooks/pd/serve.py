@@ -121,6 +121,10 @@ def serve_pd(spec: PDSpec, backend: str = "gloo", timeout: float = 300.0) -> PDR
     from runtime_hooks.hf_validate import describe_model
     from runtime_hooks.launcher import launch
 
+    if backend != "gloo":
+        raise ValueError(
+            f"backend {backend!r}: this runtime keeps KV caches and transfers on the CPU over gloo; use gloo"
+        )
     runtime_dispatch(spec.dispatch)
     info = describe_model(spec.source)
     for pool, p in (("prefill", spec.prefill_placement), ("decode", spec.decode_placement)):
