@@ -21,7 +21,7 @@ __all__ = ["PDReport", "build_report", "kv_formula"]
 
 @dataclass(frozen=True)
 class PDReport:
-    """Result of :func:`serve_pd` (see :meth:`to_dict` for the JSON)."""
+    """Result of :func:`runtime_hooks.pd.serve.serve_pd` (see :meth:`to_dict` for the JSON)."""
 
     tokens_match: bool
     requests: tuple[dict, ...]
