@@ -145,6 +145,12 @@ def _verdict(store, hid: str, state: str, reason: str = "") -> None:
     decide(store, hid, {"state": state, "by": "decode", "reason": reason, "t": 0.0})
 
 
+def _done(store, hid: str) -> None:
+    import json
+
+    store.set(f"pd/r/{hid}/done", json.dumps({"hid": hid, "tokens": [7, 7], "t_commit": 0.0, "t_done": 0.0}))
+
+
 @pytest.mark.parametrize("rule", ["fail", "retry"])
 def test_manager_fails_or_retries_from_the_prompt(store, rule):
     from runtime_hooks.pd.manager import Manager
@@ -172,16 +178,20 @@ def test_manager_fails_or_retries_from_the_prompt(store, rule):
     assert plan == [(0, 2, 2) if retry else None, None]  # only rank 2 is left, and it receives one
     if retry:
         _verdict(store, "0.2", "committed")
-        store.set("pd/r/0.2/done", "1")
+        _done(store, "0.2")
         assert m.plan()[0] == [(1, 1, 2), None]
         _verdict(store, "1.1", "committed")
-        store.set("pd/r/1.1/done", "1")
-    store.set("pd/r/2.0/done", "1")
+        _done(store, "1.1")
+    _done(store, "2.0")
     plan, stop = m.plan()
     assert stop and store.check(["pd/stop"]) and plan == [None, None]
     want = ["completed"] * 3 if retry else ["failed", "failed", "completed"]
     assert [r.status for r in m.reqs] == want
     assert [len(r.attempts) for r in m.reqs] == ([3, 2, 1] if retry else [1, 1, 1])
+    # the output kept is the finishing attempt's, delivered whole (it outlives the decode rank)
+    assert [r.output and r.output["hid"] for r in m.reqs] == (
+        ["0.2", "1.1", "2.0"] if retry else [None, None, "2.0"]
+    )
 
 
 def test_manager_fails_everything_left_when_no_decode_rank_is_left(store):

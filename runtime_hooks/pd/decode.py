@@ -3,7 +3,8 @@
 Each step: admit the hand-offs the receiver committed since the last step, agree with the other decode
 ranks on the step (:meth:`runtime_hooks.pd.pool.Pool.sync`: who has requests, who saw the stop), then
 one greedy step over this rank's running requests (or an empty batch through the experts calls when it
-has none while a peer has some). A request that has its tokens is reported (``pd/r/<hid>/done``) and its
+has none while a peer has some). A request that has its tokens is delivered (``pd/r/<hid>/done`` holds
+them, so they outlive this rank) and its
 KV freed. A peer lost at the sync: the survivors fail over (:func:`runtime_hooks.pd.pool.fail_over` with
 :func:`runtime_hooks.pd.failover_map.failover_map`) and publish the lost ranks (``pd/decode/lost``) and
 their new placement's identity (``pd/decode/placement``); the requests they run are untouched.
@@ -62,18 +63,11 @@ def _finish(ctx, active: dict, done: list) -> None:
     for hid in [h for h, r in active.items() if len(r["tokens"]) >= ctx.spec.new_tokens]:
         r = active.pop(hid)
         freed = r["kv"].free()
+        out = {"hid": hid, "tokens": r["tokens"], "t_commit": r["t_commit"], "t_done": time.time()}
         done.append(
-            {
-                "hid": hid,
-                "request": r["meta"].request,
-                "attempt": r["meta"].attempt,
-                "tokens": r["tokens"],
-                "t_commit": r["t_commit"],
-                "t_done": time.time(),
-                "kv_bytes_freed": freed,
-            }
+            {**out, "request": r["meta"].request, "attempt": r["meta"].attempt, "kv_bytes_freed": freed}
         )
-        ctx.store.set(f"pd/r/{hid}/done", "1")
+        ctx.store.set(f"pd/r/{hid}/done", json.dumps(out))  # the output, delivered: it outlives this rank
 
 
 def _step(ctx, active: dict) -> None:

@@ -4,7 +4,7 @@ request to its end, and fails or retries a request whose hand-off aborted or who
 
 What it reads from the launcher's key-value store: each hand-off's verdict
 (:func:`runtime_hooks.pd.handoff.read_verdict`), ``pd/r/<hid>/done`` (a decode rank finished the
-attempt) and ``pd/decode/lost`` (the decode ranks the decode pool lost). It writes ``pd/stop`` once every
+attempt: its tokens, kept as the request's output) and ``pd/decode/lost`` (the decode ranks the decode pool lost). It writes ``pd/stop`` once every
 request has ended.
 
 The rule on a failure (``on_handoff_failure``): ``fail`` ends the request as failed; ``retry`` queues
@@ -39,6 +39,7 @@ class RequestState:
     status: str = "queued"  # queued | handoff | decoding | completed | failed
     attempts: list = field(default_factory=list)
     reason: str = ""
+    output: dict | None = None  # what the decode rank delivered: {hid, tokens, t_commit, t_done}
 
     @property
     def current(self) -> dict:
@@ -87,8 +88,9 @@ class Manager:
                 else:
                     self._failed(r, verdict["reason"])
             if r.status == "decoding":
-                if self.store.check([f"pd/r/{r.current['hid']}/done"]):
-                    r.status = "completed"
+                key = f"pd/r/{r.current['hid']}/done"
+                if self.store.check([key]):
+                    r.status, r.output = "completed", json.loads(self.store.get(key))
                 elif r.current["dst"] in self.lost:
                     self._failed(r, f"decode rank {r.current['dst']} was lost with the request on it")
 
@@ -133,5 +135,6 @@ class Manager:
 
     def to_list(self) -> list[dict]:
         return [
-            {"id": r.id, "status": r.status, "reason": r.reason, "attempts": r.attempts} for r in self.reqs
+            {"id": r.id, "status": r.status, "reason": r.reason, "attempts": r.attempts, "output": r.output}
+            for r in self.reqs
         ]

@@ -94,11 +94,15 @@ def _request(m: dict, ctx: dict) -> dict:
     """One request's entry (``m``: the manager's record of it)."""
     rid, attempts = m["id"], m["attempts"]
     final = attempts[-1]["hid"] if attempts else None
-    completions = ctx["done"].get(rid, [])
+    # attempts that finished: the decode ranks' records (a rank lost after finishing one returns none)
+    # and the output the manager received
+    completions = {c["hid"]: c for c in ctx["done"].get(rid, [])}
+    if m["output"] is not None:
+        completions.setdefault(m["output"]["hid"], m["output"])
     status = m["status"]
     if status == "completed":
         status = "retried" if len(attempts) > 1 else "completed"
-    comp = next((c for c in completions if c["hid"] == final), None) if status != "failed" else None
+    comp = completions.get(final) if status != "failed" else None
     tokens = comp["tokens"] if comp is not None else None
     first = ctx["firsts"].get(final)
     n = ctx["new_tokens"]
