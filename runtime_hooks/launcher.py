@@ -42,11 +42,24 @@ from moe_placement.base.errors import (  # re-exported: the family lives in moe_
     WorkerTimeout,
 )
 
-__all__ = ["WorkerError", "WorkerTimeout", "current_store", "device_for", "launch", "report", "reporting_to"]
+__all__ = [
+    "LOST_RANK_EXIT_CODE",
+    "WorkerError",
+    "WorkerTimeout",
+    "current_store",
+    "device_for",
+    "launch",
+    "report",
+    "reporting_to",
+]
 
 _CURRENT_STORE = None  # set inside workers
 _REPORT: Callable[[str], None] | None = None  # set inside workers (or by reporting_to)
 _PROGRESS = "progress"  # the queue tag of a report (results are tagged True / False)
+
+LOST_RANK_EXIT_CODE = 86
+"""Exit code of a rank killed on purpose (fault injection: ``os._exit(LOST_RANK_EXIT_CODE)``). With
+``launch(..., lost_ok=True)`` such a rank is lost, not failed: its result is None and the others go on."""
 
 
 def current_store():
@@ -176,11 +189,12 @@ def _start_workers(ctx, rdv: _Rendezvous, fn, args, results):
 
 
 def _collect(
-    procs, results, out: dict[int, Any], timeout: float, grace: float, on_report=None
+    procs, results, out: dict[int, Any], timeout: float, grace: float, on_report=None, lost_ok: bool = False
 ) -> tuple[int, str] | None:
-    """Fill ``out`` (rank -> result; None for a failed rank) from the queue until every rank reported,
-    ``timeout`` passed, or ``grace`` seconds after the first failure (progress reports go to
-    ``on_report(rank, text)`` meanwhile). Returns that failure (rank, text)."""
+    """Fill ``out`` (rank -> result; None for a failed or lost rank) from the queue until every rank
+    reported, ``timeout`` passed, or ``grace`` seconds after the first failure (progress reports go to
+    ``on_report(rank, text)`` meanwhile). Returns that failure (rank, text). With ``lost_ok`` a rank that
+    exited with :data:`LOST_RANK_EXIT_CODE` is lost: None."""
     world_size = len(procs)
     failure: tuple[int, str] | None = None
     deadline = time.monotonic() + timeout
@@ -199,7 +213,9 @@ def _collect(
                 if r in out or p.exitcode is None:
                     continue
                 first = dead_since.setdefault(r, now)
-                if failure is None and now - first > 1.0:
+                if lost_ok and p.exitcode == LOST_RANK_EXIT_CODE and now - first > 1.0:
+                    out[r] = None  # killed on purpose: the survivors carry on without it
+                elif failure is None and now - first > 1.0:
                     failure = (r, f"process exited with code {p.exitcode} without reporting a result")
                     fail_deadline = now + grace
             continue
@@ -240,6 +256,7 @@ def launch(
     grace: float = 3.0,
     start_method: str | None = None,
     on_report: Callable[[int, str], None] | None = None,
+    lost_ok: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return ``[result of rank r]``.
 
@@ -255,6 +272,8 @@ def launch(
             later launches fork from it in well under a second) or ``spawn``.
         on_report: called as ``on_report(rank, text)`` for each :func:`report` of a worker, in this
             process's main thread while it waits (None: reports are dropped).
+        lost_ok: a rank that exits with :data:`LOST_RANK_EXIT_CODE` (killed on purpose by a fault
+            injection) is lost, not failed: its result is None and the run goes on.
 
     Raises:
         ValueError: bad world_size, backend or timeouts (each must be > 0 seconds).
@@ -279,7 +298,7 @@ def launch(
     out: dict[int, Any] = {}
     failure: tuple[int, str] | None = None
     try:
-        failure = _collect(procs, results, out, timeout, grace, on_report)
+        failure = _collect(procs, results, out, timeout, grace, on_report=on_report, lost_ok=lost_ok)
     finally:
         # a failure (or an interrupted wait) leaves ranks unfinished: do not wait for them
         _reap(procs, results, wait=not (failure or len(out) < world_size))

@@ -6,6 +6,10 @@ counted routing and the changed experts move between ranks atomically, without s
 Prints per-rank load before and after each rebalance and whether the generated tokens equal the
 single-process model's. Exit code 0 when they do (and every rank's weights are the right experts), 1
 otherwise, 2 on bad input.
+
+``--disaggregated`` serves with a prefill pool and a decode pool instead (each on its own placement,
+the KV cache handed off layer by layer, faults injectable); ``--kill-rank R --at-step S`` loses a rank
+mid-serving (``moe_placement.cli.serve_pd``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from moe_placement.cli import serve_pd
 from moe_placement.cli.common import (
     CliError,
     echo,
@@ -41,17 +46,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR_OR_CONFIG",
         help="a checkpoint folder, or a config.json for seeded random weights",
     )
+    p.add_argument("--ranks", type=int, help=f"gloo ranks to launch (1..{MAX_RANKS}; default 4)")
     p.add_argument(
-        "--ranks",
-        type=int,
-        default=4,
-        help=f"gloo ranks to launch (1..{MAX_RANKS}; default 4)",
-    )
-    p.add_argument(
-        "--rebalance-every",
-        type=non_negative_int,
-        default=4,
-        help="steps between re-solves (0: never; default 4)",
+        "--rebalance-every", type=non_negative_int, help="steps between re-solves (0: never; default 4)"
     )
     p.add_argument(
         "--placement", help="initial placement file (default: contiguous blocks plus --redundant replicas)"
@@ -65,7 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "order (default: rows matched by layer id)",
     )
     p.add_argument("--new-tokens", type=int, default=16, help="greedy steps per prompt (default 16)")
-    p.add_argument("--prompts-per-rank", type=positive_int, default=2)
+    p.add_argument("--prompts-per-rank", type=positive_int)
     p.add_argument("--prompt-len", type=positive_int, default=8)
     p.add_argument(
         "--dispatch",
@@ -86,6 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds (> 0) before the ranks are stopped")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    serve_pd.add_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -102,6 +100,14 @@ def _check_work(args: argparse.Namespace) -> None:
             f"+ --new-tokens {args.new_tokens}) = {total:,} tokens is over the accepted {MAX_SERVE_TOKENS:,} "
             "(MAX_SERVE_TOKENS); lower one of them"
         )
+
+
+def _defaults(args: argparse.Namespace, mode: str) -> None:
+    """The co-located run's defaults, once the flags given were checked against the mode."""
+    args.ranks = 4 if args.ranks is None else args.ranks
+    args.prompts_per_rank = 2 if args.prompts_per_rank is None else args.prompts_per_rank
+    if args.rebalance_every is None:
+        args.rebalance_every = 0 if mode == "kill" else 4
 
 
 def _spec(args: argparse.Namespace):
@@ -203,7 +209,13 @@ def _print_report(rep) -> None:
 def run(args: argparse.Namespace) -> int:
     from runtime_hooks.hf_serve import serve_hf
 
+    mode = serve_pd.check_modes(args)
+    if mode == "pd":
+        return _run_pd(args)
+    _defaults(args, mode)
     info, spec = _spec(args)
+    if mode == "kill":
+        return _run_kill(args, info, spec)
     if not args.json:
         echo(
             f"serve-demo: {info.model_class} on {args.ranks} gloo ranks, rebalance every "
@@ -216,6 +228,54 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_report(rep)
     return 0 if rep.tokens_match and rep.weights_match and rep.quotas_match is not False else 1
+
+
+def _run_pd(args: argparse.Namespace) -> int:
+    """``--disaggregated``: the two pools in one launch; the report as text or JSON."""
+    from moe_placement.cli.validate import check_numbers
+    from runtime_hooks.ep_layer import runtime_dispatch
+    from runtime_hooks.hf_validate import describe_model
+    from runtime_hooks.pd.serve import serve_pd as serve_pools
+
+    check_numbers(
+        args, positive=("timeout",), at_least_one=("new_tokens", "prompt_len"), non_negative=("seed",)
+    )
+    runtime_dispatch(args.dispatch)
+    info = describe_model(args.model)
+    spec = serve_pd.pd_spec(args, info, MAX_SERVE_TOKENS)
+    if not args.json:
+        P, D = spec.ranks
+        echo(
+            f"serve-demo --disaggregated: {info.model_class}, {P} prefill + {D} decode gloo ranks, {spec.requests} "
+            f"requests x {spec.new_tokens} tokens, on hand-off failure: {spec.on_handoff_failure}"
+        )
+    with elapsed_bar("serving", limit_s=args.timeout):
+        rep = serve_pools(spec, timeout=args.timeout)
+    if args.json:
+        echo(json.dumps(rep.to_dict()))
+        return 0 if serve_pd.pd_ok(rep) else 1
+    return 0 if serve_pd.print_pd(rep) else 1
+
+
+def _run_kill(args: argparse.Namespace, info, live_spec) -> int:
+    """``--kill-rank R --at-step S``: the co-located pool loses rank R at step S and serves on."""
+    from runtime_hooks.pd.rank_loss import serve_rank_loss
+
+    spec = serve_pd.kill_spec(args, live_spec)
+    if not args.json:
+        echo(
+            f"serve-demo: {info.model_class} on {args.ranks} gloo ranks, rank {spec.kill_rank} killed at step "
+            f"{spec.at_step}, on rank loss: {spec.on_rank_loss}"
+        )
+    with elapsed_bar("serving", limit_s=args.timeout):
+        try:
+            rep = serve_rank_loss(spec, timeout=args.timeout)
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    if args.json:
+        echo(json.dumps(rep.to_dict()))
+        return 0 if serve_pd.kill_ok(rep) else 1
+    return 0 if serve_pd.print_kill(rep) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover
