@@ -43,12 +43,13 @@ TRACE = "deepseek-v2-lite-chat-puffin/puffin_prompts_1-2000.npz"
 
 def _rest_parts(model, cluster, tokens: float, phase: str, context_len: int) -> dict[str, float]:
     """The rest of the step by part, ms (the same primitives ``rest_of_step_seconds`` sums)."""
+    gpu, ms = cluster.gpu, 1e3
     return {
-        "attention": model.num_layers * attention_time(model, cluster, tokens, phase, context_len) * 1e3,
-        "shared": model.num_moe_layers * mlp_time(model, cluster.gpu, tokens, model.shared_intermediate_size) * 1e3,
-        "dense": model.num_dense_layers * mlp_time(model, cluster.gpu, tokens, model.dense_intermediate_size) * 1e3,
-        "lm_head": lm_head_time(model, cluster.gpu, tokens, phase, context_len) * 1e3,
-    }  # fmt: skip
+        "attention": model.num_layers * attention_time(model, cluster, tokens, phase, context_len) * ms,
+        "shared": model.num_moe_layers * mlp_time(model, gpu, tokens, model.shared_intermediate_size) * ms,
+        "dense": model.num_dense_layers * mlp_time(model, gpu, tokens, model.dense_intermediate_size) * ms,
+        "lm_head": lm_head_time(model, gpu, tokens, phase, context_len) * ms,
+    }
 
 
 def _placements(fit, options: AdviseOptions, option_key: str):
@@ -115,15 +116,18 @@ def main(argv=None) -> int:
         return 2
     trace = read_trace(args.trace)
     options = AdviseOptions(
-        engine=args.engine, nodes=args.nodes, decode_step_tokens=args.decode_batch, prefill_step_tokens=args.prefill_chunk,
+        engine=args.engine,
+        nodes=args.nodes,
+        decode_step_tokens=args.decode_batch,
+        prefill_step_tokens=args.prefill_chunk,
         context_len=args.context_len,
-    )  # fmt: skip
+    )
     fit, held = trace.split(0.5)
     model, cluster = resolve_model(args.model, trace), cluster_preset(args.hardware)
     if args.v3_sized:  # V3's layers (hidden 7168, FP8, 61 layers) with the trace's experts and top-k
         v3 = load_model("deepseek-v3")
-        model = dataclasses.replace(v3, name="deepseek-v3-sized", num_logical_experts=model.num_logical_experts,
-                                    top_k=model.top_k, num_groups=None, topk_group=None)  # fmt: skip
+        sized = {"num_logical_experts": model.num_logical_experts, "top_k": model.top_k}
+        model = dataclasses.replace(v3, name="deepseek-v3-sized", num_groups=None, topk_group=None, **sized)
     (base_pl, base_d), (opt_pl, opt_d) = _placements(fit, options, args.option)
     G = options.ep_size
     print(

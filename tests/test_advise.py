@@ -302,9 +302,8 @@ def test_cli_progress_is_one_line_per_stage_off_a_terminal(tmp_path, model_dir):
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert res.returncode == 0, res.stderr
     stages = [line for line in res.stderr.splitlines() if line.startswith("advise: ")]
-    assert [s.split(" (")[0] for s in stages] == [
-        "advise: placements", "advise: held-out prices", "advise: rebalance"
-    ]  # fmt: skip
+    want = ["advise: placements", "advise: held-out prices", "advise: rebalance"]
+    assert [s.split(" (")[0] for s in stages] == want
     assert "recommendation:" in res.stdout and "no EPLB|even|r0" in res.stdout
 
 

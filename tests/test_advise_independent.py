@@ -286,9 +286,13 @@ def _above_band(advice: dict, phase: str) -> bool:
 
 def _check(trace, nodes: int, decode_step_tokens: int, context: int = 4096) -> dict:
     opts = AdviseOptions(
-        engine="vllm", nodes=nodes, decode_step_tokens=decode_step_tokens, redundant_per_gpu=(1,), windows=2,
+        engine="vllm",
+        nodes=nodes,
+        decode_step_tokens=decode_step_tokens,
+        redundant_per_gpu=(1,),
+        windows=2,
         context_len=context,
-    )  # fmt: skip
+    )
     adv = advise(trace, "deepseek-v2-lite", "h200", opts)
     model, cluster = load_model("deepseek-v2-lite"), cluster_preset("h200")
     mine = independent_gains(adv, model, cluster, context)
@@ -306,9 +310,15 @@ def v2_lite_shaped(seed: int = 0) -> object:
     """A synthetic trace of DeepSeek-V2-Lite's shape (64 experts, top-6, 26 MoE layers) and about its
     chat trace's skew (busiest expert over the mean, per layer: 1.78 median in the shared trace)."""
     spec = SyntheticSpec(
-        num_tokens=22_000, num_layers=26, num_logical_experts=64, top_k=6, num_prompts=88, skew=0.2,
-        drift=0.0, seed=seed,
-    )  # fmt: skip
+        num_tokens=22_000,
+        num_layers=26,
+        num_logical_experts=64,
+        top_k=6,
+        num_prompts=88,
+        skew=0.2,
+        drift=0.0,
+        seed=seed,
+    )
     return synthetic_trace(spec)
 
 
@@ -355,8 +365,10 @@ def test_real_trace_sglang_recommendation_matches_an_independent_calculation(tra
     model, cluster = load_model("deepseek-v2-lite"), cluster_preset("h200")
     for phase, b in (("decode", 64), ("prefill", 256)):
         steps = make_steps(held, 32, phase, b)
-        price = {k: price_phase(p, held, steps, r.dispatch, model, cluster, 4096) for (k, p), r in
-                 zip(pl.items(), (base, pick))}  # fmt: skip
+        price = {
+            k: price_phase(p, held, steps, r.dispatch, model, cluster, 4096)
+            for (k, p), r in zip(pl.items(), (base, pick))
+        }
         got = gain(price[pick.key], price[base.key])[0]
         ids = np.asarray(held.topk_ids)[steps.token]
         rest = rest_ms(model, cluster.gpu, len(steps.token) / (steps.num_steps * 32), phase, 4096)

@@ -147,11 +147,15 @@ def _print(d: dict) -> None:
     for o in d["options"]:
         mark = "* " if o["key"] == chosen else "  "
         rows.append(
-            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"].get("decode")),
-             "prefill": _gain(o["phases"].get("prefill")),
-             "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
-             "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}"}
-        )  # fmt: skip
+            {
+                "key": mark + o["key"],
+                "window_par": o["window_par"],
+                "decode": _gain(o["phases"].get("decode")),
+                "prefill": _gain(o["phases"].get("prefill")),
+                "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
+                "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}",
+            }
+        )
     echo(format_table(rows, _COLS))
     echo(f"recommendation: {d['summary']}")
     for w in d["warnings"]:

@@ -10,16 +10,15 @@ one frozen :class:`Advice` whose ``to_dict()`` is the JSON contract (docs/cli.md
 from __future__ import annotations
 
 import logging
-import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import moe_placement.apps.advise.balance as balance
 import moe_placement.apps.advise.cost as cost
 import moe_placement.apps.advise.phases as phases
 import moe_placement.apps.advise.rebalance as rebalance
 import moe_placement.apps.advise.recommend as recommend
+from moe_placement.apps.advise.advice import NO_BALANCING, Advice, Row, phase_figures
 from moe_placement.apps.advise.engines import ENGINES, min_redundant
 from moe_placement.apps.advise.options import AdviseOptions, resolve_model
 from placement.cost.hardware import ClusterSpec, cluster_preset
@@ -27,146 +26,16 @@ from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
 from profiling.trace import RoutingTrace
 
-__all__ = ["Advice", "Row", "advise"]
+__all__ = ["NO_BALANCING", "Advice", "Row", "advise"]
 
 log = logging.getLogger(__name__)
 # (items, total, description) -> the same items (a progress bar, or the identity)
 Progress = Callable[[Iterable, int, str], Iterable]
-NO_BALANCING = "no balancing"
 UNSET_OUTPUT = "OUTPUT"  # the folder named in the command when no --output is given
 
 
 def _identity(items: Iterable, total: int, desc: str) -> Iterable:
     return items
-
-
-@dataclass(frozen=True)
-class Row:
-    """One option at ``r`` redundant slots per GPU: held-out balance, per-phase prices, memory."""
-
-    kind: str
-    dispatch: str
-    redundant_per_gpu: int
-    placement_key: str
-    scores: balance.Scores
-    decode: phases.PhasePrice | None  # None: the phase was not priced (``--phase``)
-    prefill: phases.PhasePrice | None
-    memory: cost.MemoryCost
-
-    @property
-    def key(self) -> str:
-        return f"{self.kind}|{self.dispatch}|r{self.redundant_per_gpu}"
-
-    def phase(self, name: str) -> phases.PhasePrice | None:
-        return self.decode if name == "decode" else self.prefill
-
-    @property
-    def priced(self) -> tuple[str, ...]:
-        """The phases this row was priced on (both, or the one ``--phase`` asked for)."""
-        return tuple(ph for ph in phases.PHASES if self.phase(ph) is not None)
-
-
-def _rounded(x: Any) -> Any:
-    """Floats to 6 significant digits (stable, readable JSON), recursively."""
-    if isinstance(x, float):
-        return float(f"{x:.6g}") if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _rounded(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_rounded(v) for v in x]
-    return x
-
-
-def phase_figures(row: Row, base: Row, name: str, engine: str) -> dict:
-    """One phase of the contract: whole-step and MoE gains over ``base`` (with the band), the dispatch's
-    own per-step cost, memory and KV tokens the replicas take."""
-    p, b = row.phase(name), base.phase(name)
-    g, band = phases.gain(p, b)
-    lo, hi, _ = phases.published_band(name)
-    return {
-        "whole_step_gain": g,
-        "band": band,
-        "published_band": [lo / 100.0, hi / 100.0],
-        "moe_step_gain": b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0,
-        "dispatch_overhead_ms": p.dispatch_overhead_ms,
-        "memory_gb": row.memory.redundant_bytes / 1e9,
-        "kv_tokens_lost": row.memory.kv_tokens_lost,
-        "whole_ms": p.whole_ms,
-        "baseline_whole_ms": b.whole_ms,
-        "moe_ms": p.moe_ms,
-        "step_tokens": p.step_tokens,
-        "held_out_steps": p.num_steps,
-        "deepep_mode": ENGINES[engine].deepep_modes[name],
-    }
-
-
-@dataclass(frozen=True)
-class Advice:
-    """What :func:`advise` found; ``to_dict`` is the ``--json`` payload and the HTML report's data.
-
-    ``placements`` (key -> :class:`Placement`), ``held_out`` and ``files`` (path in ``--output`` ->
-    placement and format to write there) are kept for checks and the CLI, left out of ``to_dict``.
-    """
-
-    context: Mapping[str, Any]
-    rows: tuple[Row, ...]
-    baseline: str
-    chosen: str
-    available: Mapping[str, tuple[bool, str]]
-    launch: recommend.Launch
-    rebalance: rebalance.Rebalance
-    reason: str
-    summary: str
-    held_out_steps: Mapping[str, int]
-    assumptions: tuple[str, ...]
-    warnings: tuple[str, ...]
-    placements: Mapping[str, Placement] = field(default_factory=dict, repr=False, compare=False)
-    held_out: RoutingTrace | None = field(default=None, repr=False, compare=False)
-    files: Mapping[str, tuple[Placement, int]] = field(default_factory=dict, repr=False, compare=False)
-
-    def row(self, key: str) -> Row:
-        return next(r for r in self.rows if r.key == key)
-
-    def placement_of(self, row: Row) -> Placement:
-        return self.placements[row.placement_key]
-
-    def recommendation(self) -> dict:
-        """The contract's ``recommendation`` object."""
-        row, base, engine = self.row(self.chosen), self.row(self.baseline), self.context["engine"]
-        return {
-            "option": NO_BALANCING if row is base else row.key,
-            "reason": self.reason,
-            "flags": list(self.launch.flags),
-            "env": list(self.launch.env),
-            "launch_command": self.launch.command,
-            "files": list(self.launch.files),
-            "phases": {ph: phase_figures(row, base, ph, engine) for ph in base.priced},
-            "rebalance": self.rebalance.to_dict(),
-        }
-
-    def _option(self, r: Row) -> dict:
-        base, engine = self.row(self.baseline), self.context["engine"]
-        ok, why = self.available[r.key]
-        return {
-            "key": r.key, "option": r.kind, "dispatch": r.dispatch, "redundant_per_gpu": r.redundant_per_gpu,
-            "available": ok, "unavailable_reason": why or None, "fits": r.memory.fits,
-            "window_par": r.scores.window_par, "step_par_decode": r.scores.step_par_decode,
-            "step_par_prefill": r.scores.step_par_prefill,
-            "phases": {ph: phase_figures(r, base, ph, engine) for ph in base.priced},
-        }  # fmt: skip
-
-    def to_dict(self) -> dict:
-        return _rounded(
-            {
-                "recommendation": self.recommendation(),
-                "summary": self.summary,
-                "held_out_steps": dict(self.held_out_steps),
-                "assumptions": list(self.assumptions),
-                "warnings": list(self.warnings),
-                "context": dict(self.context),
-                "options": [self._option(r) for r in self.rows],
-            }
-        )
 
 
 def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, RoutingTrace, RoutingTrace]:
@@ -332,6 +201,119 @@ def _summary(
     return text + f" Command: {launch.command}"
 
 
+class _Inputs(NamedTuple):
+    """What the advice is computed from: the trace used (``--quick`` may cut it), its fit and held-out
+    halves, the cost-side model and the cluster."""
+
+    trace: RoutingTrace
+    fit: RoutingTrace
+    held: RoutingTrace
+    model: ModelSpec
+    cluster: ClusterSpec
+
+
+class _Decision(NamedTuple):
+    """Every option priced, the baseline, what the engine can run and the choice."""
+
+    rows: list[Row]
+    base: Row
+    available: dict[str, tuple[bool, str]]
+    choice: recommend.Choice
+    placements: dict[str, Placement]
+    steps_used: dict
+
+
+def _checked_options(trace: Any, options: AdviseOptions | None, kw: dict) -> AdviseOptions:
+    """The options of one call (an :class:`AdviseOptions` or keywords, not both), the trace's type checked."""
+    if options is not None and kw:
+        raise ValueError(f"advise takes options or keywords, not both (got options and {sorted(kw)[0]}=...)")
+    options = options if options is not None else AdviseOptions.from_fields(kw)
+    if not isinstance(options, AdviseOptions):
+        raise ValueError(f"options must be an AdviseOptions, got {type(options).__name__}")
+    if not isinstance(trace, RoutingTrace):
+        raise ValueError(
+            f"trace must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
+        )
+    return options
+
+
+def _prepare(trace: RoutingTrace, model: str, hardware: str, options: AdviseOptions) -> _Inputs:
+    """The trace's halves, the model the trace was recorded from and the cluster preset."""
+    trace, fit, held = _inputs(trace, options)
+    spec = resolve_model(model, trace)
+    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
+    return _Inputs(trace, fit, held, spec, cluster)
+
+
+def _decide(inp: _Inputs, options: AdviseOptions, progress: Progress) -> _Decision:
+    """Every option placed and priced on the held-out half, what the engine can run, and the choice."""
+    rows, placements, steps_used = _rows(inp.fit, inp.held, inp.model, inp.cluster, options, progress)
+    base = next(r for r in rows if r.kind == balance.NO_EPLB)
+    available = {r.key: recommend.availability(options.engine, inp.model.name, r) for r in rows}
+    choice = recommend.choose(rows, base, available)
+    return _Decision(rows, base, available, choice, placements, steps_used)
+
+
+def _launch(inp: _Inputs, dec: _Decision, rb: rebalance.Rebalance, options: AdviseOptions, output: str):
+    """``(launch, files to write, warnings)`` for the chosen row."""
+    E, G = inp.trace.num_logical_experts, options.ep_size
+    row = dec.choice.row
+    redundant = min_redundant(E, G) + row.redundant_per_gpu * G
+    launch = recommend.launch(
+        options.engine, row, inp.model.name, options, redundant, rb.interval_steps, output
+    )
+    files = {f: (dec.placements[row.placement_key], inp.model.num_layers) for f in launch.files}
+    warnings = []
+    if launch.files and output == UNSET_OUTPUT:
+        warnings.append(
+            f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
+        )
+    return launch, files, warnings
+
+
+def _context(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> dict:
+    """The contract's ``context``: what was advised on, with which settings."""
+    trace, fit, held, cluster = inp.trace, inp.fit, inp.held, inp.cluster
+    shape = {
+        "name": trace.name,
+        "tokens": trace.num_tokens,
+        "experts": trace.num_logical_experts,
+        "top_k": trace.top_k,
+        "layers": trace.num_layers,
+        "fit_tokens": fit.num_tokens,
+        "held_out_tokens": held.num_tokens,
+    }
+    base = dec.base.memory
+    return {
+        "trace": shape,
+        "model": inp.model.name,
+        "hardware": cluster.name,
+        "engine": options.engine,
+        "engine_version": ENGINES[options.engine].version,
+        "nodes": options.nodes,
+        "gpus_per_node": options.gpus_per_node,
+        "decode_step_tokens": options.decode_step_tokens,
+        "prefill_tokens_per_rank": balance.prefill_tokens(held, options),
+        "context_len": options.context_len,
+        "phases": list(options.priced_phases),
+        "quick": options.quick,
+        "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
+        "replica_gb_limit": (base.spare_bytes + base.redundant_bytes) / 1e9,
+    }
+
+
+def _memory_warnings(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> tuple[list[str], list[str]]:
+    """``(band warnings of the chosen row, every other warning of this step)``."""
+    E, G = inp.trace.num_logical_experts, options.ep_size
+    above = _band_warnings(dec.choice.row, dec.base, E, G, inp.model.name)
+    more = []
+    if min_redundant(E, G):
+        more.append(
+            f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
+        )
+    return above, more
+
+
 def advise(
     trace: RoutingTrace,
     model: str = "auto",
@@ -343,6 +325,9 @@ def advise(
 ) -> Advice:
     """Advice for serving ``trace``'s model on ``options.engine`` (keywords build :class:`AdviseOptions`).
 
+    Steps: options -> inputs (halves, model, cluster) -> held-out checks -> placements, prices and the
+    choice -> rebalancing -> the launch command -> warnings, context, summary -> :class:`Advice`.
+
     Args:
         trace: per-token routing (:class:`RoutingTrace` with ``topk_ids [T, L, k]``).
         model: a built-in model name, a model JSON, or ``auto`` (the built-in with the trace's shape).
@@ -350,80 +335,59 @@ def advise(
         progress: wraps each stage (``(items, total, description) -> items``), e.g. a progress line.
         output: the folder the launch command's files are named in (the CLI's ``--output``).
     """
-    if options is not None and kw:
-        raise ValueError(f"advise takes options or keywords, not both (got options and {sorted(kw)[0]}=...)")
-    options = options if options is not None else AdviseOptions.from_fields(kw)
-    if not isinstance(options, AdviseOptions):
-        raise ValueError(f"options must be an AdviseOptions, got {type(options).__name__}")
-    if not isinstance(trace, RoutingTrace):
-        raise ValueError(
-            f"trace must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
-        )
+    options = _checked_options(trace, options, kw)
     progress = progress or _identity
-    trace, fit, held = _inputs(trace, options)
-    spec = resolve_model(model, trace)
-    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
-    steps, warnings = _held_out_checks(held, options)
-    rows, placements, steps_used = _rows(fit, held, spec, cluster, options, progress)
-    base = next(r for r in rows if r.kind == balance.NO_EPLB)
-    available = {r.key: recommend.availability(options.engine, spec.name, r) for r in rows}
-    choice = recommend.choose(rows, base, available)
-    rb = _rebalance(held, choice.row, base, placements, spec, cluster, options, progress)
-    E, G = trace.num_logical_experts, options.ep_size
-    redundant = min_redundant(E, G) + choice.row.redundant_per_gpu * G
-    launch = recommend.launch(
-        options.engine, choice.row, spec.name, options, redundant, rb.interval_steps, output
-    )
-    files = {f: (placements[choice.row.placement_key], spec.num_layers) for f in launch.files}
-    if launch.files and output == UNSET_OUTPUT:
-        warnings.append(
-            f"the command names {', '.join(launch.files)}: pass --output DIR to write the file there"
-        )
-    above = _band_warnings(choice.row, base, E, G, spec.name)
-    warnings += above
-    if min_redundant(E, G):
-        warnings.append(
-            f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
-        )
-    context = {
-        "trace": {"name": trace.name, "tokens": trace.num_tokens, "experts": E, "top_k": trace.top_k,
-                  "layers": trace.num_layers, "fit_tokens": fit.num_tokens, "held_out_tokens": held.num_tokens},
-        "model": spec.name, "hardware": cluster.name, "engine": options.engine,
-        "engine_version": ENGINES[options.engine].version, "nodes": options.nodes,
-        "gpus_per_node": options.gpus_per_node, "decode_step_tokens": options.decode_step_tokens,
-        "prefill_tokens_per_rank": balance.prefill_tokens(held, options), "context_len": options.context_len,
-        "phases": list(options.priced_phases),
-        "quick": options.quick, "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
-        "replica_gb_limit": (base.memory.spare_bytes + base.memory.redundant_bytes) / 1e9,
-    }  # fmt: skip
+    inp = _prepare(trace, model, hardware, options)
+    steps, warnings = _held_out_checks(inp.held, options)
+    dec = _decide(inp, options, progress)
+    rb = _rebalance(inp, dec.choice.row, dec.base, dec.placements, options, progress)
+    launch, files, launch_warnings = _launch(inp, dec, rb, options, output)
+    above, more = _memory_warnings(inp, dec, options)
+    stall_source = rebalance.stall(options.engine)[1]
     return Advice(
-        context=context, rows=tuple(rows), baseline=base.key, chosen=choice.row.key, available=available,
-        launch=launch, rebalance=rb, reason=choice.reason,
-        summary=_summary(options.engine, choice.row, base, choice.reason, rb, launch, above),
-        held_out_steps=steps, warnings=tuple(warnings),
-        assumptions=_assumptions(spec, cluster, options, steps_used, rebalance.stall(options.engine)[1]),
-        placements=placements, held_out=held, files=files,
-    )  # fmt: skip
+        context=_context(inp, dec, options),
+        rows=tuple(dec.rows),
+        baseline=dec.base.key,
+        chosen=dec.choice.row.key,
+        available=dec.available,
+        launch=launch,
+        rebalance=rb,
+        reason=dec.choice.reason,
+        summary=_summary(options.engine, dec.choice.row, dec.base, dec.choice.reason, rb, launch, above),
+        held_out_steps=steps,
+        warnings=tuple(warnings + launch_warnings + above + more),
+        assumptions=_assumptions(inp.model, inp.cluster, options, dec.steps_used, stall_source),
+        placements=dec.placements,
+        held_out=inp.held,
+        files=files,
+    )
 
 
-def _rebalance(held, row, base, placements, model, cluster, options, progress) -> rebalance.Rebalance:
+def _rebalance(inp: _Inputs, row: Row, base: Row, placements, options, progress) -> rebalance.Rebalance:
     """Periodic rebalancing of the chosen row, judged out of sample on the held-out windows."""
+    held, model, cluster = inp.held, inp.model, inp.cluster
     topo = balance.trace_topology(held.num_logical_experts, row.redundant_per_gpu, options)
     static = None if row is base else placements[row.placement_key]
-
     ph = options.priced_phases[0]  # decode when it is priced
 
     def price(pl: Placement, window: RoutingTrace) -> float:
-        steps = phases.held_out_steps(
-            window, options.ep_size, ph, _step_tokens(window, options)[ph], options.seed
-        )
+        b = _step_tokens(window, options)[ph]
+        steps = phases.held_out_steps(window, options.ep_size, ph, b, options.seed)
         return phases.price_phase(
             pl, window, steps, row.dispatch, model, cluster, options.context_len
         ).whole_ms
 
-    (out,) = _run(
-        [("rebalance", lambda: rebalance.judge(held, static, topo, price, options.engine, options.step_tokens(ph),
-                                               options.windows, options.rebalance_margin))],
-        progress, "rebalance",
-    )  # fmt: skip
+    def judge() -> rebalance.Rebalance:
+        return rebalance.judge(
+            held,
+            static,
+            topo,
+            price,
+            options.engine,
+            options.step_tokens(ph),
+            options.windows,
+            options.rebalance_margin,
+        )
+
+    (out,) = _run([("rebalance", judge)], progress, "rebalance")
     return out

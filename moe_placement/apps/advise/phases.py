@@ -24,7 +24,6 @@ from profiling.trace import RoutingTrace
 __all__ = [
     "BLOCKS",
     "MODEL_NOTE",
-    "PHASES",
     "PUBLISHED_GAIN",
     "PhasePrice",
     "band_side",
@@ -36,7 +35,6 @@ __all__ = [
     "published_band",
 ]
 
-PHASES = ("decode", "prefill")
 BLOCKS = 8  # blocks of held-out steps the band is measured over
 
 # Published whole-step throughput gains of expert balancing over none, percent: (low, high, source).
@@ -117,9 +115,15 @@ def price_phase(
 
     whole = tuple(p.whole_ms for p in parts)
     return PhasePrice(
-        steps.phase, steps.step_tokens, S, mean("whole_ms"), mean("moe_ms"), mean("dispatch_overhead_ms"), whole,
-        parts[0].calibrated,
-    )  # fmt: skip
+        phase=steps.phase,
+        step_tokens=steps.step_tokens,
+        num_steps=S,
+        whole_ms=mean("whole_ms"),
+        moe_ms=mean("moe_ms"),
+        dispatch_overhead_ms=mean("dispatch_overhead_ms"),
+        block_whole_ms=whole,
+        calibrated=parts[0].calibrated,
+    )
 
 
 def gain(option: PhasePrice, baseline: PhasePrice) -> tuple[float, float]:

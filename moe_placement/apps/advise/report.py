@@ -12,6 +12,8 @@ import html
 import io
 from typing import Any
 
+from placement.steps import PHASES
+
 __all__ = ["PLOT_COUNT", "render_html"]
 
 PLOT_COUNT = 2
@@ -25,7 +27,6 @@ _CSS = (
     "pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all;user-select:all}"
     ".warn{color:#a40}"
 )
-_PHASES = ("decode", "prefill")
 
 
 def _svg(fig) -> str:
@@ -46,7 +47,7 @@ def _gain_plot(plt, d: dict) -> str:
     """Whole-step gain vs replica GB per GPU, one panel per phase, error bars = the band; the GB the
     user's batch x context leaves for replicas marked; unrunnable options hollow; series at the same GB
     nudged apart by a hair so their bars do not hide each other."""
-    priced = [ph for ph in _PHASES if ph in d["held_out_steps"]]
+    priced = [ph for ph in PHASES if ph in d["held_out_steps"]]
     fig, axes = plt.subplots(1, len(priced), figsize=(5 * len(priced), 3.6), sharex=True, squeeze=False)
     axes = axes[0]
     limit = d["context"]["replica_gb_limit"]
@@ -60,10 +61,9 @@ def _gain_plot(plt, d: dict) -> str:
             y = [o["phases"][ph]["whole_step_gain"] * 100 for o in opts]
             e = [o["phases"][ph]["band"] * 100 for o in opts]
             ok = all(o["available"] for o in opts)
-            ax.errorbar(
-                x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", mfc=f"C{i}" if ok else "white",
-                ls="-" if ok else ":", label=f"{kind} / {disp}" + ("" if ok else " (not runnable)"),
-            )  # fmt: skip
+            label = f"{kind} / {disp}" + ("" if ok else " (not runnable)")
+            style = {"color": f"C{i}", "mfc": f"C{i}" if ok else "white", "ls": "-" if ok else ":"}
+            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label, **style)
         ax.axhline(0, color="#888", lw=0.8)
         if limit is not None and limit > 0:
             if limit <= 3 * span:  # drawn only where it does not squash the options onto the y axis
@@ -115,22 +115,44 @@ def _pct(ph: dict | None) -> str:
     return f"{ph['whole_step_gain'] * 100:+.2f}% ± {ph['band'] * 100:.2f}"
 
 
+_HEADS = (
+    "option",
+    "dispatch",
+    "r/GPU",
+    "runs on the engine",
+    "window PAR",
+    "decode gain",
+    "prefill gain",
+    "lp/dispatch overhead ms",
+    "replica GB/GPU",
+    "KV tokens lost/GPU",
+    "fits",
+)
+
+
 def _table(d: dict) -> str:
-    heads = ("option", "dispatch", "r/GPU", "runs on the engine", "window PAR", "decode gain", "prefill gain",
-             "lp/dispatch overhead ms", "replica GB/GPU", "KV tokens lost/GPU", "fits")  # fmt: skip
     rows = []
     chosen = d["recommendation"]["option"]
     for o in d["options"]:
         dec, pre = o["phases"].get("decode"), o["phases"].get("prefill")
         one = dec or pre
-        cells = (o["option"], o["dispatch"], o["redundant_per_gpu"],
-                 "yes" if o["available"] else f"no: {o['unavailable_reason']}", o["window_par"], _pct(dec),
-                 _pct(pre), one["dispatch_overhead_ms"], one["memory_gb"], one["kv_tokens_lost"],
-                 "yes" if o["fits"] else "no")  # fmt: skip
+        cells = (
+            o["option"],
+            o["dispatch"],
+            o["redundant_per_gpu"],
+            "yes" if o["available"] else f"no: {o['unavailable_reason']}",
+            o["window_par"],
+            _pct(dec),
+            _pct(pre),
+            one["dispatch_overhead_ms"],
+            one["memory_gb"],
+            one["kv_tokens_lost"],
+            "yes" if o["fits"] else "no",
+        )
         cls = "chosen" if o["key"] == chosen else ("grey" if not o["available"] else "")
         tds = "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
         rows.append(f'<tr class="{cls}">{tds}</tr>')
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _HEADS)
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
