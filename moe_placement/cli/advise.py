@@ -107,7 +107,6 @@ def _options(args):
         decode_step_tokens=args.decode_batch or DEFAULT_STEP_TOKENS["decode"],
         prefill_step_tokens=args.prefill_chunk or DEFAULT_STEP_TOKENS["prefill"],
         context_len=args.context_len,
-        hardware_calibrated=str(args.hardware).endswith(".json"),
         strict=args.strict,
         phase=args.phase,
     )
@@ -191,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
     inputs = [args.trace, args.model, args.hardware]  # a model or GPU preset JSON is an input too
     if args.model:
         inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
-    out = check_folder_outputs(args.output, names, inputs) if args.output else None
+    if args.output is not None and not args.output.strip():
+        raise CliError(f"--output {args.output!r} names no folder: give a folder path, or leave --output out")
+    out = check_folder_outputs(args.output, names, inputs) if args.output is not None else None
     options = _options(args)
     trace = open_trace(args.trace)
     require_data(trace, args.trace)  # nothing routed: no balance to advise on (PAR of zero load is undefined)

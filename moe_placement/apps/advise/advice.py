@@ -105,6 +105,7 @@ class Advice:
     held_out_steps: Mapping[str, int]
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...]
+    hardware: Mapping[str, Any] = field(default_factory=dict)  # {preset, measured}
     placements: Mapping[str, Placement] = field(default_factory=dict, repr=False, compare=False)
     held_out: RoutingTrace | None = field(default=None, repr=False, compare=False)
     files: Mapping[str, tuple[Placement, int]] = field(default_factory=dict, repr=False, compare=False)
@@ -155,6 +156,7 @@ class Advice:
                 "assumptions": list(self.assumptions),
                 "warnings": list(self.warnings),
                 "context": dict(self.context),
+                "hardware": dict(self.hardware),
                 "options": [self._option(r) for r in self.rows],
             }
         )

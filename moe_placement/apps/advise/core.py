@@ -10,17 +10,20 @@ one frozen :class:`Advice` whose ``to_dict()`` is the JSON contract (docs/cli.md
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import moe_placement.apps.advise.balance as balance
 import moe_placement.apps.advise.cost as cost
+import moe_placement.apps.advise.notes as notes
 import moe_placement.apps.advise.phases as phases
 import moe_placement.apps.advise.rebalance as rebalance
 import moe_placement.apps.advise.recommend as recommend
-from moe_placement.apps.advise.advice import NO_BALANCING, Advice, Row, phase_figures
+from moe_placement.apps.advise.advice import NO_BALANCING, Advice, Row
 from moe_placement.apps.advise.engines import ENGINES, min_redundant
 from moe_placement.apps.advise.options import AdviseOptions, resolve_model
+from moe_placement.apps.advise.standin import hardware_summary
 from placement.cost.hardware import ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
@@ -48,6 +51,8 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     if options.quick and len(trace.natural_windows()) > options.quick_prompts:
         trace = trace.select_windows(range(options.quick_prompts))
     fit, held = trace.split(0.5)
+    if options.fit_half == "second":
+        fit, held = held, fit
     if "decode" in options.priced_phases and held.num_tokens < options.ep_size * options.decode_step_tokens:
         raise ValueError(
             f"the held-out half has {held.num_tokens} tokens, fewer than one decode step of "
@@ -122,85 +127,6 @@ def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict
     return rows, placements, steps
 
 
-def _assumptions(
-    model: ModelSpec, cluster: ClusterSpec, options, steps: dict, source: str
-) -> tuple[str, ...]:
-    calibrated = options.hardware_calibrated or cluster.gpu.calibrated
-    cal = "calibrated (benchmarks/gpu_gemm_fit.py data)" if calibrated else "analytic, not calibrated"
-    caps = ENGINES[options.engine]
-    out = [
-        f"cost model: {cal}; hardware preset {cluster.name} ({cluster.gpu.source})",
-        phases.MODEL_NOTE,
-        "balance: placements fitted on the first half of the trace's prompts, priced on the held-out second half",
-        *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
-        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
-        f"engine capabilities: {options.engine} {caps.version} (moe_placement/apps/advise/engines.py, read from its code)",
-        f"memory: decode at {options.decode_step_tokens} sequences per rank, context {options.context_len}; "
-        f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
-        f"rebalance stall: {source}",
-    ]
-    if options.phase is not None:
-        out.append(f"--phase {options.phase}: priced and recommended on {options.phase} steps only")
-    if "prefill" in steps and steps["prefill"].step_tokens < options.prefill_step_tokens:
-        out.append(
-            f"prefill chunk {options.prefill_step_tokens} tokens per rank capped to {steps['prefill'].step_tokens}"
-        )
-    if options.quick:
-        out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
-    return tuple(out)
-
-
-def _band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
-    """A warning per phase where the chosen row's modelled whole-step gain is outside the published band,
-    with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
-    out = []
-    for ph in row.priced if row is not base else ():
-        p, b = row.phase(ph), base.phase(ph)
-        g = phases.gain(p, b)[0]
-        par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
-        why = (
-            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU; without balancing the busiest GPU carries "
-            f"{par[base.key]:.2f}x the mean load of a {ph} step ({par[row.key]:.2f}x with this option), and the "
-            f"MoE layers are {b.moe_ms / b.whole_ms * 100:.0f}% of the modelled {model} {ph} step; the published "
-            f"figures are at DeepSeek-V3 scale (256 experts, 8 per GPU at EP32)"
-        )
-        msg = phases.band_warning(ph, g, why)
-        if msg:
-            out.append(msg)
-    return out
-
-
-def _pub(figures: dict) -> str:
-    lo, hi = figures["published_band"]
-    return f"{lo * 100:g}-{hi * 100:g}%"
-
-
-def _summary(
-    engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch, notes: list[str]
-) -> str:
-    """One paragraph, built from the same figures as the JSON."""
-    if row is base:
-        text = f"Run {engine} without expert balancing ({reason})."
-    else:
-        figs = {ph: phase_figures(row, base, ph, engine) for ph in row.priced}
-        gains = ", ".join(
-            f"{ph} {f['whole_step_gain'] * 100:+.2f}% (band {f['band'] * 100:.2f}%; published {_pub(f)})"
-            for ph, f in figs.items()
-        )
-        f = next(iter(figs.values()))
-        text = (
-            f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
-            f"per GPU ({reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
-            f"({f['kv_tokens_lost']:,.0f} KV tokens)."
-        )
-    text += (
-        f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
-    )
-    text += f" ({rb.reason})."
-    text += "".join(f" Warning: {n[0].upper()}{n[1:]}." for n in notes)
-    return text + f" Command: {launch.command}"
-
-
 class _Inputs(NamedTuple):
     """What the advice is computed from: the trace used (``--quick`` may cut it), its fit and held-out
     halves, the cost-side model and the cluster."""
@@ -223,8 +149,17 @@ class _Decision(NamedTuple):
     steps_used: dict
 
 
-def _checked_options(trace: Any, options: AdviseOptions | None, kw: dict) -> AdviseOptions:
-    """The options of one call (an :class:`AdviseOptions` or keywords, not both), the trace's type checked."""
+def _checked_call(trace: Any, options: AdviseOptions | None, kw: dict, progress, output) -> AdviseOptions:
+    """The options of one call (an :class:`AdviseOptions` or keywords, not both), the other arguments'
+    types checked."""
+    if progress is not None and not callable(progress):
+        raise ValueError(
+            f"progress must be None or a callable (items, total, description) -> items, got {progress!r}"
+        )
+    if not isinstance(output, (str, os.PathLike)) or not os.fspath(output):
+        raise ValueError(
+            f"output must be a folder path (the launch command names its files there), got {output!r}"
+        )
     if options is not None and kw:
         raise ValueError(f"advise takes options or keywords, not both (got options and {sorted(kw)[0]}=...)")
     options = options if options is not None else AdviseOptions.from_fields(kw)
@@ -235,6 +170,12 @@ def _checked_options(trace: Any, options: AdviseOptions | None, kw: dict) -> Adv
             f"trace must be a profiling.trace.RoutingTrace (read_trace), got {type(trace).__name__}"
         )
     return options
+
+
+def _absolute(output: str | os.PathLike) -> str:
+    """The folder the command names, absolute: an engine started elsewhere reads the same files."""
+    out = os.fspath(output)
+    return out if out == UNSET_OUTPUT else os.path.abspath(out)
 
 
 def _prepare(trace: RoutingTrace, model: str, hardware: str, options: AdviseOptions) -> _Inputs:
@@ -297,7 +238,7 @@ def _context(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> dict:
         "context_len": options.context_len,
         "phases": list(options.priced_phases),
         "quick": options.quick,
-        "calibrated": options.hardware_calibrated or cluster.gpu.calibrated,
+        "calibrated": hardware_summary(cluster)["measured"],
         "replica_gb_limit": (base.spare_bytes + base.redundant_bytes) / 1e9,
     }
 
@@ -305,7 +246,7 @@ def _context(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> dict:
 def _memory_warnings(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> tuple[list[str], list[str]]:
     """``(band warnings of the chosen row, every other warning of this step)``."""
     E, G = inp.trace.num_logical_experts, options.ep_size
-    above = _band_warnings(dec.choice.row, dec.base, E, G, inp.model.name)
+    above = notes.band_warnings(dec.choice.row, dec.base, E, G, inp.model.name)
     more = []
     if min_redundant(E, G):
         more.append(
@@ -335,7 +276,8 @@ def advise(
         progress: wraps each stage (``(items, total, description) -> items``), e.g. a progress line.
         output: the folder the launch command's files are named in (the CLI's ``--output``).
     """
-    options = _checked_options(trace, options, kw)
+    options = _checked_call(trace, options, kw, progress, output)
+    output = _absolute(output)
     progress = progress or _identity
     inp = _prepare(trace, model, hardware, options)
     steps, warnings = _held_out_checks(inp.held, options)
@@ -344,6 +286,7 @@ def advise(
     launch, files, launch_warnings = _launch(inp, dec, rb, options, output)
     above, more = _memory_warnings(inp, dec, options)
     stall_source = rebalance.stall(options.engine)[1]
+    hardware = hardware_summary(inp.cluster)
     return Advice(
         context=_context(inp, dec, options),
         rows=tuple(dec.rows),
@@ -353,10 +296,19 @@ def advise(
         launch=launch,
         rebalance=rb,
         reason=dec.choice.reason,
-        summary=_summary(options.engine, dec.choice.row, dec.base, dec.choice.reason, rb, launch, above),
+        summary=notes.summary(options.engine, dec.choice.row, dec.base, dec.choice.reason, rb, launch, above),
         held_out_steps=steps,
         warnings=tuple(warnings + launch_warnings + above + more),
-        assumptions=_assumptions(inp.model, inp.cluster, options, dec.steps_used, stall_source),
+        assumptions=notes.assumptions(
+            inp.model,
+            inp.cluster,
+            options,
+            dec.steps_used,
+            stall_source,
+            hardware,
+            notes.split_unit(inp.trace),
+        ),
+        hardware=hardware,
         placements=dec.placements,
         held_out=inp.held,
         files=files,

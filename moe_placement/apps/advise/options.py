@@ -6,6 +6,7 @@ Shapes: L MoE layers, E logical experts, G EP ranks (GPUs), r redundant slots pe
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from profiling.trace import RoutingTrace
 
 __all__ = [
     "AUTO_MODEL",
+    "FIT_HALVES",
     "AdviseOptions",
     "engine_dispatches",
     "engine_flag_value",
@@ -28,6 +30,7 @@ __all__ = [
 ]
 
 AUTO_MODEL = "auto"
+FIT_HALVES = ("first", "second")  # the half of the trace placements are fitted on; the other is held out
 _FLAG_RE = re.compile(r"--ep-dispatch-algorithm (\w+)")
 
 
@@ -75,11 +78,12 @@ class AdviseOptions:
             table dispatch models).
         fit_steps / fit_dealings: the pipeline's fit step budget (:class:`solver.api.FitOptions`).
         quick: fewer prompts (``quick_prompts``), fewer options and fit budget; for notebooks and tests.
-        hardware_calibrated: the GPU preset came from ``benchmarks/gpu_gemm_fit.py`` data.
         strict: refuse (ValueError) where the advice would only warn (too few held-out steps).
         min_held_out_steps: held-out steps per phase below which the figures are warned about.
         rebalance_margin: out-of-sample whole-step gain a periodic rebalance must clear (fraction).
         phase: ``"decode"`` or ``"prefill"`` to price and recommend on that phase only; None: both.
+        fit_half: ``"first"`` (fit on the first half of the trace's prompts, price on the second) or
+            ``"second"`` (the halves swapped).
     """
 
     engine: str
@@ -96,16 +100,16 @@ class AdviseOptions:
     quick: bool = False
     quick_prompts: int = 300
     seed: int = 0
-    hardware_calibrated: bool = False
     strict: bool = False
     min_held_out_steps: int = 20
     rebalance_margin: float = 0.005
     phase: str | None = None
+    fit_half: str = "first"
     notes: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if self.engine.lower() not in engine_names():
-            raise ValueError(f"unknown engine {self.engine!r}; use one of {', '.join(engine_names())}")
+        if not isinstance(self.engine, str) or self.engine.lower() not in engine_names():
+            raise ValueError(f"engine must be one of {', '.join(engine_names())}, got {self.engine!r}")
         for name in ("nodes", "gpus_per_node", "decode_step_tokens", "prefill_step_tokens", "context_len"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -123,6 +127,8 @@ class AdviseOptions:
             raise ValueError(
                 f"phase must be one of {', '.join(STEP_PHASES)} (or None: both), got {self.phase!r}"
             )
+        if self.fit_half not in FIT_HALVES:
+            raise ValueError(f"fit_half must be one of {', '.join(FIT_HALVES)}, got {self.fit_half!r}")
         object.__setattr__(self, "engine", self.engine.lower())
         object.__setattr__(self, "redundant_per_gpu", tuple(sorted(int(x) for x in r)))
 
@@ -203,6 +209,13 @@ def resolve_model(spec: str, trace: RoutingTrace) -> ModelSpec:
     ``auto`` picks the built-in model with the trace's expert count, top-k and layer count. A model of
     another shape is refused, naming both: its figures would price experts or layers the trace never saw.
     """
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(
+            f"model must be {AUTO_MODEL!r}, a built-in model name ({', '.join(BUILTIN_MODELS)}) or a model JSON "
+            f"path, got {spec!r}"
+        )
     E, k, L = trace.num_logical_experts, trace.top_k, trace.num_layers
     if spec.lower() == AUTO_MODEL:
         builtins = {name: load_model(name) for name in BUILTIN_MODELS}

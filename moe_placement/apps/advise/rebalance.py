@@ -32,7 +32,8 @@ __all__ = ["STALL_SOURCE", "Rebalance", "judge", "stall"]
 STALL_SOURCE = {
     "vllm": "vLLM sync EPLB rearrangement stall 0.65-1.70 s (mean 0.91 s over 22 rearrangements, DeepSeek-R1 "
     "NVFP4 on 32 GB200, vllm-project/vllm PR #43219); vLLM's async EPLB (use_async, default) keeps serving",
-    "sglang": "SGLang EPLB rearrangement about 1.8 s (docs/costmodel.md, measured elsewhere); SGLang stops serving",
+    "sglang": "SGLang EPLB rearrangement about 1.8 s as reported for SGLang (not measured here; sgl-project/sglang "
+    "PR #8345 describes each rebalance as second-level latency); SGLang stops serving while it moves weights",
 }
 
 

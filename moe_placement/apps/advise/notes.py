@@ -1,0 +1,118 @@
+"""The words of the advice: its assumptions, its warnings and the one-paragraph summary, each built from the
+same figures as the JSON (nothing here computes a figure).
+"""
+
+from __future__ import annotations
+
+import moe_placement.apps.advise.phases as phases
+import moe_placement.apps.advise.rebalance as rebalance
+from moe_placement.apps.advise.advice import Row, phase_figures
+from moe_placement.apps.advise.engines import ENGINES
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
+from profiling.trace import RoutingTrace
+
+__all__ = ["assumptions", "band_warnings", "split_unit", "summary"]
+
+
+def split_unit(trace: RoutingTrace) -> str:
+    """What the fit / held-out split cuts the trace at, in words (:meth:`RoutingTrace.split`): its prompts,
+    its recorded engine batches, or its tokens when it has one window only."""
+    n = len(trace.natural_windows())
+    if n >= 2:
+        return "prompts" if trace.seq_offsets is not None else "recorded engine batches"
+    if trace.seq_offsets is not None:
+        return "tokens (the trace has one prompt)"
+    return "tokens (the trace has no prompt boundaries)"
+
+
+def _halves(fit_half: str) -> tuple[str, str]:
+    return ("first", "second") if fit_half == "first" else ("second", "first")
+
+
+def assumptions(
+    model: ModelSpec,
+    cluster: ClusterSpec,
+    options,
+    steps: dict,
+    source: str,
+    hardware: dict,
+    unit: str,
+) -> tuple[str, ...]:
+    """The assumptions list of the contract, one line each."""
+    cal = (
+        "calibrated (measured figures in the preset)" if hardware["measured"] else "analytic, not calibrated"
+    )
+    caps = ENGINES[options.engine]
+    fit, held = _halves(options.fit_half)
+    out = [
+        f"cost model: {cal}; hardware preset {cluster.name} ({cluster.gpu.source})",
+        phases.MODEL_NOTE,
+        f"balance: placements fitted on the {fit} half of the trace's {unit}, priced on the held-out {held} half",
+        *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
+        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
+        f"engine capabilities: {options.engine} {caps.version} (moe_placement/apps/advise/engines.py, read from its code)",
+        f"memory: decode at {options.decode_step_tokens} sequences per rank, context {options.context_len}; "
+        f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
+        f"rebalance stall: {source}",
+    ]
+    if options.phase is not None:
+        out.append(f"--phase {options.phase}: priced and recommended on {options.phase} steps only")
+    if "prefill" in steps and steps["prefill"].step_tokens < options.prefill_step_tokens:
+        out.append(
+            f"prefill chunk {options.prefill_step_tokens} tokens per rank capped to {steps['prefill'].step_tokens}"
+        )
+    if options.quick:
+        out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
+    return tuple(out)
+
+
+def band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
+    """A warning per phase where the chosen row's modelled whole-step gain is outside the published band,
+    with what makes this deployment differ (experts per GPU, step PAR, the MoE share of the step)."""
+    out = []
+    for ph in row.priced if row is not base else ():
+        p, b = row.phase(ph), base.phase(ph)
+        g = phases.gain(p, b)[0]
+        par = {r.key: getattr(r.scores, f"step_par_{ph}") for r in (row, base)}
+        why = (
+            f"{E} experts on {G} GPUs leave {E / G:.3g} per GPU; without balancing the busiest GPU carries "
+            f"{par[base.key]:.2f}x the mean load of a {ph} step ({par[row.key]:.2f}x with this option), and the "
+            f"MoE layers are {b.moe_ms / b.whole_ms * 100:.0f}% of the modelled {model} {ph} step; the published "
+            f"figures are at DeepSeek-V3 scale (256 experts, 8 per GPU at EP32)"
+        )
+        msg = phases.band_warning(ph, g, why)
+        if msg:
+            out.append(msg)
+    return out
+
+
+def _pub(figures: dict) -> str:
+    lo, hi = figures["published_band"]
+    return f"{lo * 100:g}-{hi * 100:g}%"
+
+
+def summary(
+    engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch, notes: list[str]
+) -> str:
+    """One paragraph, built from the same figures as the JSON."""
+    if row is base:
+        text = f"Run {engine} without expert balancing ({reason})."
+    else:
+        figs = {ph: phase_figures(row, base, ph, engine) for ph in row.priced}
+        gains = ", ".join(
+            f"{ph} {f['whole_step_gain'] * 100:+.2f}% (band {f['band'] * 100:.2f}%; published {_pub(f)})"
+            for ph, f in figs.items()
+        )
+        f = next(iter(figs.values()))
+        text = (
+            f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
+            f"per GPU ({reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
+            f"({f['kv_tokens_lost']:,.0f} KV tokens)."
+        )
+    text += (
+        f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
+    )
+    text += f" ({rb.reason})."
+    text += "".join(f" Warning: {n[0].upper()}{n[1:]}." for n in notes)
+    return text + f" Command: {launch.command}"
