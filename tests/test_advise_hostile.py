@@ -28,7 +28,8 @@ def _cli(tmp_path: Path, model: str, *extra: str, trace=None) -> list[str]:
     path = tmp_path / "t.npz"
     write_trace(trace if trace is not None else _skewed(), path)
     args = ["advise", "--trace", str(path), "--model", model, "--nodes", "1", "--gpus-per-node", "4"]
-    return [*args, "--engine", "vllm", "--quick", "--decode-batch", "8", "--prefill-chunk", "64", *extra]
+    args += ["--engine", "vllm", "--quick", "--decode-batch", "8", "--prefill-chunk", "64", "--min-gain", "0"]
+    return [*args, *extra]
 
 
 # -- kind 4: library calls that raised AttributeError
@@ -106,3 +107,89 @@ def test_report_and_json_cite_only_files_the_project_has(lite):
     assert cited, "the report names its sources"
     missing = sorted(c for c in cited if not (ROOT / c).is_file())
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--context-len", "16000000"], ["--hardware", "{tiny}"]],
+    ids=["huge-context", "tiny-hbm-preset"],
+)
+def test_nothing_fits_is_said_in_one_line_not_advised(tmp_path, capsys, lite, extra):
+    tiny = tmp_path / "tiny.json"
+    tiny.write_text(json.dumps({"base": "h200", "hbm_bytes": 5e8}))
+    args = _cli(tmp_path, lite, *[e.replace("{tiny}", str(tiny)) for e in extra])
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "nothing fits in memory" in err and "lower --decode-batch" in err, (
+        err
+    )
+
+
+def test_a_gain_on_one_held_out_step_has_no_band_and_is_not_called_stable(lite):
+    one_chunk = _options("vllm", prefill_step_tokens=3000, min_gain=0.0, stability=True)
+    d = advise(_skewed(), lite, "h200", one_chunk).to_dict()
+    assert d["held_out_steps"]["prefill"] == 1
+    rows = [o["phases"]["prefill"] for o in d["options"] if o["option"] != "no EPLB"]
+    assert rows and all(p["band"] is None for p in rows)  # null, not 0.00%
+    rec = d["recommendation"]
+    assert rec["decision_stable"] is False
+    assert any("prefill figures rest on one held-out step" in u for u in rec["stability"]["unknown"])
+    if rec["option"] != "no balancing":
+        assert "band unknown: one held-out step" in d["summary"]
+
+
+def test_vllm_no_balancing_command_enables_no_eplb(lite, tmp_path):
+    """Qwen1.5-MoE (60 experts) on 16 GPUs with vLLM: vLLM has no EPLB for Qwen2MoeForCausalLM, so the
+    advice is no balancing, and the command must not turn on EPLB, redundant experts or our plugin
+    (vLLM refuses num_redundant_experts without EPLB, and places 60 experts 4 or 3 per GPU)."""
+    model = _model_json(tmp_path, "deepseek-v2-lite", "qwen1.5-moe-a2.7b", 60, 4, 2)
+    tr = _skewed(experts=60, top_k=4, tokens=40000, num_layers=2)
+    opts = AdviseOptions.quick_form(
+        "vllm",
+        2,
+        gpus_per_node=8,
+        decode_step_tokens=2,
+        prefill_step_tokens=16,
+        quick_prompts=1000,
+        stability=False,
+    )
+    d = advise(tr, model, "h200", opts).to_dict()
+    rec = d["recommendation"]
+    assert rec["option"] == "no balancing" and rec["flags"] == [] and rec["env"] == [] and rec["files"] == []
+    for c in rec["launch_commands"]:
+        for word in (
+            "--enable-eplb",
+            "--eplb-config",
+            "num_redundant_experts",
+            "MOE_PLACEMENT_EPLB",
+            "VLLM_PLUGINS",
+        ):
+            assert word not in c["command"], (word, c["command"])
+    assert any("without EPLB vLLM places 3 or 4 experts per GPU" in w for w in d["warnings"]), d["warnings"]
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_every_node_gets_its_command(lite, engine):
+    opts = AdviseOptions.quick_form(
+        engine,
+        2,
+        gpus_per_node=2,
+        decode_step_tokens=4,
+        prefill_step_tokens=64,
+        min_gain=0.0,
+        stability=False,
+    )
+    d = advise(_skewed(), lite, "h200", opts).to_dict()
+    nodes = d["recommendation"]["launch_commands"]
+    assert [n["node_rank"] for n in nodes] == [0, 1]
+    assert nodes[0]["command"] == d["recommendation"]["launch_command"]
+    if engine == "sglang":
+        assert "--node-rank 0" in nodes[0]["command"] and "--node-rank 1" in nodes[1]["command"]
+        assert all("--dist-init-addr HEAD_IP:5000" in n["command"] for n in nodes)
+        assert all(
+            "--attn-dp-size 4" in n["command"] and "--enable-dp-attention" not in n["command"] for n in nodes
+        )
+    else:
+        assert "--headless" not in nodes[0]["command"]
+        assert "--headless" in nodes[1]["command"] and "--data-parallel-start-rank 2" in nodes[1]["command"]
+        assert all("--data-parallel-address HEAD_IP" in n["command"] for n in nodes)

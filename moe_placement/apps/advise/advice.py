@@ -36,6 +36,8 @@ class Row:
     decode: phases.PhasePrice | None  # None: the phase was not priced (``--phase``)
     prefill: phases.PhasePrice | None
     memory: cost.MemoryCost
+    # phase -> {"whole_step_gain": (low, high), "moe_step_gain": (low, high)} over the cost model's range
+    ranges: Mapping[str, Mapping[str, tuple[float, float]]] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -67,11 +69,15 @@ def phase_figures(row: Row, base: Row, name: str, engine: str) -> dict:
     p, b = row.phase(name), base.phase(name)
     g, band = phases.gain(p, b)
     lo, hi, _ = phases.published_band(name)
+    moe = b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0
+    rng = row.ranges.get(name, {})
     return {
         "whole_step_gain": g,
+        "whole_step_gain_range": list(rng.get("whole_step_gain", (g, g))),
         "band": band,
         "published_band": [lo / 100.0, hi / 100.0],
-        "moe_step_gain": b.moe_ms / p.moe_ms - 1.0 if p.moe_ms > 0 else 0.0,
+        "moe_step_gain": moe,
+        "moe_step_gain_range": list(rng.get("moe_step_gain", (moe, moe))),
         "dispatch_overhead_ms": p.dispatch_overhead_ms,
         "memory_gb": row.memory.redundant_bytes / 1e9,
         "kv_tokens_lost": row.memory.kv_tokens_lost,
@@ -106,6 +112,8 @@ class Advice:
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...]
     hardware: Mapping[str, Any] = field(default_factory=dict)  # {preset, measured}
+    # the recommendation's decision keys: min_gain, net_gain(_range), decision_stable, would_flip, ...
+    decision: Mapping[str, Any] = field(default_factory=dict)
     placements: Mapping[str, Placement] = field(default_factory=dict, repr=False, compare=False)
     held_out: RoutingTrace | None = field(default=None, repr=False, compare=False)
     files: Mapping[str, tuple[Placement, int]] = field(default_factory=dict, repr=False, compare=False)
@@ -125,9 +133,11 @@ class Advice:
             "flags": list(self.launch.flags),
             "env": list(self.launch.env),
             "launch_command": self.launch.command,
+            "launch_commands": [{"node_rank": i, "command": c} for i, c in enumerate(self.launch.per_node)],
             "files": list(self.launch.files),
             "phases": {ph: phase_figures(row, base, ph, engine) for ph in base.priced},
             "rebalance": self.rebalance.to_dict(),
+            **self.decision,
         }
 
     def _option(self, r: Row) -> dict:

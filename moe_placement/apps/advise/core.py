@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import moe_placement.apps.advise.balance as balance
+import moe_placement.apps.advise.choice as choice_
 import moe_placement.apps.advise.cost as cost
 import moe_placement.apps.advise.notes as notes
 import moe_placement.apps.advise.phases as phases
+import moe_placement.apps.advise.pricing as pricing
 import moe_placement.apps.advise.rebalance as rebalance
 import moe_placement.apps.advise.recommend as recommend
+import moe_placement.apps.advise.stability as stability
 from moe_placement.apps.advise.advice import NO_BALANCING, Advice, Row
 from moe_placement.apps.advise.engines import ENGINES, min_redundant
 from moe_placement.apps.advise.options import AdviseOptions, resolve_model
@@ -32,8 +35,7 @@ from profiling.trace import RoutingTrace
 __all__ = ["NO_BALANCING", "Advice", "Row", "advise"]
 
 log = logging.getLogger(__name__)
-# (items, total, description) -> the same items (a progress bar, or the identity)
-Progress = Callable[[Iterable, int, str], Iterable]
+Progress = pricing.Progress
 UNSET_OUTPUT = "OUTPUT"  # the folder named in the command when no --output is given
 
 
@@ -61,15 +63,11 @@ def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, 
     return trace, fit, held
 
 
-def _step_tokens(held: RoutingTrace, options: AdviseOptions) -> dict[str, int]:
-    every = {"decode": options.decode_step_tokens, "prefill": balance.prefill_tokens(held, options)}
-    return {ph: every[ph] for ph in options.priced_phases}
-
-
 def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[str, int], list[str]]:
     """Held-out steps per phase; a warning (ValueError with ``strict``) below ``min_held_out_steps``."""
     counts = {
-        ph: phases.count_steps(held, options.ep_size, ph, b) for ph, b in _step_tokens(held, options).items()
+        ph: phases.count_steps(held, options.ep_size, ph, b)
+        for ph, b in pricing.step_tokens(held, options).items()
     }
     warnings = []
     for ph, n in counts.items():
@@ -82,49 +80,6 @@ def _held_out_checks(held: RoutingTrace, options: AdviseOptions) -> tuple[dict[s
                 raise ValueError(f"--strict: {msg}")
             warnings.append(msg)
     return counts, warnings
-
-
-def _run(steps: list[tuple[str, Callable[[], Any]]], progress: Progress, desc: str) -> list[Any]:
-    out = []
-    for name, fn in progress(steps, len(steps), desc):
-        log.debug("advise: %s", name)
-        out.append(fn())
-    return out
-
-
-def _rows(fit, held, model, cluster, options, progress) -> tuple[list[Row], dict[str, Placement], dict]:
-    """Placements for every option, then each row priced per phase on the held-out steps."""
-    opts, builds = balance.plan_options(fit, options)
-    built = _run([(d, b) for _, d, b in builds], progress, "placements")
-    placements = {k: p for (k, _, _), p in zip(builds, built)}
-    steps = {
-        ph: phases.held_out_steps(held, options.ep_size, ph, b, options.seed)
-        for ph, b in _step_tokens(held, options).items()
-    }
-
-    def one(o: balance.Option) -> Row:
-        pl = placements[o.placement_key]
-        s = balance.score(pl, held, o.dispatch, options)
-        price = {
-            ph: phases.price_phase(pl, held, st, o.dispatch, model, cluster, options.context_len)
-            for ph, st in steps.items()
-        }
-        # (E + R0) / G = ceil(E / G): the engines' minimum R0 fills the padding; r slots are on top
-        r, b = o.redundant_per_gpu, options.decode_step_tokens
-        mem = cost.replica_memory(model, cluster, options.ep_size, r, b, options.context_len)
-        return Row(
-            o.kind,
-            o.dispatch,
-            o.redundant_per_gpu,
-            o.placement_key,
-            s,
-            price.get("decode"),
-            price.get("prefill"),
-            mem,
-        )
-
-    rows = _run([(o.key, lambda o=o: one(o)) for o in opts], progress, "held-out prices")
-    return rows, placements, steps
 
 
 class _Inputs(NamedTuple):
@@ -144,7 +99,7 @@ class _Decision(NamedTuple):
     rows: list[Row]
     base: Row
     available: dict[str, tuple[bool, str]]
-    choice: recommend.Choice
+    choice: choice_.Choice
     placements: dict[str, Placement]
     steps_used: dict
 
@@ -178,21 +133,52 @@ def _absolute(output: str | os.PathLike) -> str:
     return out if out == UNSET_OUTPUT else os.path.abspath(out)
 
 
-def _prepare(trace: RoutingTrace, model: str, hardware: str, options: AdviseOptions) -> _Inputs:
-    """The trace's halves, the model the trace was recorded from and the cluster preset."""
+def _prepare(
+    trace: RoutingTrace, model: str, hardware: str, options: AdviseOptions
+) -> tuple[_Inputs, AdviseOptions]:
+    """The cluster preset, the options with every knob set, the trace's halves and the model the trace
+    was recorded from."""
+    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
+    options = options.resolved(cluster.gpu.hbm_bytes)
     trace, fit, held = _inputs(trace, options)
     spec = resolve_model(model, trace)
-    cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
-    return _Inputs(trace, fit, held, spec, cluster)
+    cost.check_something_fits(spec, cluster, options.ep_size, options.decode_step_tokens, options.context_len)
+    return _Inputs(trace, fit, held, spec, cluster), options
 
 
 def _decide(inp: _Inputs, options: AdviseOptions, progress: Progress) -> _Decision:
     """Every option placed and priced on the held-out half, what the engine can run, and the choice."""
-    rows, placements, steps_used = _rows(inp.fit, inp.held, inp.model, inp.cluster, options, progress)
+    rows, placements, steps_used = pricing.rows(inp.fit, inp.held, inp.model, inp.cluster, options, progress)
+    base = next(r for r in rows if r.kind == balance.NO_EPLB)
+    rows = pricing.with_ranges(rows, base, placements, steps_used, inp.held, inp.model, inp.cluster, options)
     base = next(r for r in rows if r.kind == balance.NO_EPLB)
     available = {r.key: recommend.availability(options.engine, inp.model.name, r) for r in rows}
-    choice = recommend.choose(rows, base, available)
+    choice = choice_.choose(rows, base, available, options.min_gain)
     return _Decision(rows, base, available, choice, placements, steps_used)
+
+
+def _decision(dec: _Decision, stab: stability.Stability, options: AdviseOptions) -> dict:
+    """The recommendation's decision keys: the net gain and its range, the threshold, stability, and the
+    best option not picked with why."""
+    row, base = dec.choice.row, dec.base
+    g = choice_.net_gain(row, base) if row is not base else None
+    runner = dec.choice.runner_up
+    out = {
+        "net_gain": g["net"] if g else 0.0,
+        "net_gain_range": [g["low"], g["high"]] if g else [0.0, 0.0],
+        "net_gain_sure": choice_.sure(g) if g else 0.0,
+        **stab.to_dict(options.min_gain),
+        "runner_up": None,
+    }
+    if runner is not None:
+        rg = choice_.net_gain(runner, base)
+        out["runner_up"] = {
+            "option": runner.key,
+            "net_gain": rg["net"],
+            "net_gain_range": [rg["low"], rg["high"]],
+            "why_not": dec.choice.runner_up_why,
+        }
+    return out
 
 
 def _launch(inp: _Inputs, dec: _Decision, rb: rebalance.Rebalance, options: AdviseOptions, output: str):
@@ -243,15 +229,13 @@ def _context(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> dict:
     }
 
 
-def _memory_warnings(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> tuple[list[str], list[str]]:
-    """``(band warnings of the chosen row, every other warning of this step)``."""
+def _more_warnings(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> tuple[list[str], list[str]]:
+    """``(published-band warnings of the chosen row, the routing and padding warnings)``."""
     E, G = inp.trace.num_logical_experts, options.ep_size
     above = notes.band_warnings(dec.choice.row, dec.base, E, G, inp.model.name)
-    more = []
+    more = notes.routing_warnings(inp.held, options)
     if min_redundant(E, G):
-        more.append(
-            f"{E} experts on {G} GPUs: {min_redundant(E, G)} redundant slots are needed in every option"
-        )
+        more.append(notes.padding_warning(options.engine, E, G, min_redundant(E, G)))
     return above, more
 
 
@@ -279,13 +263,13 @@ def advise(
     options = _checked_call(trace, options, kw, progress, output)
     output = _absolute(output)
     progress = progress or _identity
-    inp = _prepare(trace, model, hardware, options)
+    inp, options = _prepare(trace, model, hardware, options)
     steps, warnings = _held_out_checks(inp.held, options)
     dec = _decide(inp, options, progress)
+    stab = stability.check(inp, dec, options, progress)
     rb = _rebalance(inp, dec.choice.row, dec.base, dec.placements, options, progress)
     launch, files, launch_warnings = _launch(inp, dec, rb, options, output)
-    above, more = _memory_warnings(inp, dec, options)
-    stall_source = rebalance.stall(options.engine)[1]
+    above, more = _more_warnings(inp, dec, options)
     hardware = hardware_summary(inp.cluster)
     return Advice(
         context=_context(inp, dec, options),
@@ -296,19 +280,14 @@ def advise(
         launch=launch,
         rebalance=rb,
         reason=dec.choice.reason,
-        summary=notes.summary(options.engine, dec.choice.row, dec.base, dec.choice.reason, rb, launch, above),
+        summary=notes.summary(options, dec.choice, dec.base, rb, launch, above, stab),
         held_out_steps=steps,
         warnings=tuple(warnings + launch_warnings + above + more),
         assumptions=notes.assumptions(
-            inp.model,
-            inp.cluster,
-            options,
-            dec.steps_used,
-            stall_source,
-            hardware,
-            notes.split_unit(inp.trace),
+            inp.model, inp.cluster, options, dec.steps_used, hardware, notes.split_unit(inp.trace)
         ),
         hardware=hardware,
+        decision=_decision(dec, stab, options),
         placements=dec.placements,
         held_out=inp.held,
         files=files,
@@ -323,11 +302,9 @@ def _rebalance(inp: _Inputs, row: Row, base: Row, placements, options, progress)
     ph = options.priced_phases[0]  # decode when it is priced
 
     def price(pl: Placement, window: RoutingTrace) -> float:
-        b = _step_tokens(window, options)[ph]
-        steps = phases.held_out_steps(window, options.ep_size, ph, b, options.seed)
-        return phases.price_phase(
-            pl, window, steps, row.dispatch, model, cluster, options.context_len
-        ).whole_ms
+        b = pricing.step_tokens(window, options)[ph]
+        steps = {ph: phases.held_out_steps(window, options.ep_size, ph, b, options.seed)}
+        return pricing.price(pl, window, steps, row.dispatch, model, cluster, options)[ph].whole_ms
 
     def judge() -> rebalance.Rebalance:
         return rebalance.judge(
@@ -339,7 +316,8 @@ def _rebalance(inp: _Inputs, row: Row, base: Row, placements, options, progress)
             options.step_tokens(ph),
             options.windows,
             options.rebalance_margin,
+            options.rebalance_min_steps,
         )
 
-    (out,) = _run([("rebalance", judge)], progress, "rebalance")
+    (out,) = pricing.run_stage([("rebalance", judge)], progress, "rebalance")
     return out

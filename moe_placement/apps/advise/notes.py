@@ -7,12 +7,13 @@ from __future__ import annotations
 import moe_placement.apps.advise.phases as phases
 import moe_placement.apps.advise.rebalance as rebalance
 from moe_placement.apps.advise.advice import Row, phase_figures
-from moe_placement.apps.advise.engines import ENGINES
+from moe_placement.apps.advise.choice import net_gain
+from moe_placement.apps.advise.engines import ENGINES, default_prefill_chunk
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
 from profiling.trace import RoutingTrace
 
-__all__ = ["assumptions", "band_warnings", "split_unit", "summary"]
+__all__ = ["assumptions", "band_warnings", "padding_warning", "routing_warnings", "split_unit", "summary"]
 
 
 def split_unit(trace: RoutingTrace) -> str:
@@ -30,12 +31,31 @@ def _halves(fit_half: str) -> tuple[str, str]:
     return ("first", "second") if fit_half == "first" else ("second", "first")
 
 
+def _setup_lines(options, steps: dict, cluster: ClusterSpec) -> list[str]:
+    """How the steps are run, as the command runs them: kernels, overlap, prefill chunk, decode routing."""
+    caps = ENGINES[options.engine]
+    kernels = ", ".join(f"{ph} {caps.deepep_modes[ph]}" for ph in options.priced_phases)
+    out = [f"all-to-all priced on the kernels the command selects: {kernels}"]
+    if options.overlap == "on":
+        out.append(f"two-batch overlap: on ({caps.overlap_flag} in the command), priced as two micro-batches")
+    else:
+        out.append(
+            f"two-batch overlap: off (the command does not set {caps.overlap_flag}); priced without it"
+        )
+    if "prefill" in steps:
+        if "prefill_step_tokens" in (options.pinned or ()):
+            out.append(f"prefill chunk: {options.prefill_step_tokens} tokens per rank, set in the command")
+        else:
+            per, source = default_prefill_chunk(options.engine, cluster.gpu.hbm_bytes, options.ep_size)
+            out.append(f"prefill chunk: the engine's default, {per} tokens per rank ({source})")
+    return out
+
+
 def assumptions(
     model: ModelSpec,
     cluster: ClusterSpec,
     options,
     steps: dict,
-    source: str,
     hardware: dict,
     unit: str,
 ) -> tuple[str, ...]:
@@ -50,11 +70,13 @@ def assumptions(
         phases.MODEL_NOTE,
         f"balance: placements fitted on the {fit} half of the trace's {unit}, priced on the held-out {held} half",
         *(f"held-out {ph}: {st.describe()}" for ph, st in steps.items()),
-        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of steps",
+        "gains are whole-step throughput over the no-EPLB baseline; band = 2 standard errors over blocks of "
+        "steps; range = the gain over the cost model's low / central / high constants",
+        *_setup_lines(options, steps, cluster),
         f"engine capabilities: {options.engine} {caps.version} (moe_placement/apps/advise/engines.py, read from its code)",
         f"memory: decode at {options.decode_step_tokens} sequences per rank, context {options.context_len}; "
         f"KV tokens lost = redundant expert bytes / {model.name}'s KV bytes per token",
-        f"rebalance stall: {source}",
+        f"rebalance stall: {rebalance.stall(options.engine)[1]}",
     ]
     if options.phase is not None:
         out.append(f"--phase {options.phase}: priced and recommended on {options.phase} steps only")
@@ -65,6 +87,28 @@ def assumptions(
     if options.quick:
         out.append(f"--quick: the first {options.quick_prompts} prompts only, fewer options and budgets")
     return tuple(out)
+
+
+def routing_warnings(held: RoutingTrace, options) -> list[str]:
+    """A warning when decode is priced on prompt tokens (the trace records no decode step)."""
+    if "decode" not in options.priced_phases or held.step_offsets is not None:
+        return []  # recorded engine batches: decode steps are the engine's own
+    return [
+        "decode is priced on prompt tokens: the trace records no decode routing, so each decode step takes "
+        "the next prompt token of each sequence as if it were generated; record the engine's decode steps "
+        "(a trace with its batches) to price decode on decode routing"
+    ]
+
+
+def padding_warning(engine: str, E: int, G: int, R0: int) -> str:
+    """What ``E`` experts on ``G`` GPUs that do not divide cost, per engine."""
+    if engine == "vllm":
+        return (
+            f"{E} experts on {G} GPUs: every EPLB option needs {R0} redundant slots; without EPLB vLLM places "
+            f"{E // G} or {E // G + 1} experts per GPU with none redundant (priced as {E + R0} slots, {R0} of "
+            f"them duplicates)"
+        )
+    return f"{E} experts on {G} GPUs: {R0} redundant slots are needed in every option (SGLang's rule)"
 
 
 def band_warnings(row: Row, base: Row, E: int, G: int, model: str) -> list[str]:
@@ -92,27 +136,38 @@ def _pub(figures: dict) -> str:
     return f"{lo * 100:g}-{hi * 100:g}%"
 
 
-def summary(
-    engine: str, row: Row, base: Row, reason: str, rb: rebalance.Rebalance, launch, notes: list[str]
-) -> str:
+def _gain_text(ph: str, f: dict) -> str:
+    lo, hi = f["whole_step_gain_range"]
+    return (
+        f"{ph} {f['whole_step_gain'] * 100:+.2f}% (range {lo * 100:+.2f}% to {hi * 100:+.2f}%; "
+        f"{phases.band_text(f['band'])}; published {_pub(f)})"
+    )
+
+
+def _runner_text(choice, base: Row) -> str:
+    r = choice.runner_up
+    if r is None:
+        return ""
+    g = net_gain(r, base)
+    return f" Best option not picked: {r.key} (net {g['net'] * 100:+.2f}%): {choice.runner_up_why}."
+
+
+def summary(options, choice, base: Row, rb, launch, notes: list[str], stab) -> str:
     """One paragraph, built from the same figures as the JSON."""
+    engine, row = options.engine, choice.row
     if row is base:
-        text = f"Run {engine} without expert balancing ({reason})."
+        text = f"Run {engine} without expert balancing ({choice.reason})."
     else:
         figs = {ph: phase_figures(row, base, ph, engine) for ph in row.priced}
-        gains = ", ".join(
-            f"{ph} {f['whole_step_gain'] * 100:+.2f}% (band {f['band'] * 100:.2f}%; published {_pub(f)})"
-            for ph, f in figs.items()
-        )
+        gains = ", ".join(_gain_text(ph, f) for ph, f in figs.items())
         f = next(iter(figs.values()))
         text = (
             f"Run {engine} with {row.kind}, dispatch {row.dispatch}, {row.redundant_per_gpu} redundant slot(s) "
-            f"per GPU ({reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
+            f"per GPU ({choice.reason}): modelled whole step {gains}, for {f['memory_gb']:.2f} GB per GPU "
             f"({f['kv_tokens_lost']:,.0f} KV tokens)."
         )
-    text += (
-        f" Rebalance: {'every ' + format(rb.interval_steps, ',') + ' steps' if rb.interval_steps else 'none'}"
-    )
-    text += f" ({rb.reason})."
+    text += _runner_text(choice, base) + " " + stab.line()
+    every = "every " + format(rb.interval_steps, ",") + " steps" if rb.interval_steps else "none"
+    text += f" Rebalance: {every if rb.judged else 'not judged'} ({rb.reason})."
     text += "".join(f" Warning: {n[0].upper()}{n[1:]}." for n in notes)
     return text + f" Command: {launch.command}"

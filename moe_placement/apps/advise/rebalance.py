@@ -8,7 +8,9 @@ sample. ``gain_i = static_ms / rebalanced_ms - 1`` of the whole step (decode, or
 advised only when half of the sure gain (mean less twice its standard error) clears ``margin``; its
 interval is then the longer of one window and the steps over which one stall (0 for vLLM's async
 EPLB) takes at most half of the sure gain. Otherwise ``interval_steps`` is None: a stationary trace
-(nothing to gain out of sample) gets none.
+(nothing to gain out of sample) gets none. No verdict at all (``judged`` False, "not enough trace to
+judge") when the held-out windows are shorter than ``min_steps`` steps or fewer than three: drift over a
+few steps says nothing about drift over a rebalance interval.
 """
 
 from __future__ import annotations
@@ -59,9 +61,11 @@ class Rebalance:
     windows: int
     reason: str
     source: str
+    judged: bool = True
 
     def to_dict(self) -> dict:
         return {
+            "judged": self.judged,
             "interval_steps": self.interval_steps,
             "out_of_sample_gain": self.out_of_sample_gain,
             "band": self.band,
@@ -88,6 +92,7 @@ def judge(
     step_tokens: int,
     num_windows: int,
     margin: float,
+    min_steps: int = 1,
 ) -> Rebalance:
     """The out-of-sample verdict (module docstring); ``static`` None: no balancing chosen, none to renew."""
     stall_s, source = stall(engine)
@@ -96,20 +101,19 @@ def judge(
     wins = held.windows(num_windows)
     window_steps = float(min(w.num_tokens for w in wins)) / (topology.ep_size * step_tokens)
 
-    def verdict(interval, g, band, reason):
+    def verdict(interval, g, band, reason, judged=True):
         return Rebalance(
-            interval, g, band, stall_ms, is_async, window_steps, margin, len(wins), reason, source
+            interval, g, band, stall_ms, is_async, window_steps, margin, len(wins), reason, source, judged
         )
 
     if static is None:
         return verdict(None, None, None, "no balancing chosen: nothing to rebalance")
-    if len(wins) < 3 or window_steps < 1:
-        return verdict(
-            None,
-            None,
-            None,
-            f"held-out windows of {window_steps:.1f} steps or fewer: too short to judge a rebalance",
+    if len(wins) < 3 or window_steps < max(min_steps, 1):
+        why = (
+            f"not enough trace to judge: {len(wins)} held-out windows of {window_steps:,.1f} steps, and a "
+            f"verdict needs 3 windows of at least {max(min_steps, 1)} steps"
         )
+        return verdict(None, None, None, why, judged=False)
     gains, static_ms = [], []
     for i in range(len(wins) - 1):
         fresh = solve("greedy", topology=topology, trace=wins[i]).placement

@@ -180,6 +180,17 @@ def _rebalance_table(rb: dict) -> str:
     )
 
 
+def _commands(rec: dict) -> str:
+    """The command of every node (copyable), or the one command on a single node."""
+    nodes = rec.get("launch_commands") or [{"node_rank": 0, "command": rec["launch_command"]}]
+    if len(nodes) == 1:
+        return f'<pre class="cmd">{html.escape(nodes[0]["command"])}</pre>'
+    return "".join(
+        f'<p>node {n["node_rank"]} (HEAD_IP: node 0\'s address)</p><pre class="cmd">{html.escape(n["command"])}</pre>'
+        for n in nodes
+    )
+
+
 def render_html(advice) -> str:
     """The report as one HTML string (``advice``: an :class:`Advice` or its ``to_dict()``)."""
     import matplotlib
@@ -206,7 +217,7 @@ def render_html(advice) -> str:
     return (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
         f"</head><body><h1>{esc(title)}</h1>"
-        f'<h2>Launch command (modelled choice)</h2><pre class="cmd">{esc(rec["launch_command"])}</pre>'
+        f"<h2>Launch command (modelled choice)</h2>{_commands(rec)}"
         f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
         f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p><ul>{warn}</ul>'
         f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "

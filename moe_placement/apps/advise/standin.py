@@ -104,13 +104,21 @@ def price_arrays(
     STAND-IN: switch to ``step_time_from_arrays(placement, arrays, dispatch, model, cluster,
     context_len=context_len, kernel=kernel, overlap=overlap)`` when the cost model takes both.
     """
-    full = _with_kernel(placement, arrays, dispatch, model, cluster, context_len, kernel)
     if not overlap:
-        return full
+        return _with_kernel(placement, arrays, dispatch, model, cluster, context_len, kernel)
     halves = [
         _with_kernel(placement, _half(arrays, p), dispatch, model, cluster, context_len, kernel)
         for p in (0, 1)
     ]
     compute = sum(h.rest_ms + h.gemm_ms + h.dispatch_overhead_ms for h in halves) / 2
     comm = sum(h.a2a_ms for h in halves) / 2
-    return replace(full, whole_ms=2.0 * max(compute, comm))
+    return replace(
+        halves[0],
+        whole_ms=2.0 * max(compute, comm),
+        moe_ms=sum(h.moe_ms for h in halves),
+        gemm_ms=sum(h.gemm_ms for h in halves),
+        a2a_ms=sum(h.a2a_ms for h in halves),
+        dispatch_overhead_ms=sum(h.dispatch_overhead_ms for h in halves),
+        rest_ms=sum(h.rest_ms for h in halves),
+        step_tokens=arrays.step_tokens,
+    )
