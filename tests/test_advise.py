@@ -211,8 +211,10 @@ def test_refusals_name_the_numbers(model_dir):
     with pytest.raises(ValueError, match=r"3 MoE layers.*5 MoE layers"):
         advise(tr, model, "h200", _options("vllm"))
     counts = RoutingTrace(num_logical_experts=16, window_counts=np.ones((4, 2, 16)), layer_ids=(0, 1))
-    with pytest.raises(ValueError, match="per-token"):
-        advise(counts, model, "h200", _options("vllm"))
+    with pytest.raises(ValueError, match=r"any top-k \(counts only\), 2 MoE layers.*5 MoE layers"):
+        advise(
+            counts, model, "h200", _options("vllm")
+        )  # counts-only: advised (with a caveat) when it matches
 
 
 def test_short_trace_is_warned_or_refused_with_strict(model_dir):

@@ -193,3 +193,45 @@ def test_every_node_gets_its_command(lite, engine):
         assert "--headless" not in nodes[0]["command"]
         assert "--headless" in nodes[1]["command"] and "--data-parallel-start-rank 2" in nodes[1]["command"]
         assert all("--data-parallel-address HEAD_IP" in n["command"] for n in nodes)
+
+
+def test_counts_only_traces_get_window_level_figures_with_the_caveat(traces_dir, capsys):
+    """Mixtral on MMLU (per-question counts, no token): advised, not refused, with the caveat said in the
+    summary and the warnings, and the context marking the trace counts-only."""
+    from tests.conftest import MIXTRAL
+
+    path = traces_dir / MIXTRAL
+    if not path.is_file():
+        pytest.skip(f"shared trace {MIXTRAL} not found (set MOE_TRACES_DIR to the shared traces folder)")
+    args = ["advise", "--trace", str(path), "--nodes", "1", "--engine", "vllm", "--quick", "--json"]
+    assert main(args) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["context"]["trace"]["counts_only"] is True and d["context"]["model"] == "mixtral-8x7b"
+    assert d["held_out_steps"]["decode"] > 0 and d["options"]
+    caveat = "window-level figures"
+    assert any(caveat in w for w in d["warnings"]) and caveat in d["summary"]
+
+
+def test_decode_is_priced_on_decode_routing_when_the_trace_has_it(traces_dir, tmp_path):
+    """The Qwen1.5-MoE trace records vLLM's batches (its held-out half: decode steps): decode is priced on
+    them, with no 'priced on prompt tokens' warning; a prompt-only trace gets the warning."""
+    from tests.conftest import QWEN
+
+    path = traces_dir / QWEN
+    if not path.is_file():
+        pytest.skip(f"shared trace {QWEN} not found (set MOE_TRACES_DIR to the shared traces folder)")
+    model = _model_json(tmp_path, "qwen1.5-moe-a2.7b", "qwen1.5-moe-a2.7b", 60, 4, 5)
+    opts = AdviseOptions(engine="sglang", nodes=1, gpus_per_node=4, redundant_per_gpu=(1,), stability=False)
+    from profiling.readers import read_trace
+
+    d = advise(read_trace(path), model, "h200", opts).to_dict()
+    held = next(a for a in d["assumptions"] if a.startswith("held-out decode"))
+    assert "engine steps" in held and "recorded engine batches" in held, held
+    assert not any("priced on prompt tokens" in w for w in d["warnings"])
+    prompts = advise(
+        _skewed(tokens=4000, num_prompts=40),
+        _model_json(tmp_path, "deepseek-v2-lite", "deepseek-v2-lite", 16, 4, 3),
+        "h200",
+        _options("vllm"),
+    )
+    assert any("priced on prompt tokens" in w for w in prompts.to_dict()["warnings"])

@@ -172,7 +172,8 @@ _COLS = [
 def _gain(ph: dict | None) -> str:
     if ph is None:
         return "not priced"
-    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{ph['band'] * 100:.2f}"
+    band = "n/a" if ph["band"] is None else f"{ph['band'] * 100:.2f}"
+    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{band}"
 
 
 def _print(d: dict) -> None:

@@ -30,6 +30,7 @@ from moe_placement.apps.advise.standin import hardware_summary
 from placement.cost.hardware import ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
+from profiling.from_counts import tokens_from_counts
 from profiling.trace import RoutingTrace
 
 __all__ = ["NO_BALANCING", "Advice", "Row", "advise"]
@@ -45,11 +46,6 @@ def _identity(items: Iterable, total: int, desc: str) -> Iterable:
 
 def _inputs(trace: RoutingTrace, options: AdviseOptions) -> tuple[RoutingTrace, RoutingTrace, RoutingTrace]:
     """``(trace used, fit half, held-out half)``; ValueError when the trace cannot be advised on."""
-    if not trace.has_tokens:
-        raise ValueError(
-            f"advise needs a per-token trace (topk_ids): {trace.name!r} has counts only, and step PAR, the "
-            f"engines' token-level dispatch and the drift windows need tokens"
-        )
     if options.quick and len(trace.natural_windows()) > options.quick_prompts:
         trace = trace.select_windows(range(options.quick_prompts))
     fit, held = trace.split(0.5)
@@ -140,8 +136,10 @@ def _prepare(
     was recorded from."""
     cluster = cluster_preset(hardware, gpus_per_node=options.gpus_per_node)
     options = options.resolved(cluster.gpu.hbm_bytes)
-    trace, fit, held = _inputs(trace, options)
     spec = resolve_model(model, trace)
+    if not trace.has_tokens:  # window counts only: tokens drawn from them, with the caveat said
+        trace = tokens_from_counts(trace, spec.top_k, seed=options.seed)
+    trace, fit, held = _inputs(trace, options)
     cost.check_something_fits(spec, cluster, options.ep_size, options.decode_step_tokens, options.context_len)
     return _Inputs(trace, fit, held, spec, cluster), options
 
@@ -201,8 +199,10 @@ def _launch(inp: _Inputs, dec: _Decision, rb: rebalance.Rebalance, options: Advi
 def _context(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> dict:
     """The contract's ``context``: what was advised on, with which settings."""
     trace, fit, held, cluster = inp.trace, inp.fit, inp.held, inp.cluster
+    counts_only = bool(trace.metadata.get("from_counts"))
     shape = {
-        "name": trace.name,
+        "name": trace.metadata.get("source", trace.name) if counts_only else trace.name,
+        "counts_only": counts_only,
         "tokens": trace.num_tokens,
         "experts": trace.num_logical_experts,
         "top_k": trace.top_k,
@@ -233,7 +233,7 @@ def _more_warnings(inp: _Inputs, dec: _Decision, options: AdviseOptions) -> tupl
     """``(published-band warnings of the chosen row, the routing and padding warnings)``."""
     E, G = inp.trace.num_logical_experts, options.ep_size
     above = notes.band_warnings(dec.choice.row, dec.base, E, G, inp.model.name)
-    more = notes.routing_warnings(inp.held, options)
+    more = notes.routing_warnings(inp.trace, inp.held, options)
     if min_redundant(E, G):
         more.append(notes.padding_warning(options.engine, E, G, min_redundant(E, G)))
     return above, more
@@ -280,7 +280,9 @@ def advise(
         launch=launch,
         rebalance=rb,
         reason=dec.choice.reason,
-        summary=notes.summary(options, dec.choice, dec.base, rb, launch, above, stab),
+        summary=notes.summary(
+            options, dec.choice, dec.base, rb, launch, notes.caveats(inp.trace) + above, stab
+        ),
         held_out_steps=steps,
         warnings=tuple(warnings + launch_warnings + above + more),
         assumptions=notes.assumptions(
@@ -301,22 +303,27 @@ def _rebalance(inp: _Inputs, row: Row, base: Row, placements, options, progress)
     static = None if row is base else placements[row.placement_key]
     ph = options.priced_phases[0]  # decode when it is priced
 
-    def price(pl: Placement, window: RoutingTrace) -> float:
-        b = pricing.step_tokens(window, options)[ph]
-        steps = {ph: phases.held_out_steps(window, options.ep_size, ph, b, options.seed)}
-        return pricing.price(pl, window, steps, row.dispatch, model, cluster, options)[ph].whole_ms
+    def price_on(c):
+        def price(pl: Placement, window: RoutingTrace) -> float:
+            b = pricing.step_tokens(window, options)[ph]
+            steps = {ph: phases.held_out_steps(window, options.ep_size, ph, b, options.seed)}
+            return pricing.price(pl, window, steps, row.dispatch, model, c, options)[ph].whole_ms
+
+        return price
 
     def judge() -> rebalance.Rebalance:
         return rebalance.judge(
             held,
             static,
             topo,
-            price,
+            price_on(cluster),
             options.engine,
             options.step_tokens(ph),
             options.windows,
             options.rebalance_margin,
             options.rebalance_min_steps,
+            price_on=price_on,
+            cluster=cluster,
         )
 
     (out,) = pricing.run_stage([("rebalance", judge)], progress, "rebalance")

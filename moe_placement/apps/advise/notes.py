@@ -13,7 +13,15 @@ from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
 from profiling.trace import RoutingTrace
 
-__all__ = ["assumptions", "band_warnings", "padding_warning", "routing_warnings", "split_unit", "summary"]
+__all__ = [
+    "assumptions",
+    "band_warnings",
+    "caveats",
+    "padding_warning",
+    "routing_warnings",
+    "split_unit",
+    "summary",
+]
 
 
 def split_unit(trace: RoutingTrace) -> str:
@@ -89,11 +97,27 @@ def assumptions(
     return tuple(out)
 
 
-def routing_warnings(held: RoutingTrace, options) -> list[str]:
-    """A warning when decode is priced on prompt tokens (the trace records no decode step)."""
-    if "decode" not in options.priced_phases or held.step_offsets is not None:
-        return []  # recorded engine batches: decode steps are the engine's own
+def caveats(trace: RoutingTrace) -> list[str]:
+    """What the figures cannot be, said first: a counts-only trace has window-level routing only."""
+    if not trace.metadata.get("from_counts"):
+        return []
+    m = trace.metadata
     return [
+        f"counts-only trace {m['source']}: window-level figures. It records expert counts per window, no "
+        f"token, so tokens were drawn from each of its {m['windows']:,} windows' per-layer counts (scaled by "
+        f"{m['scale']:.3g}; each token's experts independent of the others and across layers, "
+        "profiling.from_counts): window balance is the trace's own, but step-level balance is that of "
+        "independent routing (no experts firing together, no topic shared by a prompt's tokens), likely more "
+        "even than real tokens, so the step-level gains are likely a low estimate"
+    ]
+
+
+def routing_warnings(trace: RoutingTrace, held: RoutingTrace, options) -> list[str]:
+    """The counts-only caveat, and a warning when decode is priced on prompt tokens (no decode step)."""
+    out = caveats(trace)
+    if "decode" not in options.priced_phases or held.step_offsets is not None:
+        return out  # recorded engine batches: decode steps are the engine's own
+    return out + [
         "decode is priced on prompt tokens: the trace records no decode routing, so each decode step takes "
         "the next prompt token of each sequence as if it were generated; record the engine's decode steps "
         "(a trace with its batches) to price decode on decode routing"

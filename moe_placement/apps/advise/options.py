@@ -270,7 +270,7 @@ def _near_miss(builtins: dict[str, ModelSpec], E: int, k: int, L: int) -> str:
     """``" (qwen1.5-moe-a2.7b has them but 24 MoE layers: ...)"`` when a built-in model differs from the
     trace only in its MoE layer count (a trace that logged some layers), else ``""``."""
     for name, m in builtins.items():
-        if (m.num_logical_experts, m.top_k) == (E, k) and m.num_moe_layers != L:
+        if m.num_logical_experts == E and k in (None, m.top_k) and m.num_moe_layers != L:
             return (
                 f" ({name} has them but {m.num_moe_layers} MoE layers: record all {m.num_moe_layers}, "
                 f"or describe the {L} logged ones in a model JSON)"
@@ -292,19 +292,24 @@ def resolve_model(spec: str, trace: RoutingTrace) -> ModelSpec:
             f"path, got {spec!r}"
         )
     E, k, L = trace.num_logical_experts, trace.top_k, trace.num_layers
+    top = f"top-{k}" if k is not None else "any top-k (counts only)"
+
+    def same(m: ModelSpec) -> bool:  # a counts-only trace has no top-k: the model's is taken
+        return (m.num_logical_experts, m.num_moe_layers) == (E, L) and k in (None, m.top_k)
+
     if spec.lower() == AUTO_MODEL:
         builtins = {name: load_model(name) for name in BUILTIN_MODELS}
         for m in builtins.values():
-            if (m.num_logical_experts, m.top_k, m.num_moe_layers) == (E, k, L):
+            if same(m):
                 return m
         raise ValueError(
-            f"--model auto: no built-in model has the trace's {E} experts, top-{k} and {L} MoE layers"
+            f"--model auto: no built-in model has the trace's {E} experts, {top} and {L} MoE layers"
             f"{_near_miss(builtins, E, k, L)}; name one of {', '.join(BUILTIN_MODELS)} or a model JSON"
         )
     model = load_model(spec)
-    if (model.num_logical_experts, model.top_k, model.num_moe_layers) != (E, k, L):
+    if not same(model):
         raise ValueError(
-            f"the trace has {E} experts, top-{k}, {L} MoE layers but {model.name} has "
+            f"the trace has {E} experts, {top}, {L} MoE layers but {model.name} has "
             f"{model.num_logical_experts} experts, top-{model.top_k}, {model.num_moe_layers} MoE layers: "
             f"advise prices the model the trace was recorded from; use --model auto or a model JSON of the "
             f"trace's shape"

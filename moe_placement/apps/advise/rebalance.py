@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from moe_placement.apps.advise.engines import ENGINES
-from placement.cost.hardware import REBALANCE_STALL_S
+from moe_placement.apps.advise.standin import gain_range
+from placement.cost.hardware import REBALANCE_STALL_S, ClusterSpec
 from placement.model import Placement
 from placement.topology import Topology
 from profiling.trace import RoutingTrace
@@ -62,12 +63,14 @@ class Rebalance:
     reason: str
     source: str
     judged: bool = True
+    gain_range: tuple[float, float] | None = None
 
     def to_dict(self) -> dict:
         return {
             "judged": self.judged,
             "interval_steps": self.interval_steps,
             "out_of_sample_gain": self.out_of_sample_gain,
+            "out_of_sample_gain_range": list(self.gain_range) if self.gain_range else None,
             "band": self.band,
             "stall_ms": self.stall_ms,
             "async": self.async_,
@@ -93,8 +96,11 @@ def judge(
     num_windows: int,
     margin: float,
     min_steps: int = 1,
+    price_on: Callable[[ClusterSpec], PriceFn] | None = None,
+    cluster: ClusterSpec | None = None,
 ) -> Rebalance:
-    """The out-of-sample verdict (module docstring); ``static`` None: no balancing chosen, none to renew."""
+    """The out-of-sample verdict (module docstring); ``static`` None: no balancing chosen, none to renew.
+    ``price_on(c)``: the same pricing on cluster ``c``, for the gain's range over the cost model's sets."""
     stall_s, source = stall(engine)
     is_async = ENGINES[engine].async_rebalance
     stall_ms = stall_s * 1e3
@@ -114,21 +120,19 @@ def judge(
             f"verdict needs 3 windows of at least {max(min_steps, 1)} steps"
         )
         return verdict(None, None, None, why, judged=False)
-    gains, static_ms = [], []
-    for i in range(len(wins) - 1):
-        fresh = solve("greedy", topology=topology, trace=wins[i]).placement
-        s_ms, f_ms = price(static, wins[i + 1]), price(fresh, wins[i + 1])
-        gains.append(s_ms / f_ms - 1.0)
-        static_ms.append(s_ms)
+    fresh = [solve("greedy", topology=topology, trace=wins[i]).placement for i in range(len(wins) - 1)]
+    static_ms = [price(static, wins[i + 1]) for i in range(len(fresh))]
+    gains = [s / price(f, w) - 1.0 for s, f, w in zip(static_ms, fresh, wins[1:])]
     g = float(np.mean(gains))
     band = float(2.0 * np.std(gains, ddof=1) / math.sqrt(len(gains)))
-    sure = g - band  # the gain a rebalance makes out of sample, less its band
+    lo, hi = _range(g, price_on, cluster, static, fresh, wins)
+    sure = lo - band  # the gain a rebalance makes out of sample at the low end of its range, less its band
     if sure / 2 <= margin:
         why = (
             f"re-placing every window ({window_steps:,.0f} steps) gains {g * 100:+.2f}% out of sample "
             f"(band {band * 100:.2f}%): half of it clears no {margin * 100:.1f}% margin, no periodic rebalance"
         )
-        return verdict(None, g, band, why)
+        return replace(verdict(None, g, band, why), gain_range=(lo, hi))
     # the stall may take at most half of the sure gain: interval >= 2 stall / (step x sure gain)
     step_ms = float(np.mean(static_ms))
     interval = max(window_steps, 2.0 * stall_ms / (step_ms * sure))
@@ -136,4 +140,20 @@ def judge(
         f"gains {g * 100:+.2f}% out of sample (band {band * 100:.2f}%); every {interval:,.0f} steps a "
         f"{stall_ms:.0f} ms stall takes at most half of it"
     )
-    return verdict(int(math.ceil(interval)), g, band, why)
+    return replace(verdict(int(math.ceil(interval)), g, band, why), gain_range=(lo, hi))
+
+
+def _range(g: float, price_on, cluster, static, fresh: list, wins: list) -> tuple[float, float]:
+    """``(low, high)`` of the mean out-of-sample gain over the cost model's constant sets
+    (:func:`moe_placement.apps.advise.standin.gain_range`); ``(g, g)`` without ``price_on``."""
+    if price_on is None or cluster is None:
+        return g, g
+
+    def mean_gain(c) -> float:
+        if c is cluster:
+            return g
+        pr = price_on(c)
+        return float(np.mean([pr(static, w) / pr(f, w) - 1.0 for f, w in zip(fresh, wins[1:])]))
+
+    lo, _, hi = gain_range(mean_gain, cluster)
+    return lo, hi

@@ -59,7 +59,7 @@ def _gain_plot(plt, d: dict) -> str:
             nudge = (i - (len(series) - 1) / 2) * 0.012 * span  # options at the same GB side by side
             x = [o["phases"][ph]["memory_gb"] + nudge for o in opts]
             y = [o["phases"][ph]["whole_step_gain"] * 100 for o in opts]
-            e = [o["phases"][ph]["band"] * 100 for o in opts]
+            e = [(o["phases"][ph]["band"] or 0.0) * 100 for o in opts]  # none from one held-out step
             ok = all(o["available"] for o in opts)
             label = f"{kind} / {disp}" + ("" if ok else " (not runnable)")
             style = {"color": f"C{i}", "mfc": f"C{i}" if ok else "white", "ls": "-" if ok else ":"}
@@ -110,9 +110,38 @@ def _fmt(v: Any) -> str:
 
 
 def _pct(ph: dict | None) -> str:
+    """``+4.75% ± 1.18 [+4.1, +5.2]``: the gain, its band (n/a from one held-out step) and its range."""
     if ph is None:
         return "not priced"
-    return f"{ph['whole_step_gain'] * 100:+.2f}% ± {ph['band'] * 100:.2f}"
+    band = "n/a" if ph["band"] is None else f"{ph['band'] * 100:.2f}"
+    lo, hi = ph.get("whole_step_gain_range") or (ph["whole_step_gain"],) * 2
+    return f"{ph['whole_step_gain'] * 100:+.2f}% ± {band} [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+
+
+def _decision_table(rec: dict) -> str:
+    """The decision: the minimum gain, the net gain and its range, stability and what would flip it."""
+    lo, hi = rec.get("net_gain_range", [0.0, 0.0])
+    flips = (
+        "; ".join(f"{f['what']} {f['value']}: {f['option']}" for f in rec.get("would_flip", []))
+        or "nothing tried"
+    )
+    runner = rec.get("runner_up") or {}
+    return _kv_table(
+        [
+            (
+                "minimum gain worth a change",
+                f"{rec.get('min_gain', 0.0) * 100:g}% of the whole step (low end less band)",
+            ),
+            (
+                "net whole-step gain [range]",
+                f"{rec.get('net_gain', 0.0) * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]",
+            ),
+            ("decision stable", "yes" if rec.get("decision_stable") else "no"),
+            ("would flip it", flips),
+            ("cannot be judged", "; ".join(rec.get("stability", {}).get("unknown", [])) or "none"),
+            ("best option not picked", f"{runner.get('option', 'none')}: {runner.get('why_not', '')}"),
+        ]
+    )
 
 
 _HEADS = (
@@ -173,6 +202,7 @@ def _rebalance_table(rb: dict) -> str:
                 "out-of-sample gain (next window)",
                 "n/a" if g is None else f"{g * 100:+.2f}% ± {rb['band'] * 100:.2f}",
             ),
+            ("judged", "yes" if rb.get("judged", True) else "no: not enough trace"),
             ("stall per rearrangement", f"{rb['stall_ms']:.0f} ms" + (" (async)" if rb["async"] else "")),
             ("why", rb["reason"]),
             ("stall source", rb["stall_source"]),
@@ -219,7 +249,7 @@ def render_html(advice) -> str:
         f"</head><body><h1>{esc(title)}</h1>"
         f"<h2>Launch command (modelled choice)</h2>{_commands(rec)}"
         f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
-        f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p><ul>{warn}</ul>'
+        f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p>{_decision_table(rec)}<ul>{warn}</ul>'
         f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "
         f"{t['layers']} layers; held-out steps: "
         + ", ".join(f"{ph} {n}" for ph, n in d["held_out_steps"].items())
