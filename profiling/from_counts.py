@@ -35,15 +35,32 @@ def _window_tokens(counts: np.ndarray, k: int, max_tokens: int) -> tuple[np.ndar
     return np.maximum(1, np.rint(tokens * f)).astype(np.int64), f
 
 
+def _capped(pi: np.ndarray, k: int) -> np.ndarray:
+    """Inclusion probabilities ``[..., E]`` summing to ``k`` with none above 1: an expert asked for more
+    than every token of its window is capped at 1 and the excess spread over the others, pro rata."""
+    pi = pi.copy()
+    for _ in range(pi.shape[-1]):
+        over = pi > 1.0
+        if not over.any():
+            break
+        pi[over] = 1.0
+        free = np.where(over | (pi >= 1.0), 0.0, pi)
+        need = k - np.where(free > 0, 0.0, pi).sum(axis=-1, keepdims=True)  # what the uncapped must hold
+        have = free.sum(axis=-1, keepdims=True)
+        pi = np.where(free > 0, free * need / np.where(have > 0, have, 1.0), pi)
+    return np.minimum(pi, 1.0)
+
+
 def _draw(pi: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """``[N, k]`` distinct experts per row of inclusion probabilities ``pi [N, E]`` (rows sum to k)."""
     N, E = pi.shape
     order = np.argsort(rng.random((N, E)), axis=1)  # a random expert order per token
     cum = np.cumsum(np.take_along_axis(pi, order, axis=1), axis=1)  # [N, E]
+    cum *= k / cum[:, -1:]  # exactly k at the end: the last threshold u + k - 1 < k always finds an expert
     u = rng.random((N, 1))
     out = np.empty((N, k), dtype=np.int64)
     for j in range(k):  # the expert whose cumulative probability first passes u + j
-        at = (cum > u + j - 1e-12).argmax(axis=1)
+        at = (cum > u + j).argmax(axis=1)
         out[:, j] = order[np.arange(N), at]
     return out
 
@@ -69,8 +86,7 @@ def tokens_from_counts(
         raise ValueError(
             f"window {w} routes nothing in layer row {layer}: every window needs routing to draw tokens"
         )
-    pi = np.minimum(k * counts / sums, 1.0)
-    pi *= k / pi.sum(axis=2, keepdims=True)  # an expert over every token of its window: capped, rest scaled
+    pi = _capped(k * counts / sums, k)
     n, f = _window_tokens(counts, k, max_tokens)
     window = np.repeat(np.arange(W), n)  # [N] window of each token
     rng = np.random.default_rng(seed)
