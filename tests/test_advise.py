@@ -138,6 +138,7 @@ def test_command_names_only_files_written_and_sglang_has_nnodes(tmp_path, capsys
     out = tmp_path / "out"
     args = ["advise", "--trace", str(path), "--model", model, "--nodes", "1", "--gpus-per-node", "4"]
     args += ["--engine", engine, "--quick", "--decode-batch", "8", "--prefill-chunk", "64", "--json"]
+    args += ["--no-stability"]
     args += ["--min-gain", "0"]  # the synthetic model's gains are under 1%: take any beyond its band
     assert main([*args, "--output", str(out)]) == 0
     d = json.loads(capsys.readouterr().out)
@@ -405,7 +406,17 @@ def test_phase_prices_and_recommends_one_phase_only(sglang_advice, model_dir, tm
     assert "not priced" in render_html(one)
     trace = tmp_path / "t.npz"
     write_trace(_skewed(), trace)
-    args = ["advise", "--trace", str(trace), "--quick", "--nodes", "1", "--gpus-per-node", "4"]
+    args = [
+        "advise",
+        "--trace",
+        str(trace),
+        "--quick",
+        "--no-stability",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "4",
+    ]
     args += ["--engine", "sglang", "--model", model, "--decode-batch", "8"]
     chunk = ["--prefill-chunk", "64"] if phase == "prefill" else []  # --phase decode prices no prefill chunk
     assert main([*args, *chunk, "--phase", phase, "--json"]) == 0

@@ -29,6 +29,7 @@ def _cli(tmp_path: Path, model: str, *extra: str, trace=None) -> list[str]:
     write_trace(trace if trace is not None else _skewed(), path)
     args = ["advise", "--trace", str(path), "--model", model, "--nodes", "1", "--gpus-per-node", "4"]
     args += ["--engine", "vllm", "--quick", "--decode-batch", "8", "--prefill-chunk", "64", "--min-gain", "0"]
+    args += ["--no-stability"]  # checked in tests/test_advise_stability.py
     return [*args, *extra]
 
 
@@ -203,7 +204,18 @@ def test_counts_only_traces_get_window_level_figures_with_the_caveat(traces_dir,
     path = traces_dir / MIXTRAL
     if not path.is_file():
         pytest.skip(f"shared trace {MIXTRAL} not found (set MOE_TRACES_DIR to the shared traces folder)")
-    args = ["advise", "--trace", str(path), "--nodes", "1", "--engine", "vllm", "--quick", "--json"]
+    args = [
+        "advise",
+        "--trace",
+        str(path),
+        "--nodes",
+        "1",
+        "--engine",
+        "vllm",
+        "--quick",
+        "--json",
+        "--no-stability",
+    ]
     assert main(args) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["context"]["trace"]["counts_only"] is True and d["context"]["model"] == "mixtral-8x7b"

@@ -85,6 +85,7 @@ def test_min_gain_flag_sets_the_threshold_and_keeps_what_you_run(tmp_path, capsy
     write_trace(_skewed(skew=2.0), path)
     args = ["advise", "--trace", str(path), "--model", lite, "--nodes", "1", "--gpus-per-node", "4"]
     args += ["--engine", "vllm", "--quick", "--decode-batch", "8", "--prefill-chunk", "64", "--json"]
+    args += ["--no-stability"]
     assert main([*args, "--min-gain", "0.9"]) == 0
     rec = json.loads(capsys.readouterr().out)["recommendation"]
     assert rec["min_gain"] == 0.9 and rec["option"] == "no balancing" and "keep what you run" in rec["reason"]
@@ -111,3 +112,14 @@ def test_swapping_the_halves_changes_the_option_only_when_said_unstable(traces_d
     if second["option"] != first["option"]:
         assert first["decision_stable"] is False
         assert any(f["what"] == "fit_half" for f in first["would_flip"])
+
+
+def test_no_stability_flag_skips_the_checks_and_says_so(tmp_path, capsys, lite):
+    path = tmp_path / "t.npz"
+    write_trace(_skewed(), path)
+    args = ["advise", "--trace", str(path), "--model", lite, "--nodes", "1", "--gpus-per-node", "4", "--json"]
+    args += ["--engine", "vllm", "--quick", "--decode-batch", "8", "--prefill-chunk", "64", "--no-stability"]
+    assert main(args) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["decision_stable"] is False and rec["stability"]["checks"] == []
+    assert rec["stability"]["unknown"] == ["not checked (stability=False)"]

@@ -64,6 +64,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
     p.add_argument(
+        "--no-stability",
+        action="store_true",
+        help="skip the decision-stability checks (about halves the time; decision_stable is then false, "
+        "'not checked')",
+    )
+    p.add_argument(
         "--strict",
         action="store_true",
         help="refuse (exit 2) instead of warning when a phase has < 20 held-out steps",
@@ -148,6 +154,7 @@ def _options(args):
         overlap=args.overlap,
         min_gain=args.min_gain,
         fit_half=args.fit_half,
+        stability=not args.no_stability,
         strict=args.strict,
         phase=args.phase,
     )

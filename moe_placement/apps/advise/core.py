@@ -30,7 +30,7 @@ from moe_placement.apps.advise.standin import hardware_summary
 from placement.cost.hardware import ClusterSpec, cluster_preset
 from placement.cost.modelspec import ModelSpec
 from placement.model import Placement
-from profiling.from_counts import tokens_from_counts
+from profiling.from_counts import DEFAULT_MAX_TOKENS, tokens_from_counts
 from profiling.trace import RoutingTrace
 
 __all__ = ["NO_BALANCING", "Advice", "Row", "advise"]
@@ -129,6 +129,15 @@ def _absolute(output: str | os.PathLike) -> str:
     return out if out == UNSET_OUTPUT else os.path.abspath(out)
 
 
+def _drawn(counts: RoutingTrace, top_k: int, options: AdviseOptions) -> RoutingTrace:
+    """Tokens drawn from a counts-only trace (:func:`profiling.from_counts.tokens_from_counts`); with
+    ``quick``, from its first ``quick_prompts`` windows and a tenth of the tokens."""
+    if options.quick and len(counts.natural_windows()) > options.quick_prompts:
+        counts = counts.select_windows(range(options.quick_prompts))
+    most = DEFAULT_MAX_TOKENS // 10 if options.quick else DEFAULT_MAX_TOKENS
+    return tokens_from_counts(counts, top_k, max_tokens=most, seed=options.seed)
+
+
 def _prepare(
     trace: RoutingTrace, model: str, hardware: str, options: AdviseOptions
 ) -> tuple[_Inputs, AdviseOptions]:
@@ -138,7 +147,7 @@ def _prepare(
     options = options.resolved(cluster.gpu.hbm_bytes)
     spec = resolve_model(model, trace)
     if not trace.has_tokens:  # window counts only: tokens drawn from them, with the caveat said
-        trace = tokens_from_counts(trace, spec.top_k, seed=options.seed)
+        trace = _drawn(trace, spec.top_k, options)
     trace, fit, held = _inputs(trace, options)
     cost.check_something_fits(spec, cluster, options.ep_size, options.decode_step_tokens, options.context_len)
     return _Inputs(trace, fit, held, spec, cluster), options

@@ -97,6 +97,8 @@ class Stability:
         if self.stable:
             return f"Decision stable: yes (the same option with {tried})."
         why = [f"{_said(c)} picks {c.option}" for c in self.flips] + list(self.unknown)
+        if not self.flips and self.checks:
+            why.append(f"the checks keep the option: {tried}")
         return f"Decision stable: no ({'; '.join(why)})."
 
 
