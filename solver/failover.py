@@ -424,12 +424,15 @@ def failover_map(
     reloads, moves = _arrivals(before, after, E, topo.ep_size, S)
     prov = {"solver": "failover", "lost_gpus": list(lost), "from": dict(placement.provenance)}
     new = Placement(after, E, topo, placement.layer_ids, prov)
-    return new, _report(new, w, lost, survivors, reloads, min_reloads, moves, made, o, t0)
+    return new, _report(new, w, lost, survivors, (reloads, min_reloads, moves, made), o, t0)
 
 
-def _report(new, w, lost, survivors, reloads, min_reloads, moves, made, o, t0) -> FailoverReport:
+def _report(new, w, lost, survivors, tallies: tuple, o, t0) -> FailoverReport:
+    """The report of map ``new`` on load ``w``; ``tallies``: ``(reloads [L], min_reloads [L], moves [L],
+    balance moves made)``."""
     from placement.metrics import par
 
+    reloads, min_reloads, moves, made = tallies
     notes = [f"{int(sum(min_reloads))} expert(s) had no surviving copy; {made} balance move(s)"]
     resolve = None
     if o.resolve:

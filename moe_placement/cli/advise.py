@@ -14,6 +14,7 @@ from pathlib import Path
 from moe_placement.base.limits import MAX_CONTEXT_LEN
 from moe_placement.cli.common import (
     CliError,
+    bounded_float,
     bounded_int,
     check_folder_outputs,
     echo,
@@ -32,7 +33,6 @@ JSON = "advise.json"
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from moe_placement.apps.advise import AUTO_MODEL, engine_names
     from placement.cost.hardware import DEFAULT_HARDWARE
-    from placement.steps import DEFAULT_STEP_TOKENS
     from placement.steps import PHASES as STEP_PHASES
 
     p = subparsers.add_parser(
@@ -57,25 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=bounded_int(1, 4096), required=True)
     p.add_argument("--gpus-per-node", type=bounded_int(1, 64), default=8)
     p.add_argument("--engine", choices=engine_names(), required=True)
-    p.add_argument(
-        "--decode-batch",
-        type=bounded_int(1, 1 << 20),
-        default=None,
-        help="decode step_tokens: sequences in flight per rank, one token each per step "
-        f"(default {DEFAULT_STEP_TOKENS['decode']})",
-    )
-    p.add_argument(
-        "--prefill-chunk",
-        type=bounded_int(1, 1 << 24),
-        default=None,
-        help=f"prefill step_tokens: tokens per rank per prefill chunk (default {DEFAULT_STEP_TOKENS['prefill']})",
-    )
-    p.add_argument(
-        "--context-len",
-        type=bounded_int(1, MAX_CONTEXT_LEN, "MAX_CONTEXT_LEN"),
-        default=4096,
-        help="cached tokens per sequence",
-    )
+    _add_knobs(p)
+    _add_choice(p)
     p.add_argument(
         "--output",
         default=None,
@@ -90,11 +73,70 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the advice as JSON")
     p.add_argument("--quick", action="store_true", help="300 prompts, fewer options and budgets (fast)")
     p.add_argument(
+        "--no-stability",
+        action="store_true",
+        help="skip the decision-stability checks (about halves the time; decision_stable is then false, "
+        "'not checked')",
+    )
+    p.add_argument(
         "--strict",
         action="store_true",
         help="refuse (exit 2) instead of warning when a phase has < 20 held-out steps",
     )
     p.set_defaults(func=run)
+
+
+def _add_knobs(p: argparse.ArgumentParser) -> None:
+    """The deployment's knobs: each one given is pinned (the stability sweep leaves it alone)."""
+    from moe_placement.apps.advise.options import DEFAULT_CONTEXT_LEN, OVERLAP
+    from placement.steps import DEFAULT_STEP_TOKENS
+
+    p.add_argument(
+        "--decode-batch",
+        type=bounded_int(1, 1 << 20),
+        default=None,
+        help="decode step_tokens: sequences in flight per rank, one token each per step "
+        f"(default {DEFAULT_STEP_TOKENS['decode']})",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=bounded_int(1, 1 << 24),
+        default=None,
+        help="prefill step_tokens: tokens per rank per prefill chunk; the command then sets it (default: the "
+        "engine's own for the command printed, e.g. SGLang's --chunked-prefill-size / --attn-dp-size)",
+    )
+    p.add_argument(
+        "--context-len",
+        type=bounded_int(1, MAX_CONTEXT_LEN, "MAX_CONTEXT_LEN"),
+        default=None,
+        help=f"cached tokens per sequence (default {DEFAULT_CONTEXT_LEN})",
+    )
+    p.add_argument(
+        "--overlap",
+        choices=OVERLAP,
+        default=None,
+        help="two-batch overlap: on puts the engine's flag in the command and prices it (default off, "
+        "the engines' default)",
+    )
+
+
+def _add_choice(p: argparse.ArgumentParser) -> None:
+    """How the choice is made: the least gain worth a change, and which half placements are fitted on."""
+    from moe_placement.apps.advise.options import DEFAULT_MIN_GAIN, FIT_HALVES
+
+    p.add_argument(
+        "--min-gain",
+        type=bounded_float(0.0, 1.0, hi_open=True),
+        default=DEFAULT_MIN_GAIN,
+        help="least net whole-step gain worth a change, a fraction judged at the low end of its range less "
+        f"its band (default {DEFAULT_MIN_GAIN:g}: 1%%); below it the advice is no balancing",
+    )
+    p.add_argument(
+        "--fit-half",
+        choices=FIT_HALVES,
+        default=FIT_HALVES[0],
+        help="the half of the trace placements are fitted on; the other is held out (default first)",
+    )
 
 
 def _bar(items, total, desc):
@@ -107,7 +149,6 @@ def _bar(items, total, desc):
 
 def _options(args):
     from moe_placement.apps.advise import AdviseOptions
-    from placement.steps import DEFAULT_STEP_TOKENS
 
     if args.prefill_chunk is not None and args.phase == "decode":  # decode-batch also sizes the KV memory
         raise CliError(
@@ -116,9 +157,13 @@ def _options(args):
         )
     kw = dict(
         gpus_per_node=args.gpus_per_node,
-        decode_step_tokens=args.decode_batch or DEFAULT_STEP_TOKENS["decode"],
-        prefill_step_tokens=args.prefill_chunk or DEFAULT_STEP_TOKENS["prefill"],
+        decode_step_tokens=args.decode_batch,
+        prefill_step_tokens=args.prefill_chunk,
         context_len=args.context_len,
+        overlap=args.overlap,
+        min_gain=args.min_gain,
+        fit_half=args.fit_half,
+        stability=not args.no_stability,
         strict=args.strict,
         phase=args.phase,
     )
@@ -143,7 +188,8 @@ _COLS = [
 def _gain(ph: dict | None) -> str:
     if ph is None:
         return "not priced"
-    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{ph['band'] * 100:.2f}"
+    band = "n/a" if ph["band"] is None else f"{ph['band'] * 100:.2f}"
+    return f"{ph['whole_step_gain'] * 100:+.2f}% +-{band}"
 
 
 def _print(d: dict) -> None:
@@ -158,13 +204,20 @@ def _print(d: dict) -> None:
     for o in d["options"]:
         mark = "* " if o["key"] == chosen else "  "
         rows.append(
-            {"key": mark + o["key"], "window_par": o["window_par"], "decode": _gain(o["phases"].get("decode")),
-             "prefill": _gain(o["phases"].get("prefill")),
-             "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
-             "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}"}
-        )  # fmt: skip
+            {
+                "key": mark + o["key"],
+                "window_par": o["window_par"],
+                "decode": _gain(o["phases"].get("decode")),
+                "prefill": _gain(o["phases"].get("prefill")),
+                "memory_gb": next(iter(o["phases"].values()))["memory_gb"],
+                "runs": "yes" if o["available"] else f"no: {o['unavailable_reason']}",
+            }
+        )
     echo(format_table(rows, _COLS))
     echo(f"recommendation: {d['summary']}")
+    if len(rec["launch_commands"]) > 1:
+        for node in rec["launch_commands"]:
+            echo(f"node {node['node_rank']}: {node['command']}")
     for w in d["warnings"]:
         echo(f"warning: {w}")
     for a in d["assumptions"]:
@@ -196,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = [args.trace, args.model, args.hardware]  # a model or GPU preset JSON is an input too
     if args.model:
         inputs.append(str(Path(args.model) / "config.json"))  # a HF folder's config
-    out = check_folder_outputs(args.output, names, inputs) if args.output else None
+    out = check_folder_outputs(args.output, names, inputs) if args.output is not None else None
     options = _options(args)
     with claim_folder(out, "advise", names) if out is not None else contextlib.nullcontext() as claim:
         trace = open_trace(args.trace)

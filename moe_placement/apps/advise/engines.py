@@ -16,13 +16,29 @@ engines' side environment is present):
   ``--enable-eplb`` needs ``--enable-expert-parallel`` and TP x PCP x DP > 1 (``config/parallel.py``),
   on CUDA, ROCm or XPU; ``EPLBConfig.use_async`` (default True) moves weights without stopping the step.
 - Both need ``(experts + redundant) % EP ranks == 0`` (SGLang ``expert_location._init_common``, vLLM's
-  EPLB state): redundant slots can make an expert count that does not divide valid.
+  EPLB state): redundant slots can make an expert count that does not divide valid. vLLM without EPLB
+  needs no redundant expert (``config/parallel.py`` refuses ``num_redundant_experts`` without
+  ``--enable-eplb``; ``determine_expert_map`` deals ``E // G`` or one more expert to each rank).
+- The all-to-all kernel per phase is the one the printed command selects: SGLang ``--moe-a2a-backend
+  deepep --deepep-mode auto`` (low-latency kernels for decode, normal for prefill); vLLM
+  ``--all2all-backend deepep_low_latency`` (the low-latency kernels for every batch, prefill too).
+- Prefill chunk per rank when the user does not set one (:func:`default_prefill_chunk`): SGLang resolves
+  ``--chunked-prefill-size`` by GPU memory (``arg_groups/memory_hook.py``: 2048 below 20 GiB, 4096 below
+  60 GiB, 8192 below 160 GiB (H100, H200), else 16384), then divides it by ``attn_dp_size``
+  (``arg_groups/parallel_hook.py``); vLLM with ``deepep_low_latency`` and DP > 1 defaults
+  ``max_num_batched_tokens`` to ``SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP`` = 256
+  per engine core (``engine/arg_utils.py`` ``_set_default_max_num_seqs_and_batched_tokens_args``).
+- Two-batch overlap is off unless the command sets it: SGLang ``--enable-two-batch-overlap``, vLLM
+  ``--enable-dbo`` (both default False).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from placement.cost.primitives import kernel_of_phase
+from placement.steps import PHASES
 
 __all__ = [
     "ARCHITECTURES",
@@ -31,6 +47,7 @@ __all__ = [
     "architecture_of",
     "can_balance",
     "can_dispatch",
+    "default_prefill_chunk",
     "min_redundant",
 ]
 
@@ -97,8 +114,12 @@ class EngineCaps:
         dispatch_platforms: ``--ep-dispatch-algorithm`` value (or ``hash`` for vLLM) -> platforms it runs on.
         dispatch_architectures: a dispatch limited to some architectures -> those architectures.
         not_advised: dispatch -> why it is never advised (it runs, but is not a serving choice).
-        deepep_modes: phase -> the DeepEP kernels the engine runs for it.
+        deepep_modes: phase -> the DeepEP kernels the engine runs for it, as the printed command selects.
+        a2a_kernels: phase -> the cost model's all-to-all kernel for those (``placement.cost.primitives``).
         async_rebalance: the engine can move weights while steps keep running.
+        overlap_flag: the flag that turns two-batch overlap on (off by default).
+        prefill_flag: the flag that sets the prefill chunk; ``prefill_flag_per_rank``: its value is per
+            rank (vLLM, per engine core) rather than for all attention-DP ranks together (SGLang).
     """
 
     engine: str
@@ -109,6 +130,10 @@ class EngineCaps:
     not_advised: MappingProxyType
     deepep_modes: MappingProxyType
     async_rebalance: bool
+    a2a_kernels: MappingProxyType
+    overlap_flag: str
+    prefill_flag: str
+    prefill_flag_per_rank: bool
     divisibility: str = "(experts + redundant) % EP ranks == 0"
 
 
@@ -132,6 +157,10 @@ ENGINES = MappingProxyType(
             ),
             deepep_modes=MappingProxyType({"decode": "low_latency", "prefill": "normal"}),
             async_rebalance=False,
+            a2a_kernels=MappingProxyType({ph: kernel_of_phase(ph) for ph in PHASES}),  # --deepep-mode auto
+            overlap_flag="--enable-two-batch-overlap",
+            prefill_flag="--chunked-prefill-size",
+            prefill_flag_per_rank=False,
         ),
         "vllm": EngineCaps(
             engine="vllm",
@@ -140,10 +169,12 @@ ENGINES = MappingProxyType(
             dispatch_platforms=MappingProxyType({"hash": ("cuda", "rocm", "xpu")}),
             dispatch_architectures=MappingProxyType({}),
             not_advised=MappingProxyType({}),
-            deepep_modes=MappingProxyType(
-                {"decode": "deepep_low_latency", "prefill": "deepep_high_throughput"}
-            ),
+            deepep_modes=MappingProxyType({ph: "deepep_low_latency" for ph in PHASES}),
             async_rebalance=True,
+            a2a_kernels=MappingProxyType({ph: kernel_of_phase("decode") for ph in PHASES}),
+            overlap_flag="--enable-dbo",
+            prefill_flag="--max-num-batched-tokens",
+            prefill_flag_per_rank=True,
         ),
     }
 )
@@ -197,3 +228,27 @@ def min_redundant(num_experts: int, ep_size: int) -> int:
     if ep_size < 2:
         raise ValueError(f"EP needs more than one rank, got {ep_size}: use --nodes x --gpus-per-node >= 2")
     return (-int(num_experts)) % int(ep_size)
+
+
+_MIB = 1 << 20
+# SGLang 0.5.23 arg_groups/memory_hook.py: --chunked-prefill-size by GPU memory (MiB upper bound, tokens)
+_SGLANG_CHUNK_BY_MEMORY = ((20 * 1024, 2048), (35 * 1024, 4096), (60 * 1024, 4096), (160 * 1024, 8192))
+_SGLANG_CHUNK_LARGEST = 16384  # B200, MI300
+_VLLM_BATCHED_DP_TOKENS = 256  # vLLM 0.33 SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS_FOR_BATCHED_DP
+
+
+def default_prefill_chunk(engine: str, hbm_bytes: float, ep_size: int) -> tuple[int, str]:
+    """``(tokens per rank per prefill chunk, where the figure comes from)`` when the command sets none,
+    as the engine resolves it for the command advise prints (module docstring)."""
+    if engine == "vllm":
+        return _VLLM_BATCHED_DP_TOKENS, (
+            f"vLLM {ENGINES['vllm'].version}: max_num_batched_tokens defaults to {_VLLM_BATCHED_DP_TOKENS} per "
+            "engine core under --all2all-backend deepep_low_latency with data parallelism"
+        )
+    mib = hbm_bytes / _MIB
+    total = next((t for bound, t in _SGLANG_CHUNK_BY_MEMORY if mib < bound), _SGLANG_CHUNK_LARGEST)
+    per_rank = max(1, total // int(ep_size))
+    return per_rank, (
+        f"SGLang {ENGINES['sglang'].version}: --chunked-prefill-size resolves to {total} for {mib / 1024:.0f} GiB "
+        f"per GPU, divided by --attn-dp-size {ep_size}"
+    )

@@ -10,13 +10,14 @@ standard error of the per-block gains (paired: the same blocks for option and ba
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
-from placement.cost.step_time import StepArrays, step_time_from_arrays
+from placement.cost.step_time import StepOptions, rest_of_step_seconds, step_time_from_arrays
+from placement.cost.traffic import StepArrays
 from placement.model import Placement
 from placement.steps import PHASES, Steps, make_steps
 from profiling.trace import RoutingTrace
@@ -24,16 +25,18 @@ from profiling.trace import RoutingTrace
 __all__ = [
     "BLOCKS",
     "MODEL_NOTE",
-    "PHASES",
     "PUBLISHED_GAIN",
     "PhasePrice",
     "band_side",
+    "band_text",
     "band_warning",
     "count_steps",
     "gain",
     "held_out_steps",
+    "known",
     "price_phase",
     "published_band",
+    "with_context",
 ]
 
 BLOCKS = 8  # blocks of held-out steps the band is measured over
@@ -64,6 +67,8 @@ class PhasePrice:
     dispatch_overhead_ms: float
     block_whole_ms: tuple[float, ...]
     calibrated: bool = False
+    block_steps: tuple[int, ...] = ()  # steps in each block (``[B]``, the weights of the mean)
+    block_tokens: tuple[float, ...] = ()  # tokens per rank per step held in each block (``[B]``)
 
 
 def held_out_steps(held: RoutingTrace, ep_size: int, phase: str, step_tokens: int, seed: int = 0) -> Steps:
@@ -88,8 +93,12 @@ def price_phase(
     model: ModelSpec,
     cluster: ClusterSpec,
     context_len: int,
+    *,
+    kernel: str | None = None,
+    overlap: bool = False,
 ) -> PhasePrice:
-    """Price ``placement`` under ``dispatch`` on the held-out ``steps`` (module docstring)."""
+    """Price ``placement`` under ``dispatch`` on the held-out ``steps`` (module docstring), with the
+    all-to-all ``kernel`` the command selects (None: the phase's own) and two-batch ``overlap``."""
     assert held.topk_ids is not None
     ids = np.asarray(held.topk_ids)[steps.token]  # [N, L, k]
     S = steps.num_steps
@@ -107,28 +116,79 @@ def price_phase(
             steps.row[m],
         )
         parts.append(
-            step_time_from_arrays(placement, block, dispatch, model, cluster, context_len=context_len)
+            step_time_from_arrays(
+                placement,
+                block,
+                dispatch,
+                model,
+                cluster,
+                context_len=context_len,
+                options=StepOptions(kernel=kernel, overlap="on" if overlap else "off"),
+            )
         )
     w = np.diff(edges) / S
+    G = placement.topology.ep_size
+    held_tokens = [
+        float(((steps.step >= lo) & (steps.step < hi)).sum()) / ((hi - lo) * G)
+        for lo, hi in zip(edges[:-1], edges[1:])
+    ]
 
     def mean(attr: str) -> float:
         return float(sum(wi * getattr(p, attr) for wi, p in zip(w, parts)))
 
     whole = tuple(p.whole_ms for p in parts)
     return PhasePrice(
-        steps.phase, steps.step_tokens, S, mean("whole_ms"), mean("moe_ms"), mean("dispatch_overhead_ms"), whole,
-        parts[0].calibrated,
-    )  # fmt: skip
+        phase=steps.phase,
+        step_tokens=steps.step_tokens,
+        num_steps=S,
+        whole_ms=mean("whole_ms"),
+        moe_ms=mean("moe_ms"),
+        dispatch_overhead_ms=mean("dispatch_overhead_ms"),
+        block_whole_ms=whole,
+        calibrated=parts[0].calibrated,
+        block_steps=tuple(int(n) for n in np.diff(edges)),
+        block_tokens=tuple(held_tokens),
+    )
+
+
+def with_context(
+    price: PhasePrice, model: ModelSpec, cluster: ClusterSpec, old: float, new: float
+) -> PhasePrice:
+    """``price`` at another context length: only the rest of the step (attention reading the KV cache)
+    changes, block by block (:func:`placement.cost.step_time.rest_of_step_seconds`); exact without
+    two-batch overlap."""
+    phase = price.phase if price.phase in PHASES else PHASES[0]
+
+    def rest_ms(tokens: float, c: float) -> float:
+        t = tokens if tokens > 0 else price.step_tokens
+        return rest_of_step_seconds(model, cluster, t, phase, c) * 1e3
+
+    blocks = tuple(
+        w + rest_ms(t, new) - rest_ms(t, old) for w, t in zip(price.block_whole_ms, price.block_tokens)
+    )
+    weights = np.asarray(price.block_steps, dtype=float)
+    return replace(price, whole_ms=float(np.dot(weights, blocks) / weights.sum()), block_whole_ms=blocks)
 
 
 def gain(option: PhasePrice, baseline: PhasePrice) -> tuple[float, float]:
-    """``(gain, band)``: throughput gain of ``option`` over ``baseline`` and twice its standard error."""
+    """``(gain, band)``: throughput gain of ``option`` over ``baseline`` and twice its standard error;
+    the band is NaN (JSON null) when the held-out steps form one block (one step): it cannot be estimated."""
     g = baseline.whole_ms / option.whole_ms - 1.0 if option.whole_ms > 0 else 0.0
     a, b = np.asarray(option.block_whole_ms), np.asarray(baseline.block_whole_ms)
     if a.size < 2 or a.size != b.size:
-        return float(g), 0.0
+        return float(g), math.nan
     per = b / np.where(a > 0, a, 1.0) - 1.0
     return float(g), float(2.0 * per.std(ddof=1) / math.sqrt(per.size))
+
+
+def known(band: float) -> float:
+    """A band for a decision: an unknown one (NaN, one held-out step) counts as 0; it is said, not hidden."""
+    return 0.0 if math.isnan(band) else band
+
+
+def band_text(band: float) -> str:
+    """``"band 0.12%"``, or why there is none."""
+    return "band unknown: one held-out step" if math.isnan(band) else f"band {band * 100:.2f}%"
 
 
 def published_band(phase: str) -> tuple[float, float, str]:

@@ -1,5 +1,5 @@
-"""The recommendation: which option the engine can run, which pays beyond its band per GB spent, and
-the launch command that starts it.
+"""The recommendation's engine side: which option the engine can run, and the launch commands that start
+it (the choice itself: :mod:`moe_placement.apps.advise.choice`).
 
 Flag names as the engines' parsers spell them (SGLang 0.5.23 ``ServerArgs.add_cli_args``, vLLM 0.33
 ``engine/arg_utils.py``; ``tests/test_advise_engines.py`` checks every flag printed here against them).
@@ -8,18 +8,15 @@ Flag names as the engines' parsers spell them (SGLang 0.5.23 ``ServerArgs.add_cl
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 
 from moe_placement.apps.advise.balance import ENGINE, NO_EPLB, RUNTIME
 from moe_placement.apps.advise.engines import ENGINES, architecture_of, can_balance, can_dispatch
 from moe_placement.apps.advise.options import engine_flag_value
-from moe_placement.apps.advise.phases import gain
 from placement.dispatch import get_dispatch
 
-__all__ = ["GB_FLOOR", "HF_IDS", "Choice", "Launch", "availability", "choose", "launch", "net_gain"]
+__all__ = ["HF_IDS", "Launch", "availability", "launch"]
 
-GB_FLOOR = 0.25  # GB per GPU: an option that spends less counts as spending this (gain per GB stays finite)
 HF_IDS = {
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
     "deepseek-r1": "deepseek-ai/DeepSeek-R1",
@@ -58,70 +55,48 @@ def availability(engine: str, model_name: str, row, platform: str = "cuda") -> t
     return True, ""
 
 
-def net_gain(row, base) -> dict:
-    """Per-phase whole-step gains of ``row`` over ``base`` with bands, and the net (the priced phases
-    weighted alike): ``{decode: (g, band), prefill: (g, band), net, band}`` (a phase not priced: absent)."""
-    g = {ph: gain(row.phase(ph), base.phase(ph)) for ph in row.priced}
-    n = max(len(g), 1)
-    return {
-        **g,
-        "net": sum(v[0] for v in g.values()) / n,
-        "band": math.hypot(*(v[1] for v in g.values())) / n,
-    }
-
-
-@dataclass(frozen=True)
-class Choice:
-    row: object
-    reason: str
-
-
-def _pays(g: dict) -> bool:
-    worse = any(g[ph][0] + g[ph][1] < 0 for ph in ("decode", "prefill") if ph in g)
-    return g["net"] - g["band"] > 0 and not worse
-
-
-def choose(rows, base, available: dict) -> Choice:
-    """The runnable row that fits in memory and pays beyond its band with the most net gain per GB spent
-    (extra replica GB per GPU over the baseline, at least ``GB_FLOOR``); else no balancing."""
-    scored = []
-    for r in rows:
-        if r is base or not available[r.key][0] or not r.memory.fits:
-            continue
-        g = net_gain(r, base)
-        if _pays(g):
-            extra = max((r.memory.redundant_bytes - base.memory.redundant_bytes) / 1e9, GB_FLOOR)
-            scored.append((g["net"] / extra, -r.redundant_per_gpu, r))
-    if not scored:
-        return Choice(base, "no balancing: no runnable option that fits in memory gains beyond its band")
-    per_gb, _, best = max(scored, key=lambda s: (s[0], s[1]))
-    return Choice(best, f"largest net whole-step gain per GB spent ({per_gb * 100:.2f}% per GB per GPU)")
-
-
 @dataclass(frozen=True)
 class Launch:
-    """What to run: environment, the command, its flags (the EPLB part) and the files it names."""
+    """What to run: environment, the head node's command, its flags (the EPLB part), the files it names,
+    and the command of every node (``per_node[i]`` on node ``i``; ``per_node[0] == command``)."""
 
     env: tuple[str, ...]
     command: str
     flags: tuple[str, ...]
     files: tuple[str, ...]
+    per_node: tuple[str, ...] = ()
 
 
-def _parallel(engine: str, G: int, nodes: int, per_node: int) -> list[str]:
+HEAD_ADDRESS = "HEAD_IP"  # placeholder: the head node's address, the same in every node's command
+SGLANG_INIT_PORT = 5000
+VLLM_RPC_PORT = 13345
+
+
+def _parallel(engine: str, G: int, nodes: int, per_node: int, node: int) -> list[str]:
+    """The parallel layout on node ``node``: attention DP x EP over every GPU (SGLang ``--attn-dp-size``,
+    the current spelling of ``--dp-size --enable-dp-attention``; vLLM data parallel with EP)."""
     if engine == "sglang":
-        out = [
-            f"--tp-size {G}",
-            f"--dp-size {G}",
-            "--enable-dp-attention",
-            f"--ep-size {G}",
-            f"--nnodes {nodes}",
-        ]
-        out += ["--node-rank 0"] + (["--dist-init-addr HEAD_IP:5000"] if nodes > 1 else [])
+        out = [f"--tp-size {G}", f"--attn-dp-size {G}", f"--ep-size {G}", f"--nnodes {nodes}"]
+        out += [f"--node-rank {node}"]
+        out += [f"--dist-init-addr {HEAD_ADDRESS}:{SGLANG_INIT_PORT}"] if nodes > 1 else []
         return out + ["--moe-a2a-backend deepep", "--deepep-mode auto"]
-    out = ["--tensor-parallel-size 1", f"--data-parallel-size {G}", f"--data-parallel-size-local {per_node}"]
-    out += ["--data-parallel-address HEAD_IP"] if nodes > 1 else []
+    out = ["--headless"] if node > 0 else []
+    out += ["--tensor-parallel-size 1", f"--data-parallel-size {G}", f"--data-parallel-size-local {per_node}"]
+    out += [f"--data-parallel-start-rank {node * per_node}"] if node > 0 else []
+    if nodes > 1:
+        out += [f"--data-parallel-address {HEAD_ADDRESS}", f"--data-parallel-rpc-port {VLLM_RPC_PORT}"]
     return out + ["--enable-expert-parallel", f"--all2all-backend {ENGINES['vllm'].deepep_modes['decode']}"]
+
+
+def _tuning(engine: str, options) -> list[str]:
+    """The flags that make the engine run the steps advise priced: two-batch overlap when on, and the
+    prefill chunk when the user set one (the engine's own default otherwise)."""
+    caps = ENGINES[engine]
+    out = [caps.overlap_flag] if options.overlap == "on" else []
+    if "prefill_step_tokens" in (options.pinned or ()):
+        per = options.prefill_step_tokens
+        out.append(f"{caps.prefill_flag} {per if caps.prefill_flag_per_rank else per * options.ep_size}")
+    return out
 
 
 def _eplb_flags(
@@ -138,7 +113,7 @@ def _eplb_flags(
         if interval is not None:
             flags += ["--enable-eplb", f"--eplb-rebalance-num-iterations {interval}"]
         return [], flags, [path]
-    if row.kind == NO_EPLB and not redundant:
+    if row.kind == NO_EPLB:  # vLLM's EP without EPLB takes no redundant expert (E // G or one more per GPU)
         return [], [], []
     if interval is not None and row.kind == ENGINE:
         cfg = {
@@ -161,7 +136,8 @@ def _eplb_flags(
 def launch(
     engine: str, row, model_name: str, options, redundant: int, interval: int | None, output: str
 ) -> Launch:
-    """The command that starts ``row`` on ``engine`` (run once per node: ``--node-rank`` / DP ranks vary)."""
+    """The commands that start ``row`` on ``engine``, one per node (only ``--node-rank`` or the DP start
+    rank differs; the head node's address is the placeholder :data:`HEAD_ADDRESS`)."""
     G, N = options.ep_size, options.nodes
     model = HF_IDS.get(model_name.lower(), "MODEL_PATH")
     env, flags, files = _eplb_flags(engine, row, redundant, interval, output)
@@ -169,8 +145,12 @@ def launch(
         head = f"python -m sglang.launch_server --model-path {model}"
     else:
         head = f"vllm serve {model}"
-    parts = [*env, head, *_parallel(engine, G, N, options.gpus_per_node), *flags]
-    return Launch(tuple(env), " ".join(parts), tuple(flags), tuple(files))
+    tuning = _tuning(engine, options)
+    nodes = tuple(
+        " ".join([*env, head, *_parallel(engine, G, N, options.gpus_per_node, i), *flags, *tuning])
+        for i in range(N)
+    )
+    return Launch(tuple(env), nodes[0], tuple(flags), tuple(files), nodes)
 
 
 def greyed_reason(engine: str, model_name: str) -> str | None:

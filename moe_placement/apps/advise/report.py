@@ -59,12 +59,11 @@ def _gain_plot(plt, d: dict) -> str:
             nudge = (i - (len(series) - 1) / 2) * 0.012 * span  # options at the same GB side by side
             x = [o["phases"][ph]["memory_gb"] + nudge for o in opts]
             y = [o["phases"][ph]["whole_step_gain"] * 100 for o in opts]
-            e = [o["phases"][ph]["band"] * 100 for o in opts]
+            e = [(o["phases"][ph]["band"] or 0.0) * 100 for o in opts]  # none from one held-out step
             ok = all(o["available"] for o in opts)
-            ax.errorbar(
-                x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", mfc=f"C{i}" if ok else "white",
-                ls="-" if ok else ":", label=f"{kind} / {disp}" + ("" if ok else " (not runnable)"),
-            )  # fmt: skip
+            label = f"{kind} / {disp}" + ("" if ok else " (not runnable)")
+            style = {"color": f"C{i}", "mfc": f"C{i}" if ok else "white", "ls": "-" if ok else ":"}
+            ax.errorbar(x, y, yerr=e, marker="o", capsize=3, label=label, **style)
         ax.axhline(0, color="#888", lw=0.8)
         if limit is not None and limit > 0:
             if limit <= 3 * span:  # drawn only where it does not squash the options onto the y axis
@@ -111,27 +110,78 @@ def _fmt(v: Any) -> str:
 
 
 def _pct(ph: dict | None) -> str:
+    """``+4.75% ± 1.18 [+4.1, +5.2]``: the gain, its band (n/a from one held-out step) and its range."""
     if ph is None:
         return "not priced"
-    return f"{ph['whole_step_gain'] * 100:+.2f}% ± {ph['band'] * 100:.2f}"
+    band = "n/a" if ph["band"] is None else f"{ph['band'] * 100:.2f}"
+    lo, hi = ph.get("whole_step_gain_range") or (ph["whole_step_gain"],) * 2
+    return f"{ph['whole_step_gain'] * 100:+.2f}% ± {band} [{lo * 100:+.2f}, {hi * 100:+.2f}]"
+
+
+def _decision_table(rec: dict) -> str:
+    """The decision: the minimum gain, the net gain and its range, stability and what would flip it."""
+    lo, hi = rec.get("net_gain_range", [0.0, 0.0])
+    flips = (
+        "; ".join(f"{f['what']} {f['value']}: {f['option']}" for f in rec.get("would_flip", []))
+        or "nothing tried"
+    )
+    runner = rec.get("runner_up") or {}
+    return _kv_table(
+        [
+            (
+                "minimum gain worth a change",
+                f"{rec.get('min_gain', 0.0) * 100:g}% of the whole step (low end less band)",
+            ),
+            (
+                "net whole-step gain [range]",
+                f"{rec.get('net_gain', 0.0) * 100:+.2f}% [{lo * 100:+.2f}, {hi * 100:+.2f}]",
+            ),
+            ("decision stable", "yes" if rec.get("decision_stable") else "no"),
+            ("would flip it", flips),
+            ("cannot be judged", "; ".join(rec.get("stability", {}).get("unknown", [])) or "none"),
+            ("best option not picked", f"{runner.get('option', 'none')}: {runner.get('why_not', '')}"),
+        ]
+    )
+
+
+_HEADS = (
+    "option",
+    "dispatch",
+    "r/GPU",
+    "runs on the engine",
+    "window PAR",
+    "decode gain",
+    "prefill gain",
+    "lp/dispatch overhead ms",
+    "replica GB/GPU",
+    "KV tokens lost/GPU",
+    "fits",
+)
 
 
 def _table(d: dict) -> str:
-    heads = ("option", "dispatch", "r/GPU", "runs on the engine", "window PAR", "decode gain", "prefill gain",
-             "lp/dispatch overhead ms", "replica GB/GPU", "KV tokens lost/GPU", "fits")  # fmt: skip
     rows = []
     chosen = d["recommendation"]["option"]
     for o in d["options"]:
         dec, pre = o["phases"].get("decode"), o["phases"].get("prefill")
         one = dec or pre
-        cells = (o["option"], o["dispatch"], o["redundant_per_gpu"],
-                 "yes" if o["available"] else f"no: {o['unavailable_reason']}", o["window_par"], _pct(dec),
-                 _pct(pre), one["dispatch_overhead_ms"], one["memory_gb"], one["kv_tokens_lost"],
-                 "yes" if o["fits"] else "no")  # fmt: skip
+        cells = (
+            o["option"],
+            o["dispatch"],
+            o["redundant_per_gpu"],
+            "yes" if o["available"] else f"no: {o['unavailable_reason']}",
+            o["window_par"],
+            _pct(dec),
+            _pct(pre),
+            one["dispatch_overhead_ms"],
+            one["memory_gb"],
+            one["kv_tokens_lost"],
+            "yes" if o["fits"] else "no",
+        )
         cls = "chosen" if o["key"] == chosen else ("grey" if not o["available"] else "")
         tds = "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in cells)
         rows.append(f'<tr class="{cls}">{tds}</tr>')
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in heads)
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in _HEADS)
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
@@ -152,10 +202,22 @@ def _rebalance_table(rb: dict) -> str:
                 "out-of-sample gain (next window)",
                 "n/a" if g is None else f"{g * 100:+.2f}% ± {rb['band'] * 100:.2f}",
             ),
+            ("judged", "yes" if rb.get("judged", True) else "no: not enough trace"),
             ("stall per rearrangement", f"{rb['stall_ms']:.0f} ms" + (" (async)" if rb["async"] else "")),
             ("why", rb["reason"]),
             ("stall source", rb["stall_source"]),
         ]
+    )
+
+
+def _commands(rec: dict) -> str:
+    """The command of every node (copyable), or the one command on a single node."""
+    nodes = rec.get("launch_commands") or [{"node_rank": 0, "command": rec["launch_command"]}]
+    if len(nodes) == 1:
+        return f'<pre class="cmd">{html.escape(nodes[0]["command"])}</pre>'
+    return "".join(
+        f'<p>node {n["node_rank"]} (HEAD_IP: node 0\'s address)</p><pre class="cmd">{html.escape(n["command"])}</pre>'
+        for n in nodes
     )
 
 
@@ -185,9 +247,9 @@ def render_html(advice) -> str:
     return (
         f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
         f"</head><body><h1>{esc(title)}</h1>"
-        f'<h2>Launch command (modelled choice)</h2><pre class="cmd">{esc(rec["launch_command"])}</pre>'
+        f"<h2>Launch command (modelled choice)</h2>{_commands(rec)}"
         f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
-        f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p><ul>{warn}</ul>'
+        f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p>{_decision_table(rec)}<ul>{warn}</ul>'
         f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "
         f"{t['layers']} layers; held-out steps: "
         + ", ".join(f"{ph} {n}" for ph, n in d["held_out_steps"].items())
