@@ -68,8 +68,11 @@ def assumptions(
     unit: str,
 ) -> tuple[str, ...]:
     """The assumptions list of the contract, one line each."""
+    parts = ", ".join(hardware.get("measured_parts") or ()) or "figures in the preset"
     cal = (
-        "calibrated (measured figures in the preset)" if hardware["measured"] else "analytic, not calibrated"
+        f"measured ({parts}; preset {hardware['preset']})"
+        if hardware["measured"]
+        else "analytic, not calibrated"
     )
     caps = ENGINES[options.engine]
     fit, held = _halves(options.fit_half)
