@@ -232,7 +232,7 @@ def test_cli_writes_the_failure_report_and_one_failover_map_per_loss(tmp_path, c
         assert e["resolve_par"] >= 1.0
     # a second run for GPU losses replaces the node maps: one run's folder, whole
     rc, _, _ = _solve_cli(tmp_path, capsys, "--failure-domain", "gpu", "--failover", str(folder))
-    assert rc == 0 and sorted(p.name for p in folder.iterdir()) == sorted(
+    assert rc == 0 and sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == sorted(
         ["index.json"] + [f"lost-gpu-{g}.json" for g in range(8)]
     )
 
@@ -255,13 +255,14 @@ def test_cli_failover_digest_names_the_map_solved(tmp_path, capsys):
         (("--failure-domain", "node", "--failover-max-moves", "3"), "--failover DIR"),
         (("--failure-domain", "node", "--node-constraint", "--solver", "cpsat"), "give one of them"),
         (("--failure-domain", "node", "--num-redundant", "8", "--failover", "DIR"), "no failover map"),
-        (("--failure-domain", "node", "--failover", "FOREIGN"), "not this command's"),
+        (("--failure-domain", "node", "--failover", "FOREIGN"), "which no earlier `solve-failover` run wrote"),
     ],
 )
 def test_cli_refuses_what_cannot_work_in_one_line(tmp_path, capsys, extra, words):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "mine.txt").write_text("keep me")
+    (foreign / "index.json").write_text("{}")  # a file the command would write, not written by it
     extra = [str(tmp_path / "dir") if a == "DIR" else str(foreign) if a == "FOREIGN" else a for a in extra]
     rc, _, err = _solve_cli(tmp_path, capsys, *extra)  # the last --num-redundant given wins
     assert rc == 2 and err.count("\n") == 1 and words in err, err

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from placement.model import Placement
     from solver.api import SolveResult
 
+FAILOVER_COMMAND = "solve-failover"  # the command name in the failover folder's manifest
+
 __all__ = [
     "add_failure_args",
     "check_failure_args",
@@ -137,12 +139,12 @@ def check_failure_args(args, topo, num_experts: int, previous: bool) -> Path | N
 
     names = [FAILOVER_INDEX] + [failover_file_name(domain, i) for i, _ in domain_losses(topo, domain)]
     out = check_folder_outputs(args.failover, names, [args.trace, args.load, args.output, args.report])
-    if out.is_dir() and not (out / FAILOVER_INDEX).exists() and any(out.iterdir()):
-        raise CliError(
-            f"--failover {out}: the folder holds files but no {FAILOVER_INDEX}; give an empty or new folder "
-            "(its files are not this command's to replace)"
-        )
-    _listed(out)  # an index of ours that does not read is refused before anything is solved
+    from moe_placement.base.folders import claim_folder
+
+    with claim_folder(
+        out, FAILOVER_COMMAND, names
+    ):  # refused now (another run, foreign files), before solving
+        pass
     return out
 
 
@@ -175,9 +177,10 @@ def failure_label(label: str, result: SolveResult) -> str:
 
 
 def write_failover(args, out: Path, placement: Placement, load: np.ndarray) -> dict:
-    """Every map of ``--failover``, computed and published as one folder; the stale maps of an earlier
-    index removed after. Returns ``{"dir", "domain", "losses"}`` for the JSON and the table."""
-    from moe_placement.base.fileio import atomic_write_files
+    """Every map of ``--failover``, computed and published as one run's folder
+    (:func:`moe_placement.base.folders.publish_folder`: an earlier run's maps not rewritten are removed,
+    files this command did not write are never touched). Returns ``{"dir", "domain", "losses"}`` for the JSON and the table."""
+    from moe_placement.base.folders import publish_folder
     from placement.formats import placement_files
     from placement.formats.failover import FAILOVER_INDEX, failover_file_name, index_bytes
     from solver.failover import DEFAULT_MAX_MOVES, FailoverOptions, domain_losses, failover_map
@@ -185,8 +188,6 @@ def write_failover(args, out: Path, placement: Placement, load: np.ndarray) -> d
     domain = args.failure_domain
     moves = DEFAULT_MAX_MOVES if args.failover_max_moves is None else args.failover_max_moves
     options = FailoverOptions(max_moves=moves, resolve=True, num_groups=args.num_groups)
-    old = _listed(out)
-    out.mkdir(parents=True, exist_ok=True)
     files, losses = [], []
     for index, lost in domain_losses(placement.topology, domain):
         new, rep = failover_map(placement, load, lost, options)
@@ -195,9 +196,7 @@ def write_failover(args, out: Path, placement: Placement, load: np.ndarray) -> d
         losses.append(_entry(index, lost, name, new, rep))
     opts = {"max_moves": moves, "min_gain": options.min_gain, "target": options.target, "load": "fitted"}
     files.append((out / FAILOVER_INDEX, index_bytes(out / FAILOVER_INDEX, placement, domain, losses, opts)))
-    atomic_write_files(files)
-    for stale in old - {Path(f).name for f, _ in files}:
-        (out / stale).unlink(missing_ok=True)
+    publish_folder(out, {Path(f).name: data for f, data in files}, FAILOVER_COMMAND)
     return {"dir": str(out), "domain": domain, "losses": losses}
 
 
@@ -214,19 +213,6 @@ def _entry(index: int, lost, name: str, new: Placement, rep) -> dict:
         "ep_size": new.topology.ep_size,
         "num_nodes": new.topology.num_nodes,
     }
-
-
-def _listed(out: Path) -> set[str]:
-    """The map files an earlier index in ``out`` lists (removed after publishing when not rewritten)."""
-    from moe_placement.base.fileio import InputFileError
-    from placement.formats.failover import FAILOVER_INDEX, read_failover_index
-
-    if not (out / FAILOVER_INDEX).exists():
-        return set()
-    try:
-        return {e["file"] for e in read_failover_index(out)["losses"]}
-    except InputFileError as exc:
-        raise CliError(f"--failover {out}: {exc}; give an empty or new folder") from None
 
 
 def print_failover(summary: dict) -> None:
