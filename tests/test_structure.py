@@ -503,11 +503,6 @@ def test_readme_size_and_deprecated_flags_are_enforced(tmp_path):
     assert check.measure(root).over_limit == ["policy_words", "readme_lines", "readme_deprecated"]
 
 
-# rows still report-only while the code they count is being reworked on other branches (issue 45 leaves
-# this empty)
-REPORT_ONLY = {"fmt_skips"}
-
-
 # issue 45's counts: an install that collides with nothing, a bottom floor, families as packages, lists
 # defined once, docs that name only existing paths; each planted in a small tree
 
@@ -566,9 +561,12 @@ def test_a_second_phase_list_or_gpu_name_is_enforced(tmp_path):
     assert check.measure(root).over_limit == ["phase_definitions", "hardware_literals"]
 
 
-def test_fmt_skips_are_counted(tmp_path):
-    root = _tree(tmp_path, {"solver/x.py": "a = [1,  2]  # fmt: skip\n# fmt: off\nb = 1\n# fmt: on\n"})
-    assert counts.fmt_skips(root) == ["solver/x.py:1", "solver/x.py:2"]
+def test_fmt_skips_are_enforced(tmp_path):
+    root = _tree(tmp_path, {"solver/x.py": 's = "# fmt: skip in a string is prose"\n'}, filler=True)
+    assert counts.fmt_skips(root) == [] and check.measure(root).ok
+    (root / "solver" / "y.py").write_text("a = [1,  2]  # fmt: skip\n# fmt: off\nb = 1\n# fmt: on\n")
+    assert counts.fmt_skips(root) == ["solver/y.py:1", "solver/y.py:2"]
+    assert check.measure(root).over_limit == ["fmt_skips"]
 
 
 def test_paths_named_in_docs_must_exist(tmp_path):
@@ -597,7 +595,7 @@ def test_solver_share_is_enforced(tmp_path, capsys):
 
 
 def test_every_row_of_issue_35_is_enforced():
-    assert all(row.enforced for row in counts.ROWS if row.key not in REPORT_ONLY)
+    assert all(row.enforced for row in counts.ROWS)
 
 
 def test_the_exception_family_has_one_root_and_keeps_old_import_paths():
