@@ -19,7 +19,7 @@ from placement.cost.modelspec import ModelSpec
 from placement.cost.step_time import StepOptions, rest_of_step_seconds, step_time_from_arrays
 from placement.cost.traffic import StepArrays
 from placement.model import Placement
-from placement.steps import PHASES, Steps, make_steps
+from placement.steps import Steps, make_steps, priced_phase
 from profiling.trace import RoutingTrace
 
 __all__ = [
@@ -157,7 +157,7 @@ def with_context(
     """``price`` at another context length: only the rest of the step (attention reading the KV cache)
     changes, block by block (:func:`placement.cost.step_time.rest_of_step_seconds`); exact without
     two-batch overlap."""
-    phase = price.phase if price.phase in PHASES else PHASES[0]
+    phase = priced_phase(price.phase)
 
     def rest_ms(tokens: float, c: float) -> float:
         t = tokens if tokens > 0 else price.step_tokens

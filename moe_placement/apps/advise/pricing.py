@@ -22,7 +22,7 @@ from placement.cost.hardware import ClusterSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.ranges import value_range
 from placement.model import Placement
-from placement.steps import PHASES, Steps
+from placement.steps import Steps, priced_phase
 from profiling.trace import RoutingTrace
 
 __all__ = ["Progress", "held_steps", "memory", "price", "rows", "run_stage", "step_tokens", "with_ranges"]
@@ -58,7 +58,7 @@ def held_steps(held: RoutingTrace, options: AdviseOptions) -> dict[str, Steps]:
 
 def kernel(options: AdviseOptions, steps: Steps) -> str:
     """The all-to-all kernel the printed command runs these steps with (recorded engine batches: decode's)."""
-    ph = steps.phase if steps.phase in PHASES else PHASES[0]
+    ph = priced_phase(steps.phase)
     return ENGINES[options.engine].a2a_kernels[ph]
 
 
