@@ -310,3 +310,36 @@ def test_each_pool_is_placed_for_its_phase_and_holds_its_phase_on_held_out_steps
         assert g >= -band, (phase, g, band)
         if phase == "prefill":
             assert par[phase] < par[other], par
+
+
+def test_two_pools_of_one_topology_keep_the_faster_row_of_each_layer_for_their_phase():
+    """exchange_layers: after the exchange each placement's every layer is as fast on its phase's
+    validation steps as the faster of the two fitted rows, and a layer changes only where the other
+    row was strictly faster."""
+    from moe_placement.apps.deploy.candidates import _validation_part, exchange_layers
+    from placement.cost.modelspec import load_model
+    from placement.dispatch import BALANCED
+    from placement.topology import Topology
+    from profiling.synthetic import synthetic_trace
+    from solver.api import solve
+    from solver.step.cost import step_cost_for
+    from solver.step.fit import StepFitOptions, sample_step_counts, step_seconds
+
+    fit = synthetic_trace(num_tokens=6000, num_layers=4, num_prompts=60, skew=0.9, seed=3)
+    m, cl = load_model("deepseek-v2-lite"), cluster_preset("h200", gpus_per_node=4)
+    topo = Topology.from_redundant(64, 8, 4, 1)
+    half = fit.split(0.5)
+    a, b = (solve("greedy", topology=topo, trace=t, seed=0).placement for t in half)  # two fits' rows
+    assert (a.physical_to_logical_map != b.physical_to_logical_map).any(axis=1).all()
+    phases, tokens = ("prefill", "decode"), (64, 16)
+    (pa, pb), taken = exchange_layers([a, b], phases, tokens, fit, m, cl)
+    for new, old, other, phase, t, took in zip((pa, pb), (a, b), (b, a), phases, tokens, taken):
+        part = _validation_part(fit, 4 * t, StepFitOptions.validation)
+        counts = sample_step_counts(part, 4, t, None, 0, phase, per_rank=True)
+        cost = step_cost_for(part, phase, 4, m, cl)
+        own, alt, now = (step_seconds(p, counts, BALANCED.name, cost, range(4)) for p in (old, other, new))
+        np.testing.assert_allclose(now, np.minimum(own, alt), rtol=1e-12)
+        assert set(took) == set(np.flatnonzero(alt < own * (1 - 1e-12)).tolist())
+        unchanged = [l for l in range(4) if l not in took]
+        assert (new.physical_to_logical_map[unchanged] == old.physical_to_logical_map[unchanged]).all()
+    assert taken[0] and taken[1], taken  # each phase found a faster row in the other's fit

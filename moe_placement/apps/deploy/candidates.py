@@ -18,7 +18,9 @@ several nodes; GPUs of the one node otherwise), each pool with its own best layo
 
 :func:`fit_phase_placements` re-places a disaggregated deployment's pools on their phase's steps of a
 routing trace (prefill-shaped chunks for the prefill pool, continuous-batching decode steps for the
-decode pool) through :func:`solver.api.solve` with :class:`solver.api.FitOptions` ``phase``.
+decode pool) through :func:`solver.api.solve` with :class:`solver.api.FitOptions` ``phase``; two pools of one
+topology then trade rows per layer where the other pool's row is faster on this pool's phase
+(:func:`exchange_layers`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from placement.cost.hardware import HARDWARE_NAMES, ClusterSpec
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec
 from placement.steps import DEFAULT_STEP_TOKENS, SIZING_STEP_TOKENS
 
-__all__ = ["Candidate", "PoolChoice", "Planner", "fit_phase_placements", "splits"]
+__all__ = ["Candidate", "PoolChoice", "Planner", "exchange_layers", "fit_phase_placements", "splits"]
 
 log = logging.getLogger(__name__)
 
@@ -231,48 +233,137 @@ def _label(kind: str, pools: tuple[PoolChoice, ...], E: int) -> str:
 def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Candidate, list[str]]:
     """``cand`` with each pool's placement fitted on its phase's steps of the first half of ``trace``
     (:func:`solver.api.solve`, the per-step ``balanced`` dispatch, :class:`solver.api.FitOptions` with
-    the pool's phase), and notes. The trace must route the model's experts in all its MoE layers."""
+    the pool's phase), and notes. The trace must route the model's experts in all its MoE layers.
+
+    When the two pools share a topology, each pool's fitted placement is one more candidate per layer
+    for the other pool (:func:`exchange_layers`): a layer takes the other pool's row where that row's
+    modelled time on this pool's phase is lower on the fit half's validation steps."""
+    fit, _ = trace.split(0.5)
+    fitted = [_fit_pool(planner, pool, fit) for pool in cand.pools]
+    placements = [f[0] if f is not None else None for f in fitted]
+    taken: list[tuple[int, ...]] = [()] * len(fitted)
+    if len(fitted) == 2 and all(f is not None for f in fitted) and _same_topology(*placements):
+        phases = tuple(p.phase for p in cand.pools)
+        tokens = tuple(f[1] for f in fitted)
+        placements, taken = exchange_layers(
+            placements, phases, tokens, fit, planner.model, cand.pools[0].cluster, planner.options.seed
+        )
+    pools, notes = [], []
+    for i, pool in enumerate(cand.pools):
+        if fitted[i] is None:  # one GPU holds every expert: nothing to place
+            pools.append(pool)
+            continue
+        how = fitted[i][2] + _taken_text(taken[i], cand.pools[1 - i].phase if taken[i] else "", pool.phase)
+        pools.append(replace(pool, result=_priced(planner, pool, placements[i]), placed=how))
+        notes.append(f"{pool.phase} pool: {how}")
+    return Candidate(cand.kind, tuple(pools), cand.label), notes
+
+
+def _fit_pool(planner: Planner, pool: PoolChoice, fit):
+    """``(placement, tokens per rank, how)`` of ``pool`` fitted on its phase's steps of ``fit``; None
+    when one GPU holds every expert."""
     from placement.dispatch import BALANCED
     from solver.api import FitOptions, solve
 
     model, o = planner.model, planner.options
-    fit, _ = trace.split(0.5)
-    pools, notes = [], []
-    for pool in cand.pools:
-        topo = pool.result.placement.topology
-        if topo.ep_size == 1:  # one GPU holds every expert: nothing to place
-            pools.append(pool)
+    topo = pool.result.placement.topology
+    if topo.ep_size == 1:
+        return None
+    b = _fit_step_tokens(fit.num_tokens, topo.ep_size, pool.phase)
+    fo = FitOptions(
+        phase=pool.phase,
+        step_tokens=b,
+        step_moves=o.fit_moves,
+        seed=o.seed,
+        model=model.name if model.name in BUILTIN_MODELS else None,
+        hardware=pool.cluster.gpu.name if pool.cluster.gpu.name in HARDWARE_NAMES else FitOptions.hardware,
+    )
+    ids = model.moe_layer_ids
+    res = solve(
+        o.solver, topology=topo, trace=fit, dispatch=BALANCED.name, layer_ids=ids, seed=o.seed, fit=fo
+    )
+    how = (
+        f"fitted on {pool.phase} steps of the trace's first half ({b} tokens per rank, "
+        f"{o.fit_moves} moves per layer, per-step balanced split; solver.api.solve)"
+    )
+    return res.placement, b, how
+
+
+def _priced(planner: Planner, pool: PoolChoice, placement) -> LayoutResult:
+    """The planner's figures of ``pool``'s layout with ``placement``."""
+    opts = planner.cost_options(pool.phase)
+    c = pool.result.candidate
+    r = evaluate_candidate(
+        planner.model, pool.cluster, c, opts, planner.load(), None, planner.search, placement
+    )
+    if not r.feasible:  # the sizing batch of the ranking no longer fits: keep the memory of the layout
+        r = replace(pool.result, placement=placement)
+    return r
+
+
+def _same_topology(a, b) -> bool:
+    return a.topology == b.topology and a.physical_to_logical_map.shape == b.physical_to_logical_map.shape
+
+
+def _taken_text(layers: tuple[int, ...], other: str, phase: str) -> str:
+    if not layers:
+        return ""
+    return (
+        f"; {len(layers)} layer(s) ({', '.join(map(str, layers))}) taken from the {other} pool's fit, whose "
+        f"rows have the lower modelled {phase} time on the fit half's validation steps"
+    )
+
+
+def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: int = 0):
+    """Each placement with, per layer, the other placement's row where that row is faster on its own
+    phase: ``(placements, taken layers per placement)``.
+
+    Two placements of one topology, fitted for ``phases`` with ``step_tokens`` per rank, are scored as
+    the per-step fit scores a layer (:func:`solver.step.fit.step_seconds`: the modelled MoE layer time
+    under the ``balanced`` split, :mod:`solver.step.cost` on ``model`` and ``cluster``) on every step of
+    the phase in the validation part of ``fit`` (its last
+    :attr:`solver.step.fit.StepFitOptions.validation` share, which neither fit searched on). Both
+    candidates are scored on the same steps and a layer changes only where the other row is strictly
+    faster, so no layer gets slower on those steps and the placements still differ wherever their
+    phases prefer different rows. Skipped (unchanged) when no model prices the trace's shape.
+    """
+    from placement.dispatch import BALANCED
+    from placement.model import Placement
+    from solver.step.cost import step_cost_for
+    from solver.step.fit import StepFitOptions, sample_step_counts, step_seconds
+
+    out, taken = list(placements), [(), ()]
+    G = placements[0].topology.ep_size
+    L = placements[0].num_layers
+    for i, j in ((0, 1), (1, 0)):
+        mine, other = placements[i], placements[j]
+        part = _validation_part(fit, G * step_tokens[i], StepFitOptions.validation)
+        spec = model if model.top_k == fit.top_k else None
+        cost = step_cost_for(part, phases[i], G, spec, cluster)
+        if cost is None:
             continue
-        b = _fit_step_tokens(fit.num_tokens, topo.ep_size, pool.phase)
-        fo = FitOptions(
-            phase=pool.phase,
-            step_tokens=b,
-            step_moves=o.fit_moves,
-            seed=o.seed,
-            model=model.name if model.name in BUILTIN_MODELS else None,
-            hardware=pool.cluster.gpu.name
-            if pool.cluster.gpu.name in HARDWARE_NAMES
-            else FitOptions.hardware,
-        )
-        ids = model.moe_layer_ids
-        res = solve(
-            o.solver, topology=topo, trace=fit, dispatch=BALANCED.name, layer_ids=ids, seed=o.seed, fit=fo
-        )
-        opts = planner.cost_options(pool.phase)
-        cand_ = pool.result.candidate
-        r = evaluate_candidate(
-            model, pool.cluster, cand_, opts, planner.load(), None, planner.search, res.placement
-        )
-        if not r.feasible:  # the sizing batch of the ranking no longer fits: keep the memory of the layout
-            r = replace(pool.result, placement=res.placement)
-        how = (
-            f"fitted on {pool.phase} steps of the trace's first half ({b} tokens per rank, "
-            f"{o.fit_moves} moves per layer, per-step balanced split; solver.api.solve)"
-        )
-        pools.append(replace(pool, result=r, placed=how))
-        notes.append(f"{pool.phase} pool: {how}")
-    pools_t = tuple(pools)
-    return Candidate(cand.kind, pools_t, cand.label), notes
+        counts = sample_step_counts(part, G, step_tokens[i], None, seed, phases[i], per_rank=True)
+        own = step_seconds(mine, counts, BALANCED.name, cost, range(L))
+        alt = step_seconds(other, counts, BALANCED.name, cost, range(L))
+        take = (alt < own * (1 - 1e-12)) & (
+            other.physical_to_logical_map != mine.physical_to_logical_map
+        ).any(axis=1)
+        if not take.any():
+            continue
+        p2l = mine.physical_to_logical_map.copy()
+        p2l[take] = other.physical_to_logical_map[take]
+        layers = tuple(int(l) for l in np.flatnonzero(take))
+        out[i] = Placement(p2l, mine.num_logical_experts, mine.topology, mine.layer_ids, mine.provenance)
+        out[i] = out[i].with_provenance(layers_from_other_pool={"phase": phases[j], "layers": list(layers)})
+        taken[i] = layers
+    return out, taken
+
+
+def _validation_part(fit, step: int, share: float):
+    """The last ``share`` of ``fit``'s tokens, or all of them when that part holds less than a step."""
+    T = fit.num_tokens
+    cut = int(round(T * (1.0 - share)))
+    return fit.slice_tokens(cut, T) if T - cut >= step and cut > 0 else fit
 
 
 def _fit_step_tokens(tokens: int, ep_size: int, phase: str) -> int:
