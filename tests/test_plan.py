@@ -162,6 +162,73 @@ def test_a_route_sees_each_pool_and_picks_the_rank():
         simulate(dep, req, 20.0, route=lambda r, v: 9)
 
 
+def _wrapped(route, seen):
+    """``route`` behind a plain callable (no fast path), recording what each decision saw."""
+
+    def call(request: RouteRequest, view: PoolView) -> int:
+        before = view.in_flight.copy()
+        g = route(request, view)
+        seen.append((view.phase, before, g))
+        return g
+
+    return call
+
+
+def test_the_simulators_routes_are_the_registrys_rules_fed_the_simulated_queues():
+    from moe_placement.apps.deploy.routes import rule_route
+
+    dep, req = _split(), sample_requests(load_workload("code"), 300, seed=2)
+    fast = simulate(dep, req, 40.0)  # the default: each rank in turn
+    seen: list = []
+    slow = simulate(dep, req, 40.0, route=_wrapped(rule_route("round-robin"), seen))
+    for x, y in zip((fast.first_token, fast.finish), (slow.first_token, slow.finish)):
+        assert np.array_equal(x, y)  # the fast path is the Router's round-robin, rank for rank
+    seen.clear()
+    loaded = simulate(dep, req, 40.0, route=_wrapped(rule_route("least-loaded"), seen))
+    assert np.isfinite(loaded.finish).all() and seen
+    # the rule sees the simulator's queues: it never picks a rank with more requests than the lightest
+    assert all(q[g] == q.min() for _, q, g in seen)
+    assert any(q.max() > q.min() for _, q, _ in seen)  # queues did differ (the check could fail)
+    # no prefix chain: prefix falls back to load (least-loaded's choices, rank for rank)
+    other = simulate(dep, req, 40.0, route=rule_route("prefix"))
+    assert np.array_equal(other.first_token, loaded.first_token)
+    with pytest.raises(ValueError, match="needs the expert placement"):
+        simulate(dep, req, 40.0, route=rule_route("affinity"))  # the toy pools have none
+    with pytest.raises(ValueError, match="unknown routing rule 'fastest'"):
+        DeployOptions(route="fastest")
+
+
+def test_affinity_in_the_simulator_sends_a_request_to_the_node_holding_its_experts():
+    from moe_placement.apps.deploy.routes import rule_route
+    from placement.model import Placement
+    from placement.routing import Request, RouterOptions
+    from placement.topology import Topology
+
+    topo = Topology(ep_size=4, num_physical_experts=16, num_nodes=2)  # node 0: experts 0-7, node 1: 8-15
+    placement = Placement(np.tile(np.arange(16), (2, 1)), 16, topo)
+    pool = PoolSim("both", 1, 4, 200_000, 1024, 64, _table(), placement)
+    n = 40
+    sigs = [np.zeros((2, 16)) for _ in range(n)]
+    for i, s in enumerate(sigs):
+        s[:, 8 * (i % 2) : 8 * (i % 2) + 8] = 1 / 8  # even requests use node 0's experts, odd node 1's
+    known = [Request(i, signature=s) for i, s in enumerate(sigs)]
+    seen: list = []
+    route = rule_route("affinity", RouterOptions(max_imbalance=None), known)
+    res = simulate(DeploymentSim((pool,)), _alone(500, 20, n), 1.0, route=_wrapped(route, seen))
+    assert np.isfinite(res.finish).all()
+    assert [g // 2 for _, _, g in seen] == [i % 2 for i in range(n)]
+    # a signature-less workload on the same pool: by load, counted as the documented fallback
+    views: list = []
+    blind = rule_route("affinity")
+
+    def keep(request, view):
+        views.append(view)
+        return blind(request, view)
+
+    simulate(DeploymentSim((pool,)), _alone(500, 20, n), 1.0, route=keep)
+    assert views[-1].state["fallbacks"] == {"no signature": n}
+
+
 def test_a_rank_never_holds_more_kv_than_its_budget_and_too_large_requests_are_rejected():
     peak = []
 
@@ -254,6 +321,9 @@ def test_the_same_seed_gives_the_same_plan_bytes():
     args = ("qwen3-30b-a3b", cluster_preset("h200", gpus_per_node=2), 1, "code")
     a, b = (json.dumps(plan(*args, options=o).to_dict()) for _ in range(2))
     assert a == b
+    by_prefix = plan(*args, options=DeployOptions(**{**o.__dict__, "route": "prefix"})).to_dict()
+    said = [x for x in by_prefix["assumptions"] if x.startswith("routing: the prefix rule")]
+    assert said and "prefix routes by load (no cached prefix)" in said[0]
 
 
 def test_targets_nothing_meets_say_so_and_name_the_closest():

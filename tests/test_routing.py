@@ -145,6 +145,21 @@ def test_rules_that_need_the_placement_or_an_unknown_rule_are_refused():
     assert Router("combined", 4).route(Request(0)) in range(4)  # no affinity term without a placement
 
 
+def test_ranks_that_are_not_ep_ranks_name_their_node_and_report_their_queues_at_once():
+    """Two attention-DP ranks of two GPUs each (attention TP 2) over the 4-GPU, 2-node placement."""
+    r = Router(
+        "affinity", 2, RouterOptions(max_imbalance=None), domain_placement(), rank_nodes=np.array([0, 1])
+    )
+    assert r.route(Request("b", signature=sig(range(8, 16)))) == 1
+    assert r.route(Request("a", signature=sig(range(8)))) == 0
+    r.report_queue(np.array([5, 0]))
+    assert r.route(Request("c")) == 1  # no signature: by load, from the queues just reported
+    with pytest.raises(ValueError, match="rank_nodes must be 2 node indices in 0..1"):
+        Router("affinity", 2, placement=domain_placement(), rank_nodes=np.array([0, 2]))
+    with pytest.raises(ValueError, match="queue must be 2 whole counts"):
+        r.report_queue(np.array([1, -1]))
+
+
 def test_a_request_in_flight_on_a_rank_that_left_finishes_normally():
     r = Router("least-loaded", 2)
     g = r.route(Request("a"))

@@ -36,9 +36,9 @@ _MS = bounded_float(0.0, 1e9, lo_open=True)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from moe_placement.apps.deploy.options import DEPLOYMENT_KINDS
-    from moe_placement.apps.deploy.simulator import ROUTES
     from moe_placement.apps.deploy.workloads import BUILTIN_WORKLOADS, MAX_LENGTH
     from placement.cost.handoff import STREAMING
+    from placement.routing.rules import ROUND_ROBIN, rule_names
 
     p = subparsers.add_parser(
         "plan",
@@ -93,7 +93,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-streaming", choices=STREAMING, default="layer", help="how the KV hand-off is sent")
     p.add_argument(
-        "--route", choices=tuple(ROUTES), default=next(iter(ROUTES)), help="how requests go to ranks"
+        "--route",
+        choices=rule_names(),
+        default=ROUND_ROBIN.name,
+        help="routing rule of requests to ranks (placement.routing; default round-robin)",
     )
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--output", default=None, help="folder for plan.json, plan.html, launch.sh and placements")

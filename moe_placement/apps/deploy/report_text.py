@@ -57,8 +57,7 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         f"rest on prompt chunks (vLLM's token budget; SGLang's mixed chunks); a prefill pool runs chunks of "
         f"{o.prefill_step_tokens} tokens per rank",
         _handoff(ins, ranked),
-        f"routing: {o.route if isinstance(o.route, str) else 'a given route'} over the ranks of each pool "
-        "(a router across replicas, the engine's DP balancer inside an instance)",
+        _routing(ins),
         f"workload: {ins.workload.describe()}; arrivals Poisson, seeded ({o.seed}) (a recorded request list: "
         f"its pattern scaled to the rate); {ins.requests.n} requests per rate, the same at every rate",
         f"goodput: the highest rate with at least {o.slo_attainment:.0%} of requests meeting both targets, "
@@ -67,6 +66,28 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         "breakdown: one request of the median lengths alone on the deployment (zero load)",
         *fit_notes,
     ]
+    return out
+
+
+def _routing(ins) -> str:
+    """What the routing rule sees in the simulator."""
+    from moe_placement.apps.deploy.routes import RuleRoute
+
+    route = ins.route
+    if not isinstance(route, RuleRoute):
+        return "routing: a given route(request, view) over the ranks of each pool"
+    rule = route.rule
+    out = (
+        f"routing: the {rule.name} rule ({rule.summary}; placement.routing's Router) over the ranks of each "
+        "pool (a router across replicas, the engine's DP balancer inside an instance), told each rank's "
+        "requests in flight and reserved KV tokens by the simulator before every decision"
+    )
+    if rule.uses_prefix or rule.uses_affinity:
+        out += (
+            "; the simulated requests carry no prefix chain and no expert signature, so prefix routes by load "
+            "(no cached prefix), affinity by load (no signature) and combined by load and free KV: their "
+            "documented fallbacks"
+        )
     return out
 
 
