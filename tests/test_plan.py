@@ -370,6 +370,7 @@ def test_each_pool_is_placed_for_its_phase_and_holds_its_phase_on_held_out_steps
     placed = {p.phase: p.result.placement for p in fitted.pools}
     assert (placed["prefill"].physical_to_logical_map != placed["decode"].physical_to_logical_map).any()
     assert all("fitted on" in n for n in notes)
+    assert all(p.dispatch == BALANCED.name for p in fitted.pools)  # priced under the split they serve
     _, held = deepseek_trace.split(0.5)
     for phase, other in (("prefill", "decode"), ("decode", "prefill")):
         b = DEFAULT_STEP_TOKENS[phase]
@@ -380,6 +381,41 @@ def test_each_pool_is_placed_for_its_phase_and_holds_its_phase_on_held_out_steps
         assert g >= -band, (phase, g, band)
         if phase == "prefill":
             assert par[phase] < par[other], par
+
+
+def test_a_pool_is_priced_under_the_dispatch_it_was_placed_for():
+    """One placement, two dispatches. GPU 0 holds a replica of the hottest expert beside the second
+    hottest; the even split sends half the hottest expert's tokens there, the balanced split sends them
+    to the other replica: a flatter GPU peak, priced as such, plus the balanced split's count all-reduce
+    and split time per MoE layer."""
+    from moe_placement.apps.planner.costmodel import CostOptions
+    from moe_placement.apps.planner.layout import LayoutCandidate, evaluate_candidate
+    from placement.cost.step_time import dispatch_overhead_seconds
+    from placement.cost.traffic import expected_loads
+    from placement.dispatch import BALANCED
+    from placement.model import Placement
+    from placement.topology import Topology
+
+    shape = dict(hidden_size=2048, moe_intermediate_size=768, num_logical_experts=8, top_k=2)
+    m = ModelSpec(name="toy-8", num_layers=2, moe_layer_ids=(0, 1), **shape)
+    cl = cluster_preset("h200", gpus_per_node=4)
+    row = [0, 5, 1, 0, 3, 4, 6, 1, 2, 7, 2, 3]  # 3 slots per GPU; experts 0-3 twice
+    placement = Placement(np.tile(row, (2, 1)), 8, Topology.from_redundant(8, 4, 4, 1))
+    load = np.tile([10.0, 1, 1, 1, 1, 6, 1, 1], (2, 1))
+    cand = LayoutCandidate(4, 1, 1, 4, 1)
+    even, bal = (
+        evaluate_candidate(m, cl, cand, CostOptions(dispatch=d, overlap="off"), load, None, None, placement)
+        for d in (CostOptions.dispatch, BALANCED.name)
+    )
+    peak = {  # the busiest GPU's expected tokens per layer under each split
+        d: expected_loads(placement, load, 2, 128, "low_latency", d).gpu_tokens().max(axis=2).sum()
+        for d in (CostOptions.dispatch, BALANCED.name)
+    }
+    assert peak[BALANCED.name] < 0.9 * peak[CostOptions.dispatch]
+    e, b = even.cost.time, bal.cost.time
+    extra = dispatch_overhead_seconds(m, cl, 4, BALANCED) * 1e3
+    assert b.dispatch == BALANCED.name and b.dispatch_overhead_ms == pytest.approx(extra) and extra > 0
+    assert e.dispatch_overhead_ms == 0 and b.moe_ms != e.moe_ms
 
 
 def test_two_pools_of_one_topology_keep_the_faster_row_of_each_layer_for_their_phase():

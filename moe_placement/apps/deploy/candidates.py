@@ -41,6 +41,7 @@ from moe_placement.apps.planner.layout import (
 )
 from placement.cost.hardware import HARDWARE_NAMES, ClusterSpec
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec
+from placement.dispatch import BALANCED, EVEN
 from placement.steps import DEFAULT_STEP_TOKENS, SIZING_STEP_TOKENS
 
 __all__ = ["Candidate", "PoolChoice", "Planner", "exchange_layers", "fit_phase_placements", "splits"]
@@ -52,8 +53,10 @@ log = logging.getLogger(__name__)
 class PoolChoice:
     """One pool of a deployment: ``phase`` (both, prefill, decode), ``gpus``, the cluster its layout
     was planned on (``gpus_per_node`` of the pool when it is part of one node), its nodes, the planner's
-    ``result`` (layout, memory, placement), its tokens per rank per step, and how its placement was
-    made (``placed``)."""
+    ``result`` (layout, memory, placement), its tokens per rank per step, how its placement was made
+    (``placed``) and the dispatch model it was placed for and is priced under (``dispatch``: the
+    planner's even split, or the per-step ``balanced`` split a placement fitted on the trace's steps
+    serves under)."""
 
     phase: str
     gpus: int
@@ -62,6 +65,7 @@ class PoolChoice:
     result: LayoutResult
     step_tokens: int
     placed: str = "planner (greedy on the workload's per-expert load)"
+    dispatch: str = EVEN.name
 
     def layout(self, E: int) -> str:
         return self.result.candidate.label(E)
@@ -254,7 +258,8 @@ def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Cand
             pools.append(pool)
             continue
         how = fitted[i][2] + _taken_text(taken[i], cand.pools[1 - i].phase if taken[i] else "", pool.phase)
-        pools.append(replace(pool, result=_priced(planner, pool, placements[i]), placed=how))
+        fitted_pool = replace(pool, placed=how, dispatch=BALANCED.name)
+        pools.append(replace(fitted_pool, result=_priced(planner, fitted_pool, placements[i])))
         notes.append(f"{pool.phase} pool: {how}")
     return Candidate(cand.kind, tuple(pools), cand.label), notes
 
@@ -262,7 +267,6 @@ def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Cand
 def _fit_pool(planner: Planner, pool: PoolChoice, fit):
     """``(placement, tokens per rank, how)`` of ``pool`` fitted on its phase's steps of ``fit``; None
     when one GPU holds every expert."""
-    from placement.dispatch import BALANCED
     from solver.api import FitOptions, solve
 
     model, o = planner.model, planner.options
@@ -290,8 +294,8 @@ def _fit_pool(planner: Planner, pool: PoolChoice, fit):
 
 
 def _priced(planner: Planner, pool: PoolChoice, placement) -> LayoutResult:
-    """The planner's figures of ``pool``'s layout with ``placement``."""
-    opts = planner.cost_options(pool.phase)
+    """The planner's figures of ``pool``'s layout with ``placement``, under the pool's dispatch."""
+    opts = replace(planner.cost_options(pool.phase), dispatch=pool.dispatch)
     c = pool.result.candidate
     r = evaluate_candidate(
         planner.model, pool.cluster, c, opts, planner.load(), None, planner.search, placement
@@ -327,7 +331,6 @@ def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: 
     faster, so no layer gets slower on those steps and the placements still differ wherever their
     phases prefer different rows. Skipped (unchanged) when no model prices the trace's shape.
     """
-    from placement.dispatch import BALANCED
     from placement.model import Placement
     from solver.step.cost import step_cost_for
     from solver.step.fit import StepFitOptions, sample_step_counts, step_seconds

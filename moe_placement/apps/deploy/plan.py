@@ -174,6 +174,7 @@ def _pool_dict(pool, sim: PoolSim, file: str | None, E: int) -> dict:
             "kv_free": round(m.kv_free / 1e9, 3),
         },
         "placement": pool.placed,
+        "dispatch": pool.dispatch,
     }
 
 
@@ -317,10 +318,10 @@ class _Tables:
         chunk = max(o.colocated_step_tokens) if pool.phase == PHASE_BOTH else pool.step_tokens
         if pool.phase == "decode":
             chunk = 1
-        key = (id(pool.result), pool.phase, chunk, pool.cluster.gpus_per_node)
+        key = (id(pool.result), pool.phase, chunk, pool.cluster.gpus_per_node, pool.dispatch)
         if key not in self.done:
             shape = (o.decode_step_tokens, chunk, self.longest)
-            base = CostOptions()
+            base = CostOptions(dispatch=pool.dispatch)  # priced under the split it was placed for
             table = build_table(self.ins.model, pool.cluster, pool.result, self.planner.load(), shape, base)
             self.done[key] = (pool.result, table)  # the result is kept: its id stays unique
         return self.done[key][1]

@@ -45,8 +45,10 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         "pool's layout and placement, tabulated over sequences x cached tokens per rank (decode) and chunk "
         "tokens x attention span (prefill) and interpolated; a step mixing prefill and decode costs the "
         "prefill step of all its tokens plus the decode sequences' KV reads",
-        "the cost model prices a placement with its analytic even split over replicas on the per-expert load "
-        f"({planner.load_how()}; the planner's dispatch), also for pools fitted under the per-step balanced split",
+        f"each pool's placement is priced on the per-expert load ({planner.load_how()}) under the dispatch it "
+        "was placed for: the planner's placements under the even split over replicas, the pools fitted on the "
+        "trace's steps under the per-step balanced split (its split of the expected step, plus its count "
+        "all-reduce and split time per MoE layer)",
         "attention-DP ranks of one instance step in lockstep at the largest per-rank sizes of the step "
         "(the all-to-all joins them); instances are independent",
         f"admission: first come first served per rank while prompt + output tokens fit the rank's KV budget "
