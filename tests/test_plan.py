@@ -419,17 +419,17 @@ def test_a_pool_is_priced_under_the_dispatch_it_was_placed_for():
 
 
 def test_two_pools_of_one_topology_keep_the_faster_row_of_each_layer_for_their_phase():
-    """exchange_layers: after the exchange each placement's every layer is as fast on its phase's
-    validation steps as the faster of the two fitted rows, and a layer changes only where the other
-    row was strictly faster."""
-    from moe_placement.apps.deploy.candidates import _validation_part, exchange_layers
+    """exchange_layers: after the exchange each placement's every layer is as fast on its phase's steps
+    of the fit part as the faster of the two fitted rows, and a layer changes only where the other row
+    was strictly faster."""
+    from moe_placement.apps.deploy.candidates import exchange_layers
     from placement.cost.modelspec import load_model
     from placement.dispatch import BALANCED
     from placement.topology import Topology
     from profiling.synthetic import synthetic_trace
     from solver.api import solve
     from solver.step.cost import step_cost_for
-    from solver.step.fit import StepFitOptions, sample_step_counts, step_seconds
+    from solver.step.fit import sample_step_counts, step_seconds
 
     fit = synthetic_trace(num_tokens=6000, num_layers=4, num_prompts=60, skew=0.9, seed=3)
     m, cl = load_model("deepseek-v2-lite"), cluster_preset("h200", gpus_per_node=4)
@@ -440,9 +440,8 @@ def test_two_pools_of_one_topology_keep_the_faster_row_of_each_layer_for_their_p
     phases, tokens = ("prefill", "decode"), (64, 16)
     (pa, pb), taken = exchange_layers([a, b], phases, tokens, fit, m, cl)
     for new, old, other, phase, t, took in zip((pa, pb), (a, b), (b, a), phases, tokens, taken):
-        part = _validation_part(fit, 4 * t, StepFitOptions.validation)
-        counts = sample_step_counts(part, 4, t, None, 0, phase, per_rank=True)
-        cost = step_cost_for(part, phase, 4, m, cl)
+        counts = sample_step_counts(fit, 4, t, None, 0, phase, per_rank=True)
+        cost = step_cost_for(fit, phase, 4, m, cl)
         own, alt, now = (step_seconds(p, counts, BALANCED.name, cost, range(4)) for p in (old, other, new))
         np.testing.assert_allclose(now, np.minimum(own, alt), rtol=1e-12)
         assert set(took) == set(np.flatnonzero(alt < own * (1 - 1e-12)).tolist())

@@ -241,7 +241,7 @@ def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Cand
 
     When the two pools share a topology, each pool's fitted placement is one more candidate per layer
     for the other pool (:func:`exchange_layers`): a layer takes the other pool's row where that row's
-    modelled time on this pool's phase is lower on the fit half's validation steps."""
+    modelled time on this pool's phase is lower on the fit half's steps of that phase."""
     fit, _ = trace.split(0.5)
     fitted = [_fit_pool(planner, pool, fit) for pool in cand.pools]
     placements = [f[0] if f is not None else None for f in fitted]
@@ -314,7 +314,7 @@ def _taken_text(layers: tuple[int, ...], other: str, phase: str) -> str:
         return ""
     return (
         f"; {len(layers)} layer(s) ({', '.join(map(str, layers))}) taken from the {other} pool's fit, whose "
-        f"rows have the lower modelled {phase} time on the fit half's validation steps"
+        f"rows have the lower modelled {phase} time on the fit half's {phase} steps"
     )
 
 
@@ -325,32 +325,29 @@ def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: 
     Two placements of one topology, fitted for ``phases`` with ``step_tokens`` per rank, are scored as
     the per-step fit scores a layer (:func:`solver.step.fit.step_seconds`: the modelled MoE layer time
     under the ``balanced`` split, :mod:`solver.step.cost` on ``model`` and ``cluster``) on every step of
-    the phase in the validation part of ``fit`` (its last
-    :attr:`solver.step.fit.StepFitOptions.validation` share, which neither fit searched on). Both
-    candidates are scored on the same steps and a layer changes only where the other row is strictly
-    faster, so no layer gets slower on those steps and the placements still differ wherever their
+    the phase in ``fit`` (one :func:`placement.steps.make_steps` pass; prefill: the disjoint steps).
+    Both rows are scored on the same steps and a layer changes only where the other row is strictly
+    faster; a pool's own row was searched on part of these steps, so the other row must beat it despite
+    that advantage. No layer gets slower on those steps, and the placements still differ wherever their
     phases prefer different rows. Skipped (unchanged) when no model prices the trace's shape.
     """
     from placement.model import Placement
     from solver.step.cost import step_cost_for
-    from solver.step.fit import StepFitOptions, sample_step_counts, step_seconds
+    from solver.step.fit import sample_step_counts, step_seconds
 
     out, taken = list(placements), [(), ()]
     G = placements[0].topology.ep_size
     L = placements[0].num_layers
     for i, j in ((0, 1), (1, 0)):
         mine, other = placements[i], placements[j]
-        part = _validation_part(fit, G * step_tokens[i], StepFitOptions.validation)
         spec = model if model.top_k == fit.top_k else None
-        cost = step_cost_for(part, phases[i], G, spec, cluster)
+        cost = step_cost_for(fit, phases[i], G, spec, cluster)
         if cost is None:
             continue
-        counts = sample_step_counts(part, G, step_tokens[i], None, seed, phases[i], per_rank=True)
-        own = step_seconds(mine, counts, BALANCED.name, cost, range(L))
-        alt = step_seconds(other, counts, BALANCED.name, cost, range(L))
-        take = (alt < own * (1 - 1e-12)) & (
-            other.physical_to_logical_map != mine.physical_to_logical_map
-        ).any(axis=1)
+        counts = sample_step_counts(fit, G, step_tokens[i], None, seed, phases[i], per_rank=True)
+        own, alt = (step_seconds(p, counts, BALANCED.name, cost, range(L)) for p in (mine, other))
+        faster = alt < own * (1 - 1e-12)
+        take = faster & (other.physical_to_logical_map != mine.physical_to_logical_map).any(axis=1)
         if not take.any():
             continue
         p2l = mine.physical_to_logical_map.copy()
@@ -360,13 +357,6 @@ def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: 
         out[i] = out[i].with_provenance(layers_from_other_pool={"phase": phases[j], "layers": list(layers)})
         taken[i] = layers
     return out, taken
-
-
-def _validation_part(fit, step: int, share: float):
-    """The last ``share`` of ``fit``'s tokens, or all of them when that part holds less than a step."""
-    T = fit.num_tokens
-    cut = int(round(T * (1.0 - share)))
-    return fit.slice_tokens(cut, T) if T - cut >= step and cut > 0 else fit
 
 
 def _fit_step_tokens(tokens: int, ep_size: int, phase: str) -> int:
