@@ -321,7 +321,8 @@ def test_the_same_seed_gives_the_same_plan_bytes():
     args = ("qwen3-30b-a3b", cluster_preset("h200", gpus_per_node=2), 1, "code")
     a, b = (json.dumps(plan(*args, options=o).to_dict()) for _ in range(2))
     assert a == b
-    by_prefix = plan(*args, options=DeployOptions(**{**o.__dict__, "route": "prefix"})).to_dict()
+    one_rate = DeployOptions(**{**o.__dict__, "route": "prefix", "rate": 1.0})
+    by_prefix = plan(*args, options=one_rate).to_dict()
     said = [x for x in by_prefix["assumptions"] if x.startswith("routing: the prefix rule")]
     assert said and "prefix routes by load (no cached prefix)" in said[0]
 
@@ -350,36 +351,47 @@ def test_bad_inputs_are_one_clear_error():
 
 
 def test_each_pool_is_placed_for_its_phase_and_holds_its_phase_on_held_out_steps(deepseek_trace):
-    """Both pools at one size (8 GPUs, the same layout) fitted on the DeepSeek-V2-Lite trace's first half,
-    each on its phase's steps; scored on the held-out half. Prefill wins on step PAR under the split it
-    was fitted for; decode is at least as good within the held-out noise (two standard errors of the
-    paired per-block step-time gain: decode steps of 64 sequences per rank average the spikes out)."""
+    """Both pools at one size (8 GPUs, one layout: EP8 with 16 redundant slots) fitted on the first half
+    of the DeepSeek-V2-Lite trace's first 1,000 prompts in its first 13 MoE layers (the model cut to
+    those layers), each on its phase's steps; scored on the held-out half. Prefill wins on step PAR
+    under the split it was fitted for; decode is at least as good within the held-out noise (two
+    standard errors of the paired per-block step-time gain: decode steps of 64 sequences per rank
+    average the spikes out)."""
+    from dataclasses import replace
+
     from moe_placement.apps.advise.phases import gain, price_phase
     from moe_placement.apps.deploy.candidates import Candidate, Planner, PoolChoice, fit_phase_placements
+    from moe_placement.apps.planner.layout import LayoutCandidate, evaluate_candidate
     from placement.cost.modelspec import load_model
     from placement.dispatch import BALANCED
     from placement.metrics import step_par
     from placement.steps import DEFAULT_STEP_TOKENS, make_steps
 
-    m, G = load_model("deepseek-v2-lite"), 8
+    L, G = 13, 8
+    cut = dict(name="deepseek-v2-lite-13", num_layers=L + 1, moe_layer_ids=tuple(range(1, L + 1)))
+    m = replace(load_model("deepseek-v2-lite"), **cut)
+    trace = deepseek_trace.select_layers(range(L)).select_windows(range(1000))
     cl = cluster_preset("h200", gpus_per_node=G)
-    planner = Planner(m, cl, deepseek_trace, DeployOptions(fit_moves=10), (100, 250))
-    layout = next(r for r in planner.ranked("decode", 1, G) if r.candidate.ep_size == G)
+    planner = Planner(m, cl, trace, DeployOptions(fit_moves=10), (100, 250))
+    opts = planner.cost_options("decode")
+    layout = evaluate_candidate(
+        m, cl, LayoutCandidate(G, 1, 1, 16, 1), opts, planner.load(), None, planner.search
+    )
     pools = tuple(PoolChoice(ph, G, cl, 1, layout, 256) for ph in ("prefill", "decode"))
-    fitted, notes = fit_phase_placements(planner, Candidate(DISAGGREGATED, pools, "one size"), deepseek_trace)
+    fitted, notes = fit_phase_placements(planner, Candidate(DISAGGREGATED, pools, "one size"), trace)
     placed = {p.phase: p.result.placement for p in fitted.pools}
     assert (placed["prefill"].physical_to_logical_map != placed["decode"].physical_to_logical_map).any()
     assert all("fitted on" in n for n in notes)
     assert all(p.dispatch == BALANCED.name for p in fitted.pools)  # priced under the split they serve
-    _, held = deepseek_trace.split(0.5)
+    _, held = trace.split(0.5)
     for phase, other in (("prefill", "decode"), ("decode", "prefill")):
         b = DEFAULT_STEP_TOKENS[phase]
-        par = {w: step_par(placed[w], held, b, BALANCED.name, phase)["step_par"] for w in placed}
         steps = make_steps(held, G, phase, b)
         price = {w: price_phase(placed[w], held, steps, BALANCED.name, m, cl, 4096) for w in placed}
         g, band = gain(price[phase], price[other])
         assert g >= -band, (phase, g, band)
         if phase == "prefill":
+            par = {w: step_par(placed[w], held, b, BALANCED.name, phase)["step_par"] for w in placed}
             assert par[phase] < par[other], par
 
 
