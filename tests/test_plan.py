@@ -327,6 +327,18 @@ def test_the_same_seed_gives_the_same_plan_bytes():
     assert said and "prefix routes by load (no cached prefix)" in said[0]
 
 
+def test_a_trace_of_the_models_experts_ranks_layouts_on_its_first_steps():
+    from profiling.synthetic import synthetic_trace
+
+    tr = synthetic_trace(num_tokens=3000, num_layers=48, num_logical_experts=128, top_k=8, num_prompts=30)
+    o = _options(prompt_len=512, output_len=32, deployments=(COLOCATED,), rate=1.0, layout_steps=4)
+    p = plan("qwen3-30b-a3b", cluster_preset("h200", gpus_per_node=2), 1, trace=tr, options=o)
+    said = [a for a in p.assumptions if a.startswith("layouts ranked")]
+    assert said and "the first 4 steps (layout_steps" in said[0] and p.best is not None
+    with pytest.raises(ValueError, match="layout_steps"):
+        DeployOptions(layout_steps=0)
+
+
 def test_targets_nothing_meets_say_so_and_name_the_closest():
     o = _options(
         prompt_len=8192, output_len=64, ttft_ms=1.0, tpot_ms=0.01, deployments=(COLOCATED, DISAGGREGATED)

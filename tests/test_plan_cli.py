@@ -91,6 +91,8 @@ def test_output_holds_each_pools_placement_in_every_format_named(written):
         (["--gpus-per-node", "1", "--model", "deepseek-v3"], "too small to hold deepseek-v3"),
         (["--inter-link", "25"], "write a number with its unit"),
         (["--deployments", "co-located,pipelined"], "DeployOptions.deployments"),
+        (["--layout-steps", "-2"], "--layout-steps"),
+        (["--route", "fastest"], "--route"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, needle):

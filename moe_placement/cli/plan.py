@@ -22,6 +22,7 @@ from moe_placement.cli.common import (
     hardware_help,
     link_names,
     model_help,
+    non_negative_int,
     open_trace,
     positive_int,
     seed_int,
@@ -92,6 +93,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a small search: one chunk size (2048/rank), 64 sequences per rank, 2 splits, 2 bisection steps",
     )
     p.add_argument("--kv-streaming", choices=STREAMING, default="layer", help="how the KV hand-off is sent")
+    p.add_argument(
+        "--layout-steps",
+        type=non_negative_int,
+        default=None,
+        help="with a --trace of the model's experts: its steps priced per layout (default 16; 0: every step)",
+    )
     p.add_argument(
         "--route",
         choices=rule_names(),
@@ -169,6 +176,8 @@ def _options(args):
         extra["max_requests"] = args.max_requests
     if args.requests is not None and args.max_requests is None:
         extra["max_requests"] = max(args.requests, DeployOptions.max_requests)
+    if args.layout_steps is not None:
+        extra["layout_steps"] = args.layout_steps or None
     make = DeployOptions.quick if args.quick else DeployOptions
     if args.quick and args.requests is not None and args.max_requests is None:
         extra["max_requests"] = max(args.requests, DeployOptions.quick().max_requests)

@@ -113,13 +113,14 @@ class Planner:
         )
 
     def cost_options(self, phase: str, step_tokens: int | None = None) -> CostOptions:
+        """The planner's pricing of ``phase`` (a trace's steps: the first ``layout_steps``)."""
+        cap = self.options.layout_steps
         if phase == "prefill":
             b = step_tokens or self.options.prefill_step_tokens
-            return CostOptions(phase="prefill", step_tokens=b, context_len=max(1, self.prompt))
+            return CostOptions(phase="prefill", step_tokens=b, context_len=max(1, self.prompt), max_steps=cap)
         ctx = max(1, self.prompt + self.output // 2)
-        return CostOptions(
-            phase="decode", step_tokens=step_tokens or SIZING_STEP_TOKENS["decode"], context_len=ctx
-        )
+        b = step_tokens or SIZING_STEP_TOKENS["decode"]
+        return CostOptions(phase="decode", step_tokens=b, context_len=ctx, max_steps=cap)
 
     def ranked(self, phase: str, nodes: int, gpus: int) -> list[LayoutResult]:
         """Feasible layouts of a pool of ``gpus`` GPUs on ``nodes`` nodes for ``phase``, best first."""

@@ -54,6 +54,9 @@ class DeployOptions:
         kv_streaming: how the KV is sent (``layer``, ``chunk``, ``none``; placement.cost.handoff).
         handoff_fixed_s: fixed cost per hand-off (None: placement.cost.hardware.KV_HANDOFF_FIXED_S).
         fit_moves: move attempts per layer of the per-phase placement fit (solver.api.FitOptions).
+        layout_steps: with a routing trace of the model's experts, the steps of it the layout planner
+            prices per layout and phase (the first ones, ``CostOptions.max_steps``; None: every step,
+            as ``layout --trace`` does by default, which costs seconds per pool size on a long trace).
         solver: the placement solver of the layout planner.
         route: the routing rule of requests to ranks, a name of :data:`placement.routing.ROUTING_RULES`
             (:mod:`moe_placement.apps.deploy.routes`); a callable route is passed to ``plan`` itself.
@@ -79,6 +82,7 @@ class DeployOptions:
     kv_streaming: str = "layer"
     handoff_fixed_s: float | None = None
     fit_moves: int = 10
+    layout_steps: int | None = 16
     solver: str = "greedy"
     route: str = ROUND_ROBIN.name
 
@@ -110,6 +114,8 @@ class DeployOptions:
         _whole("max_splits", self.max_splits, 1, 1024)
         _whole("search_iters", self.search_iters, 0, 64)
         _whole("fit_moves", self.fit_moves, 0, 100_000)
+        if self.layout_steps is not None:
+            _whole("layout_steps", self.layout_steps, 1, 1 << 20)
         if self.kv_streaming not in STREAMING:
             raise ValueError(
                 f"DeployOptions.kv_streaming must be one of {', '.join(STREAMING)}, got {self.kv_streaming!r}"

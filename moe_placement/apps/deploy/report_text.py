@@ -49,6 +49,7 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         "was placed for: the planner's placements under the even split over replicas, the pools fitted on the "
         "trace's steps under the per-step balanced split (its split of the expected step, plus its count "
         "all-reduce and split time per MoE layer)",
+        _ranking(ins),
         "attention-DP ranks of one instance step in lockstep at the largest per-rank sizes of the step "
         "(the all-to-all joins them); instances are independent",
         f"admission: first come first served per rank while prompt + output tokens fit the rank's KV budget "
@@ -69,6 +70,26 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         *fit_notes,
     ]
     return out
+
+
+def _ranking(ins) -> str:
+    """What each pool's layouts are ranked on (the trace's steps, capped, or the per-expert load)."""
+    tr, m, cap = ins.trace, ins.model, ins.options.layout_steps
+    steps = (
+        tr is not None
+        and tr.has_tokens
+        and tr.num_logical_experts == m.num_logical_experts
+        and tr.top_k == m.top_k
+    )
+    if not steps:
+        return "layouts ranked by the one cost model on the expected step of the per-expert load"
+    which = (
+        "every step" if cap is None else f"the first {cap} steps (layout_steps; layout --trace prices all)"
+    )
+    return (
+        f"layouts ranked by the one cost model on {which} of the trace per layout and phase, where the trace "
+        "holds a step of the pool's size; else on the expected step of its per-expert load"
+    )
 
 
 def _routing(ins) -> str:
