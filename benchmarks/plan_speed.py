@@ -2,6 +2,7 @@
 10,000 requests.
 
     PYTHONPATH=. python benchmarks/plan_speed.py            # about a minute on 2 cores
+    PYTHONPATH=. python benchmarks/plan_speed.py --model deepseek-v2-lite --trace T.npz [--layout-steps 0]
 
 Rows:
 
@@ -12,6 +13,10 @@ Rows:
   baseline ratio.
 - ``simulate``: 10,000 requests of the chat mix on the best deployment of each kind at its goodput rate
   and at half of it (requests/s of simulation; the target is "a few seconds").
+
+``--trace``: the plan (and the layout planner's row) with a routing trace: layouts are priced on its
+steps where it routes the model's experts, the first ``--layout-steps`` of them per layout and phase
+(``DeployOptions.layout_steps``, 16; 0: every step, as ``layout --trace`` prices them).
 
 Wall time and the process's CPU time are both printed: on a shared machine the wall time includes other
 work. Every figure is of this machine; the plan's figures are modelled (cost model + simulator), not
@@ -30,6 +35,7 @@ from moe_placement.apps.planner.costmodel import CostOptions
 from moe_placement.apps.planner.layout import plan_layout
 from placement.cost.hardware import cluster_preset
 from placement.cost.modelspec import load_model
+from profiling.readers import read_trace
 
 
 def _timed(fn):
@@ -47,17 +53,25 @@ def main() -> None:
     ap.add_argument(
         "--quick", action="store_true", help="DeployOptions.quick() instead of the default search"
     )
+    ap.add_argument("--trace", help="a routing trace (layouts priced on its steps where it fits the model)")
+    ap.add_argument("--layout-steps", type=int, default=16, help="trace steps priced per layout (0: all)")
     args = ap.parse_args()
     cluster = cluster_preset("h200")
-    options = DeployOptions.quick() if args.quick else DeployOptions()
+    steps = args.layout_steps or None
+    options = DeployOptions.quick(layout_steps=steps) if args.quick else DeployOptions(layout_steps=steps)
     model = load_model(args.model)
+    trace = read_trace(args.trace) if args.trace else None
+    one_pool = CostOptions(context_len=512, max_steps=steps)
     _, base_w, base_c = _timed(
-        lambda: plan_layout(model, cluster, args.nodes, CostOptions(context_len=512))
+        lambda: plan_layout(model, cluster, args.nodes, one_pool, trace=trace)
     )  # the one-pool planner on the same cluster
-    p, plan_w, plan_c = _timed(lambda: plan(model, cluster, args.nodes, args.workload, options=options))
+    p, plan_w, plan_c = _timed(
+        lambda: plan(model, cluster, args.nodes, args.workload, trace=trace, options=options)
+    )
     best = p.best or p.results[0]
     print(
-        f"{args.model} on {args.nodes} x 8 h200, workload {args.workload}; {len(p.results)} deployments searched"
+        f"{args.model} on {args.nodes} x 8 h200, workload {args.workload}, trace {args.trace or 'none'} "
+        f"({steps or 'all'} steps per layout); {len(p.results)} deployments searched"
     )
     print(f"best: {best.label}, {best.goodput_per_gpu:.4g} req/s per GPU (modelled)")
     for kind in dict.fromkeys(r.kind for r in p.results):

@@ -18,7 +18,10 @@ Each case: fit on the first half of the requests, route the other half (Poisson 
 ``--step-tokens`` requests in flight per rank), the placement co-optimized for affinity routing
 (``solve("affinity")``), every rule on it, and round-robin / least-loaded on greedy's and the locality
 solver's placements for uniform arrival. Dispatch ``local``; bytes with the built-in model's hidden
-size (OLMoE 2048, Mixtral 4096, DeepSeek-V2-Lite 2048). The checks of issue 43 are printed under
+size (OLMoE 2048, Mixtral 4096, DeepSeek-V2-Lite 2048). Time (modelled, H200 preset): each rule's routed
+decode step by the one cost model, and TPOT (p50, p99, at round-robin's goodput rate) and goodput per GPU
+through the request simulator on the co-located deployment of the topology
+(:mod:`moe_placement.apps.routing_sim`; ``--sim-requests``). The checks of issue 43 are printed under
 each table.
 
     PYTHONPATH=. python benchmarks/routing.py                       # every case (a few minutes)
@@ -142,6 +145,10 @@ _COLS = (
     ("step_par_ratio", "x rr-greedy", 1),
     ("busiest_rank_load", "busiest rank", 1),
     ("hit_rate", "hit rate", 1),
+    ("decode_step_ms", "step ms", 1),
+    ("tpot_p50", "TPOT p50 ms", 1),
+    ("tpot_p99", "TPOT p99 ms", 1),
+    ("goodput_rps_per_gpu", "goodput/GPU", 1),
 )
 
 
@@ -150,6 +157,8 @@ def _table(report) -> str:
     head = f"{'rule':>26s} " + " ".join(f"{h:>12s}" for _, h, _ in _COLS)
     lines = [head]
     for r in rows:
+        tpot = r.get("tpot_ms") or {}
+        r["tpot_p50"], r["tpot_p99"] = tpot.get("p50"), tpot.get("p99")
         cells = []
         for k, _, scale in _COLS:
             v = r.get(k)
@@ -176,6 +185,7 @@ def run_case(name: str, args) -> dict | None:
         step_tokens=b,
         baseline_solvers=("greedy",) if sessions else ("greedy", "locality"),
         seed=args.seed,
+        sim_requests=args.sim_requests,
     )
     spec = SessionSpec("sharegpt", args.conversations, concurrency=ep * b, seed=args.seed)
     t0 = time.perf_counter()
@@ -208,6 +218,9 @@ def main(argv=None) -> int:
         "--conversations", type=int, default=400, help="sessions: conversations (ShareGPT-shaped)"
     )
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--sim-requests", type=int, default=20000, help="most requests of one request simulation (0: none)"
+    )
     ap.add_argument("--json", help="write every case's report here")
     args = ap.parse_args(argv)
     out = [r for r in (run_case(c, args) for c in args.cases) if r is not None]

@@ -162,6 +162,73 @@ def test_a_route_sees_each_pool_and_picks_the_rank():
         simulate(dep, req, 20.0, route=lambda r, v: 9)
 
 
+def _wrapped(route, seen):
+    """``route`` behind a plain callable (no fast path), recording what each decision saw."""
+
+    def call(request: RouteRequest, view: PoolView) -> int:
+        before = view.in_flight.copy()
+        g = route(request, view)
+        seen.append((view.phase, before, g))
+        return g
+
+    return call
+
+
+def test_the_simulators_routes_are_the_registrys_rules_fed_the_simulated_queues():
+    from moe_placement.apps.deploy.routes import rule_route
+
+    dep, req = _split(), sample_requests(load_workload("code"), 300, seed=2)
+    fast = simulate(dep, req, 40.0)  # the default: each rank in turn
+    seen: list = []
+    slow = simulate(dep, req, 40.0, route=_wrapped(rule_route("round-robin"), seen))
+    for x, y in zip((fast.first_token, fast.finish), (slow.first_token, slow.finish)):
+        assert np.array_equal(x, y)  # the fast path is the Router's round-robin, rank for rank
+    seen.clear()
+    loaded = simulate(dep, req, 40.0, route=_wrapped(rule_route("least-loaded"), seen))
+    assert np.isfinite(loaded.finish).all() and seen
+    # the rule sees the simulator's queues: it never picks a rank with more requests than the lightest
+    assert all(q[g] == q.min() for _, q, g in seen)
+    assert any(q.max() > q.min() for _, q, _ in seen)  # queues did differ (the check could fail)
+    # no prefix chain: prefix falls back to load (least-loaded's choices, rank for rank)
+    other = simulate(dep, req, 40.0, route=rule_route("prefix"))
+    assert np.array_equal(other.first_token, loaded.first_token)
+    with pytest.raises(ValueError, match="needs the expert placement"):
+        simulate(dep, req, 40.0, route=rule_route("affinity"))  # the toy pools have none
+    with pytest.raises(ValueError, match="unknown routing rule 'fastest'"):
+        DeployOptions(route="fastest")
+
+
+def test_affinity_in_the_simulator_sends_a_request_to_the_node_holding_its_experts():
+    from moe_placement.apps.deploy.routes import rule_route
+    from placement.model import Placement
+    from placement.routing import Request, RouterOptions
+    from placement.topology import Topology
+
+    topo = Topology(ep_size=4, num_physical_experts=16, num_nodes=2)  # node 0: experts 0-7, node 1: 8-15
+    placement = Placement(np.tile(np.arange(16), (2, 1)), 16, topo)
+    pool = PoolSim("both", 1, 4, 200_000, 1024, 64, _table(), placement)
+    n = 40
+    sigs = [np.zeros((2, 16)) for _ in range(n)]
+    for i, s in enumerate(sigs):
+        s[:, 8 * (i % 2) : 8 * (i % 2) + 8] = 1 / 8  # even requests use node 0's experts, odd node 1's
+    known = [Request(i, signature=s) for i, s in enumerate(sigs)]
+    seen: list = []
+    route = rule_route("affinity", RouterOptions(max_imbalance=None), known)
+    res = simulate(DeploymentSim((pool,)), _alone(500, 20, n), 1.0, route=_wrapped(route, seen))
+    assert np.isfinite(res.finish).all()
+    assert [g // 2 for _, _, g in seen] == [i % 2 for i in range(n)]
+    # a signature-less workload on the same pool: by load, counted as the documented fallback
+    views: list = []
+    blind = rule_route("affinity")
+
+    def keep(request, view):
+        views.append(view)
+        return blind(request, view)
+
+    simulate(DeploymentSim((pool,)), _alone(500, 20, n), 1.0, route=keep)
+    assert views[-1].state["fallbacks"] == {"no signature": n}
+
+
 def test_a_rank_never_holds_more_kv_than_its_budget_and_too_large_requests_are_rejected():
     peak = []
 
@@ -254,6 +321,22 @@ def test_the_same_seed_gives_the_same_plan_bytes():
     args = ("qwen3-30b-a3b", cluster_preset("h200", gpus_per_node=2), 1, "code")
     a, b = (json.dumps(plan(*args, options=o).to_dict()) for _ in range(2))
     assert a == b
+    one_rate = DeployOptions(**{**o.__dict__, "route": "prefix", "rate": 1.0})
+    by_prefix = plan(*args, options=one_rate).to_dict()
+    said = [x for x in by_prefix["assumptions"] if x.startswith("routing: the prefix rule")]
+    assert said and "prefix routes by load (no cached prefix)" in said[0]
+
+
+def test_a_trace_of_the_models_experts_ranks_layouts_on_its_first_steps():
+    from profiling.synthetic import synthetic_trace
+
+    tr = synthetic_trace(num_tokens=3000, num_layers=48, num_logical_experts=128, top_k=8, num_prompts=30)
+    o = _options(prompt_len=512, output_len=32, deployments=(COLOCATED,), rate=1.0, layout_steps=4)
+    p = plan("qwen3-30b-a3b", cluster_preset("h200", gpus_per_node=2), 1, trace=tr, options=o)
+    said = [a for a in p.assumptions if a.startswith("layouts ranked")]
+    assert said and "the first 4 steps (layout_steps" in said[0] and p.best is not None
+    with pytest.raises(ValueError, match="layout_steps"):
+        DeployOptions(layout_steps=0)
 
 
 def test_targets_nothing_meets_say_so_and_name_the_closest():
@@ -280,33 +363,112 @@ def test_bad_inputs_are_one_clear_error():
 
 
 def test_each_pool_is_placed_for_its_phase_and_holds_its_phase_on_held_out_steps(deepseek_trace):
-    """Both pools at one size (8 GPUs, the same layout) fitted on the DeepSeek-V2-Lite trace's first half,
-    each on its phase's steps; scored on the held-out half. Prefill wins on step PAR under the split it
-    was fitted for; decode is at least as good within the held-out noise (two standard errors of the
-    paired per-block step-time gain: decode steps of 64 sequences per rank average the spikes out)."""
+    """Both pools at one size (8 GPUs, one layout: EP8 with 16 redundant slots) fitted on the first half
+    of the DeepSeek-V2-Lite trace's first 1,000 prompts in its first 13 MoE layers (the model cut to
+    those layers), each on its phase's steps; scored on the held-out half. Prefill wins on step PAR
+    under the split it was fitted for; decode is at least as good within the held-out noise (two
+    standard errors of the paired per-block step-time gain: decode steps of 64 sequences per rank
+    average the spikes out)."""
+    from dataclasses import replace
+
     from moe_placement.apps.advise.phases import gain, price_phase
     from moe_placement.apps.deploy.candidates import Candidate, Planner, PoolChoice, fit_phase_placements
+    from moe_placement.apps.planner.layout import LayoutCandidate, evaluate_candidate
     from placement.cost.modelspec import load_model
     from placement.dispatch import BALANCED
     from placement.metrics import step_par
     from placement.steps import DEFAULT_STEP_TOKENS, make_steps
 
-    m, G = load_model("deepseek-v2-lite"), 8
+    L, G = 13, 8
+    cut = dict(name="deepseek-v2-lite-13", num_layers=L + 1, moe_layer_ids=tuple(range(1, L + 1)))
+    m = replace(load_model("deepseek-v2-lite"), **cut)
+    trace = deepseek_trace.select_layers(range(L)).select_windows(range(1000))
     cl = cluster_preset("h200", gpus_per_node=G)
-    planner = Planner(m, cl, deepseek_trace, DeployOptions(fit_moves=10), (100, 250))
-    layout = next(r for r in planner.ranked("decode", 1, G) if r.candidate.ep_size == G)
+    planner = Planner(m, cl, trace, DeployOptions(fit_moves=10), (100, 250))
+    opts = planner.cost_options("decode")
+    layout = evaluate_candidate(
+        m, cl, LayoutCandidate(G, 1, 1, 16, 1), opts, planner.load(), None, planner.search
+    )
     pools = tuple(PoolChoice(ph, G, cl, 1, layout, 256) for ph in ("prefill", "decode"))
-    fitted, notes = fit_phase_placements(planner, Candidate(DISAGGREGATED, pools, "one size"), deepseek_trace)
+    fitted, notes = fit_phase_placements(planner, Candidate(DISAGGREGATED, pools, "one size"), trace)
     placed = {p.phase: p.result.placement for p in fitted.pools}
     assert (placed["prefill"].physical_to_logical_map != placed["decode"].physical_to_logical_map).any()
     assert all("fitted on" in n for n in notes)
-    _, held = deepseek_trace.split(0.5)
+    assert all(p.dispatch == BALANCED.name for p in fitted.pools)  # priced under the split they serve
+    _, held = trace.split(0.5)
     for phase, other in (("prefill", "decode"), ("decode", "prefill")):
         b = DEFAULT_STEP_TOKENS[phase]
-        par = {w: step_par(placed[w], held, b, BALANCED.name, phase)["step_par"] for w in placed}
         steps = make_steps(held, G, phase, b)
         price = {w: price_phase(placed[w], held, steps, BALANCED.name, m, cl, 4096) for w in placed}
         g, band = gain(price[phase], price[other])
         assert g >= -band, (phase, g, band)
         if phase == "prefill":
+            par = {w: step_par(placed[w], held, b, BALANCED.name, phase)["step_par"] for w in placed}
             assert par[phase] < par[other], par
+
+
+def test_a_pool_is_priced_under_the_dispatch_it_was_placed_for():
+    """One placement, two dispatches. GPU 0 holds a replica of the hottest expert beside the second
+    hottest; the even split sends half the hottest expert's tokens there, the balanced split sends them
+    to the other replica: a flatter GPU peak, priced as such, plus the balanced split's count all-reduce
+    and split time per MoE layer."""
+    from moe_placement.apps.planner.costmodel import CostOptions
+    from moe_placement.apps.planner.layout import LayoutCandidate, evaluate_candidate
+    from placement.cost.step_time import dispatch_overhead_seconds
+    from placement.cost.traffic import expected_loads
+    from placement.dispatch import BALANCED
+    from placement.model import Placement
+    from placement.topology import Topology
+
+    shape = dict(hidden_size=2048, moe_intermediate_size=768, num_logical_experts=8, top_k=2)
+    m = ModelSpec(name="toy-8", num_layers=2, moe_layer_ids=(0, 1), **shape)
+    cl = cluster_preset("h200", gpus_per_node=4)
+    row = [0, 5, 1, 0, 3, 4, 6, 1, 2, 7, 2, 3]  # 3 slots per GPU; experts 0-3 twice
+    placement = Placement(np.tile(row, (2, 1)), 8, Topology.from_redundant(8, 4, 4, 1))
+    load = np.tile([10.0, 1, 1, 1, 1, 6, 1, 1], (2, 1))
+    cand = LayoutCandidate(4, 1, 1, 4, 1)
+    even, bal = (
+        evaluate_candidate(m, cl, cand, CostOptions(dispatch=d, overlap="off"), load, None, None, placement)
+        for d in (CostOptions.dispatch, BALANCED.name)
+    )
+    peak = {  # the busiest GPU's expected tokens per layer under each split
+        d: expected_loads(placement, load, 2, 128, "low_latency", d).gpu_tokens().max(axis=2).sum()
+        for d in (CostOptions.dispatch, BALANCED.name)
+    }
+    assert peak[BALANCED.name] < 0.9 * peak[CostOptions.dispatch]
+    e, b = even.cost.time, bal.cost.time
+    extra = dispatch_overhead_seconds(m, cl, 4, BALANCED) * 1e3
+    assert b.dispatch == BALANCED.name and b.dispatch_overhead_ms == pytest.approx(extra) and extra > 0
+    assert e.dispatch_overhead_ms == 0 and b.moe_ms != e.moe_ms
+
+
+def test_two_pools_of_one_topology_keep_the_faster_row_of_each_layer_for_their_phase():
+    """exchange_layers: after the exchange each placement's every layer is as fast on its phase's steps
+    of the fit part as the faster of the two fitted rows, and a layer changes only where the other row
+    was strictly faster."""
+    from moe_placement.apps.deploy.candidates import exchange_layers
+    from placement.cost.modelspec import load_model
+    from placement.dispatch import BALANCED
+    from placement.topology import Topology
+    from profiling.synthetic import synthetic_trace
+    from solver.api import solve
+    from solver.step.cost import step_cost_for
+    from solver.step.fit import sample_step_counts, step_seconds
+
+    fit = synthetic_trace(num_tokens=6000, num_layers=4, num_prompts=60, skew=0.9, seed=3)
+    m, cl = load_model("deepseek-v2-lite"), cluster_preset("h200", gpus_per_node=4)
+    topo = Topology.from_redundant(64, 8, 4, 1)
+    half = fit.split(0.5)
+    a, b = (solve("greedy", topology=topo, trace=t, seed=0).placement for t in half)  # two fits' rows
+    assert (a.physical_to_logical_map != b.physical_to_logical_map).any(axis=1).all()
+    phases, tokens = ("prefill", "decode"), (64, 16)
+    (pa, pb), taken = exchange_layers([a, b], phases, tokens, fit, m, cl)
+    for new, old, other, phase, t, took in zip((pa, pb), (a, b), (b, a), phases, tokens, taken):
+        counts = sample_step_counts(fit, 4, t, None, 0, phase, per_rank=True)
+        cost = step_cost_for(fit, phase, 4, m, cl)
+        own, alt, now = (step_seconds(p, counts, BALANCED.name, cost, range(4)) for p in (old, other, new))
+        np.testing.assert_allclose(now, np.minimum(own, alt), rtol=1e-12)
+        assert set(took) == set(np.flatnonzero(alt < own * (1 - 1e-12)).tolist())
+        unchanged = [l for l in range(4) if l not in took]
+        assert (new.physical_to_logical_map[unchanged] == old.physical_to_logical_map[unchanged]).all()
+    assert taken[0] and taken[1], taken  # each phase found a faster row in the other's fit

@@ -57,7 +57,7 @@ def test_json_has_the_documented_contract(written):
         assert set(dep["ttft_ms"]) == set(dep["tpot_ms"]) == {"p50", "p90", "p99"}
         assert sum(p["gpus"] for p in dep["pools"]) == dep["gpus"] == 4
         for pool in dep["pools"]:
-            assert {"phase", "gpus", "layout", "placement_file"} <= set(pool)
+            assert {"phase", "gpus", "layout", "placement_file", "dispatch"} <= set(pool)
             assert pool["phase"] in ({"both"} if dep["kind"] != "disaggregated" else {"prefill", "decode"})
     rates = [r["goodput_rps_per_gpu"] for r in d["deployments"]]
     assert rates == sorted(rates, reverse=True) and d["best"] == d["deployments"][0]["label"]
@@ -91,6 +91,8 @@ def test_output_holds_each_pools_placement_in_every_format_named(written):
         (["--gpus-per-node", "1", "--model", "deepseek-v3"], "too small to hold deepseek-v3"),
         (["--inter-link", "25"], "write a number with its unit"),
         (["--deployments", "co-located,pipelined"], "DeployOptions.deployments"),
+        (["--layout-steps", "-2"], "--layout-steps"),
+        (["--route", "fastest"], "--route"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, extra, needle):

@@ -145,6 +145,21 @@ def test_rules_that_need_the_placement_or_an_unknown_rule_are_refused():
     assert Router("combined", 4).route(Request(0)) in range(4)  # no affinity term without a placement
 
 
+def test_ranks_that_are_not_ep_ranks_name_their_node_and_report_their_queues_at_once():
+    """Two attention-DP ranks of two GPUs each (attention TP 2) over the 4-GPU, 2-node placement."""
+    r = Router(
+        "affinity", 2, RouterOptions(max_imbalance=None), domain_placement(), rank_nodes=np.array([0, 1])
+    )
+    assert r.route(Request("b", signature=sig(range(8, 16)))) == 1
+    assert r.route(Request("a", signature=sig(range(8)))) == 0
+    r.report_queue(np.array([5, 0]))
+    assert r.route(Request("c")) == 1  # no signature: by load, from the queues just reported
+    with pytest.raises(ValueError, match="rank_nodes must be 2 node indices in 0..1"):
+        Router("affinity", 2, placement=domain_placement(), rank_nodes=np.array([0, 2]))
+    with pytest.raises(ValueError, match="queue must be 2 whole counts"):
+        r.report_queue(np.array([1, -1]))
+
+
 def test_a_request_in_flight_on_a_rank_that_left_finishes_normally():
     r = Router("least-loaded", 2)
     g = r.route(Request("a"))
@@ -328,6 +343,59 @@ def test_every_registered_rule_runs_in_the_evaluation():
     )
 
 
+def _two_domain_model():
+    """A model shaped like the two-domain trace (16 experts, top-2, 2 MoE layers) for the cost model."""
+    from placement.cost.modelspec import ModelSpec
+
+    shape = dict(hidden_size=7168, moe_intermediate_size=256, num_logical_experts=16, top_k=2)  # bytes weigh
+    return ModelSpec(name="two-domain", num_layers=2, moe_layer_ids=(0, 1), **shape)
+
+
+@pytest.fixture(scope="module")
+def simulated_report():
+    from moe_placement.apps.routing import RouteOptions, evaluate_routing
+
+    shape = dict(ep_size=4, num_nodes=2, num_redundant=0, step_tokens=4, model=_two_domain_model())
+    opts = RouteOptions(**shape, sim_requests=800, ttft_ms=20.0)  # a steady state within 800 requests
+    return evaluate_routing(two_domain_trace(120), opts, placement=domain_placement())
+
+
+def test_each_rule_gets_tpot_and_goodput_from_the_request_simulator(simulated_report):
+    """What a rule changes in the simulator: affinity keeps a domain's tokens on the node holding its
+    experts, so the one cost model prices its routed decode steps faster and the simulator's steps
+    are scaled to that price; least-loaded balances the simulated queues, so it sustains a higher rate
+    than round-robin; prefix (no repeated prefix) simulates as least-loaded."""
+    d = simulated_report.to_dict()
+    sim, rows = d["simulation"], d["policies"]
+    assert sim["simulated"] and sim["max_seqs_per_rank"] == 4
+    assert not [w for w in d["warnings"] if "no goodput" in w]
+    for name, r in {**rows, **d["baselines"]}.items():
+        t = r["tpot_ms"]
+        assert 0 < t["p50"] <= t["p90"] <= t["p99"], name
+        assert r["ttft_ms"]["p50"] > 0 and r["goodput_rps_per_gpu"] > 0, name
+    rr, ll, aff = rows["round-robin"], rows["least-loaded"], rows["affinity"]
+    assert aff["decode_step_ms"] < rr["decode_step_ms"]
+    assert aff["decoded_tokens_per_step"] == rr["decoded_tokens_per_step"]  # one table point anchors both
+    ratio = aff["decode_step_ms"] / rr["decode_step_ms"]
+    assert aff["step_scale"] / rr["step_scale"] == pytest.approx(ratio, rel=1e-4)
+    assert ll["goodput_rps_per_gpu"] > rr["goodput_rps_per_gpu"]
+    assert sim["rate_rps"] == pytest.approx(rr["goodput_rps_per_gpu"] * 4, rel=1e-5)  # round-robin's goodput
+    keys = ("tpot_ms", "ttft_ms", "goodput_rps_per_gpu")
+    assert all(rows["prefix"][k] == ll[k] for k in keys)
+
+
+def test_without_a_model_the_simulation_keys_are_null_and_the_reason_is_given():
+    from moe_placement.apps.routing import RouteOptions, evaluate_routing
+
+    opts = RouteOptions(ep_size=4, num_nodes=2, num_redundant=0, step_tokens=4, rules=("round-robin",))
+    d = evaluate_routing(two_domain_trace(40), opts, placement=domain_placement()).to_dict()
+    assert d["simulation"]["simulated"] is False and "give --model" in d["simulation"]["why"]
+    r = d["policies"]["round-robin"]
+    assert r["tpot_ms"] is None and r["goodput_rps_per_gpu"] is None and r["decode_step_ms"] is None
+    with pytest.raises(ValueError, match="sim_requests"):
+        RouteOptions(ep_size=4, num_nodes=2, num_redundant=0, sim_requests=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # the route command
 # ---------------------------------------------------------------------------------------------
@@ -369,7 +437,7 @@ def test_route_json_has_the_issues_keys_and_a_co_optimized_placement(trace_file,
     rc, out, err = _route(args, capsys)
     assert rc == 0, err
     d = json.loads(out)
-    assert set(d) >= {"policies", "placement", "held_out_requests", "assumptions", "warnings"}
+    assert set(d) >= {"policies", "placement", "held_out_requests", "assumptions", "warnings", "simulation"}
     assert set(d["policies"]) == set(rule_names()) and d["placement"]["co_optimized"] is True
     for figures in d["policies"].values():
         assert {
@@ -378,7 +446,11 @@ def test_route_json_has_the_issues_keys_and_a_co_optimized_placement(trace_file,
             "step_par",
             "busiest_rank_load",
             "hit_rate",
+            "tpot_ms",
+            "ttft_ms",
+            "goodput_rps_per_gpu",
         } <= set(figures)
+    assert d["simulation"]["simulated"] is False  # no model has the trace's 16 experts: null, said why
     assert d["policies"]["prefix"]["hit_rate"] > d["policies"]["round-robin"]["hit_rate"]
     assert out_file.exists() and validate_sessions(json.loads((tmp_path / "w.json").read_text()))
 
@@ -392,6 +464,8 @@ def test_route_json_has_the_issues_keys_and_a_co_optimized_placement(trace_file,
         (["--num-redundant", "3"], "do not divide"),
         (["--co-optimize", "--placement", "p.json"], "use one"),
         (["--serve"], "--serve needs"),
+        (["--model", "deepseek-v2-lite"], "has 64 experts, top-6; the trace has 16, top-2"),
+        (["--sim-requests", "-1"], "--sim-requests"),
     ],
 )
 def test_route_bad_input_is_one_line_and_exit_2(trace_file, capsys, args, match):

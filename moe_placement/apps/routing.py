@@ -15,7 +15,10 @@ What ``moe-placement route`` and ``benchmarks/routing.py`` run (:func:`evaluate_
    least-loaded on greedy's placement in the same run (the uniform-arrival baseline);
 5. TTFT saved: prefill tokens found in the prefix caches x the modelled prefill time per token of a
    rank (:func:`placement.cost.step_time.step_time` on prefill steps of the held-out trace, the built-in
-   model matching the trace and ``hardware``), per request.
+   model matching the trace (or ``model``) and ``hardware``), per request;
+6. with that model: each rule's routed decode steps priced by the one cost model (``decode_step_ms``),
+   and TTFT, TPOT and goodput per GPU through the request simulator on the co-located deployment of the
+   topology (:mod:`moe_placement.apps.routing_sim`).
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from moe_placement.apps.deploy.options import DeployOptions
+from moe_placement.apps.deploy.workloads import MAX_REQUESTS
+from moe_placement.apps.routing_sim import SimInputs, SimTargets, simulate_rules
 from moe_placement.base.limits import check_whole
 from moe_placement.base.options import refuse_unknown_keywords
+from placement.cost.modelspec import ModelSpec
 from placement.cost.step_time import step_time
 from placement.dispatch import LOCAL, get_dispatch
 from placement.model import Placement
 from placement.routing import DEFAULT_SIGNATURE_TOKENS, Router, RouterOptions, get_rule, rule_names
 from placement.routing.router import DEFAULT_CACHE_TOKENS
-from placement.routing.score import score_run
+from placement.routing.score import StepPricing, score_run
 from placement.routing.sessions import stream_from_sessions
 from placement.routing.simulate import RequestStream, simulate, stream_from_trace
 from placement.steps import DEFAULT_STEP_TOKENS, make_steps
@@ -69,6 +78,10 @@ class RouteOptions:
         baseline_solvers: solvers placing for uniform arrival whose placements round-robin and
             least-loaded are also scored on (``greedy``; ``locality`` too where it is worth its time).
         seed: seeds the arrivals, the router's ties and the solvers.
+        model: the model priced (a built-in name, a model JSON or a ModelSpec; None: the built-in with
+            the trace's experts and top-k; with none, no time is priced).
+        ttft_ms, tpot_ms, slo_attainment: the request simulator's latency targets (goodput).
+        sim_requests: requests per simulation of each rule (0: no request simulation).
     """
 
     ep_size: int
@@ -87,6 +100,11 @@ class RouteOptions:
     hardware: str = DEFAULT_HARDWARE
     baseline_solvers: tuple[str, ...] = (GREEDY,)
     seed: int = 0
+    model: str | ModelSpec | None = None
+    ttft_ms: float = DeployOptions.ttft_ms
+    tpot_ms: float = DeployOptions.tpot_ms
+    slo_attainment: float = DeployOptions.slo_attainment
+    sim_requests: int = SimTargets.requests
 
     def __post_init__(self) -> None:
         for r in self.rules:
@@ -100,6 +118,11 @@ class RouteOptions:
             check_whole("step_tokens", self.step_tokens, 1, 1 << 16)
         check_whole("signature_tokens", self.signature_tokens, 1, 1 << 20)
         get_dispatch(self.dispatch)
+        for name, hi in (("ttft_ms", 1e9), ("tpot_ms", 1e9), ("slo_attainment", 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= hi:
+                raise ValueError(f"{name} must be a number in (0, {hi:g}], got {v!r}")
+        check_whole("sim_requests", self.sim_requests, 0, MAX_REQUESTS, fix="0 turns the simulation off")
 
 
 @dataclass(frozen=True)
@@ -114,6 +137,7 @@ class RouteReport:
     assumptions: tuple[str, ...]
     warnings: tuple[str, ...]
     solved: Placement | None = None
+    simulation: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {
@@ -121,6 +145,7 @@ class RouteReport:
             "baselines": self.baselines,
             "placement": self.placement,
             "held_out_requests": self.held_out_requests,
+            "simulation": self.simulation,
             "assumptions": list(self.assumptions),
             "warnings": list(self.warnings),
         }
@@ -161,10 +186,11 @@ def _placement(fit: RoutingTrace, topo: Topology, o: RouteOptions, given: Placem
 
 
 def _prefill_ms_per_token(
-    placement: Placement, held: RoutingTrace, o: RouteOptions
+    placement: Placement, held: RoutingTrace, o: RouteOptions, model
 ) -> tuple[float | None, str]:
     """Modelled milliseconds one rank spends per prompt token in prefill, and what it was priced with."""
-    cost = step_cost_for(held, "prefill", placement.topology.gpus_per_node, hardware=o.hardware)
+    gpn = placement.topology.gpus_per_node
+    cost = step_cost_for(held, "prefill", gpn, model=model, hardware=o.hardware)
     if cost is None:
         return None, "no built-in model has the trace's experts and top-k: TTFT saved is not priced"
     b = min(PREFILL_CHUNK, max(1, held.num_tokens // placement.topology.ep_size))
@@ -176,22 +202,51 @@ def _prefill_ms_per_token(
     )
 
 
-def _run_rules(placement, held, stream, rules, o: RouteOptions, hidden) -> dict:
+def _router_options(o: RouteOptions) -> RouterOptions:
+    return RouterOptions(
+        max_imbalance=o.max_imbalance, kv_capacity=o.kv_capacity, cache_tokens=o.cache_tokens, seed=o.seed
+    )
+
+
+def _run_rules(placement, held, stream, rules, o: RouteOptions, hidden, pricing=None) -> dict:
     out = {}
     for name in rules:
-        router = Router(
-            name,
-            o.ep_size,
-            RouterOptions(
-                max_imbalance=o.max_imbalance,
-                kv_capacity=o.kv_capacity,
-                cache_tokens=o.cache_tokens,
-                seed=o.seed,
-            ),
-            placement=placement,
-        )
-        out[name] = score_run(placement, held, stream, simulate(stream, router), o.dispatch, hidden)
+        router = Router(name, o.ep_size, _router_options(o), placement=placement)
+        run = simulate(stream, router)
+        out[name] = score_run(placement, held, stream, run, o.dispatch, hidden, pricing=pricing)
     return out
+
+
+def _pricing(trace: RoutingTrace, o: RouteOptions, stream: RequestStream) -> StepPricing | None:
+    """The model and cluster the routed steps and the request simulator are priced on (None: no
+    built-in model has the trace's experts and top-k, and none was given); the context is the mean
+    cached tokens of a held-out request halfway through its decode."""
+    cost = step_cost_for(trace, "decode", o.ep_size // o.num_nodes, model=o.model, hardware=o.hardware)
+    if cost is None:
+        return None
+    prompt = np.array([r.prompt_tokens for r in stream.requests], dtype=np.float64)
+    ctx = float(prompt.mean() + stream.decode.mean() / 2.0) if prompt.size else 1.0
+    return StepPricing(cost.model, cost.cluster, max(1, int(round(ctx))))
+
+
+def _simulate(placed, scored, bases, held, stream, o: RouteOptions, pricing) -> dict:
+    """The request simulator per rule (:func:`moe_placement.apps.routing_sim.simulate_rules`) on the
+    placement routed on and on each baseline's; ``{"simulated": False, "why": ...}`` when it cannot run."""
+    if pricing is None:
+        return {
+            "simulated": False,
+            "why": "no built-in model has the trace's experts and top-k (give --model)",
+        }
+    if o.sim_requests == 0:
+        return {"simulated": False, "why": "sim_requests is 0"}
+    targets = SimTargets(o.ttft_ms, o.tpot_ms, o.slo_attainment, o.sim_requests)
+    b = o.step_tokens if o.step_tokens is not None else DEFAULT_STEP_TOKENS["decode"]
+    load = held.counts().astype(np.float64)
+    x = SimInputs(stream, pricing, load, targets, _router_options(o), b)
+    info = simulate_rules(placed, scored, x)
+    for _, (pl, rows) in bases.items():
+        simulate_rules(pl, rows, x, info.get("rate_rps"))
+    return info
 
 
 def evaluate_routing(
@@ -209,22 +264,28 @@ def evaluate_routing(
     notes: list[str] = []
     placed, info = _placement(fit, topo, o, placement, notes)
     stream = _stream(held, o, workload)
-    hidden, hidden_note = _hidden_size(trace, o)
-    scored = _run_rules(placed, held, stream, o.rules, o, hidden)
-    baselines = _baselines(fit, held, stream, topo, o, hidden, skip=info["source"])
-    per_token, ttft_note = _prefill_ms_per_token(placed, held, o)
+    pricing = _pricing(trace, o, stream)
+    hidden, hidden_note = _hidden_size(o, pricing)
+    scored = _run_rules(placed, held, stream, o.rules, o, hidden, pricing)
+    bases = _baselines(fit, held, stream, topo, o, hidden, info["source"], pricing)
+    baselines = {k: v for _, rows in bases.values() for k, v in rows.items()}
+    sim = _simulate(placed, scored, bases, held, stream, o, pricing)
+    for figures in list(scored.values()) + list(baselines.values()):
+        for key in ("ttft_ms", "tpot_ms", "goodput_rps_per_gpu", "step_scale"):
+            figures.setdefault(key, None)  # not simulated: the keys are there, null
+    per_token, ttft_note = _prefill_ms_per_token(placed, held, o, pricing.model if pricing else None)
     Q = stream.num_requests
     for figures in list(scored.values()) + list(baselines.values()):
         saved = figures["prefill_tokens_saved"]
         figures["ttft_saved_ms"] = None if per_token is None else saved * per_token / max(Q, 1)
-    assumptions = _assumptions(trace, o, stream, hidden_note, ttft_note) + notes
-    warnings = _warnings(scored, stream, o, info)
-    return RouteReport(scored, baselines, info, Q, tuple(assumptions), tuple(warnings), placed)
+    assumptions = _assumptions(trace, o, stream, hidden_note, ttft_note) + _sim_notes(sim, pricing) + notes
+    warnings = _warnings(scored, stream, o, info) + _sim_warnings({**scored, **baselines}, sim)
+    return RouteReport(scored, baselines, info, Q, tuple(assumptions), tuple(warnings), placed, sim)
 
 
-def _baselines(fit, held, stream, topo: Topology, o: RouteOptions, hidden, skip: str) -> dict:
+def _baselines(fit, held, stream, topo: Topology, o: RouteOptions, hidden, skip: str, pricing) -> dict:
     """Round-robin and least-loaded on each baseline solver's placement for uniform arrival (but the
-    placement routed on itself), keyed ``"<rule> on <solver>"``."""
+    placement routed on itself): ``{solver: (placement, {"<rule> on <solver>": figures})}``."""
     out = {}
     for name in o.baseline_solvers:
         if skip == f"solver {name}":
@@ -232,12 +293,8 @@ def _baselines(fit, held, stream, topo: Topology, o: RouteOptions, hidden, skip:
         work = SOLVERS[name].work_per_layer  # a counted budget where the solver has one: reproducible
         opts = {"work_limit": work * fit.num_layers} if work else None
         placed, _ = solve(name, topology=topo, trace=fit, dispatch=o.dispatch, seed=o.seed, options=opts)
-        out.update(
-            {
-                f"{r} on {name}": v
-                for r, v in _run_rules(placed, held, stream, BASELINE_RULES, o, hidden).items()
-            }
-        )
+        rows = _run_rules(placed, held, stream, BASELINE_RULES, o, hidden, pricing)
+        out[name] = (placed, {f"{r} on {name}": v for r, v in rows.items()})
     return out
 
 
@@ -249,19 +306,44 @@ def _stream(held: RoutingTrace, o: RouteOptions, workload: Mapping | None) -> Re
     return stream_from_trace(held, seqs, o.ep_size, b, signature_tokens=o.signature_tokens, seed=o.seed)
 
 
-def _hidden_size(trace: RoutingTrace, o: RouteOptions) -> tuple[int | None, str]:
+def _hidden_size(o: RouteOptions, pricing: StepPricing | None) -> tuple[int | None, str]:
     if o.hidden_size is not None:
         return int(o.hidden_size), f"hidden size {o.hidden_size} (given)"
-    cost = step_cost_for(trace, "decode", 1)
-    if cost is None:
+    if pricing is None:
         return (
             None,
             "no hidden size given and no built-in model matches the trace: bytes are not given (copies are)",
         )
-    return (
-        cost.model.hidden_size,
-        f"hidden size {cost.model.hidden_size} of the built-in model {cost.model.name!r}",
-    )
+    m = pricing.model
+    return m.hidden_size, f"hidden size {m.hidden_size} of the model {m.name!r}"
+
+
+def _sim_notes(sim: dict, pricing: StepPricing | None) -> list[str]:
+    if pricing is None:
+        return ["decode_step_ms, ttft_ms, tpot_ms and goodput_rps_per_gpu are not given: " + sim["why"]]
+    out = [
+        f"decode_step_ms: the one cost model ({pricing.model.name} on {pricing.cluster.name}, modelled, not "
+        f"measured) on each rule's routed decode steps, each token dispatched from its rank, "
+        f"{pricing.context_len} cached tokens per sequence"
+    ]
+    if not sim.get("simulated"):
+        return out + [f"no request simulation: {sim.get('why', '')}"]
+    return out + [
+        f"request simulator (moe_placement.apps.routing_sim): the co-located deployment of the topology "
+        f"(one instance, attention TP 1, {sim['kv_tokens_per_rank']} KV tokens and at most "
+        f"{sim['max_seqs_per_rank']} sequences per rank, {sim['step_tokens']}-token steps), {sim['requests']} "
+        "held-out requests drawn cyclically, Poisson arrivals; each rule routes them through the Router fed "
+        "the simulated requests in flight and reserved KV per rank (queueing and each rank's batch follow "
+        "the rule), and its step table (the one cost model at the placement, uniform arrival, even split) is "
+        "scaled so that a decode step of the routed batch costs the rule's decode_step_ms (step_scale: that "
+        "price over the table's at the same batch and context; the steps that prefill the short prompts "
+        "beside the decode tokens by the same factor); a prefix hit does not shorten the prefill there",
+        f"ttft_ms and tpot_ms at {sim['rate_rps']:.4g} requests/s for every rule ({sim['rate_from']}: the same "
+        "load for all), the first quarter a warm-up; goodput_rps_per_gpu: the highest rate with "
+        f"{sim['targets']['slo_attainment']:.0%} of requests within TTFT {sim['targets']['ttft_ms']:g} ms and TPOT "
+        f"{sim['targets']['tpot_ms']:g} ms (searched from the first rule's bracket, one bisection step: rules "
+        f"closer than about 10% may tie), {sim['fill']} x the requests a rate holds in flight per simulation",
+    ]
 
 
 def _assumptions(
@@ -302,6 +384,25 @@ def _warnings(scored: dict, stream: RequestStream, o: RouteOptions, info: dict) 
             f"{info['greedy_layers']} layer(s) of the co-optimized placement kept greedy's (balance gate)"
         )
     return out
+
+
+def _sim_warnings(rows: dict, sim: dict) -> list[str]:
+    """Goodput figures whose steady state needs more requests than were simulated."""
+    if not sim.get("simulated"):
+        return []
+    short = {
+        k: v["goodput_requests_needed"]
+        for k, v in rows.items()
+        if v.get("goodput_requests_needed", 0) > sim["requests"]
+    }
+    if not short:
+        return []
+    worst = max(short, key=short.get)
+    return [
+        f"{len(short)} rule(s) have no goodput (null): a steady state at the rates they met needs more requests "
+        f"than the {sim['requests']} simulated (up to {short[worst]:,}, {worst}); raise --sim-requests or tighten "
+        "--ttft-ms"
+    ]
 
 
 def rules_table(report: RouteReport, names: Sequence[str] | None = None) -> list[dict]:

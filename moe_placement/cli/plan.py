@@ -22,6 +22,7 @@ from moe_placement.cli.common import (
     hardware_help,
     link_names,
     model_help,
+    non_negative_int,
     open_trace,
     positive_int,
     seed_int,
@@ -36,9 +37,9 @@ _MS = bounded_float(0.0, 1e9, lo_open=True)
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from moe_placement.apps.deploy.options import DEPLOYMENT_KINDS
-    from moe_placement.apps.deploy.simulator import ROUTES
     from moe_placement.apps.deploy.workloads import BUILTIN_WORKLOADS, MAX_LENGTH
     from placement.cost.handoff import STREAMING
+    from placement.routing.rules import ROUND_ROBIN, rule_names
 
     p = subparsers.add_parser(
         "plan",
@@ -93,7 +94,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--kv-streaming", choices=STREAMING, default="layer", help="how the KV hand-off is sent")
     p.add_argument(
-        "--route", choices=tuple(ROUTES), default=next(iter(ROUTES)), help="how requests go to ranks"
+        "--layout-steps",
+        type=non_negative_int,
+        default=None,
+        help="with a --trace of the model's experts: its steps priced per layout (default 16; 0: every step)",
+    )
+    p.add_argument(
+        "--route",
+        choices=rule_names(),
+        default=ROUND_ROBIN.name,
+        help="routing rule of requests to ranks (placement.routing; default round-robin)",
     )
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--output", default=None, help="folder for plan.json, plan.html, launch.sh and placements")
@@ -166,6 +176,8 @@ def _options(args):
         extra["max_requests"] = args.max_requests
     if args.requests is not None and args.max_requests is None:
         extra["max_requests"] = max(args.requests, DeployOptions.max_requests)
+    if args.layout_steps is not None:
+        extra["layout_steps"] = args.layout_steps or None
     make = DeployOptions.quick if args.quick else DeployOptions
     if args.quick and args.requests is not None and args.max_requests is None:
         extra["max_requests"] = max(args.requests, DeployOptions.quick().max_requests)

@@ -18,7 +18,9 @@ from moe_placement.cli.common import (
     ep_size_int,
     expert_count_int,
     format_table,
+    hardware_help,
     hidden_size_int,
+    model_help,
     non_negative_int,
     open_placement,
     open_trace,
@@ -68,8 +70,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--output", help="write the placement routed on (native format)")
     p.add_argument("--json", action="store_true")
+    _add_sim_args(p)
     _add_serve_args(p)
     p.set_defaults(func=cmd_route)
+
+
+def _add_sim_args(p: argparse.ArgumentParser) -> None:
+    from moe_placement.apps.deploy.workloads import MAX_REQUESTS
+    from moe_placement.apps.routing import RouteOptions
+    from placement.cost.hardware import DEFAULT_HARDWARE
+
+    g = p.add_argument_group("time: the one cost model and the request simulator")
+    g.add_argument("--model", help=f"model priced (default: the built-in matching the trace): {model_help()}")
+    g.add_argument("--hardware", default=DEFAULT_HARDWARE, help=f"GPU preset: {hardware_help()}")
+    ms = bounded_float(0.0, 1e9, lo_open=True)
+    g.add_argument("--ttft-ms", type=ms, default=RouteOptions.ttft_ms, help="TTFT target of goodput (ms)")
+    g.add_argument("--tpot-ms", type=ms, default=RouteOptions.tpot_ms, help="TPOT target of goodput (ms)")
+    g.add_argument(
+        "--slo-attainment",
+        type=bounded_float(0.0, 1.0, lo_open=True),
+        default=RouteOptions.slo_attainment,
+        help="share of requests meeting both targets (goodput)",
+    )
+    g.add_argument(
+        "--sim-requests",
+        type=bounded_int(0, MAX_REQUESTS),
+        default=RouteOptions.sim_requests,
+        help="most requests of one request simulation per rule (0: no request simulation)",
+    )
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -163,6 +191,12 @@ def cmd_route(args: argparse.Namespace) -> int:
         kv_capacity=args.kv_capacity,
         dispatch=args.dispatch,
         seed=args.seed,
+        model=args.model,
+        hardware=args.hardware,
+        ttft_ms=args.ttft_ms,
+        tpot_ms=args.tpot_ms,
+        slo_attainment=args.slo_attainment,
+        sim_requests=args.sim_requests,
     )
     report = evaluate_routing(trace, options, placement=placement, workload=_workload(args))
     if args.output:
@@ -185,6 +219,10 @@ _COLUMNS = [
     ("busiest_rank_load", "busiest rank", 3),
     ("hit_rate", "hit rate", 3),
     ("ttft_saved_ms", "TTFT saved ms", 3),
+    ("decode_step_ms", "step ms", 4),
+    ("tpot_p50", "TPOT p50 ms", 3),
+    ("tpot_p99", "TPOT p99 ms", 3),
+    ("goodput_rps_per_gpu", "goodput/GPU", 1),
 ]
 
 
@@ -197,14 +235,25 @@ def _print(report, args) -> None:
         r["remote_bytes_per_step"] = "n/a" if b is None else f"{b / 1e6:.3f}"
         if r.get("remote_bytes_per_step_ratio") is None and r.get("remote_copies_per_step_ratio") is not None:
             r["remote_bytes_per_step_ratio"] = r["remote_copies_per_step_ratio"]
-        if r.get("ttft_saved_ms") is None:
-            r["ttft_saved_ms"] = "n/a"
+        for key in ("ttft_saved_ms", "decode_step_ms", "goodput_rps_per_gpu"):
+            if r.get(key) is None:
+                r[key] = "n/a"
+        tpot = r.get("tpot_ms") or {}
+        for q in ("p50", "p99"):
+            r[f"tpot_{q}"] = "n/a" if tpot.get(q) is None else tpot[q]
     src = report.placement.get("source", "")
     co = report.placement["co_optimized"]
     echo(
         f"{report.held_out_requests} held-out requests on the placement from {src} (co-optimized: {co}); dispatch {args.dispatch}"
     )
     echo(format_table(rows, _COLUMNS))
+    sim = report.simulation
+    if sim.get("simulated"):
+        echo(
+            f"TPOT at {sim['rate_rps']:.4g} requests/s for every rule (round-robin's goodput); goodput: "
+            f"{sim['targets']['slo_attainment']:.0%} within TTFT {sim['targets']['ttft_ms']:g} ms, TPOT "
+            f"{sim['targets']['tpot_ms']:g} ms (modelled)"
+        )
     for a in report.assumptions:
         echo(f"note: {a}")
     for w in report.warnings:

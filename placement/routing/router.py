@@ -4,8 +4,8 @@
 :class:`~placement.routing.requests.Request` and returns a rank; :meth:`Router.finish` tells it the
 request is done. Between the two the router counts the request against its rank (one request in
 flight, its prompt's KV tokens) and, for the prefix rules, records the prompt in the rank's prefix
-cache. :meth:`Router.report` takes the engine's own figures (requests in flight, KV tokens) when a
-caller has them; :meth:`Router.remove_rank` and :meth:`Router.add_rank` follow ranks that leave or
+cache. :meth:`Router.report` (one rank) and :meth:`Router.report_queue` / :meth:`Router.report_kv` (every
+rank) take the engine's own figures (requests in flight, KV tokens) when a caller has them; :meth:`Router.remove_rank` and :meth:`Router.add_rank` follow ranks that leave or
 come back (an elastic scale-down). The rules are :data:`placement.routing.rules.ROUTING_RULES`.
 
 Determinism: ties are broken by draws from ``numpy.random.default_rng(options.seed)``, one draw per
@@ -108,11 +108,14 @@ class Router:
 
     Args:
         rule: a name in :data:`~placement.routing.rules.ROUTING_RULES` or the rule.
-        num_ranks: attention-DP ranks ``G`` (with a placement: its EP size, rank ``g`` on node
-            ``g // (G / N)``).
+        num_ranks: attention-DP ranks ``G`` (with a placement and no ``rank_nodes``: its EP size, rank
+            ``g`` on node ``g // (G / N)``).
         options: :class:`RouterOptions`.
         placement: the expert placement in service (the affinity terms read which experts each node
             holds); required by ``affinity``.
+        rank_nodes: int ``[G]``: the node of the placement's topology each rank's tokens are dispatched
+            from, where attention-DP ranks are not EP ranks (attention TP, or independent instances of one
+            placement: a rank's node within its instance); None: rank ``g`` is EP rank ``g``.
     """
 
     def __init__(
@@ -121,13 +124,14 @@ class Router:
         num_ranks: int,
         options: RouterOptions | None = None,
         placement: Placement | None = None,
+        rank_nodes: np.ndarray | None = None,
     ):
         self.rule = get_rule(rule)
         G = check_whole("num_ranks", num_ranks, 1, MAX_RANKS)
         self.options = options if options is not None else RouterOptions()
         if not isinstance(self.options, RouterOptions):
             raise ValueError(f"options must be a RouterOptions, got {type(self.options).__name__}")
-        self._holdings, self._node_of_rank = self._check_placement(placement, G)
+        self._holdings, self._node_of_rank = self._check_placement(placement, G, rank_nodes)
         self.num_ranks = G
         self.queue = np.zeros(G, dtype=np.int64)
         self.kv = np.zeros(G, dtype=np.int64)
@@ -138,15 +142,29 @@ class Router:
         self._in_flight: dict[Hashable, tuple[int, int]] = {}  # request id -> (rank, KV tokens)
         self.last: Decision | None = None
 
-    def _check_placement(self, placement: Placement | None, G: int):
+    def _check_placement(self, placement: Placement | None, G: int, rank_nodes):
         if placement is None:
             if self.rule.needs_placement:
                 raise ValueError(
                     f"the {self.rule.name} rule needs the expert placement (which experts each node holds)"
                 )
+            if rank_nodes is not None:
+                raise ValueError("rank_nodes names nodes of a placement's topology: pass the placement too")
             return None, None
         if not isinstance(placement, Placement):
             raise ValueError(f"placement must be a placement.model.Placement, got {type(placement).__name__}")
+        if rank_nodes is not None:
+            nodes = np.asarray(rank_nodes)
+            N = placement.topology.num_nodes
+            if (
+                nodes.shape != (G,)
+                or nodes.dtype.kind not in "iu"
+                or (nodes.size and not (0 <= nodes.min() <= nodes.max() < N))
+            ):
+                raise ValueError(
+                    f"rank_nodes must be {G} node indices in 0..{N - 1} (one per rank), got {nodes.dtype} {nodes.shape}"
+                )
+            return node_holdings(placement), nodes.astype(np.int64)
         if placement.topology.ep_size != G:
             raise ValueError(
                 f"the placement has {placement.topology.ep_size} EP ranks but the router {G} ranks; attention-DP "
@@ -252,6 +270,15 @@ class Router:
                 f"kv_tokens must be {self.num_ranks} counts >= 0 (one per rank), got {kv.dtype} {kv.shape}"
             )
         self.kv[:] = kv.astype(np.int64)
+
+    def report_queue(self, queue: np.ndarray) -> None:
+        """The engine's requests in flight of every rank at once (int ``[G]``, each >= 0)."""
+        q = np.asarray(queue)
+        if q.shape != (self.num_ranks,) or (q.size and (q.dtype.kind not in "iu" or (q < 0).any())):
+            raise ValueError(
+                f"queue must be {self.num_ranks} whole counts >= 0 (one per rank), got {q.dtype} {q.shape}"
+            )
+        self.queue[:] = q.astype(np.int64)
 
     def remove_rank(self, rank: int) -> None:
         """Rank ``rank`` left: no request goes there until :meth:`add_rank`; its cache is forgotten."""

@@ -22,12 +22,21 @@ token-level figures score at most ``max_tokens`` decoded tokens: every ``j``-th 
   mean (attention data parallelism waits for its busiest rank every step).
 - ``hit_rate``: prompt tokens found in the chosen rank's prefix cache over all prompt tokens, every
   request of the run; ``prefill_tokens_saved``: their sum.
+- ``decode_step_ms`` (with a :class:`StepPricing`): the one cost model's whole decode step
+  (:func:`placement.cost.step_time.step_time_from_arrays`) of the scored steps, each token dispatched
+  from the rank the rule chose: the busiest GPU's grouped GEMM and its NVLink and RDMA bytes follow the
+  routing; None without a pricing.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from placement.cost.hardware import ClusterSpec
+from placement.cost.modelspec import ModelSpec
+from placement.cost.step_time import StepArrays, step_time_from_arrays
 from placement.cost.traffic import token_copy_bytes
 from placement.dispatch import DispatchModel, get_dispatch
 from placement.metrics import communication, route_tokens, step_par
@@ -35,7 +44,16 @@ from placement.model import Placement
 from placement.routing.simulate import RequestStream, RoutedRun
 from profiling.trace import RoutingTrace
 
-__all__ = ["score_run", "steady_window"]
+__all__ = ["StepPricing", "score_run", "steady_window"]
+
+
+class StepPricing(NamedTuple):
+    """What the scored decode steps are priced with: the model and cluster presets, and the cached
+    tokens per sequence the attention reads."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    context_len: float
 
 
 def steady_window(run: RoutedRun) -> tuple[int, int]:
@@ -102,9 +120,10 @@ def score_run(
     dispatch: str | DispatchModel,
     hidden_size: int | None = None,
     max_tokens: int = DEFAULT_SCORE_TOKENS,
+    pricing: StepPricing | None = None,
 ) -> dict:
     """The routing figures of ``run`` (module docstring) as a dict; ``None`` where a figure needs what
-    is missing (bytes without a hidden size)."""
+    is missing (bytes without a hidden size, the step time without a pricing)."""
     model = get_dispatch(dispatch)
     lo, hi = steady_window(run)
     routed, src, S = _routed_trace(trace, run, lo, hi, max_tokens)
@@ -130,4 +149,21 @@ def score_run(
         "measured_steps": [int(lo), int(hi)],
         "scored_steps": int(S),
         "fallbacks": dict(run.fallbacks),
+        "decode_step_ms": None if pricing is None else _step_ms(placement, routed, src, model, pricing),
     }
+
+
+def _step_ms(
+    placement: Placement, routed: RoutingTrace, src, model: DispatchModel, pricing: StepPricing
+) -> float:
+    """The one cost model's mean whole step of ``routed``'s steps (tokens on their ranks ``src [N]``)."""
+    assert routed.step_offsets is not None and routed.topk_ids is not None
+    per = np.diff(routed.step_offsets)  # [S'] tokens of each kept step (none is empty)
+    S = per.size
+    step = np.repeat(np.arange(S, dtype=np.int64), per)
+    b = max(1, int(round(routed.num_tokens / (S * placement.topology.ep_size))))
+    arrays = StepArrays(np.asarray(routed.topk_ids), step, np.asarray(src, dtype=np.int64), S, b, "decode")
+    st = step_time_from_arrays(
+        placement, arrays, model, pricing.model, pricing.cluster, context_len=max(1.0, pricing.context_len)
+    )
+    return float(st.whole_ms)

@@ -18,7 +18,9 @@ several nodes; GPUs of the one node otherwise), each pool with its own best layo
 
 :func:`fit_phase_placements` re-places a disaggregated deployment's pools on their phase's steps of a
 routing trace (prefill-shaped chunks for the prefill pool, continuous-batching decode steps for the
-decode pool) through :func:`solver.api.solve` with :class:`solver.api.FitOptions` ``phase``.
+decode pool) through :func:`solver.api.solve` with :class:`solver.api.FitOptions` ``phase``; two pools of one
+topology then trade rows per layer where the other pool's row is faster on this pool's phase
+(:func:`exchange_layers`).
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from moe_placement.apps.planner.layout import (
 )
 from placement.cost.hardware import HARDWARE_NAMES, ClusterSpec
 from placement.cost.modelspec import BUILTIN_MODELS, ModelSpec
+from placement.dispatch import BALANCED, EVEN
 from placement.steps import DEFAULT_STEP_TOKENS, SIZING_STEP_TOKENS
 
-__all__ = ["Candidate", "PoolChoice", "Planner", "fit_phase_placements", "splits"]
+__all__ = ["Candidate", "PoolChoice", "Planner", "exchange_layers", "fit_phase_placements", "splits"]
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +53,10 @@ log = logging.getLogger(__name__)
 class PoolChoice:
     """One pool of a deployment: ``phase`` (both, prefill, decode), ``gpus``, the cluster its layout
     was planned on (``gpus_per_node`` of the pool when it is part of one node), its nodes, the planner's
-    ``result`` (layout, memory, placement), its tokens per rank per step, and how its placement was
-    made (``placed``)."""
+    ``result`` (layout, memory, placement), its tokens per rank per step, how its placement was made
+    (``placed``) and the dispatch model it was placed for and is priced under (``dispatch``: the
+    planner's even split, or the per-step ``balanced`` split a placement fitted on the trace's steps
+    serves under)."""
 
     phase: str
     gpus: int
@@ -60,6 +65,7 @@ class PoolChoice:
     result: LayoutResult
     step_tokens: int
     placed: str = "planner (greedy on the workload's per-expert load)"
+    dispatch: str = EVEN.name
 
     def layout(self, E: int) -> str:
         return self.result.candidate.label(E)
@@ -107,13 +113,14 @@ class Planner:
         )
 
     def cost_options(self, phase: str, step_tokens: int | None = None) -> CostOptions:
+        """The planner's pricing of ``phase`` (a trace's steps: the first ``layout_steps``)."""
+        cap = self.options.layout_steps
         if phase == "prefill":
             b = step_tokens or self.options.prefill_step_tokens
-            return CostOptions(phase="prefill", step_tokens=b, context_len=max(1, self.prompt))
+            return CostOptions(phase="prefill", step_tokens=b, context_len=max(1, self.prompt), max_steps=cap)
         ctx = max(1, self.prompt + self.output // 2)
-        return CostOptions(
-            phase="decode", step_tokens=step_tokens or SIZING_STEP_TOKENS["decode"], context_len=ctx
-        )
+        b = step_tokens or SIZING_STEP_TOKENS["decode"]
+        return CostOptions(phase="decode", step_tokens=b, context_len=ctx, max_steps=cap)
 
     def ranked(self, phase: str, nodes: int, gpus: int) -> list[LayoutResult]:
         """Feasible layouts of a pool of ``gpus`` GPUs on ``nodes`` nodes for ``phase``, best first."""
@@ -231,48 +238,126 @@ def _label(kind: str, pools: tuple[PoolChoice, ...], E: int) -> str:
 def fit_phase_placements(planner: Planner, cand: Candidate, trace) -> tuple[Candidate, list[str]]:
     """``cand`` with each pool's placement fitted on its phase's steps of the first half of ``trace``
     (:func:`solver.api.solve`, the per-step ``balanced`` dispatch, :class:`solver.api.FitOptions` with
-    the pool's phase), and notes. The trace must route the model's experts in all its MoE layers."""
-    from placement.dispatch import BALANCED
+    the pool's phase), and notes. The trace must route the model's experts in all its MoE layers.
+
+    When the two pools share a topology, each pool's fitted placement is one more candidate per layer
+    for the other pool (:func:`exchange_layers`): a layer takes the other pool's row where that row's
+    modelled time on this pool's phase is lower on the fit half's steps of that phase."""
+    fit, _ = trace.split(0.5)
+    fitted = [_fit_pool(planner, pool, fit) for pool in cand.pools]
+    placements = [f[0] if f is not None else None for f in fitted]
+    taken: list[tuple[int, ...]] = [()] * len(fitted)
+    if len(fitted) == 2 and all(f is not None for f in fitted) and _same_topology(*placements):
+        phases = tuple(p.phase for p in cand.pools)
+        tokens = tuple(f[1] for f in fitted)
+        placements, taken = exchange_layers(
+            placements, phases, tokens, fit, planner.model, cand.pools[0].cluster, planner.options.seed
+        )
+    pools, notes = [], []
+    for i, pool in enumerate(cand.pools):
+        if fitted[i] is None:  # one GPU holds every expert: nothing to place
+            pools.append(pool)
+            continue
+        how = fitted[i][2] + _taken_text(taken[i], cand.pools[1 - i].phase if taken[i] else "", pool.phase)
+        fitted_pool = replace(pool, placed=how, dispatch=BALANCED.name)
+        pools.append(replace(fitted_pool, result=_priced(planner, fitted_pool, placements[i])))
+        notes.append(f"{pool.phase} pool: {how}")
+    return Candidate(cand.kind, tuple(pools), cand.label), notes
+
+
+def _fit_pool(planner: Planner, pool: PoolChoice, fit):
+    """``(placement, tokens per rank, how)`` of ``pool`` fitted on its phase's steps of ``fit``; None
+    when one GPU holds every expert."""
     from solver.api import FitOptions, solve
 
     model, o = planner.model, planner.options
-    fit, _ = trace.split(0.5)
-    pools, notes = [], []
-    for pool in cand.pools:
-        topo = pool.result.placement.topology
-        if topo.ep_size == 1:  # one GPU holds every expert: nothing to place
-            pools.append(pool)
+    topo = pool.result.placement.topology
+    if topo.ep_size == 1:
+        return None
+    b = _fit_step_tokens(fit.num_tokens, topo.ep_size, pool.phase)
+    fo = FitOptions(
+        phase=pool.phase,
+        step_tokens=b,
+        step_moves=o.fit_moves,
+        seed=o.seed,
+        model=model.name if model.name in BUILTIN_MODELS else None,
+        hardware=pool.cluster.gpu.name if pool.cluster.gpu.name in HARDWARE_NAMES else FitOptions.hardware,
+    )
+    ids = model.moe_layer_ids
+    res = solve(
+        o.solver, topology=topo, trace=fit, dispatch=BALANCED.name, layer_ids=ids, seed=o.seed, fit=fo
+    )
+    how = (
+        f"fitted on {pool.phase} steps of the trace's first half ({b} tokens per rank, "
+        f"{o.fit_moves} moves per layer, per-step balanced split; solver.api.solve)"
+    )
+    return res.placement, b, how
+
+
+def _priced(planner: Planner, pool: PoolChoice, placement) -> LayoutResult:
+    """The planner's figures of ``pool``'s layout with ``placement``, under the pool's dispatch."""
+    opts = replace(planner.cost_options(pool.phase), dispatch=pool.dispatch)
+    c = pool.result.candidate
+    r = evaluate_candidate(
+        planner.model, pool.cluster, c, opts, planner.load(), None, planner.search, placement
+    )
+    if not r.feasible:  # the sizing batch of the ranking no longer fits: keep the memory of the layout
+        r = replace(pool.result, placement=placement)
+    return r
+
+
+def _same_topology(a, b) -> bool:
+    return a.topology == b.topology and a.physical_to_logical_map.shape == b.physical_to_logical_map.shape
+
+
+def _taken_text(layers: tuple[int, ...], other: str, phase: str) -> str:
+    if not layers:
+        return ""
+    return (
+        f"; {len(layers)} layer(s) ({', '.join(map(str, layers))}) taken from the {other} pool's fit, whose "
+        f"rows have the lower modelled {phase} time on the fit half's {phase} steps"
+    )
+
+
+def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: int = 0):
+    """Each placement with, per layer, the other placement's row where that row is faster on its own
+    phase: ``(placements, taken layers per placement)``.
+
+    Two placements of one topology, fitted for ``phases`` with ``step_tokens`` per rank, are scored as
+    the per-step fit scores a layer (:func:`solver.step.fit.step_seconds`: the modelled MoE layer time
+    under the ``balanced`` split, :mod:`solver.step.cost` on ``model`` and ``cluster``) on every step of
+    the phase in ``fit`` (one :func:`placement.steps.make_steps` pass; prefill: the disjoint steps).
+    Both rows are scored on the same steps and a layer changes only where the other row is strictly
+    faster; a pool's own row was searched on part of these steps, so the other row must beat it despite
+    that advantage. No layer gets slower on those steps, and the placements still differ wherever their
+    phases prefer different rows. Skipped (unchanged) when no model prices the trace's shape.
+    """
+    from placement.model import Placement
+    from solver.step.cost import step_cost_for
+    from solver.step.fit import sample_step_counts, step_seconds
+
+    out, taken = list(placements), [(), ()]
+    G = placements[0].topology.ep_size
+    L = placements[0].num_layers
+    for i, j in ((0, 1), (1, 0)):
+        mine, other = placements[i], placements[j]
+        spec = model if model.top_k == fit.top_k else None
+        cost = step_cost_for(fit, phases[i], G, spec, cluster)
+        if cost is None:
             continue
-        b = _fit_step_tokens(fit.num_tokens, topo.ep_size, pool.phase)
-        fo = FitOptions(
-            phase=pool.phase,
-            step_tokens=b,
-            step_moves=o.fit_moves,
-            seed=o.seed,
-            model=model.name if model.name in BUILTIN_MODELS else None,
-            hardware=pool.cluster.gpu.name
-            if pool.cluster.gpu.name in HARDWARE_NAMES
-            else FitOptions.hardware,
-        )
-        ids = model.moe_layer_ids
-        res = solve(
-            o.solver, topology=topo, trace=fit, dispatch=BALANCED.name, layer_ids=ids, seed=o.seed, fit=fo
-        )
-        opts = planner.cost_options(pool.phase)
-        cand_ = pool.result.candidate
-        r = evaluate_candidate(
-            model, pool.cluster, cand_, opts, planner.load(), None, planner.search, res.placement
-        )
-        if not r.feasible:  # the sizing batch of the ranking no longer fits: keep the memory of the layout
-            r = replace(pool.result, placement=res.placement)
-        how = (
-            f"fitted on {pool.phase} steps of the trace's first half ({b} tokens per rank, "
-            f"{o.fit_moves} moves per layer, per-step balanced split; solver.api.solve)"
-        )
-        pools.append(replace(pool, result=r, placed=how))
-        notes.append(f"{pool.phase} pool: {how}")
-    pools_t = tuple(pools)
-    return Candidate(cand.kind, pools_t, cand.label), notes
+        counts = sample_step_counts(fit, G, step_tokens[i], None, seed, phases[i], per_rank=True)
+        own, alt = (step_seconds(p, counts, BALANCED.name, cost, range(L)) for p in (mine, other))
+        faster = alt < own * (1 - 1e-12)
+        take = faster & (other.physical_to_logical_map != mine.physical_to_logical_map).any(axis=1)
+        if not take.any():
+            continue
+        p2l = mine.physical_to_logical_map.copy()
+        p2l[take] = other.physical_to_logical_map[take]
+        layers = tuple(int(l) for l in np.flatnonzero(take))
+        out[i] = Placement(p2l, mine.num_logical_experts, mine.topology, mine.layer_ids, mine.provenance)
+        out[i] = out[i].with_provenance(layers_from_other_pool={"phase": phases[j], "layers": list(layers)})
+        taken[i] = layers
+    return out, taken
 
 
 def _fit_step_tokens(tokens: int, ep_size: int, phase: str) -> int:

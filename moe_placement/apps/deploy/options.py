@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from moe_placement.apps.deploy.workloads import MAX_LENGTH, MAX_REQUESTS
 from moe_placement.base.options import refuse_unknown_keywords
 from placement.cost.handoff import STREAMING
+from placement.routing.rules import ROUND_ROBIN, get_rule
 
 __all__ = ["DEPLOYMENT_KINDS", "COLOCATED", "DISAGGREGATED", "REPLICAS", "DeployOptions"]
 
@@ -53,9 +54,12 @@ class DeployOptions:
         kv_streaming: how the KV is sent (``layer``, ``chunk``, ``none``; placement.cost.handoff).
         handoff_fixed_s: fixed cost per hand-off (None: placement.cost.hardware.KV_HANDOFF_FIXED_S).
         fit_moves: move attempts per layer of the per-phase placement fit (solver.api.FitOptions).
+        layout_steps: with a routing trace of the model's experts, the steps of it the layout planner
+            prices per layout and phase (the first ones, ``CostOptions.max_steps``; None: every step,
+            as ``layout --trace`` does by default, which costs seconds per pool size on a long trace).
         solver: the placement solver of the layout planner.
-        route: the built-in route of requests to ranks (``round-robin`` or ``least-loaded``); a callable
-            route is passed to ``plan`` itself.
+        route: the routing rule of requests to ranks, a name of :data:`placement.routing.ROUTING_RULES`
+            (:mod:`moe_placement.apps.deploy.routes`); a callable route is passed to ``plan`` itself.
     """
 
     ttft_ms: float = 2000.0
@@ -78,8 +82,9 @@ class DeployOptions:
     kv_streaming: str = "layer"
     handoff_fixed_s: float | None = None
     fit_moves: int = 10
+    layout_steps: int | None = 16
     solver: str = "greedy"
-    route: str = "round-robin"
+    route: str = ROUND_ROBIN.name
 
     def __post_init__(self) -> None:
         _positive("ttft_ms", self.ttft_ms, 1e9)
@@ -109,10 +114,15 @@ class DeployOptions:
         _whole("max_splits", self.max_splits, 1, 1024)
         _whole("search_iters", self.search_iters, 0, 64)
         _whole("fit_moves", self.fit_moves, 0, 100_000)
+        if self.layout_steps is not None:
+            _whole("layout_steps", self.layout_steps, 1, 1 << 20)
         if self.kv_streaming not in STREAMING:
             raise ValueError(
                 f"DeployOptions.kv_streaming must be one of {', '.join(STREAMING)}, got {self.kv_streaming!r}"
             )
+        if not isinstance(self.route, str):
+            raise ValueError(f"DeployOptions.route must be a routing rule's name, got {self.route!r}")
+        get_rule(self.route)
         if self.handoff_fixed_s is not None and not (
             isinstance(self.handoff_fixed_s, (int, float)) and 0 <= self.handoff_fixed_s <= 60
         ):

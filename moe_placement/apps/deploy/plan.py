@@ -25,9 +25,9 @@ from moe_placement.apps.deploy.decision import RuleOfThumb, explain, rank, rule_
 from moe_placement.apps.deploy.goodput import Goodput, Sampling, at_rate, percentiles_ms, search_goodput
 from moe_placement.apps.deploy.launch import launch_commands, placement_name
 from moe_placement.apps.deploy.options import DISAGGREGATED, DeployOptions
+from moe_placement.apps.deploy.routes import rule_route
 from moe_placement.apps.deploy.simulator import (
     PHASE_BOTH,
-    ROUTES,
     DeploymentSim,
     PoolSim,
     Route,
@@ -174,6 +174,7 @@ def _pool_dict(pool, sim: PoolSim, file: str | None, E: int) -> dict:
             "kv_free": round(m.kv_free / 1e9, 3),
         },
         "placement": pool.placed,
+        "dispatch": pool.dispatch,
     }
 
 
@@ -270,9 +271,7 @@ def _inputs(model, cluster, nodes, workload, trace, options: DeployOptions, rout
     spec = with_fixed_lengths(spec, options.prompt_len, options.output_len)
     reqs = sample_requests(spec, options.max_requests, options.seed, m.max_context_len)
     if route is None:
-        if options.route not in ROUTES:
-            raise ValueError(f"route {options.route!r}: use one of {', '.join(ROUTES)} or pass a callable")
-        route = ROUTES[options.route]
+        route = rule_route(options.route)
     elif not callable(route):
         raise ValueError(f"route must be a callable route(request, view) -> rank, got {route!r}")
     return _Inputs(m, cl, int(nodes), tr, spec, reqs, options, route)
@@ -319,10 +318,10 @@ class _Tables:
         chunk = max(o.colocated_step_tokens) if pool.phase == PHASE_BOTH else pool.step_tokens
         if pool.phase == "decode":
             chunk = 1
-        key = (id(pool.result), pool.phase, chunk, pool.cluster.gpus_per_node)
+        key = (id(pool.result), pool.phase, chunk, pool.cluster.gpus_per_node, pool.dispatch)
         if key not in self.done:
             shape = (o.decode_step_tokens, chunk, self.longest)
-            base = CostOptions()
+            base = CostOptions(dispatch=pool.dispatch)  # priced under the split it was placed for
             table = build_table(self.ins.model, pool.cluster, pool.result, self.planner.load(), shape, base)
             self.done[key] = (pool.result, table)  # the result is kept: its id stays unique
         return self.done[key][1]
@@ -335,7 +334,17 @@ def _deployment_sim(ins: _Inputs, cand: Candidate, tables: _Tables) -> Deploymen
         c = p.result.candidate
         kv = kv_tokens_per_rank(m, p.result)
         pools.append(
-            PoolSim(p.phase, c.instances, c.attn_dp, kv, p.step_tokens, o.decode_step_tokens, tables(p))
+            PoolSim(
+                p.phase,
+                c.instances,
+                c.attn_dp,
+                kv,
+                p.step_tokens,
+                o.decode_step_tokens,
+                tables(p),
+                p.result.placement,
+                c.attn_tp,
+            )
         )
     if cand.kind != DISAGGREGATED:
         return DeploymentSim(tuple(pools))
@@ -474,8 +483,8 @@ def plan(
         trace: a routing trace (RoutingTrace or path): the experts' skew, prompt lengths, and the
             per-phase placements of the best split when it routes the model's experts.
         options: :class:`DeployOptions`.
-        route: ``route(request, view) -> rank`` for every pool (overrides ``options.route``;
-            :func:`moe_placement.apps.deploy.simulator.simulate`).
+        route: ``route(request, view) -> rank`` for every pool (overrides ``options.route``, a rule of
+            :data:`placement.routing.ROUTING_RULES`; :func:`moe_placement.apps.deploy.simulator.simulate`).
         output: the folder the placements will be written to (``launch.write_plan``): names the
             files in the result; nothing is written here.
     """

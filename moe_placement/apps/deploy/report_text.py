@@ -45,8 +45,11 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         "pool's layout and placement, tabulated over sequences x cached tokens per rank (decode) and chunk "
         "tokens x attention span (prefill) and interpolated; a step mixing prefill and decode costs the "
         "prefill step of all its tokens plus the decode sequences' KV reads",
-        "the cost model prices a placement with its analytic even split over replicas on the per-expert load "
-        f"({planner.load_how()}; the planner's dispatch), also for pools fitted under the per-step balanced split",
+        f"each pool's placement is priced on the per-expert load ({planner.load_how()}) under the dispatch it "
+        "was placed for: the planner's placements under the even split over replicas, the pools fitted on the "
+        "trace's steps under the per-step balanced split (its split of the expected step, plus its count "
+        "all-reduce and split time per MoE layer)",
+        _ranking(ins),
         "attention-DP ranks of one instance step in lockstep at the largest per-rank sizes of the step "
         "(the all-to-all joins them); instances are independent",
         f"admission: first come first served per rank while prompt + output tokens fit the rank's KV budget "
@@ -57,8 +60,7 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         f"rest on prompt chunks (vLLM's token budget; SGLang's mixed chunks); a prefill pool runs chunks of "
         f"{o.prefill_step_tokens} tokens per rank",
         _handoff(ins, ranked),
-        f"routing: {o.route if isinstance(o.route, str) else 'a given route'} over the ranks of each pool "
-        "(a router across replicas, the engine's DP balancer inside an instance)",
+        _routing(ins),
         f"workload: {ins.workload.describe()}; arrivals Poisson, seeded ({o.seed}) (a recorded request list: "
         f"its pattern scaled to the rate); {ins.requests.n} requests per rate, the same at every rate",
         f"goodput: the highest rate with at least {o.slo_attainment:.0%} of requests meeting both targets, "
@@ -67,6 +69,48 @@ def assumptions(ins, planner, ranked, fit_notes: list[str]) -> list[str]:
         "breakdown: one request of the median lengths alone on the deployment (zero load)",
         *fit_notes,
     ]
+    return out
+
+
+def _ranking(ins) -> str:
+    """What each pool's layouts are ranked on (the trace's steps, capped, or the per-expert load)."""
+    tr, m, cap = ins.trace, ins.model, ins.options.layout_steps
+    steps = (
+        tr is not None
+        and tr.has_tokens
+        and tr.num_logical_experts == m.num_logical_experts
+        and tr.top_k == m.top_k
+    )
+    if not steps:
+        return "layouts ranked by the one cost model on the expected step of the per-expert load"
+    which = (
+        "every step" if cap is None else f"the first {cap} steps (layout_steps; layout --trace prices all)"
+    )
+    return (
+        f"layouts ranked by the one cost model on {which} of the trace per layout and phase, where the trace "
+        "holds a step of the pool's size; else on the expected step of its per-expert load"
+    )
+
+
+def _routing(ins) -> str:
+    """What the routing rule sees in the simulator."""
+    from moe_placement.apps.deploy.routes import RuleRoute
+
+    route = ins.route
+    if not isinstance(route, RuleRoute):
+        return "routing: a given route(request, view) over the ranks of each pool"
+    rule = route.rule
+    out = (
+        f"routing: the {rule.name} rule ({rule.summary}; placement.routing's Router) over the ranks of each "
+        "pool (a router across replicas, the engine's DP balancer inside an instance), told each rank's "
+        "requests in flight and reserved KV tokens by the simulator before every decision"
+    )
+    if rule.uses_prefix or rule.uses_affinity:
+        out += (
+            "; the simulated requests carry no prefix chain and no expert signature, so prefix routes by load "
+            "(no cached prefix), affinity by load (no signature) and combined by load and free KV: their "
+            "documented fallbacks"
+        )
     return out
 
 

@@ -9,7 +9,8 @@ What it models (docs/plan.md):
   them every layer), so one step takes the cost model's time at the largest per-rank sizes of the step.
 - **routing**: each request is sent to a rank of the pool (``route(request, view) -> rank``; default
   round-robin over the ranks): at arrival (both-phase or prefill pool) and when its prefill ends (decode
-  pool). :data:`ROUTES` holds the built-ins; any callable of that signature plugs in.
+  pool). The rules are the one registry's (:data:`placement.routing.ROUTING_RULES`, through
+  :class:`moe_placement.apps.deploy.routes.RuleRoute`); any callable of that signature plugs in.
 - **continuous batching under a KV budget**: a rank admits a waiting request (first come, first
   served) when the KV tokens it would hold at the end (prompt + output; a prefill pool: the prompt until
   it is handed off) fit beside what the rank has reserved, and it has fewer than ``max_seqs`` sequences.
@@ -44,18 +45,17 @@ import numpy as np
 from moe_placement.apps.deploy.tables import StepTable
 from moe_placement.apps.deploy.workloads import Requests
 from placement.cost.handoff import HandoffSpec, handoff_time
+from placement.model import Placement
+from placement.routing.rules import ROUND_ROBIN
 
 __all__ = [
     "PHASE_BOTH",
-    "ROUTES",
     "DeploymentSim",
     "PoolSim",
     "PoolView",
     "RouteRequest",
     "SimResult",
     "Stop",
-    "least_loaded",
-    "round_robin",
     "simulate",
     "zero_load",
 ]
@@ -75,6 +75,9 @@ class PoolSim:
         step_tokens: tokens per rank per step (prefill chunk, or the mixed step's budget).
         max_seqs: sequences a rank runs at once (its decode cap).
         table: the pool's step times.
+        placement: the pool's expert placement (one instance's; None: not known), for routes that read
+            which experts each node holds; attn_tp: GPUs of one attention-DP rank (rank ``r`` of an
+            instance dispatches from its EP rank ``r x attn_tp``).
     """
 
     phase: str
@@ -84,6 +87,8 @@ class PoolSim:
     step_tokens: int
     max_seqs: int
     table: StepTable
+    placement: Placement | None = None
+    attn_tp: int = 1
 
     @property
     def ranks(self) -> int:
@@ -123,17 +128,24 @@ class PoolView:
     Attributes:
         phase: ``both``, ``prefill`` or ``decode``; ranks_per_engine: ranks of one instance (rank ``r`` is
             in instance ``r // ranks_per_engine``); num_ranks; kv_tokens: one rank's KV budget; now: the
-            simulated time, seconds; counter: free for a route's own state (starts at 0).
-        reserved, waiting, running: float64 / int64 ``[num_ranks]`` arrays built when read: KV tokens
-            each rank has reserved, requests queued at each rank, sequences each rank decodes.
+            simulated time, seconds; counter and state (a dict): free for a route's own state (0 and
+            empty at the start of each simulation); placement: the pool's (:class:`PoolSim`).
+        reserved, waiting, running, in_flight: float64 / int64 ``[num_ranks]`` arrays built when read: KV
+            tokens each rank has reserved, requests queued at each rank, sequences each rank decodes, and
+            every request the rank has taken and not finished (queued, prefilling and decoding; a decode
+            rank: those handed off or waiting for room there too).
+        rank_nodes: int ``[num_ranks]``: the node of the placement's topology each rank dispatches from
+            (its instance's node), or None without a placement.
     """
 
-    def __init__(self, pool: PoolSim, engines: list):
+    def __init__(self, pool: PoolSim, engines: list, room: list | None = None):
         self.phase, self.ranks_per_engine, self.kv_tokens = pool.phase, pool.ranks_per_engine, pool.kv_tokens
         self.num_ranks = pool.ranks
+        self.placement = pool.placement
         self.now = 0.0
         self.counter = 0
-        self._engines = engines
+        self.state: dict = {}
+        self._engines, self._room, self._attn_tp = engines, room, pool.attn_tp
 
     def _cat(self, attr: str, dtype) -> np.ndarray:
         return np.array([x for e in self._engines for x in getattr(e, attr)], dtype=dtype)
@@ -150,23 +162,25 @@ class PoolView:
     def running(self) -> np.ndarray:
         return self._cat("n", np.float64)
 
+    @property
+    def in_flight(self) -> np.ndarray:
+        if self.phase == "decode":
+            held = self._cat("held", np.int64)
+            return held + np.array([len(q) for q in self._room], dtype=np.int64) if self._room else held
+        return np.array(
+            [len(w) + len(p) + n for e in self._engines for w, p, n in zip(e.waiting, e.pre, e.n)],
+            dtype=np.int64,
+        )
+
+    @property
+    def rank_nodes(self) -> np.ndarray | None:
+        if self.placement is None:
+            return None
+        local = np.arange(self.ranks_per_engine) * self._attn_tp // self.placement.topology.gpus_per_node
+        return np.tile(local, self.num_ranks // self.ranks_per_engine)
+
 
 Route = Callable[[RouteRequest, PoolView], int]
-
-
-def round_robin(request: RouteRequest, view: PoolView) -> int:
-    """Ranks in turn (SGLang's default for attention-DP ranks)."""
-    r = view.counter % view.num_ranks
-    view.counter += 1
-    return r
-
-
-def least_loaded(request: RouteRequest, view: PoolView) -> int:
-    """The rank with the fewest reserved KV tokens plus queued requests' worth (ties: lowest rank)."""
-    return int(np.argmin(view.reserved + view.waiting * (request.prompt_len + request.output_len)))
-
-
-ROUTES: dict[str, Route] = {"round-robin": round_robin, "least-loaded": least_loaded}
 
 
 @dataclass(frozen=True, eq=False)
@@ -396,10 +410,10 @@ def _admission_need(phase: str, prompt: list, total: list) -> list:
 class _Sim:
     """The event loop and the hand-off between pools (module docstring). Per-request values are lists."""
 
-    def __init__(self, dep: DeploymentSim, req: Requests, rate: float, route: Route):
+    def __init__(self, dep: DeploymentSim, req: Requests, rate: float, route: Route | None):
         n = req.n
         self.dep, self.route = dep, route
-        self.fast_rr = route is round_robin
+        self.fast_rr = route is None or getattr(route, "rule", None) is ROUND_ROBIN  # ranks in turn
         self.arrival = req.unit_arrival_s / rate
         self.prompt, self.output = req.prompt.tolist(), req.output.tolist()
         self.start, self.prefill_end, self.first, self.finish = ([_INF] * n for _ in range(4))
@@ -409,18 +423,19 @@ class _Sim:
         self.need = [_admission_need(p.phase, self.prompt, total) for p in dep.pools]
         self.engines = []
         self.views = []
-        for pi, p in enumerate(dep.pools):
-            engines: list[_Engine] = []
-            self.views.append(PoolView(p, engines))
-            engines += [_Engine(self, p, pi, e) for e in range(p.engines)]
-            self.engines.append(engines)
-        self.heap: list = []
-        self.seq = 0
+        self.dwait: list = []
         if dep.handoff is not None:
             self.link_free = [0.0] * dep.pools[0].ranks
             self.dwait = [deque() for _ in range(dep.pools[1].ranks)]
             self.dneed = total
             self.prank = [0] * n
+        for pi, p in enumerate(dep.pools):
+            engines: list[_Engine] = []
+            self.views.append(PoolView(p, engines, self.dwait if p.phase == "decode" else None))
+            engines += [_Engine(self, p, pi, e) for e in range(p.engines)]
+            self.engines.append(engines)
+        self.heap: list = []
+        self.seq = 0
 
     def push(self, t: float, kind: int, a, b) -> None:
         self.seq += 1
@@ -576,16 +591,18 @@ def simulate(
 
     Args:
         route: ``route(request: RouteRequest, view: PoolView) -> rank`` choosing the rank (global over
-            the pool's instances) of each request in each pool; default :func:`round_robin`. It is
+            the pool's instances) of each request in each pool (a rule of the one registry:
+            :func:`moe_placement.apps.deploy.routes.rule_route`); None: round-robin, each rank in turn. It is
             called with the both-phase or prefill pool's view at arrival and with the decode pool's
             view when the request's prefill ends (``view.phase`` says which); a fresh view per call of
-            :func:`simulate`, so a route that keeps state in ``view.counter`` starts from 0.
+            :func:`simulate`, so a route that keeps state in ``view.counter`` or ``view.state`` starts
+            afresh.
         stop: end early once the TTFT target is certainly missed by too many (:class:`Stop`); the
             requests not simulated then have inf times.
     """
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise ValueError(f"rate must be a positive number of requests/s, got {rate!r}")
-    sim = _Sim(dep, requests, float(rate), route or round_robin)
+    sim = _Sim(dep, requests, float(rate), route)
     stopped = sim.run(stop)
     times = (np.asarray(x, dtype=np.float64) for x in (sim.start, sim.prefill_end, sim.first, sim.finish))
     return SimResult(float(rate), sim.arrival, *times, requests.prompt, requests.output, stopped)

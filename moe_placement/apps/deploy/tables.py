@@ -100,6 +100,16 @@ class StepTable:
             + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
         )
 
+    def scaled(self, decode: float, prefill: float = 1.0) -> StepTable:
+        """This table with every decode step ``decode`` times as long and every prefill step ``prefill``
+        times (a mixed step follows both)."""
+        for name, v in (("decode", decode), ("prefill", prefill)):
+            if not (np.isfinite(v) and v > 0):
+                raise ValueError(f"a {name} scale must be a finite number > 0, got {v!r}")
+        return replace(
+            self, decode_s=self.decode_s * float(decode), prefill_s=self.prefill_s * float(prefill)
+        )
+
     def mixed(self, tokens: float, ctx: float, seqs: float, kv: float) -> float:
         """A step of ``tokens`` prompt tokens beside ``seqs`` decode sequences holding ``kv`` tokens."""
         if tokens <= 0:

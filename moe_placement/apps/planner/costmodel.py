@@ -29,6 +29,7 @@ from placement.cost.hardware import ClusterSpec, GpuSpec
 from placement.cost.modelspec import ModelSpec
 from placement.cost.primitives import KERNELS, expert_gemm_time
 from placement.cost.step_time import OVERLAPS, StepOptions, StepTime, price_breakdown, price_loads
+from placement.dispatch import EVEN, get_dispatch
 from placement.steps import PHASES, SIZING_STEP_TOKENS
 
 if TYPE_CHECKING:
@@ -71,6 +72,9 @@ class CostOptions:
             (SGLang's ``mem_fraction_static`` 0.9 leaves 0.1; band 0.05-0.2).
         max_steps: with a trace, the first steps of ``placement.steps.make_steps`` priced (None: all,
             as ``evaluate --model`` prices them).
+        dispatch: the dispatch model the placement serves under (``placement.dispatch``): how a step's
+            tokens split over an expert's replicas, and its own per-step cost (a per-step split's count
+            all-reduce); the layout planner's placements are for the even split.
     """
 
     phase: Literal["decode", "prefill"] = "decode"
@@ -81,6 +85,7 @@ class CostOptions:
     attn_tp: int = 1
     reserve_fraction: float = 0.10
     max_steps: int | None = None
+    dispatch: str = EVEN.name
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -99,6 +104,7 @@ class CostOptions:
         check_context_len(self.context_len)  # the bound the CLI's --context-len has
         if not 0 <= self.reserve_fraction < 1:
             raise ValueError(f"reserve_fraction must be in [0, 1), got {self.reserve_fraction}")
+        get_dispatch(self.dispatch)
 
     @property
     def step_options(self) -> StepOptions:
@@ -254,6 +260,7 @@ def step_cost(
         context_len=options.context_len,
         step_tokens=options.step_tokens,
         options=options.step_options,
+        dispatch=options.dispatch,
     )
     layer = _layer_cost(model, cluster.gpu, loads, parts)
     return LayoutCost(st, layer, _bottleneck(layer), loads.how)
@@ -269,16 +276,16 @@ def price_layout(model: ModelSpec, cluster: ClusterSpec, loads: StepLoads, opts:
         context_len=opts.context_len,
         step_tokens=opts.step_tokens,
         options=opts.step_options,
+        dispatch=opts.dispatch,
     )
 
 
 def layout_loads(model: ModelSpec, placement: Placement, load: np.ndarray, trace, opts: CostOptions):
     """``(placement priced, StepLoads)``: counted from the trace's steps when it has the model's experts
     and top-k per token (its first layers, ``make_steps`` as ``evaluate`` builds them), else expected
-    from the per-expert loads."""
+    from the per-expert loads; split over replicas by the options' dispatch."""
     from placement.cost.step_time import step_loads
     from placement.cost.traffic import expected_loads
-    from placement.dispatch import EVEN
     from placement.steps import make_steps
 
     mode = opts.mode
@@ -294,10 +301,10 @@ def layout_loads(model: ModelSpec, placement: Placement, load: np.ndarray, trace
         try:
             G = placement.topology.ep_size
             steps = make_steps(tr, G, opts.phase, opts.step_tokens, max_steps=opts.max_steps)
-            return sub, step_loads(sub, tr, steps, EVEN, model, kernel=mode)
+            return sub, step_loads(sub, tr, steps, opts.dispatch, model, kernel=mode)
         except ValueError as exc:  # trace shorter than one step: fall back to its counts
             log.info("trace steps unavailable (%s); using the analytic expectation", exc)
-    return placement, expected_loads(placement, load, model.top_k, opts.step_tokens, mode, EVEN)
+    return placement, expected_loads(placement, load, model.top_k, opts.step_tokens, mode, opts.dispatch)
 
 
 def _layer_cost(model: ModelSpec, gpu: GpuSpec, loads: StepLoads, parts: LayerBreakdown) -> LayerCost:
