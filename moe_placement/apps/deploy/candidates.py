@@ -282,6 +282,7 @@ def _fit_pool(planner: Planner, pool: PoolChoice, fit):
         seed=o.seed,
         model=model.name if model.name in BUILTIN_MODELS else None,
         hardware=pool.cluster.gpu.name if pool.cluster.gpu.name in HARDWARE_NAMES else FitOptions.hardware,
+        time_limit=FIT_TIME_LIMIT_S,
     )
     ids = model.moe_layer_ids
     res = solve(
@@ -358,6 +359,11 @@ def exchange_layers(placements, phases, step_tokens, fit, model, cluster, seed: 
         out[i] = out[i].with_provenance(layers_from_other_pool={"phase": phases[j], "layers": list(layers)})
         taken[i] = layers
     return out, taken
+
+
+# The per-step fit of a pool is bounded by its moves (DeployOptions.fit_moves), not the clock: a wall-clock
+# limit that a loaded machine could reach would make the same seed give another plan.
+FIT_TIME_LIMIT_S = 3600.0
 
 
 def _fit_step_tokens(tokens: int, ep_size: int, phase: str) -> int:
