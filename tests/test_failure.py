@@ -255,7 +255,10 @@ def test_cli_failover_digest_names_the_map_solved(tmp_path, capsys):
         (("--failure-domain", "node", "--failover-max-moves", "3"), "--failover DIR"),
         (("--failure-domain", "node", "--node-constraint", "--solver", "cpsat"), "give one of them"),
         (("--failure-domain", "node", "--num-redundant", "8", "--failover", "DIR"), "no failover map"),
-        (("--failure-domain", "node", "--failover", "FOREIGN"), "which no earlier `solve-failover` run wrote"),
+        (
+            ("--failure-domain", "node", "--failover", "FOREIGN"),
+            "which no earlier `solve-failover` run wrote",
+        ),
     ],
 )
 def test_cli_refuses_what_cannot_work_in_one_line(tmp_path, capsys, extra, words):
