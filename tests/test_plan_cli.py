@@ -36,7 +36,7 @@ def written(tmp_path_factory):
 def test_json_has_the_documented_contract(written):
     d, _, out = written
     assert {"deployments", "best", "reason", "assumptions", "warnings", "hardware"} <= set(d)
-    assert d["hardware"] == {"preset": "h200", "measured": False}
+    assert d["hardware"] == {"preset": "h200", "measured": False, "measured_parts": []}
     for dep in d["deployments"]:
         assert {
             "kind",

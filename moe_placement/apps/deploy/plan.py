@@ -47,7 +47,7 @@ from moe_placement.apps.deploy.workloads import (
 )
 from moe_placement.apps.planner.costmodel import CostOptions
 from placement.cost.handoff import HandoffSpec
-from placement.cost.hardware import ClusterSpec, cluster_preset
+from placement.cost.hardware import ClusterSpec, cluster_preset, hardware_summary
 from placement.cost.modelspec import ModelSpec, load_model
 
 __all__ = ["MAX_PLAN_GPUS", "DeploymentPlan", "DeploymentResult", "capacity_estimate", "inflight", "plan"]
@@ -217,7 +217,7 @@ class DeploymentPlan:
                 "intra_link": cl.intra.name,
                 "inter_link": cl.inter.name,
             },
-            "hardware": {"preset": cl.gpu.name, "measured": bool(cl.gpu.calibrated)},
+            "hardware": hardware_summary(cl),
             "workload": {
                 "name": self.workload.name,
                 "source": self.workload.source,

@@ -11,13 +11,16 @@ __all__ = ["assumptions", "warnings"]
 
 
 def _hardware(ins) -> str:
-    gpu = ins.cluster.gpu
+    from placement.cost.hardware import hardware_summary
+
+    hw = hardware_summary(ins.cluster)
     how = (
-        "calibrated on the GPU (measured GEMM times)"
-        if gpu.calibrated
+        f"measured: {', '.join(hw['measured_parts'])}"
+        if hw["measured"]
         else "datasheet figures and published fits, not measured"
     )
-    return f"hardware preset {gpu.name} ({how}), {ins.cluster.gpus_per_node} GPUs per node, links {ins.cluster.intra.name} / {ins.cluster.inter.name}"
+    c = ins.cluster
+    return f"hardware preset {hw['preset']} ({how}), {c.gpus_per_node} GPUs per node, links {c.intra.name} / {c.inter.name}"
 
 
 def _handoff(ins, ranked) -> str:
