@@ -207,11 +207,11 @@ else:
         import cachetools, cloudpickle  # imported by vllm.engine.arg_utils' chain: missing, fail fast
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError as exc:  # the side environment may lack vLLM's runtime dependencies
-        print(json.dumps({"import_error": str(exc)}))
+        parser = FlexibleArgumentParser(exit_on_error=False)
+        AsyncEngineArgs.add_cli_args(parser)  # a CUDA build of vLLM on a machine without a device raises here
+    except (ImportError, RuntimeError) as exc:  # the side environment cannot build vLLM's parser
+        print(json.dumps({"import_error": f"{type(exc).__name__}: {exc}"}))
         raise SystemExit(0)
-    parser = FlexibleArgumentParser(exit_on_error=False)
-    AsyncEngineArgs.add_cli_args(parser)
     # what `vllm serve` adds on top (vllm/entrypoints/common/cli_args.py make_arg_parser)
     parser.add_argument("model_tag", nargs="?")
     parser.add_argument("--headless", action="store_true")
@@ -257,7 +257,7 @@ def test_every_command_parses_with_the_engines_own_parser_and_no_flag_is_depreca
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if isinstance(result, dict):
         pytest.skip(
-            f"vLLM's engine arguments cannot be imported in the engines environment: {result['import_error']}"
+            f"vLLM's argument parser cannot be built in the engines environment: {result['import_error']}"
         )
     bad = [r for r in result if r["error"] or r["deprecated"]]
     assert not bad, bad[:3]
