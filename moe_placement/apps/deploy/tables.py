@@ -32,6 +32,13 @@ from placement.cost.modelspec import ModelSpec
 __all__ = ["GRID_POINTS", "StepTable", "build_table", "kv_tokens_per_rank", "powers_of_two"]
 
 GRID_POINTS = 9  # even steps of the cached-token and context axes
+# (grid field, table field, the table's axis along that grid) of a StepTable
+_AXES = (
+    ("decode_seqs", "decode_s", 0),
+    ("decode_kv", "decode_s", 1),
+    ("prefill_tokens", "prefill_s", 0),
+    ("prefill_ctx", "prefill_s", 1),
+)
 
 
 def powers_of_two(top: int) -> list[int]:
@@ -64,6 +71,14 @@ class StepTable:
     prefill_tokens: list[float]
     prefill_ctx: list[float]
     prefill_s: np.ndarray
+
+    def __post_init__(self) -> None:
+        # an axis of one point (a cap of 1 sequence, a chunk of 1 token) is repeated, the table flat
+        # along it: every lookup then has the two neighbours it interpolates between
+        for grid, table, axis in _AXES:
+            if len(getattr(self, grid)) == 1:
+                object.__setattr__(self, grid, list(getattr(self, grid)) * 2)
+                object.__setattr__(self, table, np.repeat(getattr(self, table), 2, axis=axis))
 
     def _row(self, seqs: float) -> np.ndarray:
         """``[K]`` decode seconds at ``seqs`` sequences (interpolated between rows)."""
