@@ -60,6 +60,15 @@ def _bracket(grid: list[float], x: float) -> tuple[int, float]:
     return i, (x - grid[i]) / (grid[i + 1] - grid[i])
 
 
+def _bilinear(t: np.ndarray, rows: list[float], x: float, cols: list[float], y: float) -> float:
+    """``t [R, C]`` interpolated at row coordinate ``x`` on ``rows`` and column ``y`` on ``cols``."""
+    i, w = _bracket(rows, x)
+    j, v = _bracket(cols, y)
+    return float(
+        (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w) + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class StepTable:
     """Seconds of one step of a pool (module docstring). Grids are float lists, tables ``[B, K]`` and
@@ -89,13 +98,7 @@ class StepTable:
         """One decode step of ``seqs`` sequences holding ``kv`` cached tokens; 0 without sequences."""
         if seqs <= 0:
             return 0.0
-        i, w = _bracket(self.decode_seqs, seqs)
-        j, v = _bracket(self.decode_kv, kv)
-        t = self.decode_s
-        return float(
-            (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w)
-            + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
-        )
+        return _bilinear(self.decode_s, self.decode_seqs, seqs, self.decode_kv, kv)
 
     def decode_run(self, seqs: float, kv: float, steps: int) -> np.ndarray:
         """``[steps]`` seconds of consecutive decode steps of ``seqs`` sequences, the cached tokens
@@ -107,13 +110,7 @@ class StepTable:
         """One prefill step of ``tokens`` per rank attending spans of ``ctx`` (module docstring)."""
         if tokens <= 0:
             return 0.0
-        i, w = _bracket(self.prefill_tokens, tokens)
-        j, v = _bracket(self.prefill_ctx, ctx)
-        t = self.prefill_s
-        return float(
-            (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w)
-            + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
-        )
+        return _bilinear(self.prefill_s, self.prefill_tokens, tokens, self.prefill_ctx, ctx)
 
     def scaled(self, decode: float, prefill: float = 1.0) -> StepTable:
         """This table with every decode step ``decode`` times as long and every prefill step ``prefill``
