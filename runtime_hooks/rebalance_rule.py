@@ -18,7 +18,7 @@ Model (the migration cost below; every constant a field of :class:`RuleParams`):
   peak saving within ``noise_z`` Poisson standard deviations of the window's peak (``sqrt(peak)``
   per layer) is sampling noise and counts for nothing.
 - **cost**: ``stall x (max over GPUs of arrived experts x expert_bytes / bandwidth + latency)``, priced
-  by the one cost model (:func:`placement.cost.primitives.move_time`; the defaults of every constant
+  by the one cost model (:func:`placement.cost.migration.move_time`; the defaults of every constant
   come from :mod:`placement.cost`, the compute per assignment from ``assignment_seconds``).
   Arrived experts (``placement.churn``) are what crosses a link; copies onto different GPUs run in
   parallel, so the busiest receiver sets the time; ``stall`` is the share of that time serving waits

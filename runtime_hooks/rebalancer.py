@@ -16,9 +16,9 @@ Settings mirror vLLM's ``eplb_config`` names (``window_size``, ``step_interval``
 Cost model (every constant is an overridable field; link figures as in :mod:`placement.cost.hardware`):
 
 - migration: ``T_move = max over GPUs(slots copied onto that GPU, all layers) * expert_bytes / B_link
-  + alpha`` (copies to different GPUs run in parallel), :func:`placement.cost.primitives.move_time`.
+  + alpha`` (copies to different GPUs run in parallel), :func:`placement.cost.migration.move_time`.
   ``B_link`` and ``alpha``: the bulk-copy (normal-kernel) figures of the ``nvlink4`` and ``rdma``
-  presets of :mod:`placement.cost.hardware` (270 GB/s and 40 us; 45 GB/s and 30 us). One 44 MB
+  presets of :mod:`placement.cost.hardware` (270 GB/s and 40 us; 44.75 GB/s and 35.5 us). One 44 MB
   DeepSeek-V3 FP8 expert: 0.16 ms over NVLink, 0.98 ms over RDMA.
 - gain: ``(peak_now - peak_new)`` per step, summed over layers, times the seconds one token-expert
   assignment costs on the peak GPU, times the steps of the next window (``horizon_steps``, default

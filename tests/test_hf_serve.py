@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import transformers as tf  # noqa: E402
+from tiny_models import tiny_mixtral  # noqa: E402
 
 from placement.dispatch import BALANCED  # noqa: E402
 from placement.model import Placement  # noqa: E402
@@ -25,20 +25,6 @@ from runtime_hooks.migration_core import FaultSpec  # noqa: E402
 pytestmark = pytest.mark.slow
 
 E, G = 8, 4
-
-
-def mixtral() -> tf.MixtralConfig:
-    return tf.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        intermediate_size=48,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        initializer_range=0.2,
-    )
 
 
 def start_placement(num_rows: int = 2) -> Placement:
@@ -55,15 +41,22 @@ def reports():
     """clean / raise / corrupt -> ServeReport, all from one 4-rank launch."""
     base = dict(rebalance_every=3, new_tokens=8, seed=1)
     specs = {
-        "clean": ServeSpec(mixtral(), start_placement(), **base),
+        "clean": ServeSpec(tiny_mixtral(2, E), start_placement(), **base),
         "raise": ServeSpec(
-            mixtral(), start_placement(), faults=(FaultSpec(1, "raise"),), migration_timeout=3.0, **base
+            tiny_mixtral(2, E),
+            start_placement(),
+            faults=(FaultSpec(1, "raise"),),
+            migration_timeout=3.0,
+            **base,
         ),
         "corrupt": ServeSpec(
-            mixtral(), start_placement(), faults=tuple(FaultSpec(r, "corrupt") for r in range(G)), **base
+            tiny_mixtral(2, E),
+            start_placement(),
+            faults=tuple(FaultSpec(r, "corrupt") for r in range(G)),
+            **base,
         ),
-        "rows": ServeSpec(mixtral(), start_placement(3), rows=(2, 0), **base),
-        "balanced": ServeSpec(mixtral(), start_placement(), dispatch=BALANCED.name, **base),
+        "rows": ServeSpec(tiny_mixtral(2, E), start_placement(3), rows=(2, 0), **base),
+        "balanced": ServeSpec(tiny_mixtral(2, E), start_placement(), dispatch=BALANCED.name, **base),
     }
     return dict(zip(specs, serve_many(list(specs.values()), timeout=240)))
 
@@ -135,7 +128,7 @@ def test_cli_serve_demo(tmp_path, capsys):
     from moe_placement.cli.main import main
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(mixtral().to_json_string())
+    cfg.write_text(tiny_mixtral(2, E).to_json_string())
     argv = ["serve-demo", "--model", str(cfg), "--ranks", "4", "--rebalance-every", "3", "--new-tokens", "6"]
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -151,7 +144,7 @@ def test_cli_serve_demo_refuses_bad_input_in_one_line(tmp_path, capsys):
     from placement.formats import write_placement
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(mixtral().to_json_string())
+    cfg.write_text(tiny_mixtral(2, E).to_json_string())
     three = tmp_path / "three.json"
     write_placement(start_placement(3), three, "native")
     offline = dispatch_names(runtime=False)[-1]

@@ -28,7 +28,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import transformers as tf  # noqa: E402
+from tiny_models import tiny_mixtral  # noqa: E402
 
 from placement.formats import write_placement  # noqa: E402
 from placement.model import Placement  # noqa: E402
@@ -47,20 +47,6 @@ WHY = {
 }
 
 
-def mixtral(layers: int = LAYERS) -> tf.MixtralConfig:
-    return tf.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=layers,
-        intermediate_size=48,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        initializer_range=0.2,
-    )
-
-
 def pools() -> tuple[Placement, Placement]:
     """Prefill: contiguous blocks + 1 replica per rank (5 slots); decode: every expert on each rank in
     another order (8 slots), so it serves on after losing a rank."""
@@ -72,7 +58,7 @@ def fp32_spec():
     """The model as the cost model sees it, with the runtime's fp32 KV cache."""
     from placement.cost.modelspec import model_from_hf_config
 
-    return dataclasses.replace(model_from_hf_config(mixtral().to_dict()), kv_cache_bytes=4.0)
+    return dataclasses.replace(model_from_hf_config(tiny_mixtral(LAYERS).to_dict()), kv_cache_bytes=4.0)
 
 
 def formula_bytes_per_token_layer() -> float:
@@ -86,7 +72,7 @@ def retry_run():
 
     prefill, decode = pools()
     spec = PDSpec(
-        mixtral(),
+        tiny_mixtral(LAYERS),
         prefill,
         decode,
         requests=7,
@@ -165,7 +151,7 @@ def test_each_fault_fails_its_request_under_fail_via_the_cli(tmp_path, capsys):
     from moe_placement.cli.main import main
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(mixtral().to_json_string())
+    cfg.write_text(tiny_mixtral(LAYERS).to_json_string())
     prefill, decode = pools()
     write_placement(prefill, tmp_path / "prefill.json", "native")
     write_placement(decode, tmp_path / "decode.json", "native")
@@ -233,7 +219,7 @@ def _running(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to list the ranks")
 def test_sigterm_and_ctrl_c_leave_no_rank_behind(tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text(mixtral(2).to_json_string())
+    cfg.write_text(tiny_mixtral(2).to_json_string())
     flags = "serve-demo --disaggregated --prefill-ranks 1 --decode-ranks 1 --requests 400 --new-tokens 64"
     cmd = [sys.executable, "-m", "moe_placement", *flags.split(), "--model", str(cfg)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -303,7 +289,7 @@ def test_kill_rank_restarts_its_requests_on_the_survivors():
 
     placement = contiguous_placement(2, E, 4, 4)
     spec = RankLossSpec(
-        mixtral(2),
+        tiny_mixtral(2),
         placement,
         kill_rank=1,
         at_step=3,
@@ -324,7 +310,7 @@ def test_kill_rank_fails_its_requests_via_the_cli(tmp_path, capsys):
     from moe_placement.cli.main import main
 
     cfg = tmp_path / "config.json"
-    cfg.write_text(mixtral(2).to_json_string())
+    cfg.write_text(tiny_mixtral(2).to_json_string())
     flags = "serve-demo --ranks 4 --kill-rank 1 --at-step 3 --on-rank-loss fail --new-tokens 6 --liveness-timeout 2"
     argv = [*flags.split(), "--seed", "1", "--json", "--model", str(cfg)]
     assert main(argv) == 0

@@ -9,6 +9,7 @@ import datetime
 
 import numpy as np
 import pytest
+from tiny_models import tiny_mixtral
 
 from placement.model import Placement
 from runtime_hooks.pd.failover_map import failover_map
@@ -71,18 +72,8 @@ def test_failover_map_refuses_bad_ranks():
 # Per-request caches
 # ---------------------------------------------------------------------------------------------------
 def _mixtral(layers: int = 3):
-    tf = pytest.importorskip("transformers")
-    return tf.MixtralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=layers,
-        intermediate_size=48,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        initializer_range=0.2,
-    )
+    pytest.importorskip("transformers")
+    return tiny_mixtral(layers, E)
 
 
 def test_continuous_batching_equals_each_request_alone():

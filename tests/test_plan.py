@@ -110,6 +110,19 @@ def _alone(prompt: int, output: int, n: int = 12) -> Requests:
     return Requests(np.full(n, prompt), np.full(n, output), np.arange(n, dtype=np.float64) * 1e3)
 
 
+def test_a_table_of_one_row_prices_every_size_as_that_row():
+    """A cap of one sequence (or a chunk of one token) gives a one-point axis: it prices flat along it,
+    never an IndexError."""
+    one = StepTable(
+        [1.0], [0.0, 100.0], np.array([[0.02, 0.03]]), [1.0], [1.0, 9.0], np.array([[0.01, 0.05]])
+    )
+    assert one.decode(1, 50.0) == pytest.approx(0.025) and one.decode(4, 100.0) == pytest.approx(0.03)
+    assert one.decode_run(1, 0.0, 3).tolist() == pytest.approx([0.02, 0.0201, 0.0202])
+    assert one.prefill(1, 5.0) == pytest.approx(0.03) and one.scaled(2.0).decode(1, 0.0) == pytest.approx(
+        0.04
+    )
+
+
 @pytest.mark.parametrize(
     "dep", [_colocated(), _split(), _split(streaming="none")], ids=["co-located", "split", "unstreamed"]
 )

@@ -169,18 +169,16 @@ def _options(args):
     from moe_placement.apps.deploy import DeployOptions
 
     kinds = tuple(k.strip() for k in args.deployments.split(",") if k.strip())
+    make = DeployOptions.quick if args.quick else DeployOptions
     extra = {}
     if args.requests is not None:
         extra["requests"] = args.requests
     if args.max_requests is not None:
         extra["max_requests"] = args.max_requests
-    if args.requests is not None and args.max_requests is None:
-        extra["max_requests"] = max(args.requests, DeployOptions.max_requests)
+    elif args.requests is not None:  # the most simulated per rate is at least the fewest asked
+        extra["max_requests"] = max(args.requests, make().max_requests)
     if args.layout_steps is not None:
         extra["layout_steps"] = args.layout_steps or None
-    make = DeployOptions.quick if args.quick else DeployOptions
-    if args.quick and args.requests is not None and args.max_requests is None:
-        extra["max_requests"] = max(args.requests, DeployOptions.quick().max_requests)
     return make(
         ttft_ms=args.ttft_ms,
         tpot_ms=args.tpot_ms,

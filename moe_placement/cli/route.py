@@ -38,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """The ``route`` sub-command's arguments."""
     from placement.dispatch import DISPATCH, LOCAL
     from placement.routing import rule_names
+    from placement.routing.router import DEFAULT_CACHE_TOKENS
 
     names = ",".join(rule_names())
     p = sub.add_parser(
@@ -61,7 +62,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--signature-tokens", type=positive_int, default=32, help="prompt tokens a signature is made of"
     )
     p.add_argument("--max-imbalance", type=bounded_float(0.0, 100.0), default=0.05, help="drift cap (0.05)")
-    p.add_argument("--cache-tokens", type=non_negative_int, help="prefix cache per rank, tokens")
+    p.add_argument(
+        "--cache-tokens",
+        type=non_negative_int,
+        default=DEFAULT_CACHE_TOKENS,
+        help=f"prefix cache per rank, tokens (default {DEFAULT_CACHE_TOKENS})",
+    )
     p.add_argument("--kv-capacity", type=positive_int, help="KV tokens per rank (free-KV terms)")
     choices = tuple(n for n, m in DISPATCH.items() if m.route is not None or m.runtime)
     p.add_argument(
@@ -171,7 +177,6 @@ def cmd_route(args: argparse.Namespace) -> int:
         return _serve(args)
     _check_offline(args)
     from moe_placement.apps.routing import RouteOptions, evaluate_routing
-    from placement.routing.router import DEFAULT_CACHE_TOKENS
 
     rules = _rules(args)
     trace = open_trace(args.trace)
@@ -187,7 +192,7 @@ def cmd_route(args: argparse.Namespace) -> int:
         hidden_size=args.hidden_size,
         signature_tokens=args.signature_tokens,
         max_imbalance=args.max_imbalance,
-        cache_tokens=DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens,
+        cache_tokens=args.cache_tokens,
         kv_capacity=args.kv_capacity,
         dispatch=args.dispatch,
         seed=args.seed,
@@ -263,7 +268,6 @@ def _print(report, args) -> None:
 def _serve(args) -> int:
     """The router process until Ctrl-C, SIGTERM or ``--max-requests``."""
     from placement.routing import RouterOptions
-    from placement.routing.router import DEFAULT_CACHE_TOKENS
     from runtime_hooks.dp_router import serve
 
     if not args.engine or not args.upstream or args.ep_size is None:
@@ -276,7 +280,7 @@ def _serve(args) -> int:
     options = RouterOptions(
         max_imbalance=args.max_imbalance,
         kv_capacity=args.kv_capacity,
-        cache_tokens=DEFAULT_CACHE_TOKENS if args.cache_tokens is None else args.cache_tokens,
+        cache_tokens=args.cache_tokens,
         seed=args.seed,
     )
     server = serve(

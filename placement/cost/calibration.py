@@ -6,7 +6,7 @@ that belong to the cost model:
 - the message plans (:func:`a2a_points`): the bytes every rank sends every other rank in one dispatch
   or combine of the model, for decode and prefill token counts, over the intra-node or the inter-node
   pairs, with uniform receivers or one receiver ``skew`` times the mean. The per-GPU bytes come from
-  :func:`placement.cost.step_time.traffic_bytes` (the step-time model's own traffic) under uniform
+  :func:`placement.cost.traffic.traffic_bytes` (the step-time model's own traffic) under uniform
   routing, so the sizes measured are the sizes priced;
 - the fits: :func:`fit_link` (``t = latency + busiest bytes / bytes_per_s``, least squares over the
   medians of the repeats, with R^2 and how time follows the busiest receiver), :func:`fit_gemm`

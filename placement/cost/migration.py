@@ -13,17 +13,12 @@ own rearrangement is measured to stop for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.typing import ArrayLike
 
-from placement.cost.hardware import REBALANCE_STALL_S, ClusterSpec, LinkSpec
+from placement.cost.hardware import REBALANCE_STALL_S, LinkSpec
 
-if TYPE_CHECKING:
-    from placement.model import Placement
-
-__all__ = ["migration_seconds", "move_time", "rebalance_stall_seconds", "slot_copy_seconds"]
+__all__ = ["move_time", "rebalance_stall_seconds", "slot_copy_seconds"]
 
 
 def _bulk(link: LinkSpec | tuple[float, float]) -> tuple[float, float]:
@@ -51,22 +46,6 @@ def slot_copy_seconds(
     """Seconds to copy ``slots`` experts onto one GPU: ``slots x W / B_link`` (+ the link's latency)."""
     bw, lat = _bulk(link)
     return float(slots) * float(expert_bytes) / bw + (lat if latency else 0.0)
-
-
-def migration_seconds(
-    previous: Placement, new: Placement, expert_bytes: float, cluster: ClusterSpec | LinkSpec
-) -> float:
-    """``T_move`` from ``previous`` to ``new``: :func:`move_time` of the experts arriving on each GPU
-    (:func:`placement.churn.arrived_per_gpu`, all layers); over the inter-node link when the placement
-    spans nodes (a cluster given), else over the intra-node one; 0 when nothing arrives."""
-    from placement.churn import arrived_per_gpu
-
-    arrived = arrived_per_gpu(previous, new)  # [L, G]
-    if isinstance(cluster, ClusterSpec):
-        link = cluster.inter if new.topology.num_nodes > 1 else cluster.intra
-    else:
-        link = cluster
-    return move_time(arrived, expert_bytes, link)
 
 
 def rebalance_stall_seconds(engine: str, asynchronous: bool) -> float:

@@ -9,31 +9,18 @@ and the assumptions. Every header says "modelled": the figures come from a cost 
 from __future__ import annotations
 
 import html
-import io
 from typing import Any
 
+from moe_placement.apps.htmlpage import BASE_CSS, figures, page_head, svg
 from placement.steps import PHASES
 
 __all__ = ["PLOT_COUNT", "render_html"]
 
 PLOT_COUNT = 2
-_CSS = (
-    "body{font-family:sans-serif;margin:24px;max-width:1150px;color:#222}"
-    "table{border-collapse:collapse;font-size:12px;margin:8px 0}"
-    "td,th{border:1px solid #bbb;padding:3px 6px;text-align:right}th{background:#eee}"
-    "tr.chosen td{background:#e6f4e6;font-weight:bold}tr.grey td{color:#999}"
-    "figure{margin:12px 0}figcaption{font-size:12px;color:#444}"
-    ".rec{background:#f3f7ff;border-left:4px solid #369;padding:8px 12px}"
-    "pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all;user-select:all}"
-    ".warn{color:#a40}"
+_CSS = BASE_CSS + (
+    "body{max-width:1150px}tr.chosen td{background:#e6f4e6;font-weight:bold}tr.grey td{color:#999}"
+    "pre.cmd{user-select:all}"
 )
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
-    text = buf.getvalue()
-    return text[text.index("<svg") :]
 
 
 def _series(d: dict) -> dict[tuple[str, str], list[dict]]:
@@ -83,9 +70,7 @@ def _gain_plot(plt, d: dict) -> str:
     fig.legend(
         handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, fontsize=8, frameon=False
     )
-    out = _svg(fig)
-    plt.close(fig)
-    return out
+    return svg(fig)
 
 
 def _balance_plot(plt, d: dict) -> str:
@@ -98,9 +83,7 @@ def _balance_plot(plt, d: dict) -> str:
     ax.set_ylabel("held-out window PAR")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
-    out = _svg(fig)
-    plt.close(fig)
-    return out
+    return svg(fig)
 
 
 def _fmt(v: Any) -> str:
@@ -223,31 +206,23 @@ def _commands(rec: dict) -> str:
 
 def render_html(advice) -> str:
     """The report as one HTML string (``advice``: an :class:`Advice` or its ``to_dict()``)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     d = advice if isinstance(advice, dict) else advice.to_dict()
     c, rec = d["context"], d["recommendation"]
-    with matplotlib.rc_context({"svg.hashsalt": "moe-placement-advise", "svg.fonttype": "path"}):
-        plots = [
-            (
-                "Modelled whole-step gain vs replica GB per GPU, per phase (error bars: the band)",
-                _gain_plot(plt, d),
-            ),
-            ("Modelled: held-out window PAR vs redundant slots per GPU", _balance_plot(plt, d)),
-        ]
-    figs = "".join(f"<figure>{svg}<figcaption>{html.escape(cap)}</figcaption></figure>" for cap, svg in plots)
+    plots = [
+        (
+            "Modelled whole-step gain vs replica GB per GPU, per phase (error bars: the band)",
+            lambda plt: _gain_plot(plt, d),
+        ),
+        ("Modelled: held-out window PAR vs redundant slots per GPU", lambda plt: _balance_plot(plt, d)),
+    ]
+    figs = figures("moe-placement-advise", plots)
     esc = html.escape
     title = f"moe-placement advise (modelled): {c['engine']} {c['engine_version']}, {c['model']}, {c['nodes']} x {c['gpus_per_node']} {c['hardware']}"
     flags = " ".join(rec["flags"]) or "(no EPLB flags)"
     warn = "".join(f'<li class="warn">{esc(w)}</li>' for w in d["warnings"])
     t = c["trace"]
     return (
-        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
-        f"</head><body><h1>{esc(title)}</h1>"
-        f"<h2>Launch command (modelled choice)</h2>{_commands(rec)}"
+        page_head(title, _CSS) + f"<h2>Launch command (modelled choice)</h2>{_commands(rec)}"
         f"<p>EPLB flags: <code>{esc(flags)}</code>; files: {esc(', '.join(rec['files']) or 'none')}</p>"
         f'<h2>Recommendation (modelled)</h2><p class="rec">{esc(d["summary"])}</p>{_decision_table(rec)}<ul>{warn}</ul>'
         f"<p>Trace {esc(str(t['name']))}: {t['tokens']:,} tokens, {t['experts']} experts, top-{t['top_k']}, "

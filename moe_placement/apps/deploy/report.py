@@ -11,30 +11,16 @@ deployment's reported rate; where a request's time goes) and the assumptions. Ev
 from __future__ import annotations
 
 import html
-import io
 
 import numpy as np
+
+from moe_placement.apps.htmlpage import BASE_CSS, figures, page_head, svg
 
 __all__ = ["PLOT_COUNT", "SHOWN", "render_html"]
 
 PLOT_COUNT = 3
 SHOWN = 6  # deployments drawn in the plots (the best ones)
-_CSS = (
-    "body{font-family:sans-serif;margin:24px;max-width:1200px;color:#222}"
-    "table{border-collapse:collapse;font-size:12px;margin:8px 0}"
-    "td,th{border:1px solid #bbb;padding:3px 6px;text-align:right}th{background:#eee}"
-    "td.l{text-align:left}tr.best td{background:#e6f4e6;font-weight:bold}"
-    "figure{margin:12px 0}figcaption{font-size:12px;color:#444}"
-    ".rec{background:#f3f7ff;border-left:4px solid #369;padding:8px 12px}"
-    "pre.cmd{background:#f4f4f4;padding:8px;white-space:pre-wrap;word-break:break-all}.warn{color:#a40}"
-)
-
-
-def _svg(fig) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None}, bbox_inches="tight")
-    text = buf.getvalue()
-    return text[text.index("<svg") :]
+_CSS = BASE_CSS + "body{max-width:1200px}td.l{text-align:left}tr.best td{background:#e6f4e6;font-weight:bold}"
 
 
 def _attainment_plot(plt, plan) -> str:
@@ -52,9 +38,7 @@ def _attainment_plot(plt, plan) -> str:
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, frameon=False)
-    out = _svg(fig)
-    plt.close(fig)
-    return out
+    return svg(fig)
 
 
 def _cdf_plot(plt, plan) -> str:
@@ -84,9 +68,7 @@ def _cdf_plot(plt, plan) -> str:
     fig.legend(
         handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=2, fontsize=7, frameon=False
     )
-    out = _svg(fig)
-    plt.close(fig)
-    return out
+    return svg(fig)
 
 
 def _time_plot(plt, plan) -> str:
@@ -104,9 +86,7 @@ def _time_plot(plt, plan) -> str:
     ax.set_xlabel("mean ms per request at the reported rate")
     ax.grid(alpha=0.3, axis="x")
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=8, frameon=False)
-    out = _svg(fig)
-    plt.close(fig)
-    return out
+    return svg(fig)
 
 
 def _fmt(v) -> str:
@@ -159,26 +139,20 @@ def _table(d: dict) -> str:
 
 def render_html(plan) -> str:
     """The report as one HTML string."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     d = plan.to_dict()
     esc = html.escape
-    with matplotlib.rc_context({"svg.hashsalt": "moe-placement-plan", "svg.fonttype": "path"}):
-        plots = [
-            (
-                "Modelled: share of requests meeting both targets vs rate per GPU (dotted: goodput)",
-                _attainment_plot(plt, plan),
-            ),
-            (
-                "Modelled: TTFT and TPOT CDFs at each deployment's reported rate (dashed: targets)",
-                _cdf_plot(plt, plan),
-            ),
-            ("Modelled: where a request's time goes", _time_plot(plt, plan)),
-        ]
-    figs = "".join(f"<figure>{svg}<figcaption>{esc(cap)}</figcaption></figure>" for cap, svg in plots)
+    plots = [
+        (
+            "Modelled: share of requests meeting both targets vs rate per GPU (dotted: goodput)",
+            lambda plt: _attainment_plot(plt, plan),
+        ),
+        (
+            "Modelled: TTFT and TPOT CDFs at each deployment's reported rate (dashed: targets)",
+            lambda plt: _cdf_plot(plt, plan),
+        ),
+        ("Modelled: where a request's time goes", lambda plt: _time_plot(plt, plan)),
+    ]
+    figs = figures("moe-placement-plan", plots)
     c, t = d["cluster"], d["targets"]
     title = f"moe-placement plan (modelled): {d['model']} on {c['nodes']} x {c['gpus_per_node']} {c['gpu']}"
     launch = d["launch"]
@@ -189,9 +163,8 @@ def render_html(plan) -> str:
     warn = "".join(f'<li class="warn">{esc(w)}</li>' for w in d["warnings"])
     w = d["workload"]
     return (
-        f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{_CSS}</style>'
-        f"</head><body><h1>{esc(title)}</h1>"
-        f"<p>Workload {esc(w['name'])}: median prompt {w['median_prompt']}, median output {w['median_output']} tokens, "
+        page_head(title, _CSS)
+        + f"<p>Workload {esc(w['name'])}: median prompt {w['median_prompt']}, median output {w['median_output']} tokens, "
         f"up to {w['sampled_requests']} requests per rate. Targets: TTFT &le; {t['ttft_ms']:g} ms and TPOT &le; {t['tpot_ms']:g} ms "
         f"for {t['slo_attainment']:.0%} of requests. Hardware {esc(d['hardware']['preset'])}, "
         f"{'measured' if d['hardware']['measured'] else 'not measured'}.</p>"

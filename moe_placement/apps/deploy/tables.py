@@ -32,6 +32,13 @@ from placement.cost.modelspec import ModelSpec
 __all__ = ["GRID_POINTS", "StepTable", "build_table", "kv_tokens_per_rank", "powers_of_two"]
 
 GRID_POINTS = 9  # even steps of the cached-token and context axes
+# (grid field, table field, the table's axis along that grid) of a StepTable
+_AXES = (
+    ("decode_seqs", "decode_s", 0),
+    ("decode_kv", "decode_s", 1),
+    ("prefill_tokens", "prefill_s", 0),
+    ("prefill_ctx", "prefill_s", 1),
+)
 
 
 def powers_of_two(top: int) -> list[int]:
@@ -53,6 +60,15 @@ def _bracket(grid: list[float], x: float) -> tuple[int, float]:
     return i, (x - grid[i]) / (grid[i + 1] - grid[i])
 
 
+def _bilinear(t: np.ndarray, rows: list[float], x: float, cols: list[float], y: float) -> float:
+    """``t [R, C]`` interpolated at row coordinate ``x`` on ``rows`` and column ``y`` on ``cols``."""
+    i, w = _bracket(rows, x)
+    j, v = _bracket(cols, y)
+    return float(
+        (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w) + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class StepTable:
     """Seconds of one step of a pool (module docstring). Grids are float lists, tables ``[B, K]`` and
@@ -65,6 +81,14 @@ class StepTable:
     prefill_ctx: list[float]
     prefill_s: np.ndarray
 
+    def __post_init__(self) -> None:
+        # an axis of one point (a cap of 1 sequence, a chunk of 1 token) is repeated, the table flat
+        # along it: every lookup then has the two neighbours it interpolates between
+        for grid, table, axis in _AXES:
+            if len(getattr(self, grid)) == 1:
+                object.__setattr__(self, grid, list(getattr(self, grid)) * 2)
+                object.__setattr__(self, table, np.repeat(getattr(self, table), 2, axis=axis))
+
     def _row(self, seqs: float) -> np.ndarray:
         """``[K]`` decode seconds at ``seqs`` sequences (interpolated between rows)."""
         i, w = _bracket(self.decode_seqs, seqs)
@@ -74,13 +98,7 @@ class StepTable:
         """One decode step of ``seqs`` sequences holding ``kv`` cached tokens; 0 without sequences."""
         if seqs <= 0:
             return 0.0
-        i, w = _bracket(self.decode_seqs, seqs)
-        j, v = _bracket(self.decode_kv, kv)
-        t = self.decode_s
-        return float(
-            (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w)
-            + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
-        )
+        return _bilinear(self.decode_s, self.decode_seqs, seqs, self.decode_kv, kv)
 
     def decode_run(self, seqs: float, kv: float, steps: int) -> np.ndarray:
         """``[steps]`` seconds of consecutive decode steps of ``seqs`` sequences, the cached tokens
@@ -92,13 +110,7 @@ class StepTable:
         """One prefill step of ``tokens`` per rank attending spans of ``ctx`` (module docstring)."""
         if tokens <= 0:
             return 0.0
-        i, w = _bracket(self.prefill_tokens, tokens)
-        j, v = _bracket(self.prefill_ctx, ctx)
-        t = self.prefill_s
-        return float(
-            (t[i, j] * (1 - v) + t[i, j + 1] * v) * (1 - w)
-            + (t[i + 1, j] * (1 - v) + t[i + 1, j + 1] * v) * w
-        )
+        return _bilinear(self.prefill_s, self.prefill_tokens, tokens, self.prefill_ctx, ctx)
 
     def scaled(self, decode: float, prefill: float = 1.0) -> StepTable:
         """This table with every decode step ``decode`` times as long and every prefill step ``prefill``
