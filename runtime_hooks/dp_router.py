@@ -233,18 +233,28 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:  # no rank serving, or a request the router refuses
             self._reply(503, str(exc))
             return
+        finished = False
+
+        def finish() -> None:  # once: when the engine's answer has ended, before its last bytes go out
+            nonlocal finished
+            if not finished:
+                finished = True
+                s.done(rid)
+
         try:
             headers, fields = rank_pin(s.engine, rank, self.path) if len(s.upstreams) == 1 else ({}, {})
             url = s.upstreams[0 if len(s.upstreams) == 1 else rank] + self.path
-            self._forward(url, {**body, **fields}, headers, rank)
+            self._forward(url, {**body, **fields}, headers, rank, finish)
         finally:
-            s.done(rid)
+            finish()
 
     def do_GET(self) -> None:  # noqa: N802
         self._forward(self.server.upstreams[0] + self.path, None, {}, None)
 
-    def _forward(self, url: str, body: dict | None, headers: dict, rank: int | None) -> None:
-        """Send to the engine and stream its answer back (its status, its headers but hop-by-hop ones)."""
+    def _forward(self, url: str, body: dict | None, headers: dict, rank: int | None, on_end=None) -> None:
+        """Send to the engine and stream its answer back (its status, its headers but hop-by-hop ones).
+        ``on_end()`` runs once the engine's answer has ended and before its last chunk is written: a
+        client that sends its next request on receiving the answer finds this one already finished."""
         data = None if body is None else json.dumps(body).encode()
         extra = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "accept")}
         req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
@@ -265,9 +275,14 @@ class _Handler(BaseHTTPRequestHandler):
             if rank is not None:
                 self.send_header("X-Routed-DP-Rank", str(rank))
             self.end_headers()
-            while chunk := resp.read(1 << 14):
+            chunk = resp.read(1 << 14)
+            while chunk:
+                following = resp.read(1 << 14)
+                if not following and on_end is not None:
+                    on_end()
                 self.wfile.write(chunk)
                 self.wfile.flush()
+                chunk = following
 
 
 def serve(
